@@ -1,0 +1,273 @@
+//! Readiness aggregation: turns per-rank terminal statuses into one outcome per request.
+//!
+//! There are no barriers anywhere in the data plane (a barrier that ranks reach a different number of
+//! times is the cross-rank deadlock of LMCache's PD backend). Each rank emits exactly one terminal
+//! status per request; the aggregator is idempotent (a repeated status changes nothing) and
+//! order-independent (any arrival order gives the same outcome), completes when every rank is READY,
+//! fails at the first rank that is not, and times out at its deadline. Memory is bounded: ranks per
+//! request by [`MAX_RANKS`], requests per board by its limit; statuses for requests nobody registered
+//! are refused, never stored.
+
+use std::time::Instant;
+
+use rustc_hash::FxHashMap;
+use thiserror::Error;
+
+use crate::events::{RankStatus, TerminalState};
+use crate::ids::{Rank, RequestKey};
+
+/// Most ranks one request may span (TP × PP of the largest decoder we expect, with room to spare).
+pub const MAX_RANKS: u32 = 1024;
+
+/// The outcome of a request's readiness.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Outcome {
+    /// Every rank is READY.
+    Ready,
+    /// A rank reported a terminal state other than READY; the first such rank decides.
+    Failed { rank: Rank, state: TerminalState },
+    /// The deadline passed with `missing` ranks silent.
+    TimedOut { missing: u32 },
+}
+
+/// Where a request stands after a status.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Progress {
+    Pending { ready: u32, ranks: u32 },
+    Done(Outcome),
+}
+
+#[derive(Debug, Error, PartialEq, Eq, Clone)]
+pub enum ObserveError {
+    #[error("status for {got} sent to the aggregator of {want}")]
+    WrongRequest { got: RequestKey, want: RequestKey },
+    #[error("status from rank {rank}, but the request spans {ranks} ranks")]
+    UnknownRank { rank: Rank, ranks: u32 },
+    #[error("rank {rank} already reported {first:?}, now {then:?}; the first status stands")]
+    Conflict { rank: Rank, first: TerminalState, then: TerminalState },
+    #[error("no request {0} is waiting for readiness")]
+    UnknownRequest(RequestKey),
+    #[error("request {got} is waiting as epoch {want}")]
+    WrongEpoch { got: RequestKey, want: u32 },
+    #[error("{ranks} ranks is more than the limit of {limit}")]
+    TooManyRanks { ranks: u32, limit: u32 },
+    #[error("{limit} requests are already waiting for readiness")]
+    Full { limit: usize },
+    #[error("request {0} is already waiting for readiness")]
+    Duplicate(RequestKey),
+}
+
+/// Readiness of one request across its ranks.
+#[derive(Clone, Debug)]
+pub struct Aggregator {
+    key: RequestKey,
+    states: Vec<Option<TerminalState>>,
+    ready: u32,
+    deadline: Instant,
+    outcome: Option<Outcome>,
+}
+
+impl Aggregator {
+    pub fn new(key: RequestKey, ranks: u32, deadline: Instant) -> Result<Self, ObserveError> {
+        if ranks == 0 || ranks > MAX_RANKS {
+            return Err(ObserveError::TooManyRanks { ranks, limit: MAX_RANKS });
+        }
+        Ok(Self { key, states: vec![None; ranks as usize], ready: 0, deadline, outcome: None })
+    }
+
+    pub fn key(&self) -> RequestKey {
+        self.key
+    }
+
+    fn ranks(&self) -> u32 {
+        u32::try_from(self.states.len()).unwrap_or(u32::MAX)
+    }
+
+    fn progress(&self) -> Progress {
+        match self.outcome {
+            Some(o) => Progress::Done(o),
+            None => Progress::Pending { ready: self.ready, ranks: self.ranks() },
+        }
+    }
+
+    /// Takes one rank's status. Idempotent; a conflicting second status for a rank is an error and
+    /// changes nothing.
+    pub fn observe(&mut self, s: &RankStatus, now: Instant) -> Result<Progress, ObserveError> {
+        if s.key() != self.key {
+            return Err(ObserveError::WrongRequest { got: s.key(), want: self.key });
+        }
+        let ranks = self.ranks();
+        let slot = self.states.get_mut(s.rank as usize).ok_or(ObserveError::UnknownRank { rank: s.rank, ranks })?;
+        if let Some(first) = *slot {
+            if first != s.state {
+                return Err(ObserveError::Conflict { rank: s.rank, first, then: s.state });
+            }
+            return Ok(self.progress());
+        }
+        *slot = Some(s.state);
+        if self.outcome.is_some() {
+            return Ok(self.progress());
+        }
+        if s.state == TerminalState::Ready {
+            self.ready += 1;
+            if self.ready == ranks {
+                self.outcome = Some(Outcome::Ready);
+                return Ok(self.progress());
+            }
+        } else {
+            self.outcome = Some(Outcome::Failed { rank: s.rank, state: s.state });
+            return Ok(self.progress());
+        }
+        self.poll(now);
+        Ok(self.progress())
+    }
+
+    /// The outcome at `now`: decided, timed out, or still pending (`None`).
+    pub fn poll(&mut self, now: Instant) -> Option<Outcome> {
+        if self.outcome.is_none() && now >= self.deadline {
+            let missing = u32::try_from(self.states.iter().filter(|s| s.is_none()).count()).unwrap_or(u32::MAX);
+            self.outcome = Some(Outcome::TimedOut { missing });
+        }
+        self.outcome
+    }
+
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+}
+
+/// Readiness of many requests, bounded in memory.
+#[derive(Debug)]
+pub struct ReadinessBoard {
+    limit: usize,
+    waiting: FxHashMap<crate::ids::RequestId, Aggregator>,
+    /// Statuses refused because no such request (or epoch) was waiting.
+    pub refused: u64,
+}
+
+impl ReadinessBoard {
+    pub fn new(limit: usize) -> Self {
+        Self { limit, waiting: FxHashMap::default(), refused: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Starts waiting for a request's ranks.
+    pub fn register(&mut self, key: RequestKey, ranks: u32, deadline: Instant) -> Result<(), ObserveError> {
+        if self.waiting.contains_key(&key.request) {
+            return Err(ObserveError::Duplicate(key));
+        }
+        if self.waiting.len() >= self.limit {
+            return Err(ObserveError::Full { limit: self.limit });
+        }
+        self.waiting.insert(key.request, Aggregator::new(key, ranks, deadline)?);
+        Ok(())
+    }
+
+    /// Routes a status to its request. Unknown requests and epochs are refused and counted.
+    pub fn observe(&mut self, s: &RankStatus, now: Instant) -> Result<Progress, ObserveError> {
+        let Some(a) = self.waiting.get_mut(&s.request) else {
+            self.refused += 1;
+            return Err(ObserveError::UnknownRequest(s.key()));
+        };
+        if a.key.epoch != s.epoch {
+            self.refused += 1;
+            return Err(ObserveError::WrongEpoch { got: s.key(), want: a.key.epoch });
+        }
+        a.observe(s, now)
+    }
+
+    /// Stops waiting for a request (done, or given up), returning its aggregator.
+    pub fn remove(&mut self, key: RequestKey) -> Option<Aggregator> {
+        match self.waiting.get(&key.request) {
+            Some(a) if a.key == key => self.waiting.remove(&key.request),
+            _ => None,
+        }
+    }
+
+    /// Requests whose deadline passed by `now`, with their outcome; they stay registered until removed.
+    pub fn timed_out(&mut self, now: Instant) -> Vec<(RequestKey, Outcome)> {
+        self.waiting
+            .values_mut()
+            .filter_map(|a| match a.poll(now) {
+                Some(o @ Outcome::TimedOut { .. }) => Some((a.key, o)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::ids::RequestId;
+
+    fn st(key: RequestKey, rank: Rank, state: TerminalState) -> RankStatus {
+        RankStatus { request: key.request, epoch: key.epoch, rank, state, chunks: 1, bytes: 0 }
+    }
+
+    #[test]
+    fn table_of_edge_cases() {
+        let key = RequestKey::new(RequestId(7), 2);
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(1);
+        use TerminalState::*;
+        // (name, statuses, expected final progress)
+        let cases: Vec<(&str, Vec<(Rank, TerminalState)>, Progress)> = vec![
+            ("all ready", vec![(0, Ready), (1, Ready)], Progress::Done(Outcome::Ready)),
+            ("reverse order", vec![(1, Ready), (0, Ready)], Progress::Done(Outcome::Ready)),
+            ("duplicate ready does not count twice", vec![(0, Ready), (0, Ready)], Progress::Pending { ready: 1, ranks: 2 }),
+            ("failure first wins", vec![(0, Failed), (1, Expired)], Progress::Done(Outcome::Failed { rank: 0, state: Failed })),
+            ("failure after ready", vec![(0, Ready), (1, Cancelled)], Progress::Done(Outcome::Failed { rank: 1, state: Cancelled })),
+        ];
+        for (name, statuses, want) in cases {
+            let mut a = Aggregator::new(key, 2, deadline).unwrap();
+            let mut last = None;
+            for (r, s) in statuses {
+                last = Some(a.observe(&st(key, r, s), t0).unwrap());
+            }
+            assert_eq!(last, Some(want), "{name}");
+        }
+    }
+
+    #[test]
+    fn rejects_foreign_statuses() {
+        let key = RequestKey::new(RequestId(7), 2);
+        let t0 = Instant::now();
+        let mut a = Aggregator::new(key, 2, t0 + Duration::from_secs(1)).unwrap();
+        let other_epoch = RequestKey::new(RequestId(7), 1);
+        assert!(matches!(a.observe(&st(other_epoch, 0, TerminalState::Ready), t0), Err(ObserveError::WrongRequest { .. })));
+        assert!(matches!(a.observe(&st(key, 2, TerminalState::Ready), t0), Err(ObserveError::UnknownRank { rank: 2, ranks: 2 })));
+        a.observe(&st(key, 0, TerminalState::Ready), t0).unwrap();
+        assert!(matches!(a.observe(&st(key, 0, TerminalState::Failed), t0), Err(ObserveError::Conflict { .. })));
+        assert_eq!(a.poll(t0), None);
+        assert_eq!(a.poll(t0 + Duration::from_secs(1)), Some(Outcome::TimedOut { missing: 1 }));
+        assert!(Aggregator::new(key, MAX_RANKS + 1, t0).is_err());
+    }
+
+    #[test]
+    fn board_is_bounded_and_refuses_unknown() {
+        let t0 = Instant::now();
+        let mut b = ReadinessBoard::new(2);
+        let k = |i| RequestKey::new(RequestId(i), 0);
+        b.register(k(1), 1, t0 + Duration::from_secs(1)).unwrap();
+        b.register(k(2), 1, t0 + Duration::from_secs(2)).unwrap();
+        assert_eq!(b.register(k(3), 1, t0), Err(ObserveError::Full { limit: 2 }));
+        assert!(b.observe(&st(k(9), 0, TerminalState::Ready), t0).is_err());
+        assert!(b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0).is_err());
+        assert_eq!(b.refused, 2);
+        assert_eq!(b.observe(&st(k(1), 0, TerminalState::Ready), t0), Ok(Progress::Done(Outcome::Ready)));
+        assert_eq!(b.timed_out(t0 + Duration::from_millis(1500)), vec![]);
+        assert_eq!(b.timed_out(t0 + Duration::from_secs(2)), vec![(k(2), Outcome::TimedOut { missing: 1 })]);
+        assert!(b.remove(k(1)).is_some());
+        assert_eq!(b.len(), 1);
+    }
+}
