@@ -44,7 +44,11 @@ pub enum ObserveError {
     #[error("status from rank {rank}, but the request spans {ranks} ranks")]
     UnknownRank { rank: Rank, ranks: u32 },
     #[error("rank {rank} already reported {first:?}, now {then:?}; the first status stands")]
-    Conflict { rank: Rank, first: TerminalState, then: TerminalState },
+    Conflict {
+        rank: Rank,
+        first: TerminalState,
+        then: TerminalState,
+    },
     #[error("no request {0} is waiting for readiness")]
     UnknownRequest(RequestKey),
     #[error("request {got} is waiting as epoch {want}")]
@@ -70,9 +74,18 @@ pub struct Aggregator {
 impl Aggregator {
     pub fn new(key: RequestKey, ranks: u32, deadline: Instant) -> Result<Self, ObserveError> {
         if ranks == 0 || ranks > MAX_RANKS {
-            return Err(ObserveError::TooManyRanks { ranks, limit: MAX_RANKS });
+            return Err(ObserveError::TooManyRanks {
+                ranks,
+                limit: MAX_RANKS,
+            });
         }
-        Ok(Self { key, states: vec![None; ranks as usize], ready: 0, deadline, outcome: None })
+        Ok(Self {
+            key,
+            states: vec![None; ranks as usize],
+            ready: 0,
+            deadline,
+            outcome: None,
+        })
     }
 
     pub fn key(&self) -> RequestKey {
@@ -86,7 +99,10 @@ impl Aggregator {
     fn progress(&self) -> Progress {
         match self.outcome {
             Some(o) => Progress::Done(o),
-            None => Progress::Pending { ready: self.ready, ranks: self.ranks() },
+            None => Progress::Pending {
+                ready: self.ready,
+                ranks: self.ranks(),
+            },
         }
     }
 
@@ -94,13 +110,23 @@ impl Aggregator {
     /// changes nothing.
     pub fn observe(&mut self, s: &RankStatus, now: Instant) -> Result<Progress, ObserveError> {
         if s.key() != self.key {
-            return Err(ObserveError::WrongRequest { got: s.key(), want: self.key });
+            return Err(ObserveError::WrongRequest {
+                got: s.key(),
+                want: self.key,
+            });
         }
         let ranks = self.ranks();
-        let slot = self.states.get_mut(s.rank as usize).ok_or(ObserveError::UnknownRank { rank: s.rank, ranks })?;
+        let slot = self
+            .states
+            .get_mut(s.rank as usize)
+            .ok_or(ObserveError::UnknownRank { rank: s.rank, ranks })?;
         if let Some(first) = *slot {
             if first != s.state {
-                return Err(ObserveError::Conflict { rank: s.rank, first, then: s.state });
+                return Err(ObserveError::Conflict {
+                    rank: s.rank,
+                    first,
+                    then: s.state,
+                });
             }
             return Ok(self.progress());
         }
@@ -115,7 +141,10 @@ impl Aggregator {
                 return Ok(self.progress());
             }
         } else {
-            self.outcome = Some(Outcome::Failed { rank: s.rank, state: s.state });
+            self.outcome = Some(Outcome::Failed {
+                rank: s.rank,
+                state: s.state,
+            });
             return Ok(self.progress());
         }
         self.poll(now);
@@ -125,7 +154,8 @@ impl Aggregator {
     /// The outcome at `now`: decided, timed out, or still pending (`None`).
     pub fn poll(&mut self, now: Instant) -> Option<Outcome> {
         if self.outcome.is_none() && now >= self.deadline {
-            let missing = u32::try_from(self.states.iter().filter(|s| s.is_none()).count()).unwrap_or(u32::MAX);
+            let missing =
+                u32::try_from(self.states.iter().filter(|s| s.is_none()).count()).unwrap_or(u32::MAX);
             self.outcome = Some(Outcome::TimedOut { missing });
         }
         self.outcome
@@ -147,7 +177,11 @@ pub struct ReadinessBoard {
 
 impl ReadinessBoard {
     pub fn new(limit: usize) -> Self {
-        Self { limit, waiting: FxHashMap::default(), refused: 0 }
+        Self {
+            limit,
+            waiting: FxHashMap::default(),
+            refused: 0,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -166,7 +200,8 @@ impl ReadinessBoard {
         if self.waiting.len() >= self.limit {
             return Err(ObserveError::Full { limit: self.limit });
         }
-        self.waiting.insert(key.request, Aggregator::new(key, ranks, deadline)?);
+        self.waiting
+            .insert(key.request, Aggregator::new(key, ranks, deadline)?);
         Ok(())
     }
 
@@ -178,7 +213,10 @@ impl ReadinessBoard {
         };
         if a.key.epoch != s.epoch {
             self.refused += 1;
-            return Err(ObserveError::WrongEpoch { got: s.key(), want: a.key.epoch });
+            return Err(ObserveError::WrongEpoch {
+                got: s.key(),
+                want: a.key.epoch,
+            });
         }
         a.observe(s, now)
     }
@@ -211,7 +249,14 @@ mod tests {
     use crate::ids::RequestId;
 
     fn st(key: RequestKey, rank: Rank, state: TerminalState) -> RankStatus {
-        RankStatus { request: key.request, epoch: key.epoch, rank, state, chunks: 1, bytes: 0 }
+        RankStatus {
+            request: key.request,
+            epoch: key.epoch,
+            rank,
+            state,
+            chunks: 1,
+            bytes: 0,
+        }
     }
 
     #[test]
@@ -222,11 +267,37 @@ mod tests {
         use TerminalState::*;
         // (name, statuses, expected final progress)
         let cases: Vec<(&str, Vec<(Rank, TerminalState)>, Progress)> = vec![
-            ("all ready", vec![(0, Ready), (1, Ready)], Progress::Done(Outcome::Ready)),
-            ("reverse order", vec![(1, Ready), (0, Ready)], Progress::Done(Outcome::Ready)),
-            ("duplicate ready does not count twice", vec![(0, Ready), (0, Ready)], Progress::Pending { ready: 1, ranks: 2 }),
-            ("failure first wins", vec![(0, Failed), (1, Expired)], Progress::Done(Outcome::Failed { rank: 0, state: Failed })),
-            ("failure after ready", vec![(0, Ready), (1, Cancelled)], Progress::Done(Outcome::Failed { rank: 1, state: Cancelled })),
+            (
+                "all ready",
+                vec![(0, Ready), (1, Ready)],
+                Progress::Done(Outcome::Ready),
+            ),
+            (
+                "reverse order",
+                vec![(1, Ready), (0, Ready)],
+                Progress::Done(Outcome::Ready),
+            ),
+            (
+                "duplicate ready does not count twice",
+                vec![(0, Ready), (0, Ready)],
+                Progress::Pending { ready: 1, ranks: 2 },
+            ),
+            (
+                "failure first wins",
+                vec![(0, Failed), (1, Expired)],
+                Progress::Done(Outcome::Failed {
+                    rank: 0,
+                    state: Failed,
+                }),
+            ),
+            (
+                "failure after ready",
+                vec![(0, Ready), (1, Cancelled)],
+                Progress::Done(Outcome::Failed {
+                    rank: 1,
+                    state: Cancelled,
+                }),
+            ),
         ];
         for (name, statuses, want) in cases {
             let mut a = Aggregator::new(key, 2, deadline).unwrap();
@@ -244,12 +315,24 @@ mod tests {
         let t0 = Instant::now();
         let mut a = Aggregator::new(key, 2, t0 + Duration::from_secs(1)).unwrap();
         let other_epoch = RequestKey::new(RequestId(7), 1);
-        assert!(matches!(a.observe(&st(other_epoch, 0, TerminalState::Ready), t0), Err(ObserveError::WrongRequest { .. })));
-        assert!(matches!(a.observe(&st(key, 2, TerminalState::Ready), t0), Err(ObserveError::UnknownRank { rank: 2, ranks: 2 })));
+        assert!(matches!(
+            a.observe(&st(other_epoch, 0, TerminalState::Ready), t0),
+            Err(ObserveError::WrongRequest { .. })
+        ));
+        assert!(matches!(
+            a.observe(&st(key, 2, TerminalState::Ready), t0),
+            Err(ObserveError::UnknownRank { rank: 2, ranks: 2 })
+        ));
         a.observe(&st(key, 0, TerminalState::Ready), t0).unwrap();
-        assert!(matches!(a.observe(&st(key, 0, TerminalState::Failed), t0), Err(ObserveError::Conflict { .. })));
+        assert!(matches!(
+            a.observe(&st(key, 0, TerminalState::Failed), t0),
+            Err(ObserveError::Conflict { .. })
+        ));
         assert_eq!(a.poll(t0), None);
-        assert_eq!(a.poll(t0 + Duration::from_secs(1)), Some(Outcome::TimedOut { missing: 1 }));
+        assert_eq!(
+            a.poll(t0 + Duration::from_secs(1)),
+            Some(Outcome::TimedOut { missing: 1 })
+        );
         assert!(Aggregator::new(key, MAX_RANKS + 1, t0).is_err());
     }
 
@@ -262,11 +345,20 @@ mod tests {
         b.register(k(2), 1, t0 + Duration::from_secs(2)).unwrap();
         assert_eq!(b.register(k(3), 1, t0), Err(ObserveError::Full { limit: 2 }));
         assert!(b.observe(&st(k(9), 0, TerminalState::Ready), t0).is_err());
-        assert!(b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0).is_err());
+        assert!(
+            b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0)
+                .is_err()
+        );
         assert_eq!(b.refused, 2);
-        assert_eq!(b.observe(&st(k(1), 0, TerminalState::Ready), t0), Ok(Progress::Done(Outcome::Ready)));
+        assert_eq!(
+            b.observe(&st(k(1), 0, TerminalState::Ready), t0),
+            Ok(Progress::Done(Outcome::Ready))
+        );
         assert_eq!(b.timed_out(t0 + Duration::from_millis(1500)), vec![]);
-        assert_eq!(b.timed_out(t0 + Duration::from_secs(2)), vec![(k(2), Outcome::TimedOut { missing: 1 })]);
+        assert_eq!(
+            b.timed_out(t0 + Duration::from_secs(2)),
+            vec![(k(2), Outcome::TimedOut { missing: 1 })]
+        );
         assert!(b.remove(k(1)).is_some());
         assert_eq!(b.len(), 1);
     }

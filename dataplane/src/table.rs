@@ -55,7 +55,11 @@ pub enum WriteError {
     #[error("page {page} is already being written")]
     InProgress { page: u32 },
     #[error("write of {len} bytes at offset {offset} overruns a page of {page_bytes} bytes")]
-    Overrun { offset: usize, len: usize, page_bytes: usize },
+    Overrun {
+        offset: usize,
+        len: usize,
+        page_bytes: usize,
+    },
     #[error("commit after {written} of {page_bytes} bytes")]
     Incomplete { written: usize, page_bytes: usize },
     #[error("device: {0}")]
@@ -177,7 +181,16 @@ impl Counts {
 
     /// `free + reserved + filled + quarantined + consuming`.
     pub fn sum(&self) -> u64 {
-        [self.free, self.reserved, self.filled, self.quarantined, self.consuming].iter().map(|c| u64::from(*c)).sum()
+        [
+            self.free,
+            self.reserved,
+            self.filled,
+            self.quarantined,
+            self.consuming,
+        ]
+        .iter()
+        .map(|c| u64::from(*c))
+        .sum()
     }
 }
 
@@ -229,11 +242,21 @@ impl Table {
             page_bytes,
             limits,
             pages: (0..pages)
-                .map(|_| Page { generation: 0, state: PageState::Free, owner: None, shares: 0, writing: false, prefix: None })
+                .map(|_| Page {
+                    generation: 0,
+                    state: PageState::Free,
+                    owner: None,
+                    shares: 0,
+                    writing: false,
+                    prefix: None,
+                })
                 .collect(),
             // Pop order = ascending page index, so a fresh buffer hands out pages 0, 1, 2...
             free: (0..pages).rev().collect(),
-            counts: Counts { free: pages, ..Counts::default() },
+            counts: Counts {
+                free: pages,
+                ..Counts::default()
+            },
             slots: Vec::new(),
             free_slots: Vec::new(),
             live: 0,
@@ -266,11 +289,17 @@ impl Table {
     }
 
     fn entry(&self, h: Handle) -> Option<&Entry> {
-        self.slots.get(h.slot as usize).filter(|s| s.sgen == h.sgen).and_then(|s| s.entry.as_ref())
+        self.slots
+            .get(h.slot as usize)
+            .filter(|s| s.sgen == h.sgen)
+            .and_then(|s| s.entry.as_ref())
     }
 
     fn entry_mut(&mut self, h: Handle) -> Option<&mut Entry> {
-        self.slots.get_mut(h.slot as usize).filter(|s| s.sgen == h.sgen).and_then(|s| s.entry.as_mut())
+        self.slots
+            .get_mut(h.slot as usize)
+            .filter(|s| s.sgen == h.sgen)
+            .and_then(|s| s.entry.as_mut())
     }
 
     /// Moves a page to a new state, keeping the counters balanced. Never clamps: an underflow is an
@@ -344,7 +373,13 @@ impl Table {
         let Some(e) = self.entry_mut(h) else { return };
         e.timer_seq = e.timer_seq.wrapping_add(1);
         let seq = e.timer_seq;
-        self.timers.push(Reverse(Timer { at, slot: h.slot, sgen: h.sgen, seq, kind }));
+        self.timers.push(Reverse(Timer {
+            at,
+            slot: h.slot,
+            sgen: h.sgen,
+            seq,
+            kind,
+        }));
         // Renewals and closes leave stale timers behind; keep the heap bounded by the live requests.
         if self.timers.len() > 2 * self.live + 64 {
             let slots = &self.slots;
@@ -378,10 +413,18 @@ impl Table {
 
     /// All-or-nothing reservation of every page a request needs. Chunks whose prefix key names a
     /// filled page are shared instead of reserved.
-    pub(crate) fn reserve(&mut self, r: &Reserve<'_>, now: Instant, out: &mut Events) -> Result<Handle, ReserveError> {
+    pub(crate) fn reserve(
+        &mut self,
+        r: &Reserve<'_>,
+        now: Instant,
+        out: &mut Events,
+    ) -> Result<Handle, ReserveError> {
         let total = self.total();
         if r.chunks > total {
-            return Err(ReserveError::TooLarge { need: r.chunks, capacity: total });
+            return Err(ReserveError::TooLarge {
+                need: r.chunks,
+                capacity: total,
+            });
         }
         if self.by_key.contains_key(&r.key) {
             return Err(ReserveError::Duplicate { key: r.key });
@@ -390,13 +433,19 @@ impl Table {
             return Err(ReserveError::LeaseInPast);
         }
         if self.live >= self.limits.max_requests {
-            return Err(ReserveError::TooManyRequests { limit: self.limits.max_requests });
+            return Err(ReserveError::TooManyRequests {
+                limit: self.limits.max_requests,
+            });
         }
-        let shared: SmallVec<[Option<u32>; 8]> =
-            (0..r.chunks as usize).map(|i| r.prefixes.get(i).and_then(|k| self.readable_prefix(*k))).collect();
+        let shared: SmallVec<[Option<u32>; 8]> = (0..r.chunks as usize)
+            .map(|i| r.prefixes.get(i).and_then(|k| self.readable_prefix(*k)))
+            .collect();
         let own = u32::try_from(shared.iter().filter(|s| s.is_none()).count()).unwrap_or(u32::MAX);
         if own > self.counts.free {
-            return Err(ReserveError::Busy { need: own, free: self.counts.free });
+            return Err(ReserveError::Busy {
+                need: own,
+                free: self.counts.free,
+            });
         }
 
         let slot = match self.free_slots.pop() {
@@ -428,7 +477,10 @@ impl Table {
                     if let Some(p) = self.pages.get_mut(page as usize) {
                         p.owner = Some(h);
                     }
-                    chunks.push(Chunk::Own { page, prefix: r.prefixes.get(i).copied() });
+                    chunks.push(Chunk::Own {
+                        page,
+                        prefix: r.prefixes.get(i).copied(),
+                    });
                 }
             }
         }
@@ -492,7 +544,9 @@ impl Table {
     /// Write addresses of the request's own chunks, as `(chunk index, address)`. From now on a
     /// producer may be writing, so a cancel quarantines unfilled pages until it fences.
     pub(crate) fn publish(&mut self, h: Handle) -> Vec<(u32, PageAddr)> {
-        let Some(e) = self.entry_mut(h) else { return Vec::new() };
+        let Some(e) = self.entry_mut(h) else {
+            return Vec::new();
+        };
         e.published = true;
         let chunks = e.chunks.clone();
         chunks
@@ -501,7 +555,13 @@ impl Table {
             .filter_map(|(i, c)| match c {
                 Chunk::Own { page, .. } => {
                     let generation = self.pages.get(*page as usize)?.generation;
-                    Some((u32::try_from(i).ok()?, PageAddr { page: *page, generation }))
+                    Some((
+                        u32::try_from(i).ok()?,
+                        PageAddr {
+                            page: *page,
+                            generation,
+                        },
+                    ))
                 }
                 _ => None,
             })
@@ -523,9 +583,15 @@ impl Table {
     }
 
     fn lease_check(&mut self, h: Handle, now: Instant, out: &mut Events) -> Result<(), LeaseError> {
-        let Some(e) = self.entry(h) else { return Err(LeaseError::Closed(TerminalState::Cancelled)) };
+        let Some(e) = self.entry(h) else {
+            return Err(LeaseError::Closed(TerminalState::Cancelled));
+        };
         match e.phase {
-            Phase::Closed(s) => Err(if s == TerminalState::Expired { LeaseError::Expired } else { LeaseError::Closed(s) }),
+            Phase::Closed(s) => Err(if s == TerminalState::Expired {
+                LeaseError::Expired
+            } else {
+                LeaseError::Closed(s)
+            }),
             Phase::Filling | Phase::Ready if e.lease <= now => {
                 self.expire(h, now, out);
                 Err(LeaseError::Expired)
@@ -534,9 +600,17 @@ impl Table {
         }
     }
 
-    pub(crate) fn renew(&mut self, h: Handle, lease: Instant, now: Instant, out: &mut Events) -> Result<(), LeaseError> {
+    pub(crate) fn renew(
+        &mut self,
+        h: Handle,
+        lease: Instant,
+        now: Instant,
+        out: &mut Events,
+    ) -> Result<(), LeaseError> {
         self.lease_check(h, now, out)?;
-        let Some(e) = self.entry_mut(h) else { return Err(LeaseError::Closed(TerminalState::Cancelled)) };
+        let Some(e) = self.entry_mut(h) else {
+            return Err(LeaseError::Closed(TerminalState::Cancelled));
+        };
         if e.phase == Phase::Consuming {
             return Ok(());
         }
@@ -550,7 +624,11 @@ impl Table {
         match self.entry(h).map(|e| e.phase) {
             Some(Phase::Filling) => Ok(false),
             Some(Phase::Ready | Phase::Consuming) => Ok(true),
-            Some(Phase::Closed(s)) => Err(if s == TerminalState::Expired { LeaseError::Expired } else { LeaseError::Closed(s) }),
+            Some(Phase::Closed(s)) => Err(if s == TerminalState::Expired {
+                LeaseError::Expired
+            } else {
+                LeaseError::Closed(s)
+            }),
             None => Err(LeaseError::Closed(TerminalState::Cancelled)),
         }
     }
@@ -559,13 +637,24 @@ impl Table {
     /// is local work of the rank that owns the buffer.
     pub(crate) fn consume(&mut self, h: Handle, now: Instant, out: &mut Events) -> Result<(), LeaseError> {
         self.lease_check(h, now, out)?;
-        let Some(e) = self.entry_mut(h) else { return Err(LeaseError::Closed(TerminalState::Cancelled)) };
+        let Some(e) = self.entry_mut(h) else {
+            return Err(LeaseError::Closed(TerminalState::Cancelled));
+        };
         if e.phase != Phase::Ready {
             return Ok(());
         }
         e.phase = Phase::Consuming;
-        let pages: SmallVec<[u32; 8]> =
-            e.chunks.iter().filter_map(|c| if let Chunk::Own { page, .. } = c { Some(*page) } else { None }).collect();
+        let pages: SmallVec<[u32; 8]> = e
+            .chunks
+            .iter()
+            .filter_map(|c| {
+                if let Chunk::Own { page, .. } = c {
+                    Some(*page)
+                } else {
+                    None
+                }
+            })
+            .collect();
         for page in pages {
             if self.page_state(page) == Some(PageState::Filled) {
                 self.set_state(page, PageState::Consuming);
@@ -588,19 +677,34 @@ impl Table {
         out: &mut Events,
     ) -> Result<Begin, WriteError> {
         let total = self.total();
-        let p = self.pages.get(addr.page as usize).ok_or(WriteError::NoSuchPage { page: addr.page, pages: total })?;
+        let p = self.pages.get(addr.page as usize).ok_or(WriteError::NoSuchPage {
+            page: addr.page,
+            pages: total,
+        })?;
         if p.generation != addr.generation {
-            return Err(WriteError::Stale { page: addr.page, current: p.generation, got: addr.generation });
+            return Err(WriteError::Stale {
+                page: addr.page,
+                current: p.generation,
+                got: addr.generation,
+            });
         }
         let (state, writing) = (p.state, p.writing);
         let h = p.owner.ok_or(WriteError::NotOwner { page: addr.page, key })?;
-        let e = self.entry(h).ok_or(WriteError::NotOwner { page: addr.page, key })?;
+        let e = self
+            .entry(h)
+            .ok_or(WriteError::NotOwner { page: addr.page, key })?;
         if e.key != key {
             return Err(WriteError::NotOwner { page: addr.page, key });
         }
         match e.chunks.get(chunk as usize) {
             Some(Chunk::Own { page, .. }) if *page == addr.page => {}
-            _ => return Err(WriteError::WrongChunk { chunk, page: addr.page, key }),
+            _ => {
+                return Err(WriteError::WrongChunk {
+                    chunk,
+                    page: addr.page,
+                    key,
+                });
+            }
         }
         match self.lease_check(h, now, out) {
             Err(LeaseError::Expired) => return Err(WriteError::Expired { key }),
@@ -622,9 +726,18 @@ impl Table {
 
     /// Ends a local write. `complete` is false for an aborted write. READY is emitted here, from the
     /// completion path, once the last chunk's bytes are in the buffer.
-    pub(crate) fn end_write(&mut self, key: RequestKey, addr: PageAddr, complete: bool, out: &mut Events) -> Result<bool, WriteError> {
+    pub(crate) fn end_write(
+        &mut self,
+        key: RequestKey,
+        addr: PageAddr,
+        complete: bool,
+        out: &mut Events,
+    ) -> Result<bool, WriteError> {
         let Some(p) = self.pages.get_mut(addr.page as usize) else {
-            return Err(WriteError::NoSuchPage { page: addr.page, pages: self.total() });
+            return Err(WriteError::NoSuchPage {
+                page: addr.page,
+                pages: self.total(),
+            });
         };
         p.writing = false;
         let (state, generation, owner) = (p.state, p.generation, p.owner);
@@ -638,10 +751,14 @@ impl Table {
         if !complete {
             return Ok(false);
         }
-        let Some(h) = owner else { return Err(WriteError::Cancelled { key }) };
+        let Some(h) = owner else {
+            return Err(WriteError::Cancelled { key });
+        };
         self.set_state(addr.page, PageState::Filled);
         let page_bytes = self.page_bytes;
-        let Some(e) = self.entry_mut(h) else { return Err(WriteError::Cancelled { key }) };
+        let Some(e) = self.entry_mut(h) else {
+            return Err(WriteError::Cancelled { key });
+        };
         e.arrived += 1;
         e.bytes += page_bytes;
         let prefix = e.chunks.iter().find_map(|c| match c {
@@ -666,7 +783,9 @@ impl Table {
 
     /// The producer says it will write nothing more for this request: quarantined pages come back.
     pub(crate) fn fence(&mut self, key: RequestKey, out: &mut Events) -> bool {
-        let Some(&h) = self.by_key.get(&key) else { return false };
+        let Some(&h) = self.by_key.get(&key) else {
+            return false;
+        };
         let Some(e) = self.entry_mut(h) else { return false };
         e.fenced = true;
         if matches!(e.phase, Phase::Closed(_)) && e.held > 0 {
@@ -687,7 +806,9 @@ impl Table {
         for c in chunks.iter_mut() {
             match *c {
                 Chunk::Own { page, .. } => {
-                    let Some(p) = self.pages.get_mut(page as usize) else { continue };
+                    let Some(p) = self.pages.get_mut(page as usize) else {
+                        continue;
+                    };
                     match p.state {
                         PageState::Filled | PageState::Consuming => {
                             if p.shares > 0 {
@@ -738,7 +859,12 @@ impl Table {
         let Some(e) = self.entry_mut(h) else { return };
         if e.held == 0 && !e.released_sent {
             e.released_sent = true;
-            let ev = PagesReleased { key: e.key, rank, pages: e.own, reason };
+            let ev = PagesReleased {
+                key: e.key,
+                rank,
+                pages: e.own,
+                reason,
+            };
             out.push(RankEvent::Released(ev));
         }
         self.maybe_remove(h);
@@ -772,7 +898,11 @@ impl Table {
         if held > 0 {
             self.push_timer(h, now + self.limits.quarantine_ttl, TimerKind::Quarantine);
         } else {
-            let reason = if state == TerminalState::Expired { ReleaseReason::Expired } else { ReleaseReason::Cancelled };
+            let reason = if state == TerminalState::Expired {
+                ReleaseReason::Expired
+            } else {
+                ReleaseReason::Cancelled
+            };
             self.finish_release(h, reason, out);
         }
     }
@@ -818,7 +948,11 @@ impl Table {
         match e.phase {
             Phase::Filling => self.close(h, TerminalState::Cancelled, now, out),
             Phase::Ready | Phase::Consuming => {
-                let reason = if e.phase == Phase::Ready { ReleaseReason::Dropped } else { ReleaseReason::Consumed };
+                let reason = if e.phase == Phase::Ready {
+                    ReleaseReason::Dropped
+                } else {
+                    ReleaseReason::Consumed
+                };
                 e.phase = Phase::Closed(TerminalState::Ready);
                 self.cancel_timer(h);
                 self.release_pages(h);
@@ -836,7 +970,10 @@ impl Table {
                 break;
             }
             self.timers.pop();
-            let h = Handle { slot: t.slot, sgen: t.sgen };
+            let h = Handle {
+                slot: t.slot,
+                sgen: t.sgen,
+            };
             let Some(e) = self.entry(h) else { continue };
             if e.timer_seq != t.seq {
                 continue;
@@ -862,16 +999,27 @@ impl Table {
             *recount.slot(p.state) += 1;
         }
         if recount != self.counts {
-            return Err(format!("counters {:?} disagree with pages {:?}", self.counts, recount));
+            return Err(format!(
+                "counters {:?} disagree with pages {:?}",
+                self.counts, recount
+            ));
         }
         if self.counts.sum() != u64::from(self.total()) {
-            return Err(format!("accounting: {:?} does not sum to {}", self.counts, self.total()));
+            return Err(format!(
+                "accounting: {:?} does not sum to {}",
+                self.counts,
+                self.total()
+            ));
         }
         if self.accounting_errors > 0 {
             return Err(format!("{} accounting errors", self.accounting_errors));
         }
         if self.free.len() != self.counts.free as usize {
-            return Err(format!("free list has {} pages, counters say {}", self.free.len(), self.counts.free));
+            return Err(format!(
+                "free list has {} pages, counters say {}",
+                self.free.len(),
+                self.counts.free
+            ));
         }
         for f in &self.free {
             if self.page_state(*f) != Some(PageState::Free) {
@@ -884,7 +1032,10 @@ impl Table {
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(e) = &s.entry else { continue };
             live += 1;
-            let h = Handle { slot: u32::try_from(slot).unwrap_or(u32::MAX), sgen: s.sgen };
+            let h = Handle {
+                slot: u32::try_from(slot).unwrap_or(u32::MAX),
+                sgen: s.sgen,
+            };
             let mut held = 0;
             for c in &e.chunks {
                 match c {
@@ -892,7 +1043,10 @@ impl Table {
                         held += 1;
                         let p = self.pages.get(*page as usize).ok_or(format!("no page {page}"))?;
                         if p.owner != Some(h) {
-                            return Err(format!("page {page} listed by {} but owned by {:?}", e.key, p.owner));
+                            return Err(format!(
+                                "page {page} listed by {} but owned by {:?}",
+                                e.key, p.owner
+                            ));
                         }
                         if p.state == PageState::Free {
                             return Err(format!("page {page} held by {} is free", e.key));
@@ -917,17 +1071,27 @@ impl Table {
             }
         }
         if live != self.live || self.by_key.len() != live {
-            return Err(format!("{live} entries, live {} keys {}", self.live, self.by_key.len()));
+            return Err(format!(
+                "{live} entries, live {} keys {}",
+                self.live,
+                self.by_key.len()
+            ));
         }
         for (i, p) in self.pages.iter().enumerate() {
             if owners.get(i).copied().unwrap_or(0) > 1 {
-                return Err(format!("page {i} has {} owners", owners.get(i).copied().unwrap_or(0)));
+                return Err(format!(
+                    "page {i} has {} owners",
+                    owners.get(i).copied().unwrap_or(0)
+                ));
             }
             if p.owner.is_some() && owners.get(i).copied().unwrap_or(0) == 0 {
                 return Err(format!("page {i} points at an owner that does not list it"));
             }
             if p.owner.is_none() && !matches!(p.state, PageState::Free) && p.shares == 0 && !p.writing {
-                return Err(format!("page {i} is {:?} with no owner, share or writer", p.state));
+                return Err(format!(
+                    "page {i} is {:?} with no owner, share or writer",
+                    p.state
+                ));
             }
         }
         let entry_shares: u64 = share_refs.iter().sum();

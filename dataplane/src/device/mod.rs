@@ -120,11 +120,19 @@ pub struct KvSpan<'a> {
 }
 
 /// Checks a gather/scatter against the chunk layout and the cache, before any byte moves.
-pub fn check_span(chunk: &ChunkLayout, cache_layers: usize, tensor_bytes: &[usize], span: &KvSpan<'_>) -> Result<(), DeviceError> {
+pub fn check_span(
+    chunk: &ChunkLayout,
+    cache_layers: usize,
+    tensor_bytes: &[usize],
+    span: &KvSpan<'_>,
+) -> Result<(), DeviceError> {
     let l = span.layout;
     let bad = |m: String| Err(DeviceError::Layout(m));
     if cache_layers != chunk.layers as usize {
-        return bad(format!("cache has {cache_layers} layers, chunk has {}", chunk.layers));
+        return bad(format!(
+            "cache has {cache_layers} layers, chunk has {}",
+            chunk.layers
+        ));
     }
     if l.heads != chunk.heads || l.head_bytes() != chunk.head_bytes() {
         return bad(format!(
@@ -136,7 +144,10 @@ pub fn check_span(chunk: &ChunkLayout, cache_layers: usize, tensor_bytes: &[usiz
         ));
     }
     if span.tokens > chunk.chunk_tokens {
-        return bad(format!("span of {} tokens exceeds chunk of {}", span.tokens, chunk.chunk_tokens));
+        return bad(format!(
+            "span of {} tokens exceeds chunk of {}",
+            span.tokens, chunk.chunk_tokens
+        ));
     }
     if l.block_size == 0 {
         return bad("block_size must be greater than 0".to_owned());
@@ -145,15 +156,23 @@ pub fn check_span(chunk: &ChunkLayout, cache_layers: usize, tensor_bytes: &[usiz
         let last = u64::from(span.first_token) + u64::from(span.tokens) - 1;
         let need_blocks = last / u64::from(l.block_size) + 1;
         if need_blocks > span.block_table.len() as u64 {
-            return bad(format!("block table has {} blocks, span needs {need_blocks}", span.block_table.len()));
+            return bad(format!(
+                "block table has {} blocks, span needs {need_blocks}",
+                span.block_table.len()
+            ));
         }
     }
     if let Some(b) = span.block_table.iter().find(|b| **b >= l.num_blocks) {
-        return bad(format!("block {b} out of range (cache has {} blocks)", l.num_blocks));
+        return bad(format!(
+            "block {b} out of range (cache has {} blocks)",
+            l.num_blocks
+        ));
     }
     let need = l.min_tensor_bytes();
     if let Some(have) = tensor_bytes.iter().find(|t| **t < need) {
-        return bad(format!("layer tensor of {have} bytes is smaller than the layout's {need}"));
+        return bad(format!(
+            "layer tensor of {have} bytes is smaller than the layout's {need}"
+        ));
     }
     Ok(())
 }
@@ -178,7 +197,11 @@ pub fn for_each_element(
                 let slot = abs % l.block_size;
                 let base = chunk.offset(layer, kv, t);
                 for head in 0..chunk.heads {
-                    f(layer as usize, base + head as usize * head_bytes, l.offset(kv, block, slot, head))?;
+                    f(
+                        layer as usize,
+                        base + head as usize * head_bytes,
+                        l.offset(kv, block, slot, head),
+                    )?;
                 }
             }
         }
@@ -200,9 +223,16 @@ pub trait Device: Send + Sync + Debug + 'static {
     fn alloc_tensor(&self, bytes: usize) -> Result<Self::Tensor, DeviceError>;
 
     /// Host bytes into a page at `offset`.
-    fn write_page(&self, buf: &Self::Buffer, page: u32, offset: usize, src: &[u8]) -> Result<(), DeviceError>;
+    fn write_page(&self, buf: &Self::Buffer, page: u32, offset: usize, src: &[u8])
+    -> Result<(), DeviceError>;
     /// A page's bytes at `offset` to the host.
-    fn read_page(&self, buf: &Self::Buffer, page: u32, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError>;
+    fn read_page(
+        &self,
+        buf: &Self::Buffer,
+        page: u32,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), DeviceError>;
     fn write_tensor(&self, t: &Self::Tensor, offset: usize, src: &[u8]) -> Result<(), DeviceError>;
     fn read_tensor(&self, t: &Self::Tensor, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError>;
 
