@@ -266,7 +266,8 @@ mod tests {
         let deadline = t0 + Duration::from_secs(1);
         use TerminalState::*;
         // (name, statuses, expected final progress)
-        let cases: Vec<(&str, Vec<(Rank, TerminalState)>, Progress)> = vec![
+        type Case = (&'static str, Vec<(Rank, TerminalState)>, Progress);
+        let cases: Vec<Case> = vec![
             (
                 "all ready",
                 vec![(0, Ready), (1, Ready)],

@@ -1,6 +1,15 @@
 //! The data plane's integration tests, one binary (linking is slow on small machines).
 
+// Test code: panicking on a broken expectation is the point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::cast_possible_truncation
+)]
+
 mod common;
 mod device_cpu;
 mod failure_classes;
+mod models;
 mod properties;
