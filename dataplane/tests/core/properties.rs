@@ -416,3 +416,82 @@ proptest! {
         run(ops)?;
     }
 }
+
+/// The readiness aggregator against a reference model: any arrival order of any rank's (single)
+/// terminal status, each possibly repeated, gives the outcome the model predicts: READY only when every
+/// rank is READY, otherwise the first non-READY rank to arrive; never a second, different outcome.
+fn aggregate(ranks: u32, states: Vec<bool>, order: Vec<(usize, u8)>) -> Result<(), TestCaseError> {
+    use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
+    use baton_dataplane::{RankStatus, RequestId, RequestKey};
+    let key = RequestKey::new(RequestId(1), 3);
+    let t0 = Instant::now();
+    let mut agg = Aggregator::new(key, ranks, t0 + Duration::from_secs(1))
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut decided: Option<Outcome> = None;
+    let mut seen = vec![false; ranks as usize];
+    let mut first_failure = None;
+    for (pick, repeats) in order {
+        let rank = pick % ranks as usize;
+        let state = if states[rank] {
+            TerminalState::Ready
+        } else {
+            TerminalState::Failed
+        };
+        for _ in 0..=repeats {
+            let s = RankStatus {
+                request: key.request,
+                epoch: key.epoch,
+                rank: rank as u32,
+                state,
+                chunks: 1,
+                bytes: 0,
+            };
+            let p = agg
+                .observe(&s, t0)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            if !seen[rank] && !states[rank] && first_failure.is_none() && decided.is_none() {
+                first_failure = Some(rank as u32);
+            }
+            seen[rank] = true;
+            if let Progress::Done(o) = p {
+                if let Some(d) = decided {
+                    prop_assert_eq!(d, o, "the outcome changed");
+                }
+                decided = Some(o);
+            }
+        }
+    }
+    let want = if let Some(rank) = first_failure {
+        Some(Outcome::Failed {
+            rank,
+            state: TerminalState::Failed,
+        })
+    } else if seen.iter().all(|s| *s) {
+        Some(Outcome::Ready)
+    } else {
+        None
+    };
+    prop_assert_eq!(decided, want);
+    prop_assert_eq!(agg.poll(t0), want);
+    if want.is_none() {
+        let missing = seen.iter().filter(|s| !**s).count() as u32;
+        prop_assert_eq!(
+            agg.poll(t0 + Duration::from_secs(1)),
+            Some(Outcome::TimedOut { missing })
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn readiness_is_idempotent_and_order_independent(
+        ranks in 1u32..9,
+        states in proptest::collection::vec(prop::bool::weighted(0.85), 8),
+        order in proptest::collection::vec((0usize..8, 0u8..3), 0..24),
+    ) {
+        aggregate(ranks, states, order)?;
+    }
+}
