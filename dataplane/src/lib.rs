@@ -16,6 +16,7 @@ pub mod geometry;
 pub mod ids;
 pub mod readiness;
 mod table;
+pub mod wire;
 
 pub use buffer::{
     BeginWrite, BufferOptions, BufferStats, Consuming, NotReady, PageWriter, RankBuffer, Ready, Reservation,
