@@ -16,6 +16,7 @@ pub mod geometry;
 pub mod ids;
 pub mod readiness;
 mod table;
+pub mod transport;
 pub mod wire;
 
 pub use buffer::{

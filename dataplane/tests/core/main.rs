@@ -13,3 +13,4 @@ mod device_cpu;
 mod failure_classes;
 mod models;
 mod properties;
+mod transport;

@@ -1,0 +1,264 @@
+//! Clients of a decoder rank's server: control (the gateway), producer (a prefiller rank) and events.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use super::{DEFAULT_REQUEST_TIMEOUT, DEFAULT_SEGMENT_BYTES, FrameIo, TransportError};
+use crate::events::RankEvent;
+use crate::ids::{PageAddr, PrefixKey, RequestKey};
+use crate::wire::{Frame, Hello, RefusalCode, Role};
+
+/// What a rank said when the connection was accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Welcome {
+    pub rank: u32,
+    pub ranks: u32,
+    pub pages_total: u32,
+    pub page_bytes: u64,
+}
+
+async fn connect(
+    addr: SocketAddr,
+    role: Role,
+    geometry: u64,
+    rank: u32,
+) -> Result<(FrameIo<TcpStream>, Welcome), TransportError> {
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let mut io = FrameIo::new(stream);
+    io.write(&Frame::Hello(Hello { role, geometry, rank })).await?;
+    match answer(&mut io, DEFAULT_REQUEST_TIMEOUT).await? {
+        Frame::Welcome {
+            rank,
+            ranks,
+            pages_total,
+            page_bytes,
+            ..
+        } => Ok((
+            io,
+            Welcome {
+                rank,
+                ranks,
+                pages_total,
+                page_bytes,
+            },
+        )),
+        other => Err(TransportError::Unexpected(format!(
+            "{other:?} instead of welcome"
+        ))),
+    }
+}
+
+/// The next frame, with connection-level errors and refusals turned into errors.
+async fn answer(io: &mut FrameIo<TcpStream>, within: Duration) -> Result<Frame, TransportError> {
+    match tokio::time::timeout(within, io.read()).await {
+        Err(_) => Err(TransportError::Timeout(within)),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(None)) => Err(TransportError::Closed),
+        Ok(Ok(Some(Frame::Error { code, message }))) => Err(TransportError::Remote { code, message }),
+        Ok(Ok(Some(Frame::Refused {
+            code,
+            need,
+            have,
+            message,
+            ..
+        }))) => Err(TransportError::Refused {
+            code,
+            need,
+            have,
+            message,
+        }),
+        Ok(Ok(Some(f))) => Ok(f),
+    }
+}
+
+/// The gateway's control connection to one decoder rank.
+#[derive(Debug)]
+pub struct ControlClient {
+    io: FrameIo<TcpStream>,
+    pub welcome: Welcome,
+}
+
+/// A rank's buffer as reported by `Info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankInfo {
+    pub rank: u32,
+    pub ranks: u32,
+    pub pages_total: u32,
+    pub pages_free: u32,
+    pub page_bytes: u64,
+}
+
+impl ControlClient {
+    pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, Role::Control, geometry, rank).await?;
+        Ok(Self { io, welcome })
+    }
+
+    async fn call(&mut self, f: &Frame) -> Result<Frame, TransportError> {
+        self.io.write(f).await?;
+        answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await
+    }
+
+    pub async fn info(&mut self) -> Result<RankInfo, TransportError> {
+        match self.call(&Frame::Info).await? {
+            Frame::InfoReply {
+                rank,
+                ranks,
+                pages_total,
+                pages_free,
+                page_bytes,
+                ..
+            } => Ok(RankInfo {
+                rank,
+                ranks,
+                pages_total,
+                pages_free,
+                page_bytes,
+            }),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Reserves every page of a request; the write addresses of the chunks to send come back.
+    /// Capacity refusals come back as [`TransportError::Refused`] with `need` and `have`.
+    pub async fn reserve(
+        &mut self,
+        key: RequestKey,
+        chunks: u32,
+        lease: Duration,
+        prefixes: &[PrefixKey],
+    ) -> Result<Vec<(u32, PageAddr)>, TransportError> {
+        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        let f = Frame::Reserve {
+            key,
+            chunks,
+            lease_ms,
+            prefixes: prefixes.to_vec(),
+        };
+        match self.call(&f).await? {
+            Frame::Reserved { key: k, addrs } if k == key => Ok(addrs),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    pub async fn renew(&mut self, key: RequestKey, lease: Duration) -> Result<(), TransportError> {
+        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        self.done(&Frame::Renew { key, lease_ms }, key).await
+    }
+
+    /// Cancels a reservation (idempotent).
+    pub async fn cancel(&mut self, key: RequestKey) -> Result<(), TransportError> {
+        self.done(&Frame::Cancel { key }, key).await
+    }
+
+    async fn done(&mut self, f: &Frame, key: RequestKey) -> Result<(), TransportError> {
+        match self.call(f).await? {
+            Frame::Done { key: k } if k == key => Ok(()),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}
+
+/// A prefiller rank's connection to one decoder rank: writes chunks, fences.
+#[derive(Debug)]
+pub struct ProducerClient {
+    io: FrameIo<TcpStream>,
+    pub welcome: Welcome,
+    segment: usize,
+}
+
+impl ProducerClient {
+    pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, Role::Producer, geometry, rank).await?;
+        Ok(Self {
+            io,
+            welcome,
+            segment: DEFAULT_SEGMENT_BYTES,
+        })
+    }
+
+    /// Sets the segment size (bytes per frame) for chunk writes.
+    pub fn with_segment(mut self, bytes: usize) -> Self {
+        self.segment = bytes.clamp(1, crate::wire::MAX_DATA_FRAME);
+        self
+    }
+
+    /// Writes a whole chunk and waits for the rank's answer: `Ok(true)` when it was already there.
+    pub async fn write_chunk(
+        &mut self,
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+        bytes: &[u8],
+    ) -> Result<bool, TransportError> {
+        if bytes.len() as u64 != self.welcome.page_bytes {
+            return Err(TransportError::Refused {
+                code: RefusalCode::BadRequest,
+                need: 0,
+                have: 0,
+                message: format!(
+                    "chunk of {} bytes, pages are {}",
+                    bytes.len(),
+                    self.welcome.page_bytes
+                ),
+            });
+        }
+        let mut offset = 0usize;
+        for seg in bytes.chunks(self.segment) {
+            let f = Frame::Chunk {
+                key,
+                chunk,
+                addr,
+                offset: offset as u64,
+                bytes: seg.to_vec(),
+            };
+            self.io.write(&f).await?;
+            offset += seg.len();
+        }
+        match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
+            Frame::ChunkAck {
+                key: k,
+                chunk: c,
+                duplicate,
+            } if k == key && c == chunk => Ok(duplicate),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Tells the rank nothing more will be written for `key` (after a cancel, its quarantined pages
+    /// come back at once).
+    pub async fn fence(&mut self, key: RequestKey) -> Result<(), TransportError> {
+        self.io.write(&Frame::Fence { key }).await?;
+        match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
+            Frame::Done { key: k } if k == key => Ok(()),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}
+
+/// A subscription to one rank's statuses and releases.
+#[derive(Debug)]
+pub struct EventStream {
+    io: FrameIo<TcpStream>,
+    pub welcome: Welcome,
+}
+
+impl EventStream {
+    pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, Role::Events, geometry, rank).await?;
+        Ok(Self { io, welcome })
+    }
+
+    /// The next event; `None` when the rank closed the feed.
+    pub async fn next(&mut self) -> Result<Option<RankEvent>, TransportError> {
+        match self.io.read().await? {
+            None => Ok(None),
+            Some(Frame::Event(e)) => Ok(Some(e)),
+            Some(Frame::Error { code, message }) => Err(TransportError::Remote { code, message }),
+            Some(other) => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}

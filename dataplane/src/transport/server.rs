@@ -1,0 +1,472 @@
+//! One decoder rank's data-plane server. It owns the rank's [`RankBuffer`] and the reservations made
+//! over control connections, and hands a ready reservation to the embedding engine with
+//! [`RankServer::take`].
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rustc_hash::FxHashMap;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, broadcast};
+use tokio::task::JoinSet;
+
+use super::{DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, TransportError};
+use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
+use crate::device::Device;
+use crate::events::{EventSink, RankEvent};
+use crate::ids::RequestKey;
+use crate::table::{LeaseError, ReserveError, WriteError};
+use crate::wire::{Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
+
+/// How often the reaper wakes at the latest, so a renewal that moves a deadline earlier is honoured
+/// within this bound.
+const REAPER_MAX_SLEEP: Duration = Duration::from_millis(50);
+
+/// Forwards a buffer's events to every subscriber.
+#[derive(Debug)]
+pub struct BroadcastSink(broadcast::Sender<RankEvent>);
+
+impl EventSink for BroadcastSink {
+    fn emit(&self, event: RankEvent) {
+        // No subscriber is not an error: the statuses are also visible through `Info` and reservations.
+        let _ = self.0.send(event);
+    }
+}
+
+/// A decoder rank served over TCP.
+pub struct RankServer<D: Device> {
+    buf: RankBuffer<D>,
+    ranks: u32,
+    held: Mutex<FxHashMap<RequestKey, Reservation<D>>>,
+    events: broadcast::Sender<RankEvent>,
+}
+
+impl<D: Device> std::fmt::Debug for RankServer<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankServer")
+            .field("buffer", &self.buf)
+            .field("ranks", &self.ranks)
+            .finish()
+    }
+}
+
+/// A running server: its address, and the way to stop it.
+#[derive(Debug)]
+pub struct ServerHandle {
+    pub addr: SocketAddr,
+    stop: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ServerHandle {
+    /// Stops accepting, closes every connection and the reaper, and waits for them.
+    pub async fn shutdown(self) {
+        self.stop.notify_one();
+        let _ = self.task.await;
+    }
+}
+
+fn refusal(key: RequestKey, code: RefusalCode, need: u32, have: u32, message: String) -> Frame {
+    Frame::Refused {
+        key,
+        code,
+        need,
+        have,
+        message,
+    }
+}
+
+fn reserve_refusal(key: RequestKey, e: &ReserveError) -> Frame {
+    let (code, need, have) = match *e {
+        ReserveError::TooLarge { need, capacity } => (RefusalCode::TooLarge, need, capacity),
+        ReserveError::Busy { need, free } => (RefusalCode::Busy, need, free),
+        ReserveError::Duplicate { .. } => (RefusalCode::Duplicate, 0, 0),
+        ReserveError::TooManyRequests { limit } => (
+            RefusalCode::TooManyRequests,
+            0,
+            u32::try_from(limit).unwrap_or(u32::MAX),
+        ),
+        ReserveError::LeaseInPast => (RefusalCode::BadRequest, 0, 0),
+    };
+    refusal(key, code, need, have, e.to_string())
+}
+
+fn write_refusal(key: RequestKey, e: &WriteError) -> Frame {
+    let code = match e {
+        WriteError::Stale { .. } => RefusalCode::Stale,
+        WriteError::NotOwner { .. } | WriteError::WrongChunk { .. } => RefusalCode::NotOwner,
+        WriteError::Expired { .. } => RefusalCode::Expired,
+        WriteError::Cancelled { .. } => RefusalCode::Closed,
+        WriteError::NoSuchPage { .. }
+        | WriteError::InProgress { .. }
+        | WriteError::Overrun { .. }
+        | WriteError::Incomplete { .. } => RefusalCode::BadRequest,
+        WriteError::Device(_) => RefusalCode::Internal,
+    };
+    refusal(key, code, 0, 0, e.to_string())
+}
+
+fn lease_refusal(key: RequestKey, e: LeaseError) -> Frame {
+    let code = if e == LeaseError::Expired {
+        RefusalCode::Expired
+    } else {
+        RefusalCode::Closed
+    };
+    refusal(key, code, 0, 0, e.to_string())
+}
+
+/// The chunk a producer connection is in the middle of.
+enum InFlight<D: Device> {
+    Writing {
+        key: RequestKey,
+        chunk: u32,
+        writer: PageWriter<D>,
+    },
+    /// Already answered (duplicate or refused): the rest of its segments are read and dropped.
+    Skipping { key: RequestKey, chunk: u32 },
+}
+
+impl<D: Device> RankServer<D> {
+    /// A server for `buf`'s rank, one of `ranks`. The buffer must have been built with the sink
+    /// returned by [`RankServer::sink`].
+    pub fn new(buf: RankBuffer<D>, ranks: u32, events: broadcast::Sender<RankEvent>) -> Arc<Self> {
+        Arc::new(Self {
+            buf,
+            ranks,
+            held: Mutex::new(FxHashMap::default()),
+            events,
+        })
+    }
+
+    /// An event sink for the rank's buffer and the channel the server will publish from.
+    pub fn sink() -> (Arc<BroadcastSink>, broadcast::Sender<RankEvent>) {
+        let (tx, _) = broadcast::channel(DEFAULT_EVENT_BACKLOG);
+        (Arc::new(BroadcastSink(tx.clone())), tx)
+    }
+
+    pub fn buffer(&self) -> &RankBuffer<D> {
+        &self.buf
+    }
+
+    /// Takes the reservation of `key` for the embedding engine (to consume it), if this rank holds it.
+    pub fn take(&self, key: RequestKey) -> Option<Reservation<D>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)
+    }
+
+    /// Subscribes to the rank's events in-process.
+    pub fn subscribe(&self) -> broadcast::Receiver<RankEvent> {
+        self.events.subscribe()
+    }
+
+    /// Serves on `listener` until the handle is shut down.
+    pub fn start(self: &Arc<Self>, listener: TcpListener) -> Result<ServerHandle, std::io::Error> {
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(Notify::new());
+        let this = Arc::clone(self);
+        let stop2 = Arc::clone(&stop);
+        let task = tokio::spawn(async move { this.run(listener, stop2).await });
+        Ok(ServerHandle { addr, stop, task })
+    }
+
+    async fn run(self: Arc<Self>, listener: TcpListener, stop: Arc<Notify>) {
+        let mut tasks = JoinSet::new();
+        let reaper = Arc::clone(&self);
+        tasks.spawn(async move { reaper.reap_forever().await });
+        loop {
+            tokio::select! {
+                _ = stop.notified() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        let this = Arc::clone(&self);
+                        tasks.spawn(async move { this.connection(stream).await });
+                    }
+                    // Out of descriptors and the like: back off rather than spin.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                },
+                Some(_) = tasks.join_next(), if tasks.len() > 1 => {}
+            }
+        }
+        tasks.shutdown().await;
+    }
+
+    async fn reap_forever(&self) {
+        loop {
+            let now = tokio::time::Instant::now();
+            let wake = match self.buf.next_deadline() {
+                Some(d) => tokio::time::Instant::from_std(d).min(now + REAPER_MAX_SLEEP),
+                None => now + REAPER_MAX_SLEEP,
+            };
+            tokio::time::sleep_until(wake).await;
+            self.buf.reap();
+        }
+    }
+
+    async fn connection(self: Arc<Self>, stream: TcpStream) {
+        let mut io = FrameIo::new(stream);
+        let hello = match tokio::time::timeout(DEFAULT_HANDSHAKE_TIMEOUT, io.read()).await {
+            Ok(Ok(Some(Frame::Hello(h)))) => h,
+            Ok(Ok(None)) => return,
+            Ok(Ok(Some(other))) => {
+                return close(
+                    &mut io,
+                    RefusalCode::BadRequest,
+                    format!("expected hello, got {other:?}"),
+                )
+                .await;
+            }
+            Ok(Err(e)) => return close(&mut io, code_of(&e), e.to_string()).await,
+            Err(_) => {
+                return close(
+                    &mut io,
+                    RefusalCode::BadRequest,
+                    "no hello within the handshake timeout".into(),
+                )
+                .await;
+            }
+        };
+        if let Err(msg) = self.check_hello(&hello) {
+            return close(&mut io, RefusalCode::Geometry, msg).await;
+        }
+        let stats = self.buf.stats();
+        let welcome = Frame::Welcome {
+            rank: self.buf.rank(),
+            ranks: self.ranks,
+            pages_total: stats.total,
+            page_bytes: self.buf.page_bytes() as u64,
+            geometry: self.buf.geometry().fingerprint(),
+        };
+        if io.write(&welcome).await.is_err() {
+            return;
+        }
+        let result = match hello.role {
+            Role::Control => self.control(&mut io).await,
+            Role::Producer => self.producer(&mut io).await,
+            Role::Events => self.event_feed(&mut io).await,
+        };
+        if let Err(e) = result {
+            close(&mut io, code_of(&e), e.to_string()).await;
+        }
+    }
+
+    fn check_hello(&self, h: &Hello) -> Result<(), String> {
+        let mine = self.buf.geometry().fingerprint();
+        if h.geometry != mine {
+            return Err(format!(
+                "geometry fingerprint {:#018x} does not match this rank's {mine:#018x}",
+                h.geometry
+            ));
+        }
+        if h.rank != self.buf.rank() {
+            return Err(format!("this is rank {}, not rank {}", self.buf.rank(), h.rank));
+        }
+        Ok(())
+    }
+
+    async fn control(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+        while let Some(frame) = io.read().await? {
+            let reply = match frame {
+                Frame::Info => {
+                    let s = self.buf.stats();
+                    Frame::InfoReply {
+                        rank: self.buf.rank(),
+                        ranks: self.ranks,
+                        pages_total: s.total,
+                        pages_free: s.pages.free,
+                        page_bytes: self.buf.page_bytes() as u64,
+                        geometry: self.buf.geometry().fingerprint(),
+                    }
+                }
+                Frame::Reserve {
+                    key,
+                    chunks,
+                    lease_ms,
+                    prefixes,
+                } => {
+                    let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
+                    match self.buf.reserve(ReserveRequest {
+                        key,
+                        chunks,
+                        prefixes: &prefixes,
+                        lease,
+                    }) {
+                        Ok(mut r) => {
+                            let addrs = r.publish();
+                            self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
+                            Frame::Reserved { key, addrs }
+                        }
+                        Err(e) => reserve_refusal(key, &e),
+                    }
+                }
+                Frame::Renew { key, lease_ms } => {
+                    let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
+                    let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                    match held.get(&key).map(|r| r.renew(lease)) {
+                        Some(Ok(())) => Frame::Done { key },
+                        Some(Err(e)) => lease_refusal(key, e),
+                        None => refusal(
+                            key,
+                            RefusalCode::Closed,
+                            0,
+                            0,
+                            format!("no reservation for {key}"),
+                        ),
+                    }
+                }
+                Frame::Cancel { key } => {
+                    // Dropped outside the lock: the drop emits events.
+                    let r = self.held.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                    drop(r);
+                    Frame::Done { key }
+                }
+                other => {
+                    return Err(TransportError::Unexpected(format!(
+                        "{other:?} on a control connection"
+                    )));
+                }
+            };
+            io.write(&reply).await?;
+        }
+        Ok(())
+    }
+
+    async fn producer(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+        let page_bytes = self.buf.page_bytes();
+        let mut current: Option<InFlight<D>> = None;
+        while let Some(frame) = io.read().await? {
+            match frame {
+                Frame::Chunk {
+                    key,
+                    chunk,
+                    addr,
+                    offset,
+                    bytes,
+                } => {
+                    let end = offset.saturating_add(bytes.len() as u64);
+                    let last = end == page_bytes as u64;
+                    if offset == 0 {
+                        // A new chunk; anything unfinished before it is aborted first (its writer
+                        // drops), so a retry of the same page is not refused as in progress.
+                        drop(current.take());
+                        match self.buf.begin_write(key, chunk, addr) {
+                            Ok(BeginWrite::Write(writer)) => {
+                                current = Some(InFlight::Writing { key, chunk, writer })
+                            }
+                            Ok(BeginWrite::Duplicate) => {
+                                io.write(&Frame::ChunkAck {
+                                    key,
+                                    chunk,
+                                    duplicate: true,
+                                })
+                                .await?;
+                                current = Some(InFlight::Skipping { key, chunk });
+                            }
+                            Err(e) => {
+                                io.write(&write_refusal(key, &e)).await?;
+                                current = Some(InFlight::Skipping { key, chunk });
+                            }
+                        }
+                    }
+                    match current.take() {
+                        Some(InFlight::Writing {
+                            key: k,
+                            chunk: c,
+                            mut writer,
+                        }) if k == key && c == chunk => {
+                            if writer.written() as u64 != offset {
+                                io.write(&refusal(
+                                    key,
+                                    RefusalCode::BadRequest,
+                                    0,
+                                    0,
+                                    format!("segment at offset {offset}, expected {}", writer.written()),
+                                ))
+                                .await?;
+                                current = Some(InFlight::Skipping { key, chunk });
+                            } else if let Err(e) = writer.write(&bytes) {
+                                io.write(&write_refusal(key, &e)).await?;
+                                current = Some(InFlight::Skipping { key, chunk });
+                            } else if last {
+                                let reply = match writer.commit() {
+                                    Ok(WriteOutcome::Stored { .. }) => Frame::ChunkAck {
+                                        key,
+                                        chunk,
+                                        duplicate: false,
+                                    },
+                                    Ok(WriteOutcome::Duplicate) => Frame::ChunkAck {
+                                        key,
+                                        chunk,
+                                        duplicate: true,
+                                    },
+                                    Err(e) => write_refusal(key, &e),
+                                };
+                                io.write(&reply).await?;
+                            } else {
+                                current = Some(InFlight::Writing { key, chunk, writer });
+                            }
+                        }
+                        Some(InFlight::Skipping { key: k, chunk: c }) if k == key && c == chunk => {
+                            if !last {
+                                current = Some(InFlight::Skipping { key, chunk });
+                            }
+                        }
+                        _ => {
+                            io.write(&refusal(
+                                key,
+                                RefusalCode::BadRequest,
+                                0,
+                                0,
+                                format!("segment of chunk {chunk} at offset {offset} without its start"),
+                            ))
+                            .await?;
+                        }
+                    }
+                }
+                Frame::Fence { key } => {
+                    current = None;
+                    self.buf.fence(key);
+                    io.write(&Frame::Done { key }).await?;
+                }
+                other => {
+                    return Err(TransportError::Unexpected(format!(
+                        "{other:?} on a producer connection"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn event_feed(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+        let mut rx = self.events.subscribe();
+        loop {
+            match rx.recv().await {
+                Ok(ev) => io.write(&Frame::Event(ev)).await?,
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    return Err(TransportError::Unexpected(format!(
+                        "subscriber fell {n} events behind; reconnect and reconcile"
+                    )));
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            }
+        }
+    }
+}
+
+fn code_of(e: &TransportError) -> RefusalCode {
+    match e {
+        TransportError::Frame(crate::wire::FrameError::Version { .. }) => RefusalCode::Version,
+        TransportError::Frame(_) | TransportError::Unexpected(_) => RefusalCode::BadRequest,
+        _ => RefusalCode::Internal,
+    }
+}
+
+async fn close(io: &mut FrameIo<TcpStream>, code: RefusalCode, message: String) {
+    let message = if code == RefusalCode::Version {
+        format!("{message}; this rank speaks protocol version {PROTOCOL_VERSION}")
+    } else {
+        message
+    };
+    let _ = io.write(&Frame::Error { code, message }).await;
+}

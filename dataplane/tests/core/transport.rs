@@ -1,0 +1,399 @@
+//! The data plane over loopback TCP: reserve, chunk writes in segments, readiness and release events,
+//! and peers that send hostile frames.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_dataplane::device::cpu::CpuDevice;
+use baton_dataplane::transport::{
+    ControlClient, EventStream, ProducerClient, RankServer, ServerHandle, TransportError,
+};
+use baton_dataplane::wire::{Decoded, Frame, Hello, RefusalCode, Role, decode, encode};
+use baton_dataplane::{
+    BufferOptions, KvGeometry, PageAddr, RankBuffer, RankEvent, ReleaseReason, SystemClock, TerminalState,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::common::{content, key, tiny};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+async fn server(pages: u32) -> (Arc<RankServer<CpuDevice>>, ServerHandle) {
+    let (sink, tx) = RankServer::<CpuDevice>::sink();
+    let options = BufferOptions {
+        quarantine_ttl: Duration::from_secs(30),
+        ..BufferOptions::default()
+    };
+    let buf = RankBuffer::new(
+        Arc::new(CpuDevice),
+        tiny(),
+        0,
+        pages,
+        options,
+        Arc::new(SystemClock),
+        sink,
+    )
+    .unwrap();
+    let srv = RankServer::new(buf, 1, tx);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handle = srv.start(listener).unwrap();
+    (srv, handle)
+}
+
+async fn next_event(ev: &mut EventStream, want: impl Fn(&RankEvent) -> bool) -> RankEvent {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let e = ev.next().await.unwrap().unwrap();
+            if want(&e) {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("event did not come")
+}
+
+fn fp() -> u64 {
+    tiny().fingerprint()
+}
+
+#[tokio::test]
+async fn loopback_write_ready_consume_release() {
+    let (srv, h) = server(8).await;
+    let mut events = EventStream::connect(h.addr, fp(), 0).await.unwrap();
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0)
+        .await
+        .unwrap()
+        .with_segment(16);
+    assert_eq!(ctl.welcome.pages_total, 8);
+    let k = key(1);
+    let addrs = ctl.reserve(k, 3, Duration::from_secs(30), &[]).await.unwrap();
+    assert_eq!(addrs.len(), 3);
+    assert_eq!(ctl.info().await.unwrap().pages_free, 5);
+    let page = srv.buffer().page_bytes();
+    for (c, a) in &addrs {
+        assert!(
+            !prod
+                .write_chunk(k, *c, *a, &content(u64::from(*c), 0, page))
+                .await
+                .unwrap()
+        );
+    }
+    // A retransmitted chunk is acknowledged as a duplicate and changes nothing.
+    assert!(
+        prod.write_chunk(k, addrs[0].0, addrs[0].1, &content(0, 0, page))
+            .await
+            .unwrap()
+    );
+    let e = next_event(&mut events, |e| matches!(e, RankEvent::Status(_))).await;
+    let RankEvent::Status(s) = e else { unreachable!() };
+    assert_eq!(
+        (s.key(), s.state, s.chunks, s.bytes),
+        (k, TerminalState::Ready, 3, 3 * page as u64)
+    );
+
+    // The embedding decoder takes the reservation, consumes it and verifies every byte.
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else {
+        panic!("not ready")
+    };
+    let consuming = ready.consume().unwrap();
+    for c in 0..3 {
+        let mut got = vec![0; page];
+        consuming.read_chunk(c, &mut got).unwrap();
+        assert_eq!(got, content(u64::from(c), 0, page), "chunk {c}");
+    }
+    drop(consuming);
+    let e = next_event(&mut events, |e| matches!(e, RankEvent::Released(_))).await;
+    assert!(matches!(e, RankEvent::Released(r) if r.reason == ReleaseReason::Consumed && r.pages == 3));
+    assert_eq!(ctl.info().await.unwrap().pages_free, 8);
+    srv.buffer().check_invariants().unwrap();
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn refusals_carry_their_numbers() {
+    let (_srv, h) = server(8).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let r = ctl.reserve(key(1), 9, Duration::from_secs(30), &[]).await;
+    assert!(
+        matches!(&r, Err(TransportError::Refused { code: RefusalCode::TooLarge, need: 9, have: 8, message }) if message == "request needs 9 pages but the buffer holds 8"),
+        "{r:?}"
+    );
+    ctl.reserve(key(2), 6, Duration::from_secs(30), &[])
+        .await
+        .unwrap();
+    let r = ctl.reserve(key(3), 3, Duration::from_secs(30), &[]).await;
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::Refused {
+                code: RefusalCode::Busy,
+                need: 3,
+                have: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = ctl.reserve(key(2), 1, Duration::from_secs(30), &[]).await;
+    assert!(
+        matches!(
+            r,
+            Err(TransportError::Refused {
+                code: RefusalCode::Duplicate,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // The connection is still usable after refusals.
+    assert_eq!(ctl.info().await.unwrap().pages_free, 2);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn cancel_mid_transfer_quarantines_until_the_producer_fences() {
+    let (srv, h) = server(8).await;
+    let mut events = EventStream::connect(h.addr, fp(), 0).await.unwrap();
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let k = key(5);
+    let addrs = ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let page = srv.buffer().page_bytes();
+    prod.write_chunk(k, addrs[0].0, addrs[0].1, &vec![1; page])
+        .await
+        .unwrap();
+    ctl.cancel(k).await.unwrap();
+    let e = next_event(&mut events, |e| matches!(e, RankEvent::Status(_))).await;
+    assert!(matches!(e, RankEvent::Status(s) if s.state == TerminalState::Cancelled));
+    // The unwritten page waits for the producer; the written one is back already.
+    assert_eq!(srv.buffer().stats().pages.quarantined, 1);
+    assert_eq!(srv.buffer().stats().pages.free, 7);
+    // A late write is refused, not landed.
+    let late = prod.write_chunk(k, addrs[1].0, addrs[1].1, &vec![2; page]).await;
+    assert!(
+        matches!(
+            late,
+            Err(TransportError::Refused {
+                code: RefusalCode::Stale,
+                ..
+            })
+        ),
+        "{late:?}"
+    );
+    prod.fence(k).await.unwrap();
+    let e = next_event(&mut events, |e| matches!(e, RankEvent::Released(_))).await;
+    assert!(matches!(e, RankEvent::Released(r) if r.reason == ReleaseReason::Fenced));
+    assert_eq!(srv.buffer().stats().pages.free, 8);
+    h.shutdown().await;
+}
+
+async fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> Vec<Frame> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    // Half-close: the server answers what it read, sees the end and closes.
+    s.shutdown().await.unwrap();
+    let mut buf = Vec::new();
+    // The server answers and closes; read to the end (bounded by the timeout).
+    let _ = tokio::time::timeout(WAIT, s.read_to_end(&mut buf)).await;
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while let Ok(Decoded::Frame(f, n)) = decode(&buf[at..]) {
+        frames.push(f);
+        at += n;
+    }
+    frames
+}
+
+fn frame(f: &Frame) -> Vec<u8> {
+    let mut b = Vec::new();
+    encode(f, &mut b);
+    b
+}
+
+#[tokio::test]
+async fn hostile_peers_cannot_touch_the_buffer() {
+    let (srv, h) = server(8).await;
+    // A legitimate request with one chunk written, whose bytes must survive everything below.
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let victim = key(1);
+    let addrs = ctl
+        .reserve(victim, 2, Duration::from_secs(30), &[])
+        .await
+        .unwrap();
+    let page = srv.buffer().page_bytes();
+    prod.write_chunk(victim, addrs[0].0, addrs[0].1, &content(7, 0, page))
+        .await
+        .unwrap();
+    let before = srv.buffer().stats();
+
+    let hello = |role, geometry, rank| frame(&Frame::Hello(Hello { role, geometry, rank }));
+    let mut bad_version = hello(Role::Producer, fp(), 0);
+    bad_version[4] = 99;
+    let mut oversized = hello(Role::Producer, fp(), 0);
+    oversized.extend_from_slice(&u32::MAX.to_le_bytes());
+    oversized.extend_from_slice(&[1, 11, 0, 0]);
+    let attacker = key(666);
+    let mut steal = hello(Role::Producer, fp(), 0);
+    steal.extend(frame(&Frame::Chunk {
+        key: attacker,
+        chunk: 0,
+        addr: addrs[1].1,
+        offset: 0,
+        bytes: vec![0xAA; page],
+    }));
+    let mut stale = hello(Role::Producer, fp(), 0);
+    let old = PageAddr {
+        page: addrs[1].1.page,
+        generation: addrs[1].1.generation.wrapping_sub(1),
+    };
+    stale.extend(frame(&Frame::Chunk {
+        key: victim,
+        chunk: addrs[1].0,
+        addr: old,
+        offset: 0,
+        bytes: vec![0xBB; page],
+    }));
+    let mut overwrite = hello(Role::Producer, fp(), 0);
+    overwrite.extend(frame(&Frame::Chunk {
+        key: victim,
+        chunk: addrs[0].0,
+        addr: addrs[0].1,
+        offset: 0,
+        bytes: vec![0xCC; page],
+    }));
+    let mut no_page = hello(Role::Producer, fp(), 0);
+    no_page.extend(frame(&Frame::Chunk {
+        key: victim,
+        chunk: 0,
+        addr: PageAddr {
+            page: 4000,
+            generation: 0,
+        },
+        offset: 0,
+        bytes: vec![0; page],
+    }));
+    let mut wrong_role_frame = hello(Role::Producer, fp(), 0);
+    wrong_role_frame.extend(frame(&Frame::Cancel { key: victim }));
+
+    // (name, bytes, what the first answer after the welcome must be)
+    type Case = (&'static str, Vec<u8>, fn(&Frame) -> bool);
+    let cases: Vec<Case> = vec![
+        ("unknown version", bad_version, |f| {
+            matches!(
+                f,
+                Frame::Error {
+                    code: RefusalCode::Version,
+                    ..
+                }
+            )
+        }),
+        ("other geometry", hello(Role::Control, fp() ^ 1, 0), |f| {
+            matches!(
+                f,
+                Frame::Error {
+                    code: RefusalCode::Geometry,
+                    ..
+                }
+            )
+        }),
+        ("other rank", hello(Role::Control, fp(), 3), |f| {
+            matches!(
+                f,
+                Frame::Error {
+                    code: RefusalCode::Geometry,
+                    ..
+                }
+            )
+        }),
+        ("garbage", b"GET / HTTP/1.1\r\n\r\n".to_vec(), |f| {
+            matches!(f, Frame::Error { .. })
+        }),
+        ("oversized frame", oversized, |f| {
+            matches!(
+                f,
+                Frame::Error {
+                    code: RefusalCode::BadRequest,
+                    ..
+                }
+            )
+        }),
+        ("page of another request", steal, |f| {
+            matches!(
+                f,
+                Frame::Refused {
+                    code: RefusalCode::NotOwner,
+                    ..
+                }
+            )
+        }),
+        ("stale generation", stale, |f| {
+            matches!(
+                f,
+                Frame::Refused {
+                    code: RefusalCode::Stale,
+                    ..
+                }
+            )
+        }),
+        ("rewrite of a filled chunk", overwrite, |f| {
+            matches!(f, Frame::ChunkAck { duplicate: true, .. })
+        }),
+        ("page out of range", no_page, |f| {
+            matches!(
+                f,
+                Frame::Refused {
+                    code: RefusalCode::BadRequest,
+                    ..
+                }
+            )
+        }),
+        ("control frame on a producer connection", wrong_role_frame, |f| {
+            matches!(
+                f,
+                Frame::Error {
+                    code: RefusalCode::BadRequest,
+                    ..
+                }
+            )
+        }),
+    ];
+    for (name, bytes, ok) in cases {
+        let frames = raw_exchange(h.addr, &bytes).await;
+        let answer = frames.iter().find(|f| !matches!(f, Frame::Welcome { .. }));
+        assert!(answer.is_some_and(ok), "{name}: {frames:?}");
+    }
+    assert_eq!(
+        srv.buffer().stats(),
+        before,
+        "a hostile frame changed the accounting"
+    );
+    srv.buffer().check_invariants().unwrap();
+    // The victim completes with its own bytes.
+    prod.write_chunk(victim, addrs[1].0, addrs[1].1, &content(8, 0, page))
+        .await
+        .unwrap();
+    let Ok(ready) = srv.take(victim).unwrap().try_ready() else {
+        panic!("victim not ready")
+    };
+    let c = ready.consume().unwrap();
+    let mut got = vec![0; page];
+    c.read_chunk(0, &mut got).unwrap();
+    assert_eq!(got, content(7, 0, page));
+    c.read_chunk(1, &mut got).unwrap();
+    assert_eq!(got, content(8, 0, page));
+    drop(c);
+    assert_eq!(srv.buffer().stats().pages.free, 8);
+    h.shutdown().await;
+}
+
+#[test]
+fn geometry_fingerprint_is_what_peers_compare() {
+    assert_ne!(
+        tiny().fingerprint(),
+        KvGeometry::new(1, 1, 8, 1, 8, 1).unwrap().fingerprint()
+    );
+}
