@@ -15,6 +15,8 @@ pub mod events;
 pub mod geometry;
 pub mod ids;
 pub mod readiness;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod table;
 pub mod transport;
 pub mod wire;

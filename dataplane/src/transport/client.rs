@@ -149,9 +149,16 @@ impl ControlClient {
         self.done(&Frame::Renew { key, lease_ms }, key).await
     }
 
-    /// Cancels a reservation (idempotent).
+    /// Cancels a reservation (idempotent). Pages a producer may still be writing stay quarantined
+    /// until it fences or the quarantine deadline passes.
     pub async fn cancel(&mut self, key: RequestKey) -> Result<(), TransportError> {
-        self.done(&Frame::Cancel { key }, key).await
+        self.done(&Frame::Cancel { key, unsent: false }, key).await
+    }
+
+    /// Cancels a reservation whose write addresses were never given to any producer: its pages come
+    /// back at once.
+    pub async fn cancel_unsent(&mut self, key: RequestKey) -> Result<(), TransportError> {
+        self.done(&Frame::Cancel { key, unsent: true }, key).await
     }
 
     async fn done(&mut self, f: &Frame, key: RequestKey) -> Result<(), TransportError> {

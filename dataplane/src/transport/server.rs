@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use super::{DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, TransportError};
 use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
 use crate::device::Device;
-use crate::events::{EventSink, RankEvent};
+use crate::events::{EventSink, RankEvent, TerminalState};
 use crate::ids::RequestKey;
 use crate::table::{LeaseError, ReserveError, WriteError};
 use crate::wire::{Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
@@ -154,6 +154,17 @@ impl<D: Device> RankServer<D> {
         self.held.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)
     }
 
+    /// Drops every reservation this rank holds (cancelling those not consumed); for a crashed rank.
+    pub fn clear(&self) {
+        let all: Vec<_> = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        drop(all);
+    }
+
     /// Subscribes to the rank's events in-process.
     pub fn subscribe(&self) -> broadcast::Receiver<RankEvent> {
         self.events.subscribe()
@@ -173,6 +184,8 @@ impl<D: Device> RankServer<D> {
         let mut tasks = JoinSet::new();
         let reaper = Arc::clone(&self);
         tasks.spawn(async move { reaper.reap_forever().await });
+        let janitor = Arc::clone(&self);
+        tasks.spawn(async move { janitor.forget_closed().await });
         loop {
             tokio::select! {
                 _ = stop.notified() => break,
@@ -200,6 +213,42 @@ impl<D: Device> RankServer<D> {
             };
             tokio::time::sleep_until(wake).await;
             self.buf.reap();
+        }
+    }
+
+    /// Drops held reservations that ended on their own (lease expired before or after READY), so a
+    /// request nobody cancels does not stay in the map for the life of the process.
+    async fn forget_closed(&self) {
+        let mut rx = self.events.subscribe();
+        loop {
+            match rx.recv().await {
+                Ok(RankEvent::Status(s)) if s.state != TerminalState::Ready => self.forget_if_closed(s.key()),
+                Ok(RankEvent::Released(r)) => self.forget_if_closed(r.key),
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    // Missed some: sweep everything once.
+                    let keys: Vec<RequestKey> = self
+                        .held
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .keys()
+                        .copied()
+                        .collect();
+                    for k in keys {
+                        self.forget_if_closed(k);
+                    }
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+
+    fn forget_if_closed(&self, key: RequestKey) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.get(&key).is_some_and(|r| r.is_ready().is_err()) {
+            let r = held.remove(&key);
+            drop(held);
+            drop(r);
         }
     }
 
@@ -314,10 +363,14 @@ impl<D: Device> RankServer<D> {
                         ),
                     }
                 }
-                Frame::Cancel { key } => {
+                Frame::Cancel { key, unsent } => {
                     // Dropped outside the lock: the drop emits events.
                     let r = self.held.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
                     drop(r);
+                    if unsent {
+                        // No producer ever had the addresses: nothing to wait for.
+                        self.buf.fence(key);
+                    }
                     Frame::Done { key }
                 }
                 other => {

@@ -115,8 +115,11 @@ pub enum Frame {
         key: RequestKey,
         lease_ms: u32,
     },
+    /// Cancels a reservation. `unsent`: the write addresses never reached any producer, so no write
+    /// can be in flight and the pages need no quarantine.
     Cancel {
         key: RequestKey,
+        unsent: bool,
     },
     /// A positive answer to renew, cancel or fence.
     Done {
@@ -287,8 +290,9 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u32(*lease_ms);
                 kind::RENEW
             }
-            Frame::Cancel { key } => {
+            Frame::Cancel { key, unsent } => {
                 w.key(key);
+                w.u8(u8::from(*unsent));
                 kind::CANCEL
             }
             Frame::Done { key } => {
@@ -475,7 +479,20 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
             key: r.key()?,
             lease_ms: r.u32("lease_ms")?,
         },
-        kind::CANCEL => Frame::Cancel { key: r.key()? },
+        kind::CANCEL => {
+            let key = r.key()?;
+            let unsent = match r.u8("unsent")? {
+                0 => false,
+                1 => true,
+                v => {
+                    return Err(FrameError::Value {
+                        field: "unsent",
+                        value: u64::from(v),
+                    });
+                }
+            };
+            Frame::Cancel { key, unsent }
+        }
         kind::DONE => Frame::Done { key: r.key()? },
         kind::REFUSED => {
             let key = r.key()?;
@@ -754,7 +771,7 @@ mod tests {
                 ],
             },
             Frame::Renew { key: k, lease_ms: 5 },
-            Frame::Cancel { key: k },
+            Frame::Cancel { key: k, unsent: true },
             Frame::Done { key: k },
             Frame::Refused {
                 key: k,
@@ -819,7 +836,13 @@ mod tests {
     #[test]
     fn hostile_frames_are_refused() {
         let mut good = Vec::new();
-        encode(&Frame::Cancel { key: key() }, &mut good);
+        encode(
+            &Frame::Cancel {
+                key: key(),
+                unsent: false,
+            },
+            &mut good,
+        );
         let with = |f: &dyn Fn(&mut Vec<u8>)| {
             let mut b = good.clone();
             f(&mut b);

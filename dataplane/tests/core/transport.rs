@@ -277,7 +277,10 @@ async fn hostile_peers_cannot_touch_the_buffer() {
         bytes: vec![0; page],
     }));
     let mut wrong_role_frame = hello(Role::Producer, fp(), 0);
-    wrong_role_frame.extend(frame(&Frame::Cancel { key: victim }));
+    wrong_role_frame.extend(frame(&Frame::Cancel {
+        key: victim,
+        unsent: true,
+    }));
 
     // (name, bytes, what the first answer after the welcome must be)
     type Case = (&'static str, Vec<u8>, fn(&Frame) -> bool);

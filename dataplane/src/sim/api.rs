@@ -1,0 +1,218 @@
+//! The slice of the OpenAI API the simulated engine speaks, plus the `baton` request field of the
+//! native handoff.
+//!
+//! Native handoff fields (top-level `baton` object of a completion or chat request):
+//! - to a prefill engine: `{"request_id": "<32 hex>", "epoch": N, "decoders": [{"rank": r, "addr":
+//!   "host:port", "chunks": [[chunk, page, generation], ...]}, ...]}`: write the prompt's KV chunks
+//!   into those decoder ranks' reserved pages;
+//! - to a decode engine: `{"request_id": ..., "epoch": N}`: the KV is in this engine's PD buffer under
+//!   that request; consume it (verifying every byte) and generate.
+//! - optional `prompt_token_ids` overrides the engine's own tokenization (both legs must agree).
+
+use std::net::SocketAddr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::kv::{render_chat, tokenize};
+use crate::ids::{RequestId, RequestKey};
+
+/// Default `max_tokens` when a request gives none.
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+pub struct DecoderTarget {
+    pub rank: u32,
+    pub addr: SocketAddr,
+    /// `(chunk, page, generation)` triples.
+    pub chunks: Vec<(u32, u32, u32)>,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+pub struct BatonParams {
+    pub request_id: String,
+    #[serde(default)]
+    pub epoch: u32,
+    #[serde(default)]
+    pub decoders: Vec<DecoderTarget>,
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+impl BatonParams {
+    pub fn key(&self) -> Result<RequestKey, String> {
+        let id = u128::from_str_radix(&self.request_id, 16).map_err(|_| {
+            format!(
+                "baton.request_id must be up to 32 hex digits, got {:?}",
+                short(&self.request_id)
+            )
+        })?;
+        Ok(RequestKey::new(RequestId(id), self.epoch))
+    }
+}
+
+/// A completion or chat request.
+#[derive(Debug, Deserialize)]
+pub struct GenRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Prompt>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub baton: Option<BatonParams>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+fn short(s: &str) -> String {
+    s.chars().take(40).collect()
+}
+
+impl GenRequest {
+    /// The prompt's token ids.
+    pub fn token_ids(&self, ep: Endpoint) -> Result<Vec<u32>, String> {
+        if let Some(ids) = self.baton.as_ref().and_then(|b| b.prompt_token_ids.clone()) {
+            return Ok(ids);
+        }
+        match ep {
+            Endpoint::Completions => match &self.prompt {
+                Some(Prompt::Text(t)) => Ok(tokenize(t)),
+                Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
+                None => Err("prompt is required".into()),
+            },
+            Endpoint::Chat => {
+                let msgs = self.messages.as_ref().ok_or("messages is required")?;
+                let rendered: Vec<(String, String)> = msgs
+                    .iter()
+                    .map(|m| (m.role.clone(), content_text(&m.content)))
+                    .collect();
+                Ok(tokenize(&render_chat(&rendered)))
+            }
+        }
+    }
+
+    pub fn max_tokens(&self) -> u32 {
+        self.max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// A message's text: a string, or the text parts of a content array.
+fn content_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+pub fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Usage object.
+pub fn usage(prompt: usize, completion: u32) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion as usize})
+}
+
+/// A whole (non-streaming) response.
+pub fn full_response(
+    ep: Endpoint,
+    id: &str,
+    model: &str,
+    text: &str,
+    prompt: usize,
+    completion: u32,
+) -> Value {
+    match ep {
+        Endpoint::Completions => json!({
+            "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+            "usage": usage(prompt, completion),
+        }),
+        Endpoint::Chat => json!({
+            "id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_secs(), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"}],
+            "usage": usage(prompt, completion),
+        }),
+    }
+}
+
+/// One streamed chunk: a token (`Some`) or the final chunk with the finish reason (`None`).
+pub fn stream_chunk(ep: Endpoint, id: &str, model: &str, token: Option<&str>, first: bool) -> Value {
+    let finish = if token.is_none() {
+        json!("length")
+    } else {
+        Value::Null
+    };
+    match ep {
+        Endpoint::Completions => json!({
+            "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
+            "choices": [{"index": 0, "text": token.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+        }),
+        Endpoint::Chat => {
+            let delta = match (token, first) {
+                (Some(t), true) => json!({"role": "assistant", "content": t}),
+                (Some(t), false) => json!({"content": t}),
+                (None, _) => json!({}),
+            };
+            json!({
+                "id": format!("chatcmpl-{id}"), "object": "chat.completion.chunk", "created": now_secs(), "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            })
+        }
+    }
+}
+
+/// The usage-only chunk sent last when `stream_options.include_usage` is set.
+pub fn usage_chunk(ep: Endpoint, id: &str, model: &str, prompt: usize, completion: u32) -> Value {
+    let (prefix, object) = match ep {
+        Endpoint::Completions => ("cmpl", "text_completion"),
+        Endpoint::Chat => ("chatcmpl", "chat.completion.chunk"),
+    };
+    json!({"id": format!("{prefix}-{id}"), "object": object, "created": now_secs(), "model": model,
+           "choices": [], "usage": usage(prompt, completion)})
+}
+
+/// The OpenAI error body.
+pub fn error_body(message: &str, kind: &str, code: &str) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}

@@ -1,0 +1,213 @@
+//! The decode role: a data-plane decoder with `tp_size` ranks (tasks in one process, each with its own
+//! PD buffer and server). A request's KV is consumed only after every byte of every chunk is checked;
+//! a mismatch is an error, never a silent 200. Chunks are then scattered into the rank's own paged
+//! cache (HND layout) and the pages freed, which emits "pages released".
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use super::SimError;
+use super::blocks::{BlockPool, Blocks};
+use super::faults::{Faults, FaultySink};
+use super::kv::{prefix_hashes, verify_chunk};
+use crate::buffer::{BufferOptions, NotReady, RankBuffer};
+use crate::clock::SystemClock;
+use crate::device::cpu::{CpuDevice, CpuTensor};
+use crate::device::{CacheLayout, Device, KvSpan};
+use crate::geometry::KvGeometry;
+use crate::ids::RequestKey;
+use crate::transport::{RankServer, ServerHandle};
+
+pub struct DecodeRank {
+    pub server: Arc<RankServer<CpuDevice>>,
+    pub addr: SocketAddr,
+    handle: tokio::sync::Mutex<Option<ServerHandle>>,
+    sink: Arc<FaultySink>,
+    cache: Vec<CpuTensor>,
+    layout: CacheLayout,
+    pool: Arc<BlockPool>,
+}
+
+impl std::fmt::Debug for DecodeRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeRank")
+            .field("addr", &self.addr)
+            .field("server", &self.server)
+            .finish()
+    }
+}
+
+/// A decode engine.
+pub struct DecodeEngine {
+    geometry: KvGeometry,
+    pub ranks: Vec<DecodeRank>,
+    faults: Arc<Faults>,
+}
+
+impl std::fmt::Debug for DecodeEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeEngine")
+            .field("geometry", &self.geometry)
+            .field("ranks", &self.ranks.len())
+            .finish()
+    }
+}
+
+impl DecodeEngine {
+    /// Starts one data-plane server per rank on `host` (ephemeral ports).
+    pub async fn start(
+        geometry: KvGeometry,
+        pages: u32,
+        options: BufferOptions,
+        cache_blocks: u32,
+        block_size: u32,
+        host: IpAddr,
+        faults: Arc<Faults>,
+    ) -> Result<Arc<Self>, SimError> {
+        let device = Arc::new(CpuDevice);
+        let cl = geometry.chunk_layout();
+        let mut ranks = Vec::new();
+        for r in 0..geometry.tp_size {
+            let (bsink, tx) = RankServer::<CpuDevice>::sink();
+            let sink = Arc::new(FaultySink {
+                rank: r,
+                inner: bsink,
+                faults: Arc::clone(&faults),
+                crashed: Default::default(),
+            });
+            let buf = RankBuffer::new(
+                Arc::clone(&device),
+                geometry,
+                r,
+                pages,
+                options,
+                Arc::new(SystemClock),
+                sink.clone(),
+            )
+            .map_err(SimError::internal)?;
+            let server = RankServer::new(buf, geometry.tp_size, tx);
+            let listener = TcpListener::bind(SocketAddr::new(host, 0))
+                .await
+                .map_err(SimError::internal)?;
+            let handle = server.start(listener).map_err(SimError::internal)?;
+            let layout = CacheLayout::hnd(cache_blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
+            let cache = (0..cl.layers)
+                .map(|_| device.alloc_tensor(layout.min_tensor_bytes()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(SimError::internal)?;
+            ranks.push(DecodeRank {
+                server,
+                addr: handle.addr,
+                handle: tokio::sync::Mutex::new(Some(handle)),
+                sink,
+                cache,
+                layout,
+                pool: BlockPool::new(cache_blocks),
+            });
+        }
+        Ok(Arc::new(Self {
+            geometry,
+            ranks,
+            faults,
+        }))
+    }
+
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    /// Engine cache blocks held by requests right now (0 when idle).
+    pub fn held_blocks(&self) -> u32 {
+        self.ranks.iter().map(|r| r.pool.held()).sum()
+    }
+
+    /// Applies the crash switch: the rank stops serving, forgets its reservations and says nothing.
+    pub async fn apply_faults(&self) {
+        let Some(r) = self.faults.get().crash_rank else {
+            return;
+        };
+        let Some(rank) = self.ranks.get(r as usize) else {
+            return;
+        };
+        rank.sink.crashed.store(true, Ordering::SeqCst);
+        if let Some(h) = rank.handle.lock().await.take() {
+            h.shutdown().await;
+        }
+        rank.server.clear();
+    }
+
+    /// Takes the request's KV from every rank: checks it is ready and byte-exact, scatters it into
+    /// the engine's cache, frees the PD pages. Returns the engine blocks now holding the KV.
+    pub async fn consume(&self, key: RequestKey, ids: &[u32]) -> Result<Vec<Blocks>, SimError> {
+        let hashes = prefix_hashes(ids);
+        let cl = self.geometry.chunk_layout();
+        let chunks = u32::try_from(ids.len().div_ceil(cl.chunk_tokens as usize)).unwrap_or(u32::MAX);
+        let mut held = Vec::new();
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let r32 = u32::try_from(r).unwrap_or(u32::MAX);
+            if rank.sink.crashed.load(Ordering::SeqCst) {
+                return Err(SimError::upstream(format!("decoder rank {r} is down")));
+            }
+            let res = rank
+                .server
+                .take(key)
+                .ok_or_else(|| SimError::conflict(format!("no reservation for {key} on rank {r}")))?;
+            if res.chunks() != chunks {
+                return Err(SimError::bad(format!(
+                    "reservation has {} chunks, the prompt needs {chunks}",
+                    res.chunks()
+                )));
+            }
+            let ready = match res.try_ready() {
+                Ok(ready) => ready,
+                // Dropping the reservation cancels it: a decode that came too early fails cleanly.
+                Err(NotReady::Pending(_)) => {
+                    return Err(SimError::conflict(format!(
+                        "kv of {key} is not ready on rank {r}"
+                    )));
+                }
+                Err(NotReady::Closed(e)) => {
+                    return Err(SimError::gone(format!("kv of {key} on rank {r}: {e}")));
+                }
+            };
+            let f = self.faults.get();
+            if f.slow_rank == Some(r32) {
+                tokio::time::sleep(Duration::from_millis(f.slow_ms)).await;
+            }
+            let bs = rank.layout.block_size as usize;
+            let blocks = rank.pool.alloc(ids.len().div_ceil(bs)).ok_or_else(|| {
+                SimError::busy(format!(
+                    "decode rank {r} has no room for the request's cache blocks"
+                ))
+            })?;
+            let consuming = ready
+                .consume()
+                .map_err(|e| SimError::gone(format!("kv of {key} on rank {r}: {e}")))?;
+            let mut page = vec![0u8; cl.page_bytes()];
+            for chunk in 0..chunks {
+                consuming
+                    .read_chunk(chunk, &mut page)
+                    .map_err(SimError::internal)?;
+                verify_chunk(&self.geometry, r32, &hashes, chunk, &page).map_err(SimError::internal)?;
+                let first = chunk as usize * cl.chunk_tokens as usize;
+                let count = ids.len().saturating_sub(first).min(cl.chunk_tokens as usize);
+                let span = KvSpan {
+                    layout: &rank.layout,
+                    block_table: blocks.ids(),
+                    first_token: u32::try_from(first).unwrap_or(u32::MAX),
+                    tokens: u32::try_from(count).unwrap_or(0),
+                };
+                consuming
+                    .scatter_chunk(chunk, &rank.cache, &span)
+                    .map_err(SimError::internal)?;
+            }
+            drop(consuming);
+            held.push(blocks);
+        }
+        Ok(held)
+    }
+}

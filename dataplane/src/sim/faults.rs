@@ -1,0 +1,78 @@
+//! Fault switches, so tests can make a simulated engine misbehave on purpose.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::events::{EventSink, RankEvent, TerminalState};
+use crate::transport::BroadcastSink;
+
+/// What to break. Set with `POST /sim/faults` (JSON) or the command line.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultConfig {
+    /// Decode: this rank crashes (stops serving, forgets its reservations, says nothing more).
+    pub crash_rank: Option<u32>,
+    /// Decode: this rank drops its next `drop_ready_events` READY statuses.
+    pub drop_ready_rank: Option<u32>,
+    pub drop_ready_events: u32,
+    /// Prefill: wait `stall_ms` before writing this chunk index.
+    pub stall_chunk: Option<u32>,
+    pub stall_ms: u64,
+    /// Prefill: every chunk written to this decoder rank takes `slow_ms` longer; decode: consuming on
+    /// this rank takes `slow_ms` longer.
+    pub slow_rank: Option<u32>,
+    pub slow_ms: u64,
+}
+
+/// The live fault switches of one engine.
+#[derive(Debug, Default)]
+pub struct Faults {
+    config: Mutex<FaultConfig>,
+    drops_left: AtomicU32,
+}
+
+impl Faults {
+    pub fn set(&self, c: FaultConfig) {
+        self.drops_left.store(c.drop_ready_events, Ordering::SeqCst);
+        *self.config.lock().unwrap_or_else(|e| e.into_inner()) = c;
+    }
+
+    pub fn get(&self) -> FaultConfig {
+        self.config.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn take_drop(&self, rank: u32) -> bool {
+        if self.get().drop_ready_rank != Some(rank) {
+            return false;
+        }
+        self.drops_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
+/// A rank's event sink with the fault switches in front of it.
+#[derive(Debug)]
+pub struct FaultySink {
+    pub rank: u32,
+    pub inner: std::sync::Arc<BroadcastSink>,
+    pub faults: std::sync::Arc<Faults>,
+    pub crashed: AtomicBool,
+}
+
+impl EventSink for FaultySink {
+    fn emit(&self, event: RankEvent) {
+        if self.crashed.load(Ordering::SeqCst) {
+            return;
+        }
+        if let RankEvent::Status(s) = &event
+            && s.state == TerminalState::Ready
+            && self.faults.take_drop(self.rank)
+        {
+            return;
+        }
+        self.inner.emit(event);
+    }
+}

@@ -1,0 +1,303 @@
+//! The simulated engine's HTTP surface: `/v1/completions`, `/v1/chat/completions` (streaming and
+//! not), `/v1/models`, `/health`, and for tests `/sim/stats` and `/sim/faults`.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode, header};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinSet;
+
+use super::SimError;
+use super::api::{Endpoint, GenRequest, error_body, full_response, stream_chunk, usage_chunk};
+use super::decode::DecodeEngine;
+use super::faults::{FaultConfig, Faults};
+use super::kv::output_token;
+use super::prefill::PrefillEngine;
+
+/// Largest request body the engine reads.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+type Resp = Response<BoxBody<Bytes, Infallible>>;
+
+/// A streaming body fed by a channel; the sender is the generation task.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// Which role the engine plays.
+#[derive(Debug)]
+pub enum Role {
+    Prefill(Arc<PrefillEngine>),
+    Decode(Arc<DecodeEngine>),
+}
+
+/// A simulated engine behind HTTP.
+#[derive(Debug)]
+pub struct SimEngine {
+    pub role: Role,
+    pub model: String,
+    pub faults: Arc<Faults>,
+    /// Time per generated token.
+    pub token_delay: Duration,
+    next_id: AtomicU64,
+}
+
+fn json_response(status: u16, v: &Value) -> Resp {
+    let body = Full::new(Bytes::from(v.to_string())).boxed();
+    let mut r = Response::new(body);
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error_response(e: &SimError) -> Resp {
+    let kind = if e.status < 500 {
+        "invalid_request_error"
+    } else {
+        "server_error"
+    };
+    json_response(e.status, &error_body(&e.message, kind, e.code))
+}
+
+impl SimEngine {
+    pub fn new(role: Role, model: String, faults: Arc<Faults>, token_delay: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            role,
+            model,
+            faults,
+            token_delay,
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// Serves HTTP/1.1 and HTTP/2 on `listener` until `stop` is notified.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, stop: Arc<Notify>) {
+        let mut conns = JoinSet::new();
+        loop {
+            tokio::select! {
+                _ = stop.notified() => break,
+                accepted = listener.accept() => {
+                    let Ok((stream, _)) = accepted else {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let this = Arc::clone(&self);
+                    conns.spawn(async move {
+                        let svc = service_fn(move |req| {
+                            let this = Arc::clone(&this);
+                            async move { Ok::<_, Infallible>(this.handle(req).await) }
+                        });
+                        let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+                    });
+                }
+                Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            }
+        }
+        conns.shutdown().await;
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Resp {
+        let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+        let ep = match (&method, path.as_str()) {
+            (&Method::GET, "/health") => return self.health(),
+            (&Method::GET, "/v1/models") => {
+                return json_response(
+                    200,
+                    &json!({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "baton-sim"}]}),
+                );
+            }
+            (&Method::GET, "/sim/stats") => return json_response(200, &self.stats()),
+            (&Method::POST, "/sim/faults") => return self.set_faults(req).await,
+            (&Method::POST, "/v1/completions") => Endpoint::Completions,
+            (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
+            _ => {
+                return error_response(&SimError {
+                    status: 404,
+                    code: "not_found",
+                    message: format!("no route {method} {path}"),
+                });
+            }
+        };
+        let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                return error_response(&SimError {
+                    status: 413,
+                    code: "body_too_large",
+                    message: e.to_string(),
+                });
+            }
+        };
+        match self.generate(ep, &body).await {
+            Ok(r) => r,
+            Err(e) => error_response(&e),
+        }
+    }
+
+    fn health(&self) -> Resp {
+        let crashed = self.faults.get().crash_rank.is_some() && matches!(self.role, Role::Decode(_));
+        if crashed {
+            json_response(503, &json!({"status": "degraded", "reason": "a rank is down"}))
+        } else {
+            json_response(200, &json!({"status": "ok"}))
+        }
+    }
+
+    async fn set_faults(&self, req: Request<Incoming>) -> Resp {
+        let body = match Limited::new(req.into_body(), 64 << 10).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error_response(&SimError::bad(e)),
+        };
+        let config: FaultConfig = match serde_json::from_slice(&body) {
+            Ok(c) => c,
+            Err(e) => return error_response(&SimError::bad(format!("fault config: {e}"))),
+        };
+        self.faults.set(config);
+        if let Role::Decode(d) = &self.role {
+            d.apply_faults().await;
+        }
+        json_response(200, &json!({"ok": true, "faults": self.faults.get()}))
+    }
+
+    /// The engine's state: for tests and operators poking at the simulator.
+    pub fn stats(&self) -> Value {
+        match &self.role {
+            Role::Prefill(p) => json!({
+                "role": "prefill", "model": self.model, "tp": p.geometry().tp_size,
+                "geometry_fingerprint": p.geometry().fingerprint(), "engine_blocks_held": p.held_blocks(),
+            }),
+            Role::Decode(d) => {
+                let ranks: Vec<Value> = d
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        let s = r.server.buffer().stats();
+                        json!({
+                            "rank": s.rank, "addr": r.addr.to_string(), "pages_total": s.total, "pages_free": s.pages.free,
+                            "pages_reserved": s.pages.reserved, "pages_filled": s.pages.filled,
+                            "pages_quarantined": s.pages.quarantined, "pages_consuming": s.pages.consuming,
+                            "requests": s.requests, "accounting_errors": s.accounting_errors,
+                        })
+                    })
+                    .collect();
+                json!({
+                    "role": "decode", "model": self.model, "tp": d.geometry().tp_size,
+                    "geometry_fingerprint": d.geometry().fingerprint(), "chunk_tokens": d.geometry().chunk_tokens,
+                    "page_bytes": d.geometry().page_bytes_per_rank(), "engine_blocks_held": d.held_blocks(), "ranks": ranks,
+                })
+            }
+        }
+    }
+
+    async fn generate(&self, ep: Endpoint, body: &[u8]) -> Result<Resp, SimError> {
+        let req: GenRequest =
+            serde_json::from_slice(body).map_err(|e| SimError::bad(format!("invalid request body: {e}")))?;
+        let ids = req.token_ids(ep).map_err(SimError::bad)?;
+        let model = req.model.clone().unwrap_or_else(|| self.model.clone());
+        let id = match &req.baton {
+            Some(b) => b.request_id.clone(),
+            None => format!("{:032x}", self.next_id.fetch_add(1, Ordering::Relaxed)),
+        };
+        let mut n = req.max_tokens();
+        let mut held = Vec::new();
+        match (&self.role, &req.baton) {
+            (Role::Prefill(p), Some(b)) if !b.decoders.is_empty() => {
+                let key = b.key().map_err(SimError::bad)?;
+                p.prefill(key, &ids, &b.decoders).await?;
+                // Like a vLLM prefiller in a PD pair: the prompt is processed, one token comes back.
+                n = 1;
+            }
+            (Role::Decode(d), Some(b)) => {
+                let key = b.key().map_err(SimError::bad)?;
+                held = d.consume(key, &ids).await?;
+            }
+            _ => {}
+        }
+        let prompt = ids.len();
+        if !req.stream {
+            tokio::time::sleep(self.token_delay * n).await;
+            let text: String = (0..n).map(|i| output_token(&ids, i).1).collect();
+            drop(held);
+            return Ok(json_response(
+                200,
+                &full_response(ep, &id, &model, &text, prompt, n),
+            ));
+        }
+        let include_usage = req.include_usage();
+        let delay = self.token_delay;
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        tokio::spawn(async move {
+            // The engine's cache blocks stay held while tokens are produced; a client that leaves
+            // ends the task and returns them.
+            let _held = held;
+            let event = |v: Value| Bytes::from(format!("data: {v}\n\n"));
+            for i in 0..n {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let tok = output_token(&ids, i).1;
+                if tx
+                    .send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0)))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            if tx
+                .send(event(stream_chunk(ep, &id, &model, None, false)))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            if include_usage
+                && tx
+                    .send(event(usage_chunk(ep, &id, &model, prompt, n)))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let mut r = Response::new(ChannelBody(rx).boxed());
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/event-stream"),
+        );
+        r.headers_mut().insert(
+            header::CACHE_CONTROL,
+            header::HeaderValue::from_static("no-cache"),
+        );
+        Ok(r)
+    }
+}

@@ -1,0 +1,177 @@
+//! Deterministic tokens and KV bytes, so every byte a decoder receives can be verified.
+//!
+//! Token ids are the prompt's UTF-8 bytes (byte-level, so never more tokens than bytes, the bound the
+//! gateway uses when a model has no tokenizer). The KV of token `t` on layer `l`, K or V, head `h` of
+//! rank `r` is derived from a hash of every token id up to and including `t` (as in a real model, the
+//! same prefix gives the same KV), `l`, K/V, `r` and `h`.
+
+use crate::device::{CacheLayout, Device, DeviceError};
+use crate::geometry::KvGeometry;
+
+/// Words the simulated model speaks; output token `i` of a request is one of them.
+const WORDS: [&str; 32] = [
+    " the",
+    " baton",
+    " passes",
+    " between",
+    " prefill",
+    " and",
+    " decode",
+    " ranks",
+    " without",
+    " losing",
+    " a",
+    " single",
+    " page",
+    " of",
+    " cache",
+    " while",
+    " queues",
+    " stay",
+    " fair",
+    " under",
+    " load",
+    " so",
+    " every",
+    " request",
+    " finishes",
+    " on",
+    " time",
+    " with",
+    " its",
+    " tokens",
+    " intact",
+    ".",
+];
+
+/// Renders chat messages the way the simulated model's template does.
+pub fn render_chat(messages: &[(String, String)]) -> String {
+    let mut s = String::new();
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|>\n");
+        s.push_str(content);
+        s.push('\n');
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+/// Byte-level token ids of a text.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// `h[t]` = hash of token ids `0..=t`.
+pub fn prefix_hashes(ids: &[u32]) -> Vec<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    ids.iter()
+        .map(|id| {
+            for b in id.to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+            h
+        })
+        .collect()
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The bytes of one head of one token (K or V) on one layer and rank.
+pub fn head_bytes(prefix: u64, layer: u32, kv: u32, rank: u32, head: u32, out: &mut [u8]) {
+    let mut s =
+        mix(prefix
+            ^ mix(u64::from(layer) << 40 | u64::from(kv) << 32 | u64::from(rank) << 16 | u64::from(head)));
+    for chunk in out.chunks_mut(8) {
+        s = mix(s);
+        let b = s.to_le_bytes();
+        chunk.copy_from_slice(b.get(..chunk.len()).unwrap_or_default());
+    }
+}
+
+/// Writes the KV of every token of a request into an engine's paged cache (one tensor per layer).
+pub fn write_kv<D: Device>(
+    dev: &D,
+    cache: &[D::Tensor],
+    layout: &CacheLayout,
+    block_table: &[u32],
+    hashes: &[u64],
+    rank: u32,
+) -> Result<(), DeviceError> {
+    let mut buf = vec![0u8; layout.head_bytes()];
+    let bs = layout.block_size as usize;
+    for (layer, tensor) in cache.iter().enumerate() {
+        let layer = u32::try_from(layer).unwrap_or(u32::MAX);
+        for (t, prefix) in hashes.iter().enumerate() {
+            let block = *block_table
+                .get(t / bs)
+                .ok_or_else(|| DeviceError::Layout(format!("block table too short for token {t}")))?;
+            let slot = u32::try_from(t % bs).unwrap_or(0);
+            for kv in 0..2 {
+                for head in 0..layout.heads {
+                    head_bytes(*prefix, layer, kv, rank, head, &mut buf);
+                    dev.write_tensor(tensor, layout.offset(kv, block, slot, head), &buf)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a received chunk page byte for byte against what the prefix must produce. Only the
+/// chunk's valid tokens are compared (the last chunk of a prompt may be partial).
+pub fn verify_chunk(
+    g: &KvGeometry,
+    rank: u32,
+    hashes: &[u64],
+    chunk: u32,
+    page: &[u8],
+) -> Result<(), String> {
+    let cl = g.chunk_layout();
+    let first = chunk as usize * cl.chunk_tokens as usize;
+    let valid = hashes.len().saturating_sub(first).min(cl.chunk_tokens as usize);
+    let n = cl.head_bytes();
+    let mut want = vec![0u8; n];
+    for layer in 0..cl.layers {
+        for kv in 0..2 {
+            for t in 0..valid {
+                let prefix = hashes.get(first + t).copied().unwrap_or(0);
+                let t32 = u32::try_from(t).unwrap_or(u32::MAX);
+                for head in 0..cl.heads {
+                    head_bytes(prefix, layer, kv, rank, head, &mut want);
+                    let at = cl.offset(layer, kv, t32) + head as usize * n;
+                    if page.get(at..at + n) != Some(&want[..]) {
+                        return Err(format!(
+                            "kv mismatch on rank {rank}, chunk {chunk}, layer {layer}, {}, token {}, head {head}",
+                            if kv == 0 { "K" } else { "V" },
+                            first + t
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Output token `i` of a request: its id and text.
+pub fn output_token(ids: &[u32], i: u32) -> (u32, &'static str) {
+    let seed = prefix_hashes(ids).last().copied().unwrap_or(0);
+    let id = usize::try_from(mix(seed ^ u64::from(i)) % WORDS.len() as u64).unwrap_or(0);
+    (
+        u32::try_from(id).unwrap_or(0),
+        WORDS.get(id).copied().unwrap_or("."),
+    )
+}
+
+/// The whole output text of `n` tokens.
+pub fn output_text(ids: &[u32], n: u32) -> String {
+    (0..n).map(|i| output_token(ids, i).1).collect()
+}

@@ -1,0 +1,202 @@
+//! A simulated engine that embeds the real data plane and speaks an OpenAI-compatible HTTP API, so
+//! the gateway can be built and tested without GPUs. It is also the reference integration for engine
+//! authors: `prefill.rs` and `decode.rs` are the code an engine writes to adopt baton.
+//!
+//! - prefill role: derives KV bytes from (token ids, layer, rank), gathers them into chunks through
+//!   the device trait and writes them to the decoder ranks named in the request;
+//! - decode role: a data-plane decoder (ranks as tasks, each with its own buffer and server) that
+//!   verifies every byte before producing deterministic tokens;
+//! - fault switches (crash a rank, drop a readiness event, stall a chunk, slow a rank).
+//!
+//! Run it with the `baton-sim` binary (feature `sim`).
+
+pub mod api;
+pub mod blocks;
+pub mod decode;
+pub mod faults;
+pub mod http;
+pub mod kv;
+pub mod prefill;
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+use crate::buffer::{BufferOptions, DEFAULT_QUARANTINE_TTL};
+use crate::geometry::KvGeometry;
+use decode::DecodeEngine;
+use faults::{FaultConfig, Faults};
+use http::{Role, SimEngine};
+use prefill::{DEFAULT_PRODUCER_HOLD_TTL, PrefillEngine};
+
+/// Which side of a PD pair the engine plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimRole {
+    Prefill,
+    Decode,
+}
+
+/// Decode buffer pages when not given: room for a few concurrent mid-size prompts.
+pub const DEFAULT_SIM_PAGES: u32 = 64;
+/// Engine cache blocks per rank when not given.
+pub const DEFAULT_SIM_CACHE_BLOCKS: u32 = 4096;
+/// Tokens per engine cache block (vLLM's default).
+pub const DEFAULT_SIM_BLOCK_SIZE: u32 = 16;
+
+/// The simulator's small default model: 2 layers, 2 KV heads of 16 bf16 values, 16-token chunks.
+pub fn tiny_geometry(tp_size: u32) -> Result<KvGeometry, crate::geometry::GeometryError> {
+    KvGeometry::new(2, 2, 16, 2, 16, tp_size)
+}
+
+/// Everything a simulated engine needs to start.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub role: SimRole,
+    pub listen: SocketAddr,
+    pub model: String,
+    pub geometry: KvGeometry,
+    /// Decode: PD buffer pages per rank.
+    pub pages: u32,
+    pub cache_blocks: u32,
+    pub block_size: u32,
+    pub token_delay: Duration,
+    /// Where decode ranks' data-plane servers listen (ephemeral ports).
+    pub dp_host: IpAddr,
+    pub quarantine_ttl: Duration,
+    pub hold_ttl: Duration,
+    pub faults: FaultConfig,
+}
+
+impl SimConfig {
+    pub fn new(role: SimRole, geometry: KvGeometry) -> Self {
+        Self {
+            role,
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            model: "baton-sim".into(),
+            geometry,
+            pages: DEFAULT_SIM_PAGES,
+            cache_blocks: DEFAULT_SIM_CACHE_BLOCKS,
+            block_size: DEFAULT_SIM_BLOCK_SIZE,
+            token_delay: Duration::ZERO,
+            dp_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            quarantine_ttl: DEFAULT_QUARANTINE_TTL,
+            hold_ttl: DEFAULT_PRODUCER_HOLD_TTL,
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+/// A running simulated engine.
+#[derive(Debug)]
+pub struct Running {
+    /// The HTTP address.
+    pub addr: SocketAddr,
+    pub engine: Arc<SimEngine>,
+    stop: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops serving HTTP and waits for open connections to close.
+    pub async fn shutdown(self) {
+        self.stop.notify_one();
+        let _ = self.task.await;
+    }
+}
+
+/// Starts a simulated engine.
+pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
+    let faults = Arc::new(Faults::default());
+    faults.set(c.faults.clone());
+    let role = match c.role {
+        SimRole::Prefill => Role::Prefill(PrefillEngine::new(
+            c.geometry,
+            c.cache_blocks,
+            c.block_size,
+            Arc::clone(&faults),
+            c.hold_ttl,
+        )?),
+        SimRole::Decode => {
+            let options = BufferOptions {
+                quarantine_ttl: c.quarantine_ttl,
+                ..BufferOptions::default()
+            };
+            let d = DecodeEngine::start(
+                c.geometry,
+                c.pages,
+                options,
+                c.cache_blocks,
+                c.block_size,
+                c.dp_host,
+                Arc::clone(&faults),
+            )
+            .await?;
+            d.apply_faults().await;
+            Role::Decode(d)
+        }
+    };
+    let engine = SimEngine::new(role, c.model, faults, c.token_delay);
+    let listener = TcpListener::bind(c.listen)
+        .await
+        .map_err(|e| SimError::internal(format!("bind {}: {e}", c.listen)))?;
+    let addr = listener.local_addr().map_err(SimError::internal)?;
+    let stop = Arc::new(Notify::new());
+    let task = tokio::spawn(Arc::clone(&engine).serve(listener, Arc::clone(&stop)));
+    Ok(Running {
+        addr,
+        engine,
+        stop,
+        task,
+    })
+}
+
+/// An error of the simulated engine, with the HTTP status it maps to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimError {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl SimError {
+    fn new(status: u16, code: &'static str, message: impl fmt::Display) -> Self {
+        Self {
+            status,
+            code,
+            message: message.to_string(),
+        }
+    }
+    pub fn bad(m: impl fmt::Display) -> Self {
+        Self::new(400, "invalid_request", m)
+    }
+    pub fn conflict(m: impl fmt::Display) -> Self {
+        Self::new(409, "kv_not_ready", m)
+    }
+    pub fn gone(m: impl fmt::Display) -> Self {
+        Self::new(410, "kv_gone", m)
+    }
+    pub fn busy(m: impl fmt::Display) -> Self {
+        Self::new(503, "engine_busy", m)
+    }
+    pub fn upstream(m: impl fmt::Display) -> Self {
+        Self::new(502, "kv_transfer_failed", m)
+    }
+    pub fn timeout(m: impl fmt::Display) -> Self {
+        Self::new(504, "kv_transfer_timeout", m)
+    }
+    pub fn internal(m: impl fmt::Display) -> Self {
+        Self::new(500, "internal_error", m)
+    }
+}
+
+impl fmt::Display for SimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.status, self.code, self.message)
+    }
+}
+
+impl std::error::Error for SimError {}

@@ -1,0 +1,275 @@
+//! The prefill role: computes (derives) the prompt's KV into its own paged cache, gathers it into
+//! chunk pages through the device trait and writes them into the decoder ranks' reserved pages.
+//!
+//! The engine's cache blocks for a request are a guard held until every decoder rank has
+//! acknowledged every chunk, the transfer fails, or the hold TTL passes (a decoder that went silent
+//! cannot strand them), whichever comes first. After any outcome it fences every decoder rank it
+//! was told about, so pages quarantined by a cancel come back at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use super::SimError;
+use super::api::DecoderTarget;
+use super::blocks::BlockPool;
+use super::faults::Faults;
+use super::kv::{prefix_hashes, write_kv};
+use crate::device::cpu::{CpuDevice, CpuTensor};
+use crate::device::{CacheLayout, Device, KvSpan};
+use crate::geometry::KvGeometry;
+use crate::ids::{PageAddr, RequestKey};
+use crate::transport::ProducerClient;
+
+/// How long a prefiller holds a request's KV blocks waiting for the decoder to take them. Past it the
+/// transfer is abandoned and the blocks freed: a dead decoder or gateway cannot strand them.
+pub const DEFAULT_PRODUCER_HOLD_TTL: Duration = Duration::from_secs(30);
+
+struct Rank {
+    cache: Vec<CpuTensor>,
+    layout: CacheLayout,
+    pool: Arc<BlockPool>,
+}
+
+/// What one prefill wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillReport {
+    pub chunks: u32,
+    pub bytes: u64,
+}
+
+/// A prefill engine with `tp_size` ranks (from the geometry), each with its own paged cache.
+pub struct PrefillEngine {
+    geometry: KvGeometry,
+    device: Arc<CpuDevice>,
+    ranks: Vec<Rank>,
+    producers: Mutex<HashMap<(SocketAddr, u32), Vec<ProducerClient>>>,
+    faults: Arc<Faults>,
+    hold_ttl: Duration,
+}
+
+impl std::fmt::Debug for PrefillEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillEngine")
+            .field("geometry", &self.geometry)
+            .field("held_blocks", &self.held_blocks())
+            .finish()
+    }
+}
+
+impl PrefillEngine {
+    pub fn new(
+        geometry: KvGeometry,
+        cache_blocks: u32,
+        block_size: u32,
+        faults: Arc<Faults>,
+        hold_ttl: Duration,
+    ) -> Result<Arc<Self>, SimError> {
+        let device = Arc::new(CpuDevice);
+        let cl = geometry.chunk_layout();
+        let ranks = (0..geometry.tp_size)
+            .map(|_| {
+                // The prefiller's cache is NHD; the decoder's is HND, so every transfer crosses layouts.
+                let layout =
+                    CacheLayout::nhd(cache_blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
+                let cache = (0..cl.layers)
+                    .map(|_| device.alloc_tensor(layout.min_tensor_bytes()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(Rank {
+                    cache,
+                    layout,
+                    pool: BlockPool::new(cache_blocks),
+                })
+            })
+            .collect::<Result<Vec<_>, crate::device::DeviceError>>()
+            .map_err(SimError::internal)?;
+        Ok(Arc::new(Self {
+            geometry,
+            device,
+            ranks,
+            producers: Mutex::new(HashMap::new()),
+            faults,
+            hold_ttl,
+        }))
+    }
+
+    pub fn geometry(&self) -> KvGeometry {
+        self.geometry
+    }
+
+    /// Engine cache blocks held by requests right now (0 when idle).
+    pub fn held_blocks(&self) -> u32 {
+        self.ranks.iter().map(|r| r.pool.held()).sum()
+    }
+
+    /// Prefills `ids` and writes the chunks to `targets`.
+    pub async fn prefill(
+        self: &Arc<Self>,
+        key: RequestKey,
+        ids: &[u32],
+        targets: &[DecoderTarget],
+    ) -> Result<PrefillReport, SimError> {
+        let hashes = Arc::new(prefix_hashes(ids));
+        let bs = self.ranks.first().map_or(1, |r| r.layout.block_size as usize);
+        let need = ids.len().div_ceil(bs);
+        let mut held = Vec::with_capacity(self.ranks.len());
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let blocks = rank.pool.alloc(need).ok_or_else(|| {
+                SimError::busy(format!(
+                    "prefill rank {r} has no room for {need} cache blocks ({} total)",
+                    rank.pool.total()
+                ))
+            })?;
+            write_kv(
+                &*self.device,
+                &rank.cache,
+                &rank.layout,
+                blocks.ids(),
+                &hashes,
+                u32::try_from(r).unwrap_or(0),
+            )
+            .map_err(SimError::internal)?;
+            held.push(blocks);
+        }
+        let chunks_needed =
+            u32::try_from(ids.len().div_ceil(self.geometry.chunk_tokens as usize)).unwrap_or(u32::MAX);
+        for t in targets {
+            if t.rank >= self.geometry.tp_size {
+                return Err(SimError::bad(format!(
+                    "decoder rank {} but this prefiller has {} ranks",
+                    t.rank, self.geometry.tp_size
+                )));
+            }
+            if t.chunks.len() > chunks_needed as usize {
+                return Err(SimError::bad(format!(
+                    "{} chunk addresses for a prompt of {chunks_needed} chunks",
+                    t.chunks.len()
+                )));
+            }
+        }
+
+        let mut tasks = JoinSet::new();
+        for t in targets.iter().cloned() {
+            let this = Arc::clone(self);
+            let hashes = Arc::clone(&hashes);
+            let blocks: Vec<u32> = held
+                .get(t.rank as usize)
+                .map(|b| b.ids().to_vec())
+                .unwrap_or_default();
+            tasks.spawn(async move { this.send_rank(key, &t, &blocks, hashes.len()).await });
+        }
+        let outcome = tokio::time::timeout(self.hold_ttl, async {
+            let mut report = PrefillReport { chunks: 0, bytes: 0 };
+            while let Some(r) = tasks.join_next().await {
+                let r = r.map_err(|e| SimError::internal(format!("transfer task: {e}")))??;
+                report.chunks += r.chunks;
+                report.bytes += r.bytes;
+            }
+            Ok(report)
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(SimError::timeout(format!(
+                "kv transfer not confirmed within {:?}",
+                self.hold_ttl
+            )))
+        });
+        tasks.shutdown().await;
+        // Whatever happened, the decoders learn that nothing more will come for this request.
+        for t in targets {
+            self.fence(t.addr, t.rank, key).await;
+        }
+        drop(held);
+        outcome
+    }
+
+    async fn producer(&self, addr: SocketAddr, rank: u32) -> Result<ProducerClient, SimError> {
+        let pooled = self
+            .producers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&(addr, rank))
+            .and_then(Vec::pop);
+        match pooled {
+            Some(p) => Ok(p),
+            None => ProducerClient::connect(addr, self.geometry.fingerprint(), rank)
+                .await
+                .map_err(|e| SimError::upstream(format!("decoder rank {rank} at {addr}: {e}"))),
+        }
+    }
+
+    fn give_back(&self, addr: SocketAddr, rank: u32, p: ProducerClient) {
+        self.producers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((addr, rank))
+            .or_default()
+            .push(p);
+    }
+
+    async fn send_rank(
+        &self,
+        key: RequestKey,
+        t: &DecoderTarget,
+        blocks: &[u32],
+        tokens: usize,
+    ) -> Result<PrefillReport, SimError> {
+        let rank = self
+            .ranks
+            .get(t.rank as usize)
+            .ok_or_else(|| SimError::bad(format!("no prefill rank {}", t.rank)))?;
+        let cl = self.geometry.chunk_layout();
+        let staging = self
+            .device
+            .alloc_buffer(1, cl.page_bytes())
+            .map_err(SimError::internal)?;
+        let mut page = vec![0u8; cl.page_bytes()];
+        let mut producer = self.producer(t.addr, t.rank).await?;
+        let mut report = PrefillReport { chunks: 0, bytes: 0 };
+        for &(chunk, p, generation) in &t.chunks {
+            let f = self.faults.get();
+            if f.stall_chunk == Some(chunk) {
+                tokio::time::sleep(Duration::from_millis(f.stall_ms)).await;
+            }
+            if f.slow_rank == Some(t.rank) {
+                tokio::time::sleep(Duration::from_millis(f.slow_ms)).await;
+            }
+            let first = chunk as usize * cl.chunk_tokens as usize;
+            let count = tokens.saturating_sub(first).min(cl.chunk_tokens as usize);
+            let span = KvSpan {
+                layout: &rank.layout,
+                block_table: blocks,
+                first_token: u32::try_from(first).unwrap_or(u32::MAX),
+                tokens: u32::try_from(count).unwrap_or(0),
+            };
+            self.device
+                .gather(&rank.cache, &span, &cl, &staging, 0)
+                .map_err(SimError::internal)?;
+            self.device
+                .read_page(&staging, 0, 0, &mut page)
+                .map_err(SimError::internal)?;
+            producer
+                .write_chunk(key, chunk, PageAddr { page: p, generation }, &page)
+                .await
+                .map_err(|e| {
+                    SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
+                })?;
+            report.chunks += 1;
+            report.bytes += page.len() as u64;
+        }
+        self.give_back(t.addr, t.rank, producer);
+        Ok(report)
+    }
+
+    async fn fence(&self, addr: SocketAddr, rank: u32, key: RequestKey) {
+        // A failed fence is harmless: the decoder's quarantine deadline covers it.
+        if let Ok(mut p) = self.producer(addr, rank).await
+            && p.fence(key).await.is_ok()
+        {
+            self.give_back(addr, rank, p);
+        }
+    }
+}
