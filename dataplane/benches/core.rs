@@ -40,13 +40,7 @@ fn measure(name: &'static str, iterations: u64, mut f: impl FnMut(u64)) -> Resul
     }
     let seconds = start.elapsed().as_secs_f64();
     let per_second = iterations as f64 / seconds;
-    Result {
-        name,
-        iterations,
-        seconds,
-        per_second,
-        ns_per_op: 1e9 / per_second,
-    }
+    Result { name, iterations, seconds, per_second, ns_per_op: 1e9 / per_second }
 }
 
 fn buffer(pages: u32) -> RankBuffer<CpuDevice> {
@@ -66,11 +60,7 @@ fn buffer(pages: u32) -> RankBuffer<CpuDevice> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let out = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .cloned();
+    let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
     let quick = std::env::var_os("BATON_BENCH_QUICK").is_some();
     let n = if quick { 10_000 } else { 5_000_000 };
 
@@ -78,12 +68,7 @@ fn main() {
     let lease = Instant::now() + Duration::from_secs(3600);
     let reserve_release = measure("reserve+release (8 pages)", n, |i| {
         let key = RequestKey::new(RequestId(u128::from(i)), 0);
-        let r = buf.reserve(ReserveRequest {
-            key,
-            chunks: 8,
-            prefixes: &[],
-            lease,
-        });
+        let r = buf.reserve(ReserveRequest { key, chunks: 8, prefixes: &[], lease });
         assert!(r.is_ok());
         drop(r);
     });
@@ -92,23 +77,14 @@ fn main() {
     let page = vec![7u8; buf.page_bytes()];
     let arrive = measure("arrive+seal (8 chunks, reserve to free)", n / 8, |i| {
         let key = RequestKey::new(RequestId(u128::from(i)), 1);
-        let Ok(mut r) = buf.reserve(ReserveRequest {
-            key,
-            chunks: 8,
-            prefixes: &[],
-            lease,
-        }) else {
+        let Ok(mut r) = buf.reserve(ReserveRequest { key, chunks: 8, prefixes: &[], lease }) else {
             panic!("reserve failed")
         };
         for (chunk, addr) in r.publish() {
             assert!(buf.write_chunk(key, chunk, addr, &page).is_ok());
         }
-        let Ok(ready) = r.try_ready() else {
-            panic!("not ready")
-        };
-        let Ok(c) = ready.consume() else {
-            panic!("consume failed")
-        };
+        let Ok(ready) = r.try_ready() else { panic!("not ready") };
+        let Ok(c) = ready.consume() else { panic!("consume failed") };
         c.finish();
     });
     assert_eq!(buf.stats().pages.free, 1024);

@@ -48,10 +48,7 @@ pub struct BufferOptions {
 
 impl Default for BufferOptions {
     fn default() -> Self {
-        Self {
-            quarantine_ttl: DEFAULT_QUARANTINE_TTL,
-            max_requests: DEFAULT_MAX_REQUESTS,
-        }
+        Self { quarantine_ttl: DEFAULT_QUARANTINE_TTL, max_requests: DEFAULT_MAX_REQUESTS }
     }
 }
 
@@ -113,18 +110,13 @@ pub struct RankBuffer<D: Device> {
 
 impl<D: Device> Clone for RankBuffer<D> {
     fn clone(&self) -> Self {
-        Self {
-            shared: Arc::clone(&self.shared),
-        }
+        Self { shared: Arc::clone(&self.shared) }
     }
 }
 
 impl<D: Device> fmt::Debug for RankBuffer<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RankBuffer")
-            .field("rank", &self.shared.rank)
-            .field("stats", &self.stats())
-            .finish()
+        f.debug_struct("RankBuffer").field("rank", &self.shared.rank).field("stats", &self.stats()).finish()
     }
 }
 
@@ -166,24 +158,10 @@ impl<D: Device> RankBuffer<D> {
             reason: "page larger than memory".into(),
         })?;
         let memory = device.alloc_buffer(pages, page_bytes)?;
-        let limits = Limits {
-            quarantine_ttl: options.quarantine_ttl,
-            max_requests: options.max_requests,
-        };
+        let limits = Limits { quarantine_ttl: options.quarantine_ttl, max_requests: options.max_requests };
         let table = Mutex::new(Table::new(rank, pages, page_bytes as u64, limits));
-        let shared = Shared {
-            table,
-            device,
-            memory,
-            sink,
-            clock,
-            geometry,
-            rank,
-            page_bytes,
-        };
-        Ok(Self {
-            shared: Arc::new(shared),
-        })
+        let shared = Shared { table, device, memory, sink, clock, geometry, rank, page_bytes };
+        Ok(Self { shared: Arc::new(shared) })
     }
 
     pub fn rank(&self) -> Rank {
@@ -213,20 +191,10 @@ impl<D: Device> RankBuffer<D> {
 
     /// Reserves every page the request needs, or none. Never blocks.
     pub fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation<D>, ReserveError> {
-        let r = Reserve {
-            key: req.key,
-            chunks: req.chunks,
-            prefixes: req.prefixes,
-            lease: req.lease,
-        };
+        let r = Reserve { key: req.key, chunks: req.chunks, prefixes: req.prefixes, lease: req.lease };
         let h = self.shared.with(|t, now, out| t.reserve(&r, now, out))?;
         Ok(Reservation {
-            core: Core {
-                shared: Arc::clone(&self.shared),
-                h,
-                key: req.key,
-                chunks: req.chunks,
-            },
+            core: Core { shared: Arc::clone(&self.shared), h, key: req.key, chunks: req.chunks },
         })
     }
 
@@ -239,10 +207,7 @@ impl<D: Device> RankBuffer<D> {
         chunk: u32,
         addr: PageAddr,
     ) -> Result<BeginWrite<D>, WriteError> {
-        match self
-            .shared
-            .with(|t, now, out| t.begin_write(key, chunk, addr, now, out))?
-        {
+        match self.shared.with(|t, now, out| t.begin_write(key, chunk, addr, now, out))? {
             Begin::Duplicate => Ok(BeginWrite::Duplicate),
             Begin::Write => Ok(BeginWrite::Write(PageWriter {
                 shared: Arc::clone(&self.shared),
@@ -292,10 +257,7 @@ impl<D: Device> RankBuffer<D> {
     /// Takes a counted share of a filled chunk, released when the handle drops.
     pub fn share_prefix(&self, key: PrefixKey) -> Option<SharedChunk<D>> {
         let page = self.shared.lock().share_external(key)?;
-        Some(SharedChunk {
-            shared: Arc::clone(&self.shared),
-            page,
-        })
+        Some(SharedChunk { shared: Arc::clone(&self.shared), page })
     }
 
     /// Expires every lease and quarantine whose deadline has passed, earliest first, and returns how
@@ -351,10 +313,7 @@ impl<D: Device> Core<D> {
             .get(chunk as usize)
             .copied()
             .flatten()
-            .ok_or(DeviceError::NoSuchPage {
-                page: chunk,
-                pages: self.chunks,
-            })
+            .ok_or(DeviceError::NoSuchPage { page: chunk, pages: self.chunks })
     }
 }
 
@@ -464,10 +423,7 @@ impl<D: Device> Consuming<D> {
     /// Copies a chunk's page to the host.
     pub fn read_chunk(&self, chunk: u32, dst: &mut [u8]) -> Result<(), DeviceError> {
         let page = self.core.page_of(chunk)?;
-        self.core
-            .shared
-            .device
-            .read_page(&self.core.shared.memory, page, 0, dst)
+        self.core.shared.device.read_page(&self.core.shared.memory, page, 0, dst)
     }
 
     /// Scatters a chunk into the engine's paged cache (one tensor per layer).
@@ -479,8 +435,7 @@ impl<D: Device> Consuming<D> {
     ) -> Result<(), DeviceError> {
         let page = self.core.page_of(chunk)?;
         let s = &self.core.shared;
-        s.device
-            .scatter(&s.memory, page, &s.geometry.chunk_layout(), cache, span)
+        s.device.scatter(&s.memory, page, &s.geometry.chunk_layout(), cache, span)
     }
 
     /// Done: the pages go back (the same as dropping it, spelled out).
@@ -519,16 +474,8 @@ impl<D: Device> PageWriter<D> {
     /// Appends bytes to the page.
     pub fn write(&mut self, bytes: &[u8]) -> Result<(), WriteError> {
         let page_bytes = self.shared.page_bytes;
-        if self
-            .written
-            .checked_add(bytes.len())
-            .is_none_or(|end| end > page_bytes)
-        {
-            return Err(WriteError::Overrun {
-                offset: self.written,
-                len: bytes.len(),
-                page_bytes,
-            });
+        if self.written.checked_add(bytes.len()).is_none_or(|end| end > page_bytes) {
+            return Err(WriteError::Overrun { offset: self.written, len: bytes.len(), page_bytes });
         }
         let s = &self.shared;
         s.device
@@ -545,10 +492,7 @@ impl<D: Device> PageWriter<D> {
     /// Marks the chunk arrived. READY is emitted here when it was the last one.
     pub fn commit(mut self) -> Result<WriteOutcome, WriteError> {
         if self.written != self.shared.page_bytes {
-            return Err(WriteError::Incomplete {
-                written: self.written,
-                page_bytes: self.shared.page_bytes,
-            });
+            return Err(WriteError::Incomplete { written: self.written, page_bytes: self.shared.page_bytes });
         }
         self.done = true;
         let (key, addr) = (self.key, self.addr);
@@ -586,9 +530,7 @@ impl<D: Device> SharedChunk<D> {
     }
 
     pub fn read(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.shared
-            .device
-            .read_page(&self.shared.memory, self.page, 0, dst)
+        self.shared.device.read_page(&self.shared.memory, self.page, 0, dst)
     }
 }
 

@@ -26,9 +26,7 @@ pub struct ManualClock {
 
 impl ManualClock {
     pub fn new() -> Self {
-        Self {
-            now: Mutex::new(Instant::now()),
-        }
+        Self { now: Mutex::new(Instant::now()) }
     }
 
     pub fn advance(&self, by: Duration) {

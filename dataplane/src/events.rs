@@ -120,9 +120,6 @@ impl QueueSink {
 
 impl EventSink for QueueSink {
     fn emit(&self, event: RankEvent) {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(event);
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).push_back(event);
     }
 }

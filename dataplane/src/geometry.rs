@@ -61,14 +61,7 @@ impl KvGeometry {
         chunk_tokens: u32,
         tp_size: u32,
     ) -> Result<Self, GeometryError> {
-        let g = Self {
-            layers,
-            kv_heads,
-            head_dim,
-            dtype_bytes,
-            chunk_tokens,
-            tp_size,
-        };
+        let g = Self { layers, kv_heads, head_dim, dtype_bytes, chunk_tokens, tp_size };
         g.validate()?;
         Ok(g)
     }
@@ -87,17 +80,11 @@ impl KvGeometry {
             }
         }
         if !self.kv_heads.is_multiple_of(self.tp_size) && !self.tp_size.is_multiple_of(self.kv_heads) {
-            return Err(GeometryError::HeadsNotDivisible {
-                kv_heads: self.kv_heads,
-                tp_size: self.tp_size,
-            });
+            return Err(GeometryError::HeadsNotDivisible { kv_heads: self.kv_heads, tp_size: self.tp_size });
         }
         let bytes = self.page_bytes_per_rank();
         if bytes > MAX_PAGE_BYTES {
-            return Err(GeometryError::PageTooLarge {
-                bytes,
-                limit: MAX_PAGE_BYTES,
-            });
+            return Err(GeometryError::PageTooLarge { bytes, limit: MAX_PAGE_BYTES });
         }
         Ok(())
     }
@@ -149,14 +136,9 @@ impl KvGeometry {
     /// prefiller can never write chunks of one shape into a decoder expecting another.
     pub fn fingerprint(&self) -> u64 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for v in [
-            self.layers,
-            self.kv_heads,
-            self.head_dim,
-            self.dtype_bytes,
-            self.chunk_tokens,
-            self.tp_size,
-        ] {
+        for v in
+            [self.layers, self.kv_heads, self.head_dim, self.dtype_bytes, self.chunk_tokens, self.tp_size]
+        {
             for b in v.to_le_bytes() {
                 h ^= u64::from(b);
                 h = h.wrapping_mul(0x0100_0000_01b3);
@@ -183,23 +165,15 @@ impl KvGeometry {
         if c.kv_lora_rank.is_some() {
             return Err(GeometryError::Mla);
         }
-        let layers = c
-            .num_hidden_layers
-            .ok_or(GeometryError::Missing("num_hidden_layers"))?;
-        let heads = c
-            .num_attention_heads
-            .ok_or(GeometryError::Missing("num_attention_heads"))?;
+        let layers = c.num_hidden_layers.ok_or(GeometryError::Missing("num_hidden_layers"))?;
+        let heads = c.num_attention_heads.ok_or(GeometryError::Missing("num_attention_heads"))?;
         let kv_heads = c.num_key_value_heads.unwrap_or(heads);
         let head_dim = match c.head_dim {
             Some(d) => d,
             None => {
-                let hidden = c
-                    .hidden_size
-                    .ok_or(GeometryError::Missing("hidden_size or head_dim"))?;
+                let hidden = c.hidden_size.ok_or(GeometryError::Missing("hidden_size or head_dim"))?;
                 if heads == 0 {
-                    return Err(GeometryError::Zero {
-                        field: "num_attention_heads",
-                    });
+                    return Err(GeometryError::Zero { field: "num_attention_heads" });
                 }
                 hidden / heads
             }
@@ -294,25 +268,16 @@ mod tests {
     #[test]
     fn invalid_geometries_are_refused_with_the_field() {
         let cases = [
-            (
-                "zero layers",
-                KvGeometry::new(0, 8, 128, 2, 256, 1),
-                GeometryError::Zero { field: "layers" },
-            ),
+            ("zero layers", KvGeometry::new(0, 8, 128, 2, 256, 1), GeometryError::Zero { field: "layers" }),
             (
                 "heads not divisible",
                 KvGeometry::new(32, 8, 128, 2, 256, 3),
-                GeometryError::HeadsNotDivisible {
-                    kv_heads: 8,
-                    tp_size: 3,
-                },
+                GeometryError::HeadsNotDivisible { kv_heads: 8, tp_size: 3 },
             ),
             (
                 "zero chunk",
                 KvGeometry::new(32, 8, 128, 2, 0, 1),
-                GeometryError::Zero {
-                    field: "chunk_tokens",
-                },
+                GeometryError::Zero { field: "chunk_tokens" },
             ),
         ];
         for (name, got, want) in cases {
@@ -337,15 +302,9 @@ mod tests {
         let fp8 = KvGeometry::from_hf_config(llama, 256, 1, Some(1)).unwrap();
         assert_eq!(fp8.kv_bytes_per_token(), g.kv_bytes_per_token() / 2);
         let mla = r#"{"num_hidden_layers":61,"num_attention_heads":128,"kv_lora_rank":512}"#;
-        assert_eq!(
-            KvGeometry::from_hf_config(mla, 256, 1, None).unwrap_err(),
-            GeometryError::Mla
-        );
+        assert_eq!(KvGeometry::from_hf_config(mla, 256, 1, None).unwrap_err(), GeometryError::Mla);
         let nested = r#"{"text_config":{"num_hidden_layers":2,"num_attention_heads":4,"head_dim":8}}"#;
-        assert_eq!(
-            KvGeometry::from_hf_config(nested, 16, 1, None).unwrap().kv_heads,
-            4
-        );
+        assert_eq!(KvGeometry::from_hf_config(nested, 16, 1, None).unwrap().kv_heads, 4);
         assert!(matches!(
             KvGeometry::from_hf_config(r#"{"num_attention_heads":4}"#, 16, 1, None),
             Err(GeometryError::Missing("num_hidden_layers"))

@@ -44,11 +44,7 @@ pub enum ObserveError {
     #[error("status from rank {rank}, but the request spans {ranks} ranks")]
     UnknownRank { rank: Rank, ranks: u32 },
     #[error("rank {rank} already reported {first:?}, now {then:?}; the first status stands")]
-    Conflict {
-        rank: Rank,
-        first: TerminalState,
-        then: TerminalState,
-    },
+    Conflict { rank: Rank, first: TerminalState, then: TerminalState },
     #[error("no request {0} is waiting for readiness")]
     UnknownRequest(RequestKey),
     #[error("request {got} is waiting as epoch {want}")]
@@ -74,18 +70,9 @@ pub struct Aggregator {
 impl Aggregator {
     pub fn new(key: RequestKey, ranks: u32, deadline: Instant) -> Result<Self, ObserveError> {
         if ranks == 0 || ranks > MAX_RANKS {
-            return Err(ObserveError::TooManyRanks {
-                ranks,
-                limit: MAX_RANKS,
-            });
+            return Err(ObserveError::TooManyRanks { ranks, limit: MAX_RANKS });
         }
-        Ok(Self {
-            key,
-            states: vec![None; ranks as usize],
-            ready: 0,
-            deadline,
-            outcome: None,
-        })
+        Ok(Self { key, states: vec![None; ranks as usize], ready: 0, deadline, outcome: None })
     }
 
     pub fn key(&self) -> RequestKey {
@@ -99,10 +86,7 @@ impl Aggregator {
     fn progress(&self) -> Progress {
         match self.outcome {
             Some(o) => Progress::Done(o),
-            None => Progress::Pending {
-                ready: self.ready,
-                ranks: self.ranks(),
-            },
+            None => Progress::Pending { ready: self.ready, ranks: self.ranks() },
         }
     }
 
@@ -110,23 +94,14 @@ impl Aggregator {
     /// changes nothing.
     pub fn observe(&mut self, s: &RankStatus, now: Instant) -> Result<Progress, ObserveError> {
         if s.key() != self.key {
-            return Err(ObserveError::WrongRequest {
-                got: s.key(),
-                want: self.key,
-            });
+            return Err(ObserveError::WrongRequest { got: s.key(), want: self.key });
         }
         let ranks = self.ranks();
-        let slot = self
-            .states
-            .get_mut(s.rank as usize)
-            .ok_or(ObserveError::UnknownRank { rank: s.rank, ranks })?;
+        let slot =
+            self.states.get_mut(s.rank as usize).ok_or(ObserveError::UnknownRank { rank: s.rank, ranks })?;
         if let Some(first) = *slot {
             if first != s.state {
-                return Err(ObserveError::Conflict {
-                    rank: s.rank,
-                    first,
-                    then: s.state,
-                });
+                return Err(ObserveError::Conflict { rank: s.rank, first, then: s.state });
             }
             return Ok(self.progress());
         }
@@ -141,10 +116,7 @@ impl Aggregator {
                 return Ok(self.progress());
             }
         } else {
-            self.outcome = Some(Outcome::Failed {
-                rank: s.rank,
-                state: s.state,
-            });
+            self.outcome = Some(Outcome::Failed { rank: s.rank, state: s.state });
             return Ok(self.progress());
         }
         self.poll(now);
@@ -177,11 +149,7 @@ pub struct ReadinessBoard {
 
 impl ReadinessBoard {
     pub fn new(limit: usize) -> Self {
-        Self {
-            limit,
-            waiting: FxHashMap::default(),
-            refused: 0,
-        }
+        Self { limit, waiting: FxHashMap::default(), refused: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -200,8 +168,7 @@ impl ReadinessBoard {
         if self.waiting.len() >= self.limit {
             return Err(ObserveError::Full { limit: self.limit });
         }
-        self.waiting
-            .insert(key.request, Aggregator::new(key, ranks, deadline)?);
+        self.waiting.insert(key.request, Aggregator::new(key, ranks, deadline)?);
         Ok(())
     }
 
@@ -213,10 +180,7 @@ impl ReadinessBoard {
         };
         if a.key.epoch != s.epoch {
             self.refused += 1;
-            return Err(ObserveError::WrongEpoch {
-                got: s.key(),
-                want: a.key.epoch,
-            });
+            return Err(ObserveError::WrongEpoch { got: s.key(), want: a.key.epoch });
         }
         a.observe(s, now)
     }
@@ -249,14 +213,7 @@ mod tests {
     use crate::ids::RequestId;
 
     fn st(key: RequestKey, rank: Rank, state: TerminalState) -> RankStatus {
-        RankStatus {
-            request: key.request,
-            epoch: key.epoch,
-            rank,
-            state,
-            chunks: 1,
-            bytes: 0,
-        }
+        RankStatus { request: key.request, epoch: key.epoch, rank, state, chunks: 1, bytes: 0 }
     }
 
     #[test]
@@ -268,16 +225,8 @@ mod tests {
         // (name, statuses, expected final progress)
         type Case = (&'static str, Vec<(Rank, TerminalState)>, Progress);
         let cases: Vec<Case> = vec![
-            (
-                "all ready",
-                vec![(0, Ready), (1, Ready)],
-                Progress::Done(Outcome::Ready),
-            ),
-            (
-                "reverse order",
-                vec![(1, Ready), (0, Ready)],
-                Progress::Done(Outcome::Ready),
-            ),
+            ("all ready", vec![(0, Ready), (1, Ready)], Progress::Done(Outcome::Ready)),
+            ("reverse order", vec![(1, Ready), (0, Ready)], Progress::Done(Outcome::Ready)),
             (
                 "duplicate ready does not count twice",
                 vec![(0, Ready), (0, Ready)],
@@ -286,18 +235,12 @@ mod tests {
             (
                 "failure first wins",
                 vec![(0, Failed), (1, Expired)],
-                Progress::Done(Outcome::Failed {
-                    rank: 0,
-                    state: Failed,
-                }),
+                Progress::Done(Outcome::Failed { rank: 0, state: Failed }),
             ),
             (
                 "failure after ready",
                 vec![(0, Ready), (1, Cancelled)],
-                Progress::Done(Outcome::Failed {
-                    rank: 1,
-                    state: Cancelled,
-                }),
+                Progress::Done(Outcome::Failed { rank: 1, state: Cancelled }),
             ),
         ];
         for (name, statuses, want) in cases {
@@ -330,10 +273,7 @@ mod tests {
             Err(ObserveError::Conflict { .. })
         ));
         assert_eq!(a.poll(t0), None);
-        assert_eq!(
-            a.poll(t0 + Duration::from_secs(1)),
-            Some(Outcome::TimedOut { missing: 1 })
-        );
+        assert_eq!(a.poll(t0 + Duration::from_secs(1)), Some(Outcome::TimedOut { missing: 1 }));
         assert!(Aggregator::new(key, MAX_RANKS + 1, t0).is_err());
     }
 
@@ -346,20 +286,11 @@ mod tests {
         b.register(k(2), 1, t0 + Duration::from_secs(2)).unwrap();
         assert_eq!(b.register(k(3), 1, t0), Err(ObserveError::Full { limit: 2 }));
         assert!(b.observe(&st(k(9), 0, TerminalState::Ready), t0).is_err());
-        assert!(
-            b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0)
-                .is_err()
-        );
+        assert!(b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0).is_err());
         assert_eq!(b.refused, 2);
-        assert_eq!(
-            b.observe(&st(k(1), 0, TerminalState::Ready), t0),
-            Ok(Progress::Done(Outcome::Ready))
-        );
+        assert_eq!(b.observe(&st(k(1), 0, TerminalState::Ready), t0), Ok(Progress::Done(Outcome::Ready)));
         assert_eq!(b.timed_out(t0 + Duration::from_millis(1500)), vec![]);
-        assert_eq!(
-            b.timed_out(t0 + Duration::from_secs(2)),
-            vec![(k(2), Outcome::TimedOut { missing: 1 })]
-        );
+        assert_eq!(b.timed_out(t0 + Duration::from_secs(2)), vec![(k(2), Outcome::TimedOut { missing: 1 })]);
         assert!(b.remove(k(1)).is_some());
         assert_eq!(b.len(), 1);
     }

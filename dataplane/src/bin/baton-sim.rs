@@ -27,9 +27,7 @@ fn parse() -> Result<SimConfig, String> {
         args.get(i + 1).cloned()
     };
     let num = |v: Option<String>, name: &str, default: u64| -> Result<u64, String> {
-        v.map_or(Ok(default), |s| {
-            s.parse().map_err(|_| format!("{name}: not a number: {s:?}"))
-        })
+        v.map_or(Ok(default), |s| s.parse().map_err(|_| format!("{name}: not a number: {s:?}")))
     };
     let role = match get("--role").as_deref() {
         Some("prefill") => SimRole::Prefill,
@@ -53,9 +51,7 @@ fn parse() -> Result<SimConfig, String> {
     };
     let mut c = SimConfig::new(role, geometry);
     if let Some(l) = get("--listen") {
-        c.listen = l
-            .parse()
-            .map_err(|_| format!("--listen: not an address: {l:?}"))?;
+        c.listen = l.parse().map_err(|_| format!("--listen: not an address: {l:?}"))?;
     }
     if let Some(m) = get("--model") {
         c.model = m;
@@ -65,12 +61,8 @@ fn parse() -> Result<SimConfig, String> {
     }
     c.pages =
         u32::try_from(num(get("--pages"), "--pages", u64::from(c.pages))?).map_err(|e| e.to_string())?;
-    c.cache_blocks = u32::try_from(num(
-        get("--cache-blocks"),
-        "--cache-blocks",
-        u64::from(c.cache_blocks),
-    )?)
-    .map_err(|e| e.to_string())?;
+    c.cache_blocks = u32::try_from(num(get("--cache-blocks"), "--cache-blocks", u64::from(c.cache_blocks))?)
+        .map_err(|e| e.to_string())?;
     c.block_size = u32::try_from(num(get("--block-size"), "--block-size", u64::from(c.block_size))?)
         .map_err(|e| e.to_string())?;
     c.token_delay = Duration::from_micros(num(get("--token-delay-us"), "--token-delay-us", 0)?);
@@ -111,10 +103,7 @@ async fn main() -> ExitCode {
     };
     let mut hello = running.engine.stats();
     if let Some(o) = hello.as_object_mut() {
-        o.insert(
-            "listen".into(),
-            serde_json::Value::String(running.addr.to_string()),
-        );
+        o.insert("listen".into(), serde_json::Value::String(running.addr.to_string()));
     }
     println!("{hello}");
     let _ = tokio::signal::ctrl_c().await;

@@ -40,10 +40,7 @@ pub struct CpuEvent;
 
 fn zeroed(bytes: usize) -> Result<Box<[u8]>, DeviceError> {
     let mut v = Vec::new();
-    v.try_reserve_exact(bytes).map_err(|e| DeviceError::Alloc {
-        bytes,
-        reason: e.to_string(),
-    })?;
+    v.try_reserve_exact(bytes).map_err(|e| DeviceError::Alloc { bytes, reason: e.to_string() })?;
     v.resize(bytes, 0);
     Ok(v.into_boxed_slice())
 }
@@ -78,9 +75,7 @@ impl Device for CpuDevice {
     }
 
     fn alloc_buffer(&self, pages: u32, page_bytes: usize) -> Result<CpuBuffer, DeviceError> {
-        let pages = (0..pages)
-            .map(|_| zeroed(page_bytes).map(RwLock::new))
-            .collect::<Result<Vec<_>, _>>()?;
+        let pages = (0..pages).map(|_| zeroed(page_bytes).map(RwLock::new)).collect::<Result<Vec<_>, _>>()?;
         Ok(CpuBuffer { page_bytes, pages })
     }
 
@@ -130,19 +125,14 @@ impl Device for CpuDevice {
         dst: &CpuBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        let layers: Vec<_> = cache
-            .iter()
-            .map(|t| t.0.read().unwrap_or_else(|e| e.into_inner()))
-            .collect();
+        let layers: Vec<_> = cache.iter().map(|t| t.0.read().unwrap_or_else(|e| e.into_inner())).collect();
         let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let mut out = dst.page(page)?.write().unwrap_or_else(|e| e.into_inner());
         range(0, chunk.page_bytes(), out.len())?;
         let n = chunk.head_bytes();
         for_each_element(chunk, span, |layer, c, e| {
-            let src = layers
-                .get(layer)
-                .ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
+            let src = layers.get(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
             let r = range(c, n, out.len())?;
             out[r].copy_from_slice(&src[range(e, n, src.len())?]);
             Ok(())
@@ -157,19 +147,16 @@ impl Device for CpuDevice {
         cache: &[CpuTensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
-        let mut layers: Vec<_> = cache
-            .iter()
-            .map(|t| t.0.write().unwrap_or_else(|e| e.into_inner()))
-            .collect();
+        let mut layers: Vec<_> =
+            cache.iter().map(|t| t.0.write().unwrap_or_else(|e| e.into_inner())).collect();
         let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let input = src.page(page)?.read().unwrap_or_else(|e| e.into_inner());
         range(0, chunk.page_bytes(), input.len())?;
         let n = chunk.head_bytes();
         for_each_element(chunk, span, |layer, c, e| {
-            let dst = layers
-                .get_mut(layer)
-                .ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
+            let dst =
+                layers.get_mut(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
             let r = range(e, n, dst.len())?;
             dst[r].copy_from_slice(&input[range(c, n, input.len())?]);
             Ok(())

@@ -129,10 +129,7 @@ pub fn check_span(
     let l = span.layout;
     let bad = |m: String| Err(DeviceError::Layout(m));
     if cache_layers != chunk.layers as usize {
-        return bad(format!(
-            "cache has {cache_layers} layers, chunk has {}",
-            chunk.layers
-        ));
+        return bad(format!("cache has {cache_layers} layers, chunk has {}", chunk.layers));
     }
     if l.heads != chunk.heads || l.head_bytes() != chunk.head_bytes() {
         return bad(format!(
@@ -144,10 +141,7 @@ pub fn check_span(
         ));
     }
     if span.tokens > chunk.chunk_tokens {
-        return bad(format!(
-            "span of {} tokens exceeds chunk of {}",
-            span.tokens, chunk.chunk_tokens
-        ));
+        return bad(format!("span of {} tokens exceeds chunk of {}", span.tokens, chunk.chunk_tokens));
     }
     if l.block_size == 0 {
         return bad("block_size must be greater than 0".to_owned());
@@ -163,16 +157,11 @@ pub fn check_span(
         }
     }
     if let Some(b) = span.block_table.iter().find(|b| **b >= l.num_blocks) {
-        return bad(format!(
-            "block {b} out of range (cache has {} blocks)",
-            l.num_blocks
-        ));
+        return bad(format!("block {b} out of range (cache has {} blocks)", l.num_blocks));
     }
     let need = l.min_tensor_bytes();
     if let Some(have) = tensor_bytes.iter().find(|t| **t < need) {
-        return bad(format!(
-            "layer tensor of {have} bytes is smaller than the layout's {need}"
-        ));
+        return bad(format!("layer tensor of {have} bytes is smaller than the layout's {need}"));
     }
     Ok(())
 }
@@ -197,11 +186,7 @@ pub fn for_each_element(
                 let slot = abs % l.block_size;
                 let base = chunk.offset(layer, kv, t);
                 for head in 0..chunk.heads {
-                    f(
-                        layer as usize,
-                        base + head as usize * head_bytes,
-                        l.offset(kv, block, slot, head),
-                    )?;
+                    f(layer as usize, base + head as usize * head_bytes, l.offset(kv, block, slot, head))?;
                 }
             }
         }

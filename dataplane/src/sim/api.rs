@@ -62,10 +62,7 @@ pub struct BatonParams {
 impl BatonParams {
     pub fn key(&self) -> Result<RequestKey, String> {
         let id = u128::from_str_radix(&self.request_id, 16).map_err(|_| {
-            format!(
-                "baton.request_id must be up to 32 hex digits, got {:?}",
-                short(&self.request_id)
-            )
+            format!("baton.request_id must be up to 32 hex digits, got {:?}", short(&self.request_id))
         })?;
         Ok(RequestKey::new(RequestId(id), self.epoch))
     }
@@ -109,19 +106,15 @@ impl GenRequest {
             },
             Endpoint::Chat => {
                 let msgs = self.messages.as_ref().ok_or("messages is required")?;
-                let rendered: Vec<(String, String)> = msgs
-                    .iter()
-                    .map(|m| (m.role.clone(), content_text(&m.content)))
-                    .collect();
+                let rendered: Vec<(String, String)> =
+                    msgs.iter().map(|m| (m.role.clone(), content_text(&m.content))).collect();
                 Ok(tokenize(&render_chat(&rendered)))
             }
         }
     }
 
     pub fn max_tokens(&self) -> u32 {
-        self.max_completion_tokens
-            .or(self.max_tokens)
-            .unwrap_or(DEFAULT_MAX_TOKENS)
+        self.max_completion_tokens.or(self.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS)
     }
 
     pub fn include_usage(&self) -> bool {
@@ -133,19 +126,13 @@ impl GenRequest {
 fn content_text(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect(),
+        Value::Array(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
         _ => String::new(),
     }
 }
 
 pub fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// Usage object.
@@ -178,11 +165,7 @@ pub fn full_response(
 
 /// One streamed chunk: a token (`Some`) or the final chunk with the finish reason (`None`).
 pub fn stream_chunk(ep: Endpoint, id: &str, model: &str, token: Option<&str>, first: bool) -> Value {
-    let finish = if token.is_none() {
-        json!("length")
-    } else {
-        Value::Null
-    };
+    let finish = if token.is_none() { json!("length") } else { Value::Null };
     match ep {
         Endpoint::Completions => json!({
             "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,

@@ -18,10 +18,7 @@ pub struct Blocks {
 
 impl BlockPool {
     pub fn new(total: u32) -> Arc<Self> {
-        Arc::new(Self {
-            total,
-            free: Mutex::new((0..total).rev().collect()),
-        })
+        Arc::new(Self { total, free: Mutex::new((0..total).rev().collect()) })
     }
 
     /// `n` blocks, or `None` when fewer are free (all or nothing).
@@ -32,10 +29,7 @@ impl BlockPool {
         }
         let at = free.len() - n;
         let ids = free.split_off(at);
-        Some(Blocks {
-            pool: Arc::clone(self),
-            ids,
-        })
+        Some(Blocks { pool: Arc::clone(self), ids })
     }
 
     pub fn total(&self) -> u32 {

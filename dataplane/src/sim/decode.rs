@@ -34,10 +34,7 @@ pub struct DecodeRank {
 
 impl std::fmt::Debug for DecodeRank {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeRank")
-            .field("addr", &self.addr)
-            .field("server", &self.server)
-            .finish()
+        f.debug_struct("DecodeRank").field("addr", &self.addr).field("server", &self.server).finish()
     }
 }
 
@@ -90,9 +87,7 @@ impl DecodeEngine {
             )
             .map_err(SimError::internal)?;
             let server = RankServer::new(buf, geometry.tp_size, tx);
-            let listener = TcpListener::bind(SocketAddr::new(host, 0))
-                .await
-                .map_err(SimError::internal)?;
+            let listener = TcpListener::bind(SocketAddr::new(host, 0)).await.map_err(SimError::internal)?;
             let handle = server.start(listener).map_err(SimError::internal)?;
             let layout = CacheLayout::hnd(cache_blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
             let cache = (0..cl.layers)
@@ -109,11 +104,7 @@ impl DecodeEngine {
                 pool: BlockPool::new(cache_blocks),
             });
         }
-        Ok(Arc::new(Self {
-            geometry,
-            ranks,
-            faults,
-        }))
+        Ok(Arc::new(Self { geometry, ranks, faults }))
     }
 
     pub fn geometry(&self) -> KvGeometry {
@@ -166,9 +157,7 @@ impl DecodeEngine {
                 Ok(ready) => ready,
                 // Dropping the reservation cancels it: a decode that came too early fails cleanly.
                 Err(NotReady::Pending(_)) => {
-                    return Err(SimError::conflict(format!(
-                        "kv of {key} is not ready on rank {r}"
-                    )));
+                    return Err(SimError::conflict(format!("kv of {key} is not ready on rank {r}")));
                 }
                 Err(NotReady::Closed(e)) => {
                     return Err(SimError::gone(format!("kv of {key} on rank {r}: {e}")));
@@ -180,18 +169,13 @@ impl DecodeEngine {
             }
             let bs = rank.layout.block_size as usize;
             let blocks = rank.pool.alloc(ids.len().div_ceil(bs)).ok_or_else(|| {
-                SimError::busy(format!(
-                    "decode rank {r} has no room for the request's cache blocks"
-                ))
+                SimError::busy(format!("decode rank {r} has no room for the request's cache blocks"))
             })?;
-            let consuming = ready
-                .consume()
-                .map_err(|e| SimError::gone(format!("kv of {key} on rank {r}: {e}")))?;
+            let consuming =
+                ready.consume().map_err(|e| SimError::gone(format!("kv of {key} on rank {r}: {e}")))?;
             let mut page = vec![0u8; cl.page_bytes()];
             for chunk in 0..chunks {
-                consuming
-                    .read_chunk(chunk, &mut page)
-                    .map_err(SimError::internal)?;
+                consuming.read_chunk(chunk, &mut page).map_err(SimError::internal)?;
                 verify_chunk(&self.geometry, r32, &hashes, chunk, &page).map_err(SimError::internal)?;
                 let first = chunk as usize * cl.chunk_tokens as usize;
                 let count = ids.len().saturating_sub(first).min(cl.chunk_tokens as usize);
@@ -201,9 +185,7 @@ impl DecodeEngine {
                     first_token: u32::try_from(first).unwrap_or(u32::MAX),
                     tokens: u32::try_from(count).unwrap_or(0),
                 };
-                consuming
-                    .scatter_chunk(chunk, &rank.cache, &span)
-                    .map_err(SimError::internal)?;
+                consuming.scatter_chunk(chunk, &rank.cache, &span).map_err(SimError::internal)?;
             }
             drop(consuming);
             held.push(blocks);

@@ -47,9 +47,7 @@ impl Faults {
         if self.get().drop_ready_rank != Some(rank) {
             return false;
         }
-        self.drops_left
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
+        self.drops_left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
 }
 

@@ -70,31 +70,18 @@ fn json_response(status: u16, v: &Value) -> Resp {
     let body = Full::new(Bytes::from(v.to_string())).boxed();
     let mut r = Response::new(body);
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
+    r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
     r
 }
 
 fn error_response(e: &SimError) -> Resp {
-    let kind = if e.status < 500 {
-        "invalid_request_error"
-    } else {
-        "server_error"
-    };
+    let kind = if e.status < 500 { "invalid_request_error" } else { "server_error" };
     json_response(e.status, &error_body(&e.message, kind, e.code))
 }
 
 impl SimEngine {
     pub fn new(role: Role, model: String, faults: Arc<Faults>, token_delay: Duration) -> Arc<Self> {
-        Arc::new(Self {
-            role,
-            model,
-            faults,
-            token_delay,
-            next_id: AtomicU64::new(1),
-        })
+        Arc::new(Self { role, model, faults, token_delay, next_id: AtomicU64::new(1) })
     }
 
     /// Serves HTTP/1.1 and HTTP/2 on `listener` until `stop` is notified.
@@ -246,10 +233,7 @@ impl SimEngine {
             tokio::time::sleep(self.token_delay * n).await;
             let text: String = (0..n).map(|i| output_token(&ids, i).1).collect();
             drop(held);
-            return Ok(json_response(
-                200,
-                &full_response(ep, &id, &model, &text, prompt, n),
-            ));
+            return Ok(json_response(200, &full_response(ep, &id, &model, &text, prompt, n)));
         }
         let include_usage = req.include_usage();
         let delay = self.token_delay;
@@ -264,40 +248,21 @@ impl SimEngine {
                     tokio::time::sleep(delay).await;
                 }
                 let tok = output_token(&ids, i).1;
-                if tx
-                    .send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0)))
-                    .await
-                    .is_err()
-                {
+                if tx.send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0))).await.is_err() {
                     return;
                 }
             }
-            if tx
-                .send(event(stream_chunk(ep, &id, &model, None, false)))
-                .await
-                .is_err()
-            {
+            if tx.send(event(stream_chunk(ep, &id, &model, None, false))).await.is_err() {
                 return;
             }
-            if include_usage
-                && tx
-                    .send(event(usage_chunk(ep, &id, &model, prompt, n)))
-                    .await
-                    .is_err()
-            {
+            if include_usage && tx.send(event(usage_chunk(ep, &id, &model, prompt, n))).await.is_err() {
                 return;
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
         let mut r = Response::new(ChannelBody(rx).boxed());
-        r.headers_mut().insert(
-            header::CONTENT_TYPE,
-            header::HeaderValue::from_static("text/event-stream"),
-        );
-        r.headers_mut().insert(
-            header::CACHE_CONTROL,
-            header::HeaderValue::from_static("no-cache"),
-        );
+        r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
+        r.headers_mut().insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
         Ok(r)
     }
 }

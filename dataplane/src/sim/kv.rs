@@ -165,10 +165,7 @@ pub fn verify_chunk(
 pub fn output_token(ids: &[u32], i: u32) -> (u32, &'static str) {
     let seed = prefix_hashes(ids).last().copied().unwrap_or(0);
     let id = usize::try_from(mix(seed ^ u64::from(i)) % WORDS.len() as u64).unwrap_or(0);
-    (
-        u32::try_from(id).unwrap_or(0),
-        WORDS.get(id).copied().unwrap_or("."),
-    )
+    (u32::try_from(id).unwrap_or(0), WORDS.get(id).copied().unwrap_or("."))
 }
 
 /// The whole output text of `n` tokens.

@@ -121,10 +121,7 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             c.hold_ttl,
         )?),
         SimRole::Decode => {
-            let options = BufferOptions {
-                quarantine_ttl: c.quarantine_ttl,
-                ..BufferOptions::default()
-            };
+            let options = BufferOptions { quarantine_ttl: c.quarantine_ttl, ..BufferOptions::default() };
             let d = DecodeEngine::start(
                 c.geometry,
                 c.pages,
@@ -146,12 +143,7 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
     let addr = listener.local_addr().map_err(SimError::internal)?;
     let stop = Arc::new(Notify::new());
     let task = tokio::spawn(Arc::clone(&engine).serve(listener, Arc::clone(&stop)));
-    Ok(Running {
-        addr,
-        engine,
-        stop,
-        task,
-    })
+    Ok(Running { addr, engine, stop, task })
 }
 
 /// An error of the simulated engine, with the HTTP status it maps to.
@@ -164,11 +156,7 @@ pub struct SimError {
 
 impl SimError {
     fn new(status: u16, code: &'static str, message: impl fmt::Display) -> Self {
-        Self {
-            status,
-            code,
-            message: message.to_string(),
-        }
+        Self { status, code, message: message.to_string() }
     }
     pub fn bad(m: impl fmt::Display) -> Self {
         Self::new(400, "invalid_request", m)

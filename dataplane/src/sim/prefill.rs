@@ -78,11 +78,7 @@ impl PrefillEngine {
                 let cache = (0..cl.layers)
                     .map(|_| device.alloc_tensor(layout.min_tensor_bytes()))
                     .collect::<Result<Vec<_>, _>>()?;
-                Ok(Rank {
-                    cache,
-                    layout,
-                    pool: BlockPool::new(cache_blocks),
-                })
+                Ok(Rank { cache, layout, pool: BlockPool::new(cache_blocks) })
             })
             .collect::<Result<Vec<_>, crate::device::DeviceError>>()
             .map_err(SimError::internal)?;
@@ -155,10 +151,7 @@ impl PrefillEngine {
         for t in targets.iter().cloned() {
             let this = Arc::clone(self);
             let hashes = Arc::clone(&hashes);
-            let blocks: Vec<u32> = held
-                .get(t.rank as usize)
-                .map(|b| b.ids().to_vec())
-                .unwrap_or_default();
+            let blocks: Vec<u32> = held.get(t.rank as usize).map(|b| b.ids().to_vec()).unwrap_or_default();
             tasks.spawn(async move { this.send_rank(key, &t, &blocks, hashes.len()).await });
         }
         let outcome = tokio::time::timeout(self.hold_ttl, async {
@@ -172,10 +165,7 @@ impl PrefillEngine {
         })
         .await
         .unwrap_or_else(|_| {
-            Err(SimError::timeout(format!(
-                "kv transfer not confirmed within {:?}",
-                self.hold_ttl
-            )))
+            Err(SimError::timeout(format!("kv transfer not confirmed within {:?}", self.hold_ttl)))
         });
         tasks.shutdown().await;
         // Whatever happened, the decoders learn that nothing more will come for this request.
@@ -202,12 +192,7 @@ impl PrefillEngine {
     }
 
     fn give_back(&self, addr: SocketAddr, rank: u32, p: ProducerClient) {
-        self.producers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry((addr, rank))
-            .or_default()
-            .push(p);
+        self.producers.lock().unwrap_or_else(|e| e.into_inner()).entry((addr, rank)).or_default().push(p);
     }
 
     async fn send_rank(
@@ -222,10 +207,7 @@ impl PrefillEngine {
             .get(t.rank as usize)
             .ok_or_else(|| SimError::bad(format!("no prefill rank {}", t.rank)))?;
         let cl = self.geometry.chunk_layout();
-        let staging = self
-            .device
-            .alloc_buffer(1, cl.page_bytes())
-            .map_err(SimError::internal)?;
+        let staging = self.device.alloc_buffer(1, cl.page_bytes()).map_err(SimError::internal)?;
         let mut page = vec![0u8; cl.page_bytes()];
         let mut producer = self.producer(t.addr, t.rank).await?;
         let mut report = PrefillReport { chunks: 0, bytes: 0 };
@@ -245,18 +227,11 @@ impl PrefillEngine {
                 first_token: u32::try_from(first).unwrap_or(u32::MAX),
                 tokens: u32::try_from(count).unwrap_or(0),
             };
-            self.device
-                .gather(&rank.cache, &span, &cl, &staging, 0)
-                .map_err(SimError::internal)?;
-            self.device
-                .read_page(&staging, 0, 0, &mut page)
-                .map_err(SimError::internal)?;
-            producer
-                .write_chunk(key, chunk, PageAddr { page: p, generation }, &page)
-                .await
-                .map_err(|e| {
-                    SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
-                })?;
+            self.device.gather(&rank.cache, &span, &cl, &staging, 0).map_err(SimError::internal)?;
+            self.device.read_page(&staging, 0, 0, &mut page).map_err(SimError::internal)?;
+            producer.write_chunk(key, chunk, PageAddr { page: p, generation }, &page).await.map_err(|e| {
+                SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
+            })?;
             report.chunks += 1;
             report.bytes += page.len() as u64;
         }

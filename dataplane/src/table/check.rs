@@ -10,17 +10,10 @@ impl Table {
             *recount.slot(p.state) += 1;
         }
         if recount != self.counts {
-            return Err(format!(
-                "counters {:?} disagree with pages {:?}",
-                self.counts, recount
-            ));
+            return Err(format!("counters {:?} disagree with pages {:?}", self.counts, recount));
         }
         if self.counts.sum() != u64::from(self.total()) {
-            return Err(format!(
-                "accounting: {:?} does not sum to {}",
-                self.counts,
-                self.total()
-            ));
+            return Err(format!("accounting: {:?} does not sum to {}", self.counts, self.total()));
         }
         if self.accounting_errors > 0 {
             return Err(format!("{} accounting errors", self.accounting_errors));
@@ -43,10 +36,7 @@ impl Table {
         for (slot, s) in self.slots.iter().enumerate() {
             let Some(e) = &s.entry else { continue };
             live += 1;
-            let h = Handle {
-                slot: u32::try_from(slot).unwrap_or(u32::MAX),
-                sgen: s.sgen,
-            };
+            let h = Handle { slot: u32::try_from(slot).unwrap_or(u32::MAX), sgen: s.sgen };
             let mut held = 0;
             for c in &e.chunks {
                 match c {
@@ -82,27 +72,17 @@ impl Table {
             }
         }
         if live != self.live || self.by_key.len() != live {
-            return Err(format!(
-                "{live} entries, live {} keys {}",
-                self.live,
-                self.by_key.len()
-            ));
+            return Err(format!("{live} entries, live {} keys {}", self.live, self.by_key.len()));
         }
         for (i, p) in self.pages.iter().enumerate() {
             if owners.get(i).copied().unwrap_or(0) > 1 {
-                return Err(format!(
-                    "page {i} has {} owners",
-                    owners.get(i).copied().unwrap_or(0)
-                ));
+                return Err(format!("page {i} has {} owners", owners.get(i).copied().unwrap_or(0)));
             }
             if p.owner.is_some() && owners.get(i).copied().unwrap_or(0) == 0 {
                 return Err(format!("page {i} points at an owner that does not list it"));
             }
             if p.owner.is_none() && !matches!(p.state, PageState::Free) && p.shares == 0 && !p.writing {
-                return Err(format!(
-                    "page {i} is {:?} with no owner, share or writer",
-                    p.state
-                ));
+                return Err(format!("page {i} is {:?} with no owner, share or writer", p.state));
             }
         }
         let entry_shares: u64 = share_refs.iter().sum();

@@ -58,11 +58,7 @@ pub enum WriteError {
     #[error("page {page} is already being written")]
     InProgress { page: u32 },
     #[error("write of {len} bytes at offset {offset} overruns a page of {page_bytes} bytes")]
-    Overrun {
-        offset: usize,
-        len: usize,
-        page_bytes: usize,
-    },
+    Overrun { offset: usize, len: usize, page_bytes: usize },
     #[error("commit after {written} of {page_bytes} bytes")]
     Incomplete { written: usize, page_bytes: usize },
     #[error("device: {0}")]
@@ -184,16 +180,10 @@ impl Counts {
 
     /// `free + reserved + filled + quarantined + consuming`.
     pub fn sum(&self) -> u64 {
-        [
-            self.free,
-            self.reserved,
-            self.filled,
-            self.quarantined,
-            self.consuming,
-        ]
-        .iter()
-        .map(|c| u64::from(*c))
-        .sum()
+        [self.free, self.reserved, self.filled, self.quarantined, self.consuming]
+            .iter()
+            .map(|c| u64::from(*c))
+            .sum()
     }
 }
 
@@ -256,10 +246,7 @@ impl Table {
                 .collect(),
             // Pop order = ascending page index, so a fresh buffer hands out pages 0, 1, 2...
             free: (0..pages).rev().collect(),
-            counts: Counts {
-                free: pages,
-                ..Counts::default()
-            },
+            counts: Counts { free: pages, ..Counts::default() },
             slots: Vec::new(),
             free_slots: Vec::new(),
             live: 0,
@@ -292,17 +279,11 @@ impl Table {
     }
 
     fn entry(&self, h: Handle) -> Option<&Entry> {
-        self.slots
-            .get(h.slot as usize)
-            .filter(|s| s.sgen == h.sgen)
-            .and_then(|s| s.entry.as_ref())
+        self.slots.get(h.slot as usize).filter(|s| s.sgen == h.sgen).and_then(|s| s.entry.as_ref())
     }
 
     fn entry_mut(&mut self, h: Handle) -> Option<&mut Entry> {
-        self.slots
-            .get_mut(h.slot as usize)
-            .filter(|s| s.sgen == h.sgen)
-            .and_then(|s| s.entry.as_mut())
+        self.slots.get_mut(h.slot as usize).filter(|s| s.sgen == h.sgen).and_then(|s| s.entry.as_mut())
     }
 
     /// Moves a page to a new state, keeping the counters balanced. Never clamps: an underflow is an
@@ -376,13 +357,7 @@ impl Table {
         let Some(e) = self.entry_mut(h) else { return };
         e.timer_seq = e.timer_seq.wrapping_add(1);
         let seq = e.timer_seq;
-        self.timers.push(Reverse(Timer {
-            at,
-            slot: h.slot,
-            sgen: h.sgen,
-            seq,
-            kind,
-        }));
+        self.timers.push(Reverse(Timer { at, slot: h.slot, sgen: h.sgen, seq, kind }));
         // Renewals and closes leave stale timers behind; keep the heap bounded by the live requests.
         if self.timers.len() > 2 * self.live + 64 {
             let slots = &self.slots;
@@ -424,10 +399,7 @@ impl Table {
     ) -> Result<Handle, ReserveError> {
         let total = self.total();
         if r.chunks > total {
-            return Err(ReserveError::TooLarge {
-                need: r.chunks,
-                capacity: total,
-            });
+            return Err(ReserveError::TooLarge { need: r.chunks, capacity: total });
         }
         if self.by_key.contains_key(&r.key) {
             return Err(ReserveError::Duplicate { key: r.key });
@@ -436,19 +408,14 @@ impl Table {
             return Err(ReserveError::LeaseInPast);
         }
         if self.live >= self.limits.max_requests {
-            return Err(ReserveError::TooManyRequests {
-                limit: self.limits.max_requests,
-            });
+            return Err(ReserveError::TooManyRequests { limit: self.limits.max_requests });
         }
         let shared: SmallVec<[Option<u32>; 8]> = (0..r.chunks as usize)
             .map(|i| r.prefixes.get(i).and_then(|k| self.readable_prefix(*k)))
             .collect();
         let own = u32::try_from(shared.iter().filter(|s| s.is_none()).count()).unwrap_or(u32::MAX);
         if own > self.counts.free {
-            return Err(ReserveError::Busy {
-                need: own,
-                free: self.counts.free,
-            });
+            return Err(ReserveError::Busy { need: own, free: self.counts.free });
         }
 
         let slot = match self.free_slots.pop() {
@@ -480,10 +447,7 @@ impl Table {
                     if let Some(p) = self.pages.get_mut(page as usize) {
                         p.owner = Some(h);
                     }
-                    chunks.push(Chunk::Own {
-                        page,
-                        prefix: r.prefixes.get(i).copied(),
-                    });
+                    chunks.push(Chunk::Own { page, prefix: r.prefixes.get(i).copied() });
                 }
             }
         }
@@ -558,13 +522,7 @@ impl Table {
             .filter_map(|(i, c)| match c {
                 Chunk::Own { page, .. } => {
                     let generation = self.pages.get(*page as usize)?.generation;
-                    Some((
-                        u32::try_from(i).ok()?,
-                        PageAddr {
-                            page: *page,
-                            generation,
-                        },
-                    ))
+                    Some((u32::try_from(i).ok()?, PageAddr { page: *page, generation }))
                 }
                 _ => None,
             })
@@ -590,11 +548,9 @@ impl Table {
             return Err(LeaseError::Closed(TerminalState::Cancelled));
         };
         match e.phase {
-            Phase::Closed(s) => Err(if s == TerminalState::Expired {
-                LeaseError::Expired
-            } else {
-                LeaseError::Closed(s)
-            }),
+            Phase::Closed(s) => {
+                Err(if s == TerminalState::Expired { LeaseError::Expired } else { LeaseError::Closed(s) })
+            }
             Phase::Filling | Phase::Ready if e.lease <= now => {
                 self.expire(h, now, out);
                 Err(LeaseError::Expired)
@@ -627,11 +583,9 @@ impl Table {
         match self.entry(h).map(|e| e.phase) {
             Some(Phase::Filling) => Ok(false),
             Some(Phase::Ready | Phase::Consuming) => Ok(true),
-            Some(Phase::Closed(s)) => Err(if s == TerminalState::Expired {
-                LeaseError::Expired
-            } else {
-                LeaseError::Closed(s)
-            }),
+            Some(Phase::Closed(s)) => {
+                Err(if s == TerminalState::Expired { LeaseError::Expired } else { LeaseError::Closed(s) })
+            }
             None => Err(LeaseError::Closed(TerminalState::Cancelled)),
         }
     }
@@ -650,13 +604,7 @@ impl Table {
         let pages: SmallVec<[u32; 8]> = e
             .chunks
             .iter()
-            .filter_map(|c| {
-                if let Chunk::Own { page, .. } = c {
-                    Some(*page)
-                } else {
-                    None
-                }
-            })
+            .filter_map(|c| if let Chunk::Own { page, .. } = c { Some(*page) } else { None })
             .collect();
         for page in pages {
             if self.page_state(page) == Some(PageState::Filled) {
@@ -680,33 +628,23 @@ impl Table {
         out: &mut Events,
     ) -> Result<Begin, WriteError> {
         let total = self.total();
-        let p = self.pages.get(addr.page as usize).ok_or(WriteError::NoSuchPage {
-            page: addr.page,
-            pages: total,
-        })?;
+        let p = self
+            .pages
+            .get(addr.page as usize)
+            .ok_or(WriteError::NoSuchPage { page: addr.page, pages: total })?;
         if p.generation != addr.generation {
-            return Err(WriteError::Stale {
-                page: addr.page,
-                current: p.generation,
-                got: addr.generation,
-            });
+            return Err(WriteError::Stale { page: addr.page, current: p.generation, got: addr.generation });
         }
         let (state, writing) = (p.state, p.writing);
         let h = p.owner.ok_or(WriteError::NotOwner { page: addr.page, key })?;
-        let e = self
-            .entry(h)
-            .ok_or(WriteError::NotOwner { page: addr.page, key })?;
+        let e = self.entry(h).ok_or(WriteError::NotOwner { page: addr.page, key })?;
         if e.key != key {
             return Err(WriteError::NotOwner { page: addr.page, key });
         }
         match e.chunks.get(chunk as usize) {
             Some(Chunk::Own { page, .. }) if *page == addr.page => {}
             _ => {
-                return Err(WriteError::WrongChunk {
-                    chunk,
-                    page: addr.page,
-                    key,
-                });
+                return Err(WriteError::WrongChunk { chunk, page: addr.page, key });
             }
         }
         match self.lease_check(h, now, out) {
@@ -737,10 +675,7 @@ impl Table {
         out: &mut Events,
     ) -> Result<bool, WriteError> {
         let Some(p) = self.pages.get_mut(addr.page as usize) else {
-            return Err(WriteError::NoSuchPage {
-                page: addr.page,
-                pages: self.total(),
-            });
+            return Err(WriteError::NoSuchPage { page: addr.page, pages: self.total() });
         };
         p.writing = false;
         let (state, generation, owner) = (p.state, p.generation, p.owner);

@@ -73,12 +73,7 @@ impl Table {
         let Some(e) = self.entry_mut(h) else { return };
         if e.held == 0 && !e.released_sent {
             e.released_sent = true;
-            let ev = PagesReleased {
-                key: e.key,
-                rank,
-                pages: e.own,
-                reason,
-            };
+            let ev = PagesReleased { key: e.key, rank, pages: e.own, reason };
             out.push(RankEvent::Released(ev));
         }
         self.maybe_remove(h);
@@ -162,11 +157,8 @@ impl Table {
         match e.phase {
             Phase::Filling => self.close(h, TerminalState::Cancelled, now, out),
             Phase::Ready | Phase::Consuming => {
-                let reason = if e.phase == Phase::Ready {
-                    ReleaseReason::Dropped
-                } else {
-                    ReleaseReason::Consumed
-                };
+                let reason =
+                    if e.phase == Phase::Ready { ReleaseReason::Dropped } else { ReleaseReason::Consumed };
                 e.phase = Phase::Closed(TerminalState::Ready);
                 self.cancel_timer(h);
                 self.release_pages(h);
@@ -184,10 +176,7 @@ impl Table {
                 break;
             }
             self.timers.pop();
-            let h = Handle {
-                slot: t.slot,
-                sgen: t.sgen,
-            };
+            let h = Handle { slot: t.slot, sgen: t.sgen };
             let Some(e) = self.entry(h) else { continue };
             if e.timer_seq != t.seq {
                 continue;

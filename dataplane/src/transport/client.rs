@@ -8,7 +8,7 @@ use tokio::net::TcpStream;
 use super::{DEFAULT_REQUEST_TIMEOUT, DEFAULT_SEGMENT_BYTES, FrameIo, TransportError};
 use crate::events::RankEvent;
 use crate::ids::{PageAddr, PrefixKey, RequestKey};
-use crate::wire::{Frame, Hello, RefusalCode, Role};
+use crate::wire::{ChunkHead, Frame, Hello, RefusalCode, Role};
 
 /// What a rank said when the connection was accepted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,24 +30,10 @@ async fn connect(
     let mut io = FrameIo::new(stream);
     io.write(&Frame::Hello(Hello { role, geometry, rank })).await?;
     match answer(&mut io, DEFAULT_REQUEST_TIMEOUT).await? {
-        Frame::Welcome {
-            rank,
-            ranks,
-            pages_total,
-            page_bytes,
-            ..
-        } => Ok((
-            io,
-            Welcome {
-                rank,
-                ranks,
-                pages_total,
-                page_bytes,
-            },
-        )),
-        other => Err(TransportError::Unexpected(format!(
-            "{other:?} instead of welcome"
-        ))),
+        Frame::Welcome { rank, ranks, pages_total, page_bytes, .. } => {
+            Ok((io, Welcome { rank, ranks, pages_total, page_bytes }))
+        }
+        other => Err(TransportError::Unexpected(format!("{other:?} instead of welcome"))),
     }
 }
 
@@ -58,18 +44,9 @@ async fn answer(io: &mut FrameIo<TcpStream>, within: Duration) -> Result<Frame, 
         Ok(Err(e)) => Err(e),
         Ok(Ok(None)) => Err(TransportError::Closed),
         Ok(Ok(Some(Frame::Error { code, message }))) => Err(TransportError::Remote { code, message }),
-        Ok(Ok(Some(Frame::Refused {
-            code,
-            need,
-            have,
-            message,
-            ..
-        }))) => Err(TransportError::Refused {
-            code,
-            need,
-            have,
-            message,
-        }),
+        Ok(Ok(Some(Frame::Refused { code, need, have, message, .. }))) => {
+            Err(TransportError::Refused { code, need, have, message })
+        }
         Ok(Ok(Some(f))) => Ok(f),
     }
 }
@@ -104,20 +81,9 @@ impl ControlClient {
 
     pub async fn info(&mut self) -> Result<RankInfo, TransportError> {
         match self.call(&Frame::Info).await? {
-            Frame::InfoReply {
-                rank,
-                ranks,
-                pages_total,
-                pages_free,
-                page_bytes,
-                ..
-            } => Ok(RankInfo {
-                rank,
-                ranks,
-                pages_total,
-                pages_free,
-                page_bytes,
-            }),
+            Frame::InfoReply { rank, ranks, pages_total, pages_free, page_bytes, .. } => {
+                Ok(RankInfo { rank, ranks, pages_total, pages_free, page_bytes })
+            }
             other => Err(TransportError::Unexpected(format!("{other:?}"))),
         }
     }
@@ -132,12 +98,7 @@ impl ControlClient {
         prefixes: &[PrefixKey],
     ) -> Result<Vec<(u32, PageAddr)>, TransportError> {
         let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
-        let f = Frame::Reserve {
-            key,
-            chunks,
-            lease_ms,
-            prefixes: prefixes.to_vec(),
-        };
+        let f = Frame::Reserve { key, chunks, lease_ms, prefixes: prefixes.to_vec() };
         match self.call(&f).await? {
             Frame::Reserved { key: k, addrs } if k == key => Ok(addrs),
             other => Err(TransportError::Unexpected(format!("{other:?}"))),
@@ -180,11 +141,7 @@ pub struct ProducerClient {
 impl ProducerClient {
     pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
         let (io, welcome) = connect(addr, Role::Producer, geometry, rank).await?;
-        Ok(Self {
-            io,
-            welcome,
-            segment: DEFAULT_SEGMENT_BYTES,
-        })
+        Ok(Self { io, welcome, segment: DEFAULT_SEGMENT_BYTES })
     }
 
     /// Sets the segment size (bytes per frame) for chunk writes.
@@ -206,31 +163,17 @@ impl ProducerClient {
                 code: RefusalCode::BadRequest,
                 need: 0,
                 have: 0,
-                message: format!(
-                    "chunk of {} bytes, pages are {}",
-                    bytes.len(),
-                    self.welcome.page_bytes
-                ),
+                message: format!("chunk of {} bytes, pages are {}", bytes.len(), self.welcome.page_bytes),
             });
         }
         let mut offset = 0usize;
         for seg in bytes.chunks(self.segment) {
-            let f = Frame::Chunk {
-                key,
-                chunk,
-                addr,
-                offset: offset as u64,
-                bytes: seg.to_vec(),
-            };
-            self.io.write(&f).await?;
+            let head = ChunkHead { key, chunk, addr, offset: offset as u64, len: seg.len() };
+            self.io.write_chunk(&head, seg).await?;
             offset += seg.len();
         }
         match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
-            Frame::ChunkAck {
-                key: k,
-                chunk: c,
-                duplicate,
-            } if k == key && c == chunk => Ok(duplicate),
+            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => Ok(duplicate),
             other => Err(TransportError::Unexpected(format!("{other:?}"))),
         }
     }

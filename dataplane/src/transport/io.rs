@@ -1,9 +1,24 @@
 //! Reading and writing frames on a byte stream.
+//!
+//! Chunk payloads are never buffered whole: a sender writes the chunk's head and then the caller's
+//! bytes; a receiver gets the head ([`FrameIo::read_head`]) and streams the payload through
+//! [`FrameIo::read_payload`] in socket-sized pieces.
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::TransportError;
-use crate::wire::{Decoded, Frame, decode, encode};
+use crate::wire::{ChunkHead, Decoded, DecodedHead, Frame, decode, decode_head, encode, encode_chunk_head};
+
+/// Largest piece of a chunk payload read from the socket at once.
+const PAYLOAD_PIECE: usize = 1 << 20;
+
+/// What [`FrameIo::read_head`] found.
+#[derive(Debug)]
+pub enum Incoming {
+    Frame(Frame),
+    /// A chunk whose `len` payload bytes must be read with [`FrameIo::read_payload`] next.
+    Chunk(ChunkHead),
+}
 
 /// A framed connection: reads whole frames (refusing bad ones as soon as their header shows it) and
 /// writes frames.
@@ -12,6 +27,7 @@ pub struct FrameIo<S> {
     stream: S,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
+    scratch: Vec<u8>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
@@ -20,10 +36,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
             stream,
             rbuf: Vec::with_capacity(64 << 10),
             wbuf: Vec::with_capacity(4 << 10),
+            scratch: Vec::new(),
         }
     }
 
-    /// The next frame, or `None` when the peer closed cleanly between frames.
+    async fn fill(&mut self, need: usize) -> Result<bool, TransportError> {
+        self.rbuf.reserve(need.saturating_sub(self.rbuf.len()).max(64 << 10));
+        let n = self.stream.read_buf(&mut self.rbuf).await?;
+        Ok(n > 0)
+    }
+
+    /// The next frame, or `None` when the peer closed cleanly between frames. Chunk payloads are
+    /// collected into the frame (use [`FrameIo::read_head`] to stream them instead).
     pub async fn read(&mut self) -> Result<Option<Frame>, TransportError> {
         loop {
             match decode(&self.rbuf)? {
@@ -32,19 +56,61 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
                     return Ok(Some(f));
                 }
                 Decoded::Incomplete(need) => {
-                    self.rbuf
-                        .reserve(need.saturating_sub(self.rbuf.len()).max(64 << 10));
-                    let n = self.stream.read_buf(&mut self.rbuf).await?;
-                    if n == 0 {
-                        return if self.rbuf.is_empty() {
-                            Ok(None)
-                        } else {
-                            Err(TransportError::Closed)
-                        };
+                    if !self.fill(need).await? {
+                        return if self.rbuf.is_empty() { Ok(None) } else { Err(TransportError::Closed) };
                     }
                 }
             }
         }
+    }
+
+    /// The next frame, or only the head of a chunk frame.
+    pub async fn read_head(&mut self) -> Result<Option<Incoming>, TransportError> {
+        loop {
+            match decode_head(&self.rbuf)? {
+                DecodedHead::Frame(f, used) => {
+                    self.rbuf.drain(..used);
+                    return Ok(Some(Incoming::Frame(f)));
+                }
+                DecodedHead::Chunk(h, used) => {
+                    self.rbuf.drain(..used);
+                    return Ok(Some(Incoming::Chunk(h)));
+                }
+                DecodedHead::Incomplete(need) => {
+                    if !self.fill(need).await? {
+                        return if self.rbuf.is_empty() { Ok(None) } else { Err(TransportError::Closed) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads exactly `len` payload bytes, handing them to `sink` piece by piece, and never a byte of
+    /// the next frame.
+    pub async fn read_payload(
+        &mut self,
+        len: usize,
+        mut sink: impl FnMut(&[u8]),
+    ) -> Result<(), TransportError> {
+        let buffered = len.min(self.rbuf.len());
+        if buffered > 0 {
+            sink(self.rbuf.get(..buffered).unwrap_or_default());
+            self.rbuf.drain(..buffered);
+        }
+        let mut left = len - buffered;
+        if left > 0 && self.scratch.len() < PAYLOAD_PIECE {
+            self.scratch.resize(PAYLOAD_PIECE, 0);
+        }
+        while left > 0 {
+            let want = left.min(self.scratch.len());
+            let n = self.stream.read(self.scratch.get_mut(..want).unwrap_or_default()).await?;
+            if n == 0 {
+                return Err(TransportError::Closed);
+            }
+            sink(self.scratch.get(..n).unwrap_or_default());
+            left -= n;
+        }
+        Ok(())
     }
 
     /// Sends one frame.
@@ -52,6 +118,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
         self.wbuf.clear();
         encode(frame, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
+        Ok(())
+    }
+
+    /// Sends a chunk frame: its head, then `payload` straight from the caller's memory.
+    pub async fn write_chunk(&mut self, head: &ChunkHead, payload: &[u8]) -> Result<(), TransportError> {
+        self.wbuf.clear();
+        encode_chunk_head(&ChunkHead { len: payload.len(), ..*head }, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        self.stream.write_all(payload).await?;
         Ok(())
     }
 

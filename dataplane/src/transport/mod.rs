@@ -19,7 +19,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 pub use client::{ControlClient, EventStream, ProducerClient, RankInfo, Welcome};
-pub use io::FrameIo;
+pub use io::{FrameIo, Incoming};
 pub use server::{BroadcastSink, RankServer, ServerHandle};
 
 use crate::wire::{FrameError, RefusalCode};
@@ -50,12 +50,7 @@ pub enum TransportError {
     #[error("peer closed the connection with an error ({code:?}): {message}")]
     Remote { code: RefusalCode, message: String },
     #[error("refused ({code:?}, need {need}, have {have}): {message}")]
-    Refused {
-        code: RefusalCode,
-        need: u32,
-        have: u32,
-        message: String,
-    },
+    Refused { code: RefusalCode, need: u32, have: u32, message: String },
     #[error("unexpected frame: {0}")]
     Unexpected(String),
     #[error("timed out after {0:?}")]

@@ -11,13 +11,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinSet;
 
-use super::{DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, TransportError};
+use super::{DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, Incoming, TransportError};
 use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
 use crate::device::Device;
 use crate::events::{EventSink, RankEvent, TerminalState};
 use crate::ids::RequestKey;
 use crate::table::{LeaseError, ReserveError, WriteError};
-use crate::wire::{Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
+use crate::wire::{ChunkHead, Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
 
 /// How often the reaper wakes at the latest, so a renewal that moves a deadline earlier is honoured
 /// within this bound.
@@ -44,10 +44,7 @@ pub struct RankServer<D: Device> {
 
 impl<D: Device> std::fmt::Debug for RankServer<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RankServer")
-            .field("buffer", &self.buf)
-            .field("ranks", &self.ranks)
-            .finish()
+        f.debug_struct("RankServer").field("buffer", &self.buf).field("ranks", &self.ranks).finish()
     }
 }
 
@@ -68,13 +65,7 @@ impl ServerHandle {
 }
 
 fn refusal(key: RequestKey, code: RefusalCode, need: u32, have: u32, message: String) -> Frame {
-    Frame::Refused {
-        key,
-        code,
-        need,
-        have,
-        message,
-    }
+    Frame::Refused { key, code, need, have, message }
 }
 
 fn reserve_refusal(key: RequestKey, e: &ReserveError) -> Frame {
@@ -82,11 +73,9 @@ fn reserve_refusal(key: RequestKey, e: &ReserveError) -> Frame {
         ReserveError::TooLarge { need, capacity } => (RefusalCode::TooLarge, need, capacity),
         ReserveError::Busy { need, free } => (RefusalCode::Busy, need, free),
         ReserveError::Duplicate { .. } => (RefusalCode::Duplicate, 0, 0),
-        ReserveError::TooManyRequests { limit } => (
-            RefusalCode::TooManyRequests,
-            0,
-            u32::try_from(limit).unwrap_or(u32::MAX),
-        ),
+        ReserveError::TooManyRequests { limit } => {
+            (RefusalCode::TooManyRequests, 0, u32::try_from(limit).unwrap_or(u32::MAX))
+        }
         ReserveError::LeaseInPast => (RefusalCode::BadRequest, 0, 0),
     };
     refusal(key, code, need, have, e.to_string())
@@ -108,11 +97,7 @@ fn write_refusal(key: RequestKey, e: &WriteError) -> Frame {
 }
 
 fn lease_refusal(key: RequestKey, e: LeaseError) -> Frame {
-    let code = if e == LeaseError::Expired {
-        RefusalCode::Expired
-    } else {
-        RefusalCode::Closed
-    };
+    let code = if e == LeaseError::Expired { RefusalCode::Expired } else { RefusalCode::Closed };
     refusal(key, code, 0, 0, e.to_string())
 }
 
@@ -124,19 +109,17 @@ enum InFlight<D: Device> {
         writer: PageWriter<D>,
     },
     /// Already answered (duplicate or refused): the rest of its segments are read and dropped.
-    Skipping { key: RequestKey, chunk: u32 },
+    Skipping {
+        key: RequestKey,
+        chunk: u32,
+    },
 }
 
 impl<D: Device> RankServer<D> {
     /// A server for `buf`'s rank, one of `ranks`. The buffer must have been built with the sink
     /// returned by [`RankServer::sink`].
     pub fn new(buf: RankBuffer<D>, ranks: u32, events: broadcast::Sender<RankEvent>) -> Arc<Self> {
-        Arc::new(Self {
-            buf,
-            ranks,
-            held: Mutex::new(FxHashMap::default()),
-            events,
-        })
+        Arc::new(Self { buf, ranks, held: Mutex::new(FxHashMap::default()), events })
     }
 
     /// An event sink for the rank's buffer and the channel the server will publish from.
@@ -156,12 +139,7 @@ impl<D: Device> RankServer<D> {
 
     /// Drops every reservation this rank holds (cancelling those not consumed); for a crashed rank.
     pub fn clear(&self) {
-        let all: Vec<_> = self
-            .held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .collect();
+        let all: Vec<_> = self.held.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
         drop(all);
     }
 
@@ -227,13 +205,8 @@ impl<D: Device> RankServer<D> {
                 Ok(_) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     // Missed some: sweep everything once.
-                    let keys: Vec<RequestKey> = self
-                        .held
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .keys()
-                        .copied()
-                        .collect();
+                    let keys: Vec<RequestKey> =
+                        self.held.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
                     for k in keys {
                         self.forget_if_closed(k);
                     }
@@ -258,12 +231,8 @@ impl<D: Device> RankServer<D> {
             Ok(Ok(Some(Frame::Hello(h)))) => h,
             Ok(Ok(None)) => return,
             Ok(Ok(Some(other))) => {
-                return close(
-                    &mut io,
-                    RefusalCode::BadRequest,
-                    format!("expected hello, got {other:?}"),
-                )
-                .await;
+                return close(&mut io, RefusalCode::BadRequest, format!("expected hello, got {other:?}"))
+                    .await;
             }
             Ok(Err(e)) => return close(&mut io, code_of(&e), e.to_string()).await,
             Err(_) => {
@@ -327,19 +296,9 @@ impl<D: Device> RankServer<D> {
                         geometry: self.buf.geometry().fingerprint(),
                     }
                 }
-                Frame::Reserve {
-                    key,
-                    chunks,
-                    lease_ms,
-                    prefixes,
-                } => {
+                Frame::Reserve { key, chunks, lease_ms, prefixes } => {
                     let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
-                    match self.buf.reserve(ReserveRequest {
-                        key,
-                        chunks,
-                        prefixes: &prefixes,
-                        lease,
-                    }) {
+                    match self.buf.reserve(ReserveRequest { key, chunks, prefixes: &prefixes, lease }) {
                         Ok(mut r) => {
                             let addrs = r.publish();
                             self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
@@ -354,13 +313,7 @@ impl<D: Device> RankServer<D> {
                     match held.get(&key).map(|r| r.renew(lease)) {
                         Some(Ok(())) => Frame::Done { key },
                         Some(Err(e)) => lease_refusal(key, e),
-                        None => refusal(
-                            key,
-                            RefusalCode::Closed,
-                            0,
-                            0,
-                            format!("no reservation for {key}"),
-                        ),
+                        None => refusal(key, RefusalCode::Closed, 0, 0, format!("no reservation for {key}")),
                     }
                 }
                 Frame::Cancel { key, unsent } => {
@@ -374,9 +327,7 @@ impl<D: Device> RankServer<D> {
                     Frame::Done { key }
                 }
                 other => {
-                    return Err(TransportError::Unexpected(format!(
-                        "{other:?} on a control connection"
-                    )));
+                    return Err(TransportError::Unexpected(format!("{other:?} on a control connection")));
                 }
             };
             io.write(&reply).await?;
@@ -385,110 +336,98 @@ impl<D: Device> RankServer<D> {
     }
 
     async fn producer(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
-        let page_bytes = self.buf.page_bytes();
         let mut current: Option<InFlight<D>> = None;
-        while let Some(frame) = io.read().await? {
-            match frame {
-                Frame::Chunk {
-                    key,
-                    chunk,
-                    addr,
-                    offset,
-                    bytes,
-                } => {
-                    let end = offset.saturating_add(bytes.len() as u64);
-                    let last = end == page_bytes as u64;
-                    if offset == 0 {
-                        // A new chunk; anything unfinished before it is aborted first (its writer
-                        // drops), so a retry of the same page is not refused as in progress.
-                        drop(current.take());
-                        match self.buf.begin_write(key, chunk, addr) {
-                            Ok(BeginWrite::Write(writer)) => {
-                                current = Some(InFlight::Writing { key, chunk, writer })
-                            }
-                            Ok(BeginWrite::Duplicate) => {
-                                io.write(&Frame::ChunkAck {
-                                    key,
-                                    chunk,
-                                    duplicate: true,
-                                })
-                                .await?;
-                                current = Some(InFlight::Skipping { key, chunk });
-                            }
-                            Err(e) => {
-                                io.write(&write_refusal(key, &e)).await?;
-                                current = Some(InFlight::Skipping { key, chunk });
-                            }
-                        }
-                    }
-                    match current.take() {
-                        Some(InFlight::Writing {
-                            key: k,
-                            chunk: c,
-                            mut writer,
-                        }) if k == key && c == chunk => {
-                            if writer.written() as u64 != offset {
-                                io.write(&refusal(
-                                    key,
-                                    RefusalCode::BadRequest,
-                                    0,
-                                    0,
-                                    format!("segment at offset {offset}, expected {}", writer.written()),
-                                ))
-                                .await?;
-                                current = Some(InFlight::Skipping { key, chunk });
-                            } else if let Err(e) = writer.write(&bytes) {
-                                io.write(&write_refusal(key, &e)).await?;
-                                current = Some(InFlight::Skipping { key, chunk });
-                            } else if last {
-                                let reply = match writer.commit() {
-                                    Ok(WriteOutcome::Stored { .. }) => Frame::ChunkAck {
-                                        key,
-                                        chunk,
-                                        duplicate: false,
-                                    },
-                                    Ok(WriteOutcome::Duplicate) => Frame::ChunkAck {
-                                        key,
-                                        chunk,
-                                        duplicate: true,
-                                    },
-                                    Err(e) => write_refusal(key, &e),
-                                };
-                                io.write(&reply).await?;
-                            } else {
-                                current = Some(InFlight::Writing { key, chunk, writer });
-                            }
-                        }
-                        Some(InFlight::Skipping { key: k, chunk: c }) if k == key && c == chunk => {
-                            if !last {
-                                current = Some(InFlight::Skipping { key, chunk });
-                            }
-                        }
-                        _ => {
-                            io.write(&refusal(
-                                key,
-                                RefusalCode::BadRequest,
-                                0,
-                                0,
-                                format!("segment of chunk {chunk} at offset {offset} without its start"),
-                            ))
-                            .await?;
-                        }
+        while let Some(incoming) = io.read_head().await? {
+            match incoming {
+                Incoming::Chunk(head) => {
+                    let (reply, next) = self.chunk_segment(io, head, current.take()).await?;
+                    current = next;
+                    if let Some(reply) = reply {
+                        io.write(&reply).await?;
                     }
                 }
-                Frame::Fence { key } => {
+                Incoming::Frame(Frame::Fence { key }) => {
                     current = None;
                     self.buf.fence(key);
                     io.write(&Frame::Done { key }).await?;
                 }
-                other => {
-                    return Err(TransportError::Unexpected(format!(
-                        "{other:?} on a producer connection"
-                    )));
+                Incoming::Frame(other) => {
+                    return Err(TransportError::Unexpected(format!("{other:?} on a producer connection")));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Takes one segment of a chunk off the wire (always all of its payload, so framing holds) and
+    /// returns the answer to send, if the chunk is finished or refused, and the chunk still in flight.
+    async fn chunk_segment(
+        &self,
+        io: &mut FrameIo<TcpStream>,
+        h: ChunkHead,
+        mut current: Option<InFlight<D>>,
+    ) -> Result<(Option<Frame>, Option<InFlight<D>>), TransportError> {
+        let (key, chunk) = (h.key, h.chunk);
+        let last = h.offset.saturating_add(h.len as u64) == self.buf.page_bytes() as u64;
+        let mut reply = None;
+        if h.offset == 0 {
+            // A new chunk; anything unfinished before it is aborted first (its writer drops), so a
+            // retry of the same page is not refused as in progress.
+            drop(current.take());
+            current = Some(match self.buf.begin_write(key, chunk, h.addr) {
+                Ok(BeginWrite::Write(writer)) => InFlight::Writing { key, chunk, writer },
+                Ok(BeginWrite::Duplicate) => {
+                    reply = Some(Frame::ChunkAck { key, chunk, duplicate: true });
+                    InFlight::Skipping { key, chunk }
+                }
+                Err(e) => {
+                    reply = Some(write_refusal(key, &e));
+                    InFlight::Skipping { key, chunk }
+                }
+            });
+        }
+        match current {
+            Some(InFlight::Writing { key: k, chunk: c, mut writer }) if k == key && c == chunk => {
+                if writer.written() as u64 != h.offset {
+                    io.read_payload(h.len, |_| {}).await?;
+                    let msg = format!("segment at offset {}, expected {}", h.offset, writer.written());
+                    return Ok((
+                        Some(refusal(key, RefusalCode::BadRequest, 0, 0, msg)),
+                        Some(InFlight::Skipping { key, chunk }),
+                    ));
+                }
+                let mut failed = None;
+                io.read_payload(h.len, |piece| {
+                    if failed.is_none()
+                        && let Err(e) = writer.write(piece)
+                    {
+                        failed = Some(e);
+                    }
+                })
+                .await?;
+                if let Some(e) = failed {
+                    return Ok((Some(write_refusal(key, &e)), Some(InFlight::Skipping { key, chunk })));
+                }
+                if !last {
+                    return Ok((None, Some(InFlight::Writing { key, chunk, writer })));
+                }
+                let answer = match writer.commit() {
+                    Ok(WriteOutcome::Stored { .. }) => Frame::ChunkAck { key, chunk, duplicate: false },
+                    Ok(WriteOutcome::Duplicate) => Frame::ChunkAck { key, chunk, duplicate: true },
+                    Err(e) => write_refusal(key, &e),
+                };
+                Ok((Some(answer), None))
+            }
+            Some(InFlight::Skipping { key: k, chunk: c }) if k == key && c == chunk => {
+                io.read_payload(h.len, |_| {}).await?;
+                Ok((reply, (!last).then_some(InFlight::Skipping { key, chunk })))
+            }
+            _ => {
+                io.read_payload(h.len, |_| {}).await?;
+                let msg = format!("segment of chunk {chunk} at offset {} without its start", h.offset);
+                Ok((Some(refusal(key, RefusalCode::BadRequest, 0, 0, msg)), None))
+            }
+        }
     }
 
     async fn event_feed(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {

@@ -160,6 +160,28 @@ pub enum Frame {
     },
 }
 
+/// The fixed part of a chunk frame; its payload (`len` bytes) follows on the wire. Receivers stream
+/// the payload into the page instead of buffering the frame.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct ChunkHead {
+    pub key: RequestKey,
+    pub chunk: u32,
+    pub addr: PageAddr,
+    pub offset: u64,
+    pub len: usize,
+}
+
+/// Header plus the chunk frame's fixed fields: key (20), chunk, page, generation, offset (8), length.
+pub const CHUNK_HEAD_LEN: usize = HEADER_LEN + 20 + 4 + 4 + 4 + 8 + 4;
+
+/// A decoded frame start: a whole frame, or only a chunk's head with its payload still to read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DecodedHead {
+    Frame(Frame, usize),
+    Chunk(ChunkHead, usize),
+    Incomplete(usize),
+}
+
 /// Why a frame could not be decoded. The connection that sent it is closed with an `Error` frame.
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
 pub enum FrameError {
@@ -209,11 +231,7 @@ mod kind {
 }
 
 fn limit_for(kind: u8) -> usize {
-    if kind == kind::CHUNK {
-        MAX_DATA_FRAME + 256
-    } else {
-        MAX_CONTROL_FRAME
-    }
+    if kind == kind::CHUNK { MAX_DATA_FRAME + 256 } else { MAX_CONTROL_FRAME }
 }
 
 /// Appends one frame to `out`.
@@ -229,13 +247,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u32(h.rank);
                 kind::HELLO
             }
-            Frame::Welcome {
-                rank,
-                ranks,
-                pages_total,
-                page_bytes,
-                geometry,
-            } => {
+            Frame::Welcome { rank, ranks, pages_total, page_bytes, geometry } => {
                 w.u32(*rank);
                 w.u32(*ranks);
                 w.u32(*pages_total);
@@ -244,14 +256,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 kind::WELCOME
             }
             Frame::Info => kind::INFO,
-            Frame::InfoReply {
-                rank,
-                ranks,
-                pages_total,
-                pages_free,
-                page_bytes,
-                geometry,
-            } => {
+            Frame::InfoReply { rank, ranks, pages_total, pages_free, page_bytes, geometry } => {
                 w.u32(*rank);
                 w.u32(*ranks);
                 w.u32(*pages_total);
@@ -260,12 +265,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u64(*geometry);
                 kind::INFO_REPLY
             }
-            Frame::Reserve {
-                key,
-                chunks,
-                lease_ms,
-                prefixes,
-            } => {
+            Frame::Reserve { key, chunks, lease_ms, prefixes } => {
                 w.key(key);
                 w.u32(*chunks);
                 w.u32(*lease_ms);
@@ -299,13 +299,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.key(key);
                 kind::DONE
             }
-            Frame::Refused {
-                key,
-                code,
-                need,
-                have,
-                message,
-            } => {
+            Frame::Refused { key, code, need, have, message } => {
                 w.key(key);
                 w.u8(*code as u8);
                 w.u32(*need);
@@ -313,26 +307,14 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.bytes(message.as_bytes());
                 kind::REFUSED
             }
-            Frame::Chunk {
-                key,
-                chunk,
-                addr,
-                offset,
-                bytes,
-            } => {
-                w.key(key);
-                w.u32(*chunk);
-                w.u32(addr.page);
-                w.u32(addr.generation);
-                w.u64(*offset);
-                w.bytes(bytes);
+            Frame::Chunk { key, chunk, addr, offset, bytes } => {
+                let h =
+                    ChunkHead { key: *key, chunk: *chunk, addr: *addr, offset: *offset, len: bytes.len() };
+                write_chunk_fields(&mut w, &h);
+                w.0.extend_from_slice(bytes);
                 kind::CHUNK
             }
-            Frame::ChunkAck {
-                key,
-                chunk,
-                duplicate,
-            } => {
+            Frame::ChunkAck { key, chunk, duplicate } => {
                 w.key(key);
                 w.u32(*chunk);
                 w.u8(u8::from(*duplicate));
@@ -375,11 +357,31 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
     }
 }
 
-/// Decodes one frame from the front of `buf`, refusing oversized frames as soon as the header is in.
-pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
-    if buf.len() < HEADER_LEN {
-        return Ok(Decoded::Incomplete(HEADER_LEN));
+fn write_chunk_fields(w: &mut W<'_>, h: &ChunkHead) {
+    w.key(&h.key);
+    w.u32(h.chunk);
+    w.u32(h.addr.page);
+    w.u32(h.addr.generation);
+    w.u64(h.offset);
+    w.len(h.len);
+}
+
+/// Appends the head of a chunk frame whose `h.len` payload bytes the caller sends right after.
+pub fn encode_chunk_head(h: &ChunkHead, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0; HEADER_LEN]);
+    write_chunk_fields(&mut W(out), h);
+    let len = u32::try_from(CHUNK_HEAD_LEN - 4 + h.len).unwrap_or(u32::MAX);
+    if let Some(hd) = out.get_mut(start..start + HEADER_LEN) {
+        hd[..4].copy_from_slice(&len.to_le_bytes());
+        hd[4] = PROTOCOL_VERSION;
+        hd[5] = kind::CHUNK;
+        hd[6..8].copy_from_slice(&0u16.to_le_bytes());
     }
+}
+
+/// Checks the 8-byte header: returns (frame length after the `len` field, kind).
+fn check_header(buf: &[u8]) -> Result<(usize, u8), FrameError> {
     let mut r = R { buf, pos: 0 };
     let len = r.u32("len")? as usize;
     let version = r.u8("version")?;
@@ -389,10 +391,7 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
         return Err(FrameError::Version { got: version });
     }
     if len < HEADER_LEN - 4 {
-        return Err(FrameError::TooShort {
-            len,
-            min: HEADER_LEN - 4,
-        });
+        return Err(FrameError::TooShort { len, min: HEADER_LEN - 4 });
     }
     let limit = limit_for(k);
     if len > limit {
@@ -401,14 +400,57 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
     if flags != 0 {
         return Err(FrameError::Flags(flags));
     }
+    Ok((len, k))
+}
+
+fn read_chunk_fields(r: &mut R<'_>) -> Result<ChunkHead, FrameError> {
+    Ok(ChunkHead {
+        key: r.key()?,
+        chunk: r.u32("chunk")?,
+        addr: PageAddr { page: r.u32("page")?, generation: r.u32("generation")? },
+        offset: r.u64("offset")?,
+        len: r.u32("bytes")? as usize,
+    })
+}
+
+/// Like [`decode`], but a chunk frame is returned as soon as its head is in, leaving the payload
+/// (`head.len` bytes right after the returned count) to the caller.
+pub fn decode_head(buf: &[u8]) -> Result<DecodedHead, FrameError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(DecodedHead::Incomplete(HEADER_LEN));
+    }
+    let (len, k) = check_header(buf)?;
+    if k != kind::CHUNK {
+        return Ok(match decode(buf)? {
+            Decoded::Frame(f, n) => DecodedHead::Frame(f, n),
+            Decoded::Incomplete(n) => DecodedHead::Incomplete(n),
+        });
+    }
+    if len + 4 < CHUNK_HEAD_LEN {
+        return Err(FrameError::Truncated { field: "chunk head" });
+    }
+    if buf.len() < CHUNK_HEAD_LEN {
+        return Ok(DecodedHead::Incomplete(CHUNK_HEAD_LEN));
+    }
+    let mut r = R { buf: buf.get(..CHUNK_HEAD_LEN).unwrap_or_default(), pos: HEADER_LEN };
+    let head = read_chunk_fields(&mut r)?;
+    if CHUNK_HEAD_LEN + head.len != len + 4 {
+        return Err(FrameError::Value { field: "bytes", value: head.len as u64 });
+    }
+    Ok(DecodedHead::Chunk(head, CHUNK_HEAD_LEN))
+}
+
+/// Decodes one frame from the front of `buf`, refusing oversized frames as soon as the header is in.
+pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(Decoded::Incomplete(HEADER_LEN));
+    }
+    let (len, k) = check_header(buf)?;
     let total = len + 4;
     if buf.len() < total {
         return Ok(Decoded::Incomplete(total));
     }
-    let mut r = R {
-        buf: buf.get(..total).unwrap_or_default(),
-        pos: HEADER_LEN,
-    };
+    let mut r = R { buf: buf.get(..total).unwrap_or_default(), pos: HEADER_LEN };
     let frame = match k {
         kind::HELLO => {
             let role = match r.u8("role")? {
@@ -416,17 +458,10 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
                 2 => Role::Producer,
                 3 => Role::Events,
                 v => {
-                    return Err(FrameError::Value {
-                        field: "role",
-                        value: u64::from(v),
-                    });
+                    return Err(FrameError::Value { field: "role", value: u64::from(v) });
                 }
             };
-            Frame::Hello(Hello {
-                role,
-                geometry: r.u64("geometry")?,
-                rank: r.u32("rank")?,
-            })
+            Frame::Hello(Hello { role, geometry: r.u64("geometry")?, rank: r.u32("rank")? })
         }
         kind::WELCOME => Frame::Welcome {
             rank: r.u32("rank")?,
@@ -449,46 +484,27 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
             let chunks = r.u32("chunks")?;
             let lease_ms = r.u32("lease_ms")?;
             let n = r.count("prefixes", 8)?;
-            let prefixes = (0..n)
-                .map(|_| r.u64("prefix").map(PrefixKey))
-                .collect::<Result<_, _>>()?;
-            Frame::Reserve {
-                key,
-                chunks,
-                lease_ms,
-                prefixes,
-            }
+            let prefixes = (0..n).map(|_| r.u64("prefix").map(PrefixKey)).collect::<Result<_, _>>()?;
+            Frame::Reserve { key, chunks, lease_ms, prefixes }
         }
         kind::RESERVED => {
             let key = r.key()?;
             let n = r.count("addrs", 12)?;
             let addrs = (0..n)
                 .map(|_| {
-                    Ok((
-                        r.u32("chunk")?,
-                        PageAddr {
-                            page: r.u32("page")?,
-                            generation: r.u32("generation")?,
-                        },
-                    ))
+                    Ok((r.u32("chunk")?, PageAddr { page: r.u32("page")?, generation: r.u32("generation")? }))
                 })
                 .collect::<Result<_, FrameError>>()?;
             Frame::Reserved { key, addrs }
         }
-        kind::RENEW => Frame::Renew {
-            key: r.key()?,
-            lease_ms: r.u32("lease_ms")?,
-        },
+        kind::RENEW => Frame::Renew { key: r.key()?, lease_ms: r.u32("lease_ms")? },
         kind::CANCEL => {
             let key = r.key()?;
             let unsent = match r.u8("unsent")? {
                 0 => false,
                 1 => true,
                 v => {
-                    return Err(FrameError::Value {
-                        field: "unsent",
-                        value: u64::from(v),
-                    });
+                    return Err(FrameError::Value { field: "unsent", value: u64::from(v) });
                 }
             };
             Frame::Cancel { key, unsent }
@@ -497,10 +513,8 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
         kind::REFUSED => {
             let key = r.key()?;
             let c = r.u8("code")?;
-            let code = RefusalCode::from_u8(c).ok_or(FrameError::Value {
-                field: "code",
-                value: u64::from(c),
-            })?;
+            let code =
+                RefusalCode::from_u8(c).ok_or(FrameError::Value { field: "code", value: u64::from(c) })?;
             Frame::Refused {
                 key,
                 code,
@@ -509,16 +523,11 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
                 message: r.string("message")?,
             }
         }
-        kind::CHUNK => Frame::Chunk {
-            key: r.key()?,
-            chunk: r.u32("chunk")?,
-            addr: PageAddr {
-                page: r.u32("page")?,
-                generation: r.u32("generation")?,
-            },
-            offset: r.u64("offset")?,
-            bytes: r.bytes("bytes")?.to_vec(),
-        },
+        kind::CHUNK => {
+            let h = read_chunk_fields(&mut r)?;
+            let bytes = r.take(h.len, "bytes")?.to_vec();
+            Frame::Chunk { key: h.key, chunk: h.chunk, addr: h.addr, offset: h.offset, bytes }
+        }
         kind::CHUNK_ACK => {
             let key = r.key()?;
             let chunk = r.u32("chunk")?;
@@ -526,27 +535,17 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
                 0 => false,
                 1 => true,
                 v => {
-                    return Err(FrameError::Value {
-                        field: "duplicate",
-                        value: u64::from(v),
-                    });
+                    return Err(FrameError::Value { field: "duplicate", value: u64::from(v) });
                 }
             };
-            Frame::ChunkAck {
-                key,
-                chunk,
-                duplicate,
-            }
+            Frame::ChunkAck { key, chunk, duplicate }
         }
         kind::FENCE => Frame::Fence { key: r.key()? },
         kind::EVENT_STATUS => {
             let key = r.key()?;
             let rank = r.u32("rank")?;
             let s = r.u8("state")?;
-            let state = terminal_from(s).ok_or(FrameError::Value {
-                field: "state",
-                value: u64::from(s),
-            })?;
+            let state = terminal_from(s).ok_or(FrameError::Value { field: "state", value: u64::from(s) })?;
             Frame::Event(RankEvent::Status(RankStatus {
                 request: key.request,
                 epoch: key.epoch,
@@ -561,27 +560,14 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
             let rank = r.u32("rank")?;
             let pages = r.u32("pages")?;
             let c = r.u8("reason")?;
-            let reason = release_from(c).ok_or(FrameError::Value {
-                field: "reason",
-                value: u64::from(c),
-            })?;
-            Frame::Event(RankEvent::Released(PagesReleased {
-                key,
-                rank,
-                pages,
-                reason,
-            }))
+            let reason = release_from(c).ok_or(FrameError::Value { field: "reason", value: u64::from(c) })?;
+            Frame::Event(RankEvent::Released(PagesReleased { key, rank, pages, reason }))
         }
         kind::ERROR => {
             let c = r.u8("code")?;
-            let code = RefusalCode::from_u8(c).ok_or(FrameError::Value {
-                field: "code",
-                value: u64::from(c),
-            })?;
-            Frame::Error {
-                code,
-                message: r.string("message")?,
-            }
+            let code =
+                RefusalCode::from_u8(c).ok_or(FrameError::Value { field: "code", value: u64::from(c) })?;
+            Frame::Error { code, message: r.string("message")? }
         }
         other => return Err(FrameError::Kind(other)),
     };
@@ -666,10 +652,7 @@ struct R<'a> {
 impl<'a> R<'a> {
     fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], FrameError> {
         let end = self.pos.checked_add(n).ok_or(FrameError::Truncated { field })?;
-        let s = self
-            .buf
-            .get(self.pos..end)
-            .ok_or(FrameError::Truncated { field })?;
+        let s = self.buf.get(self.pos..end).ok_or(FrameError::Truncated { field })?;
         self.pos = end;
         Ok(s)
     }
@@ -724,18 +707,8 @@ mod tests {
     fn all_frames() -> Vec<Frame> {
         let k = key();
         vec![
-            Frame::Hello(Hello {
-                role: Role::Producer,
-                geometry: 42,
-                rank: 3,
-            }),
-            Frame::Welcome {
-                rank: 1,
-                ranks: 2,
-                pages_total: 64,
-                page_bytes: 32 << 20,
-                geometry: 42,
-            },
+            Frame::Hello(Hello { role: Role::Producer, geometry: 42, rank: 3 }),
+            Frame::Welcome { rank: 1, ranks: 2, pages_total: 64, page_bytes: 32 << 20, geometry: 42 },
             Frame::Info,
             Frame::InfoReply {
                 rank: 1,
@@ -754,20 +727,8 @@ mod tests {
             Frame::Reserved {
                 key: k,
                 addrs: vec![
-                    (
-                        0,
-                        PageAddr {
-                            page: 5,
-                            generation: 7,
-                        },
-                    ),
-                    (
-                        2,
-                        PageAddr {
-                            page: 9,
-                            generation: 0,
-                        },
-                    ),
+                    (0, PageAddr { page: 5, generation: 7 }),
+                    (2, PageAddr { page: 9, generation: 0 }),
                 ],
             },
             Frame::Renew { key: k, lease_ms: 5 },
@@ -783,18 +744,11 @@ mod tests {
             Frame::Chunk {
                 key: k,
                 chunk: 2,
-                addr: PageAddr {
-                    page: 9,
-                    generation: 1,
-                },
+                addr: PageAddr { page: 9, generation: 1 },
                 offset: 64,
                 bytes: vec![1, 2, 3],
             },
-            Frame::ChunkAck {
-                key: k,
-                chunk: 2,
-                duplicate: true,
-            },
+            Frame::ChunkAck { key: k, chunk: 2, duplicate: true },
             Frame::Fence { key: k },
             Frame::Event(RankEvent::Status(RankStatus {
                 request: k.request,
@@ -810,10 +764,7 @@ mod tests {
                 pages: 4,
                 reason: ReleaseReason::Fenced,
             })),
-            Frame::Error {
-                code: RefusalCode::Geometry,
-                message: "geometry mismatch".into(),
-            },
+            Frame::Error { code: RefusalCode::Geometry, message: "geometry mismatch".into() },
         ]
     }
 
@@ -825,24 +776,44 @@ mod tests {
             assert_eq!(decode(&buf), Ok(Decoded::Frame(f.clone(), buf.len())), "{f:?}");
             // Any strict prefix is incomplete, never an error or a wrong frame.
             for cut in 0..buf.len() {
-                assert!(
-                    matches!(decode(&buf[..cut]), Ok(Decoded::Incomplete(_))),
-                    "{f:?} cut at {cut}"
-                );
+                assert!(matches!(decode(&buf[..cut]), Ok(Decoded::Incomplete(_))), "{f:?} cut at {cut}");
             }
         }
     }
 
     #[test]
+    fn chunk_head_streaming_agrees_with_whole_frames() {
+        let h = ChunkHead {
+            key: key(),
+            chunk: 3,
+            addr: PageAddr { page: 9, generation: 2 },
+            offset: 128,
+            len: 5,
+        };
+        let mut streamed = Vec::new();
+        encode_chunk_head(&h, &mut streamed);
+        streamed.extend_from_slice(&[1, 2, 3, 4, 5]);
+        let mut whole = Vec::new();
+        encode(
+            &Frame::Chunk { key: h.key, chunk: 3, addr: h.addr, offset: 128, bytes: vec![1, 2, 3, 4, 5] },
+            &mut whole,
+        );
+        assert_eq!(streamed, whole);
+        assert_eq!(decode_head(&whole), Ok(DecodedHead::Chunk(h, CHUNK_HEAD_LEN)));
+        assert_eq!(decode_head(&whole[..CHUNK_HEAD_LEN - 1]), Ok(DecodedHead::Incomplete(CHUNK_HEAD_LEN)));
+        // A payload length that disagrees with the frame length is refused.
+        let mut bad = whole.clone();
+        bad[CHUNK_HEAD_LEN - 4..CHUNK_HEAD_LEN].copy_from_slice(&6u32.to_le_bytes());
+        assert_eq!(decode_head(&bad), Err(FrameError::Value { field: "bytes", value: 6 }));
+        let mut fence = Vec::new();
+        encode(&Frame::Fence { key: key() }, &mut fence);
+        assert_eq!(decode_head(&fence), Ok(DecodedHead::Frame(Frame::Fence { key: key() }, fence.len())));
+    }
+
+    #[test]
     fn hostile_frames_are_refused() {
         let mut good = Vec::new();
-        encode(
-            &Frame::Cancel {
-                key: key(),
-                unsent: false,
-            },
-            &mut good,
-        );
+        encode(&Frame::Cancel { key: key(), unsent: false }, &mut good);
         let with = |f: &dyn Fn(&mut Vec<u8>)| {
             let mut b = good.clone();
             f(&mut b);
@@ -850,11 +821,7 @@ mod tests {
         };
         let big = u32::try_from(MAX_CONTROL_FRAME + 1).unwrap();
         let cases: Vec<(&str, Vec<u8>, FrameError)> = vec![
-            (
-                "unknown version",
-                with(&|b| b[4] = 9),
-                FrameError::Version { got: 9 },
-            ),
+            ("unknown version", with(&|b| b[4] = 9), FrameError::Version { got: 9 }),
             ("unknown kind", with(&|b| b[5] = 200), FrameError::Kind(200)),
             ("flags set", with(&|b| b[6] = 1), FrameError::Flags(1)),
             (
@@ -868,10 +835,7 @@ mod tests {
                     b[..4].copy_from_slice(&big.to_le_bytes());
                     b.truncate(HEADER_LEN);
                 }),
-                FrameError::Oversized {
-                    len: MAX_CONTROL_FRAME + 1,
-                    limit: MAX_CONTROL_FRAME,
-                },
+                FrameError::Oversized { len: MAX_CONTROL_FRAME + 1, limit: MAX_CONTROL_FRAME },
             ),
             (
                 "trailing bytes",
@@ -897,36 +861,15 @@ mod tests {
         }
         // A list count larger than the frame cannot make the decoder allocate it.
         let mut b = Vec::new();
-        encode(
-            &Frame::Reserve {
-                key: key(),
-                chunks: 1,
-                lease_ms: 1,
-                prefixes: vec![],
-            },
-            &mut b,
-        );
+        encode(&Frame::Reserve { key: key(), chunks: 1, lease_ms: 1, prefixes: vec![] }, &mut b);
         let n = b.len();
         b[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&b), Err(FrameError::Truncated { field: "prefixes" }));
         // Bad enum values.
         let mut b = Vec::new();
-        encode(
-            &Frame::Hello(Hello {
-                role: Role::Control,
-                geometry: 0,
-                rank: 0,
-            }),
-            &mut b,
-        );
+        encode(&Frame::Hello(Hello { role: Role::Control, geometry: 0, rank: 0 }), &mut b);
         b[HEADER_LEN] = 7;
-        assert_eq!(
-            decode(&b),
-            Err(FrameError::Value {
-                field: "role",
-                value: 7
-            })
-        );
+        assert_eq!(decode(&b), Err(FrameError::Value { field: "role", value: 7 }));
     }
 
     #[test]

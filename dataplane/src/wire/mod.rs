@@ -14,6 +14,6 @@
 mod codec;
 
 pub use codec::{
-    Decoded, Frame, FrameError, HEADER_LEN, Hello, MAX_CONTROL_FRAME, MAX_DATA_FRAME, PROTOCOL_VERSION,
-    RefusalCode, Role, decode, encode,
+    CHUNK_HEAD_LEN, ChunkHead, Decoded, DecodedHead, Frame, FrameError, HEADER_LEN, Hello, MAX_CONTROL_FRAME,
+    MAX_DATA_FRAME, PROTOCOL_VERSION, RefusalCode, Role, decode, decode_head, encode, encode_chunk_head,
 };

@@ -27,20 +27,10 @@ impl Rig {
 
     pub(crate) fn with_clock(pages: u32, rank: u32, clock: Arc<ManualClock>) -> Self {
         let sink = Arc::new(QueueSink::new());
-        let options = BufferOptions {
-            quarantine_ttl: QUARANTINE,
-            max_requests: 1024,
-        };
-        let buf = RankBuffer::new(
-            Arc::new(CpuDevice),
-            tiny(),
-            rank,
-            pages,
-            options,
-            clock.clone(),
-            sink.clone(),
-        )
-        .unwrap();
+        let options = BufferOptions { quarantine_ttl: QUARANTINE, max_requests: 1024 };
+        let buf =
+            RankBuffer::new(Arc::new(CpuDevice), tiny(), rank, pages, options, clock.clone(), sink.clone())
+                .unwrap();
         Self { clock, sink, buf }
     }
 

@@ -19,8 +19,7 @@ fn cache(dev: &CpuDevice, layers: u32, layout: &CacheLayout, seed: u64) -> Vec<C
     (0..layers)
         .map(|l| {
             let t = dev.alloc_tensor(layout.min_tensor_bytes()).unwrap();
-            dev.write_tensor(&t, 0, &content(seed + u64::from(l), 0, layout.min_tensor_bytes()))
-                .unwrap();
+            dev.write_tensor(&t, 0, &content(seed + u64::from(l), 0, layout.min_tensor_bytes())).unwrap();
             t
         })
         .collect()
@@ -36,8 +35,7 @@ fn read_elem(
     head: u32,
 ) -> Vec<u8> {
     let mut v = vec![0; l.head_bytes()];
-    dev.read_tensor(t, l.offset(kv, block, slot, head), &mut v)
-        .unwrap();
+    dev.read_tensor(t, l.offset(kv, block, slot, head), &mut v).unwrap();
     v
 }
 
@@ -104,18 +102,10 @@ fn gather_scatter_round_trips_exactly() {
         let bt_src: Vec<u32> = (0..16).map(|i| (i * 7 + 3) % 16).collect();
         let bt_dst: Vec<u32> = (0..16).map(|i| (i * 5 + 1) % 16).collect();
         let page = dev.alloc_buffer(1, chunk.page_bytes()).unwrap();
-        let span_src = KvSpan {
-            layout: &ls,
-            block_table: &bt_src,
-            first_token: c.first_token,
-            tokens: c.tokens,
-        };
-        let span_dst = KvSpan {
-            layout: &ld,
-            block_table: &bt_dst,
-            first_token: c.first_token,
-            tokens: c.tokens,
-        };
+        let span_src =
+            KvSpan { layout: &ls, block_table: &bt_src, first_token: c.first_token, tokens: c.tokens };
+        let span_dst =
+            KvSpan { layout: &ld, block_table: &bt_dst, first_token: c.first_token, tokens: c.tokens };
         dev.gather(&src, &span_src, &chunk, &page, 0).unwrap();
         dev.scatter(&page, 0, &chunk, &dst, &span_dst).unwrap();
         for layer in 0..3u32 {
@@ -176,9 +166,7 @@ fn bad_spans_are_refused_before_any_byte_moves() {
     let chunk = g.chunk_layout();
     let dev = CpuDevice;
     let l = CacheLayout::nhd(4, 16, 2, 8, 2);
-    let cache: Vec<CpuTensor> = (0..2)
-        .map(|_| dev.alloc_tensor(l.min_tensor_bytes()).unwrap())
-        .collect();
+    let cache: Vec<CpuTensor> = (0..2).map(|_| dev.alloc_tensor(l.min_tensor_bytes()).unwrap()).collect();
     let page = dev.alloc_buffer(1, chunk.page_bytes()).unwrap();
     let cases: Vec<(&str, Vec<u32>, u32, u32)> = vec![
         ("block out of range", vec![0, 9], 0, 16),
@@ -186,32 +174,13 @@ fn bad_spans_are_refused_before_any_byte_moves() {
         ("span longer than chunk", vec![0, 1], 0, 17),
     ];
     for (name, bt, first, tokens) in cases {
-        let span = KvSpan {
-            layout: &l,
-            block_table: &bt,
-            first_token: first,
-            tokens,
-        };
-        assert!(
-            matches!(
-                dev.gather(&cache, &span, &chunk, &page, 0),
-                Err(DeviceError::Layout(_))
-            ),
-            "{name}"
-        );
+        let span = KvSpan { layout: &l, block_table: &bt, first_token: first, tokens };
+        assert!(matches!(dev.gather(&cache, &span, &chunk, &page, 0), Err(DeviceError::Layout(_))), "{name}");
     }
     let wrong_heads = CacheLayout::nhd(4, 16, 1, 8, 2);
-    let span = KvSpan {
-        layout: &wrong_heads,
-        block_table: &[0],
-        first_token: 0,
-        tokens: 1,
-    };
+    let span = KvSpan { layout: &wrong_heads, block_table: &[0], first_token: 0, tokens: 1 };
     assert!(dev.gather(&cache, &span, &chunk, &page, 0).is_err());
-    assert_eq!(
-        dev.write_page(&page, 1, 0, &[0]),
-        Err(DeviceError::NoSuchPage { page: 1, pages: 1 })
-    );
+    assert_eq!(dev.write_page(&page, 1, 0, &[0]), Err(DeviceError::NoSuchPage { page: 1, pages: 1 }));
     assert!(matches!(
         dev.write_page(&page, 0, chunk.page_bytes(), &[0]),
         Err(DeviceError::OutOfBounds { .. })

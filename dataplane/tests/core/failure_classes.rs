@@ -12,23 +12,14 @@ use baton_dataplane::{
 use crate::common::{QUARANTINE, Rig, content, key};
 
 fn req(rig: &Rig, k: u128, chunks: u32) -> ReserveRequest<'static> {
-    ReserveRequest {
-        key: key(k),
-        chunks,
-        prefixes: &[],
-        lease: rig.lease(30),
-    }
+    ReserveRequest { key: key(k), chunks, prefixes: &[], lease: rig.lease(30) }
 }
 
 /// Writes every published chunk of a reservation with its deterministic bytes.
 fn fill(rig: &Rig, res: &mut baton_dataplane::Reservation<baton_dataplane::device::cpu::CpuDevice>) {
     let k = res.key();
     for (chunk, addr) in res.publish() {
-        let bytes = content(
-            u64::from(chunk) + 1000 * k.request.0 as u64,
-            0,
-            rig.buf.page_bytes(),
-        );
+        let bytes = content(u64::from(chunk) + 1000 * k.request.0 as u64, 0, rig.buf.page_bytes());
         rig.buf.write_chunk(k, chunk, addr, &bytes).unwrap();
     }
 }
@@ -86,11 +77,7 @@ fn buffer_deadlock_all_or_nothing_reservation() {
             break;
         }
     }
-    assert_eq!(
-        completed,
-        vec![key(1), key(2), key(3)],
-        "every request completes, in order"
-    );
+    assert_eq!(completed, vec![key(1), key(2), key(3)], "every request completes, in order");
     assert_eq!(rig.free(), 8);
     rig.buf.check_invariants().unwrap();
 }
@@ -102,26 +89,15 @@ fn buffer_deadlock_all_or_nothing_reservation() {
 fn oversized_request_rejected_at_once_exact_fit_admitted() {
     let rig = Rig::new(16);
     let err = rig.buf.reserve(req(&rig, 1, 17)).unwrap_err();
-    assert_eq!(
-        err,
-        ReserveError::TooLarge {
-            need: 17,
-            capacity: 16
-        }
-    );
+    assert_eq!(err, ReserveError::TooLarge { need: 17, capacity: 16 });
     assert_eq!(err.to_string(), "request needs 17 pages but the buffer holds 16");
     // While something else holds pages, a fitting request is Busy (retry), never TooLarge.
     let small = rig.buf.reserve(req(&rig, 2, 1)).unwrap();
-    assert_eq!(
-        rig.buf.reserve(req(&rig, 3, 16)).unwrap_err(),
-        ReserveError::Busy { need: 16, free: 15 }
-    );
+    assert_eq!(rig.buf.reserve(req(&rig, 3, 16)).unwrap_err(), ReserveError::Busy { need: 16, free: 15 });
     drop(small);
     let mut whole = rig.buf.reserve(req(&rig, 3, 16)).unwrap();
     fill(&rig, &mut whole);
-    let Ok(ready) = whole.try_ready() else {
-        panic!("whole-buffer request not ready")
-    };
+    let Ok(ready) = whole.try_ready() else { panic!("whole-buffer request not ready") };
     ready.consume().unwrap().finish();
     assert_eq!(rig.free(), 16);
 }
@@ -177,10 +153,7 @@ fn slot_leak_on_cancel_every_state_releases_once() {
                 // The page being written cannot be freed under the writer.
                 assert!(rig.free() < 8);
                 rig.buf.fence(k);
-                assert!(
-                    rig.free() < 8,
-                    "a page with a writer in flight went back to the pool"
-                );
+                assert!(rig.free() < 8, "a page with a writer in flight went back to the pool");
                 // The producer finishes its copy: the commit is refused, the orphaned page goes back.
                 w.write(&vec![1; page_bytes - page_bytes / 2]).unwrap();
                 assert!(matches!(w.commit(), Err(WriteError::Cancelled { .. })));
@@ -228,33 +201,19 @@ fn pins_are_owned_guards_and_lookups_have_no_side_effect() {
     let prefix = [PrefixKey(42)];
     let mut a = rig
         .buf
-        .reserve(ReserveRequest {
-            key: key(1),
-            chunks: 1,
-            prefixes: &prefix,
-            lease: rig.lease(30),
-        })
+        .reserve(ReserveRequest { key: key(1), chunks: 1, prefixes: &prefix, lease: rig.lease(30) })
         .unwrap();
     fill(&rig, &mut a);
     let before = rig.buf.stats();
     for _ in 0..1000 {
         assert!(rig.buf.has_prefix(PrefixKey(42)));
     }
-    assert_eq!(
-        rig.buf.stats(),
-        before,
-        "a lookup changed the accounting (the LMCache pin-on-lookup leak)"
-    );
+    assert_eq!(rig.buf.stats(), before, "a lookup changed the accounting (the LMCache pin-on-lookup leak)");
 
     let share = rig.buf.share_prefix(PrefixKey(42)).unwrap();
     assert_eq!(rig.buf.stats().shared_handles, 1);
     // The owner finishes; the shared page must stay (missing unpin would free it under the reader).
-    a.try_ready()
-        .map_err(|_| "not ready")
-        .unwrap()
-        .consume()
-        .unwrap()
-        .finish();
+    a.try_ready().map_err(|_| "not ready").unwrap().consume().unwrap().finish();
     assert_eq!(rig.free(), 3, "a shared page was freed while shared");
     let mut got = vec![0; rig.buf.page_bytes()];
     share.read(&mut got).unwrap();
@@ -285,10 +244,7 @@ fn pins_are_owned_guards_and_lookups_have_no_side_effect() {
     assert!(!Probe::<Ready<D>>(std::marker::PhantomData).is_clone());
     assert!(!Probe::<Consuming<D>>(std::marker::PhantomData).is_clone());
     assert!(!Probe::<PageWriter<D>>(std::marker::PhantomData).is_clone());
-    assert!(
-        Probe::<String>(std::marker::PhantomData).is_clone(),
-        "the probe itself works"
-    );
+    assert!(Probe::<String>(std::marker::PhantomData).is_clone(), "the probe itself works");
 }
 
 /// Stranded blocks. Construction: every reservation is a lease reaped by a deadline-ordered timer,
@@ -300,46 +256,20 @@ fn stranded_blocks_reaped_in_deadline_order_and_late_writes_fail() {
     let rig = Rig::new(8);
     let now = rig.buf.now();
     let lease = |s| now + Duration::from_secs(s);
-    let _a = rig
-        .buf
-        .reserve(ReserveRequest {
-            key: key(1),
-            chunks: 2,
-            prefixes: &[],
-            lease: lease(10),
-        })
-        .unwrap();
-    let mut b = rig
-        .buf
-        .reserve(ReserveRequest {
-            key: key(2),
-            chunks: 2,
-            prefixes: &[],
-            lease: lease(5),
-        })
-        .unwrap();
-    let _c = rig
-        .buf
-        .reserve(ReserveRequest {
-            key: key(3),
-            chunks: 2,
-            prefixes: &[],
-            lease: lease(20),
-        })
-        .unwrap();
+    let _a =
+        rig.buf.reserve(ReserveRequest { key: key(1), chunks: 2, prefixes: &[], lease: lease(10) }).unwrap();
+    let mut b =
+        rig.buf.reserve(ReserveRequest { key: key(2), chunks: 2, prefixes: &[], lease: lease(5) }).unwrap();
+    let _c =
+        rig.buf.reserve(ReserveRequest { key: key(3), chunks: 2, prefixes: &[], lease: lease(20) }).unwrap();
     let addrs = b.publish();
     rig.clock.advance(Duration::from_secs(6));
     assert_eq!(rig.buf.reap(), 1);
     let (statuses, _) = rig.drain();
     assert_eq!(statuses.len(), 1);
-    assert_eq!(
-        (statuses[0].key(), statuses[0].state),
-        (key(2), TerminalState::Expired)
-    );
+    assert_eq!((statuses[0].key(), statuses[0].state), (key(2), TerminalState::Expired));
     // The late producer: its address is stale now.
-    let late = rig
-        .buf
-        .write_chunk(key(2), addrs[0].0, addrs[0].1, &vec![0; rig.buf.page_bytes()]);
+    let late = rig.buf.write_chunk(key(2), addrs[0].0, addrs[0].1, &vec![0; rig.buf.page_bytes()]);
     assert!(matches!(late, Err(WriteError::Stale { .. })), "{late:?}");
     assert!(matches!(b.renew(lease(100)), Err(LeaseError::Expired)));
     // Quarantined until the deadline (the producer never fences: it is dead), then free.
@@ -352,21 +282,12 @@ fn stranded_blocks_reaped_in_deadline_order_and_late_writes_fail() {
     assert_eq!(releases.len(), 1);
     assert_eq!(releases[0].reason, ReleaseReason::QuarantineTimeout);
     drop(b);
-    assert_eq!(
-        rig.drain(),
-        (vec![], vec![]),
-        "a dropped expired guard says nothing twice"
-    );
+    assert_eq!(rig.drain(), (vec![], vec![]), "a dropped expired guard says nothing twice");
 
     // A ready request that nobody consumes (the gateway died): its lease frees it too.
     let mut d = rig
         .buf
-        .reserve(ReserveRequest {
-            key: key(4),
-            chunks: 1,
-            prefixes: &[],
-            lease: rig.lease(3),
-        })
+        .reserve(ReserveRequest { key: key(4), chunks: 1, prefixes: &[], lease: rig.lease(3) })
         .unwrap();
     fill(&rig, &mut d);
     rig.clock.advance(Duration::from_secs(4));
@@ -391,12 +312,7 @@ fn cross_rank_readiness_is_order_independent_without_barriers() {
     for (r, rig) in ranks.iter().enumerate() {
         let mut res = rig
             .buf
-            .reserve(ReserveRequest {
-                key: k,
-                chunks: 3,
-                prefixes: &[],
-                lease: rig.lease(30),
-            })
+            .reserve(ReserveRequest { key: k, chunks: 3, prefixes: &[], lease: rig.lease(30) })
             .unwrap();
         let mut addrs = res.publish();
         // Each rank receives its chunks in a different order.
@@ -405,19 +321,13 @@ fn cross_rank_readiness_is_order_independent_without_barriers() {
             addrs.reverse();
         }
         for (c, a) in addrs {
-            rig.buf
-                .write_chunk(k, c, a, &vec![r as u8; rig.buf.page_bytes()])
-                .unwrap();
+            rig.buf.write_chunk(k, c, a, &vec![r as u8; rig.buf.page_bytes()]).unwrap();
         }
         reservations.push(res);
     }
     let statuses: Vec<_> = ranks.iter().flat_map(|r| r.drain().0).collect();
     assert_eq!(statuses.len(), 4, "exactly one terminal status per rank");
-    assert!(
-        statuses
-            .iter()
-            .all(|s| s.state == TerminalState::Ready && s.chunks == 3)
-    );
+    assert!(statuses.iter().all(|s| s.state == TerminalState::Ready && s.chunks == 3));
 
     fn permutations(n: usize) -> Vec<Vec<usize>> {
         if n == 0 {
@@ -470,10 +380,7 @@ fn lost_or_absent_readiness_zero_chunk_ready_and_deadlines() {
         chunks: 1,
         bytes: 64,
     };
-    assert_eq!(
-        agg.observe(&ready0, t0).unwrap(),
-        Progress::Pending { ready: 1, ranks: 2 }
-    );
+    assert_eq!(agg.observe(&ready0, t0).unwrap(), Progress::Pending { ready: 1, ranks: 2 });
     assert_eq!(agg.poll(t0 + Duration::from_millis(4999)), None);
     assert_eq!(
         agg.poll(t0 + Duration::from_secs(5)),
@@ -482,17 +389,10 @@ fn lost_or_absent_readiness_zero_chunk_ready_and_deadlines() {
     );
 
     let mut agg = Aggregator::new(k, 8, t0 + Duration::from_secs(5)).unwrap();
-    let failed = baton_dataplane::RankStatus {
-        rank: 3,
-        state: TerminalState::Failed,
-        ..ready0
-    };
+    let failed = baton_dataplane::RankStatus { rank: 3, state: TerminalState::Failed, ..ready0 };
     assert_eq!(
         agg.observe(&failed, t0).unwrap(),
-        Progress::Done(Outcome::Failed {
-            rank: 3,
-            state: TerminalState::Failed
-        }),
+        Progress::Done(Outcome::Failed { rank: 3, state: TerminalState::Failed }),
         "one rank's failure fails the request without waiting for the other seven"
     );
 }
@@ -505,34 +405,20 @@ fn early_release_pages_held_until_consumed() {
     let mut res = rig.buf.reserve(req(&rig, 1, 3)).unwrap();
     let addrs = res.publish();
     for (i, (c, a)) in addrs.iter().enumerate() {
-        let out = rig
-            .buf
-            .write_chunk(key(1), *c, *a, &vec![7; rig.buf.page_bytes()])
-            .unwrap();
+        let out = rig.buf.write_chunk(key(1), *c, *a, &vec![7; rig.buf.page_bytes()]).unwrap();
         assert_eq!(out, WriteOutcome::Stored { ready: i == 2 });
     }
     // Duplicate delivery is idempotent.
     assert_eq!(
-        rig.buf
-            .write_chunk(key(1), addrs[0].0, addrs[0].1, &vec![7; rig.buf.page_bytes()])
-            .unwrap(),
+        rig.buf.write_chunk(key(1), addrs[0].0, addrs[0].1, &vec![7; rig.buf.page_bytes()]).unwrap(),
         WriteOutcome::Duplicate
     );
     let (statuses, releases) = rig.drain();
     assert_eq!(statuses.len(), 1);
     assert_eq!(statuses[0].state, TerminalState::Ready);
     assert!(releases.is_empty(), "released at READY");
-    assert_eq!(
-        rig.free(),
-        5,
-        "READY must not free pages: the decoder has not moved them out"
-    );
-    let consuming = res
-        .try_ready()
-        .map_err(|_| "not ready")
-        .unwrap()
-        .consume()
-        .unwrap();
+    assert_eq!(rig.free(), 5, "READY must not free pages: the decoder has not moved them out");
+    let consuming = res.try_ready().map_err(|_| "not ready").unwrap().consume().unwrap();
     assert_eq!(rig.buf.stats().pages.consuming, 3);
     let mut page = vec![0; rig.buf.page_bytes()];
     consuming.read_chunk(2, &mut page).unwrap();

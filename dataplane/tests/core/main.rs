@@ -1,12 +1,7 @@
 //! The data plane's integration tests, one binary (linking is slow on small machines).
 
 // Test code: panicking on a broken expectation is the point.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::cast_possible_truncation
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::cast_possible_truncation)]
 
 mod common;
 mod device_cpu;

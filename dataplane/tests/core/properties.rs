@@ -120,11 +120,7 @@ struct Req {
 /// Content id of chunk `c` of request `r`: prefixed requests share their leading chunks' content, so
 /// a shared page must read back as the same bytes for everyone.
 fn content_id(r: u128, prefixed: bool, c: u32) -> u64 {
-    if prefixed {
-        1_000_000 + u64::from(c)
-    } else {
-        (r as u64) * 100 + u64::from(c)
-    }
+    if prefixed { 1_000_000 + u64::from(c) } else { (r as u64) * 100 + u64::from(c) }
 }
 
 const PREFIXES: [PrefixKey; 4] = [PrefixKey(1), PrefixKey(2), PrefixKey(3), PrefixKey(4)];
@@ -141,8 +137,7 @@ fn consume(
     let Ok(c) = ready.consume() else { return Ok(None) };
     for chunk in 0..chunks {
         let mut got = vec![0; page_bytes];
-        c.read_chunk(chunk, &mut got)
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        c.read_chunk(chunk, &mut got).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let want = content(content_id(req, prefixed, chunk), rank as u32, page_bytes);
         prop_assert_eq!(got, want, "request {} chunk {} rank {}", req, chunk, rank);
     }
@@ -151,9 +146,7 @@ fn consume(
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let clock = Arc::new(ManualClock::new());
-    let rigs: Vec<Rig> = (0..RANKS)
-        .map(|r| Rig::with_clock(PAGES, r as u32, clock.clone()))
-        .collect();
+    let rigs: Vec<Rig> = (0..RANKS).map(|r| Rig::with_clock(PAGES, r as u32, clock.clone())).collect();
     let page_bytes = rigs[0].buf.page_bytes();
     let mut reqs: HashMap<u128, Req> = HashMap::new();
     let mut epochs: HashMap<u128, u32> = HashMap::new();
@@ -168,15 +161,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         for rig in rigs {
             let (s, r) = rig.drain();
             for s in s {
-                terminals
-                    .entry((s.request.0, s.epoch, s.rank))
-                    .or_default()
-                    .push(s.state);
+                terminals.entry((s.request.0, s.epoch, s.rank)).or_default().push(s.state);
             }
             for r in r {
-                *releases
-                    .entry((r.key.request.0, r.key.epoch, r.rank))
-                    .or_default() += 1;
+                *releases.entry((r.key.request.0, r.key.epoch, r.rank)).or_default() += 1;
             }
         }
     };
@@ -184,13 +172,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     for op in ops {
         let now = clock.now();
         match op {
-            Op::Reserve {
-                req,
-                chunks,
-                prefixed,
-                lease_ms,
-                publish,
-            } => {
+            Op::Reserve { req, chunks, prefixed, lease_ms, publish } => {
                 if reqs.contains_key(&req) {
                     continue;
                 }
@@ -201,12 +183,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 // All ranks or none, as the gateway does.
                 let mut got = Vec::new();
                 for (rank, rig) in rigs.iter().enumerate() {
-                    match rig.buf.reserve(ReserveRequest {
-                        key: k,
-                        chunks,
-                        prefixes,
-                        lease,
-                    }) {
+                    match rig.buf.reserve(ReserveRequest { key: k, chunks, prefixes, lease }) {
                         Ok(r) => {
                             got.push(Some(Guard::Res(r)));
                             reserved_on.push((req, epoch, rank as u32));
@@ -223,17 +200,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                             }
                         }
                     }
-                    reqs.insert(
-                        req,
-                        Req {
-                            epoch,
-                            chunks,
-                            prefixed,
-                            lease,
-                            guards: got,
-                            addrs,
-                        },
-                    );
+                    reqs.insert(req, Req { epoch, chunks, prefixed, lease, guards: got, addrs });
                 }
             }
             Op::Publish { req } => {
@@ -346,9 +313,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Fence { req, rank } => {
                 let epoch = epochs.get(&req).copied().unwrap_or(0);
-                rigs[rank]
-                    .buf
-                    .fence(baton_dataplane::RequestKey::new(key(req).request, epoch));
+                rigs[rank].buf.fence(baton_dataplane::RequestKey::new(key(req).request, epoch));
             }
         }
         for rig in &rigs {
@@ -375,15 +340,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         rig.buf.check_invariants().map_err(TestCaseError::fail)?;
     }
     for ((req, epoch, rank), states) in &terminals {
-        prop_assert_eq!(
-            states.len(),
-            1,
-            "request {}#{} rank {}: {:?}",
-            req,
-            epoch,
-            rank,
-            states
-        );
+        prop_assert_eq!(states.len(), 1, "request {}#{} rank {}: {:?}", req, epoch, rank, states);
         prop_assert_eq!(
             releases.get(&(*req, *epoch, *rank)).copied(),
             Some(1),
@@ -396,12 +353,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     // Every reservation reached exactly one terminal state and one release on its rank, and nothing
     // else did.
     for k3 in &reserved_on {
-        prop_assert_eq!(
-            terminals.get(k3).map(Vec::len),
-            Some(1),
-            "no single terminal for {:?}",
-            k3
-        );
+        prop_assert_eq!(terminals.get(k3).map(Vec::len), Some(1), "no single terminal for {:?}", k3);
     }
     prop_assert_eq!(terminals.len(), reserved_on.len());
     prop_assert_eq!(releases.len(), reserved_on.len());
@@ -432,11 +384,7 @@ fn aggregate(ranks: u32, states: Vec<bool>, order: Vec<(usize, u8)>) -> Result<(
     let mut first_failure = None;
     for (pick, repeats) in order {
         let rank = pick % ranks as usize;
-        let state = if states[rank] {
-            TerminalState::Ready
-        } else {
-            TerminalState::Failed
-        };
+        let state = if states[rank] { TerminalState::Ready } else { TerminalState::Failed };
         for _ in 0..=repeats {
             let s = RankStatus {
                 request: key.request,
@@ -446,9 +394,7 @@ fn aggregate(ranks: u32, states: Vec<bool>, order: Vec<(usize, u8)>) -> Result<(
                 chunks: 1,
                 bytes: 0,
             };
-            let p = agg
-                .observe(&s, t0)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let p = agg.observe(&s, t0).map_err(|e| TestCaseError::fail(e.to_string()))?;
             if !seen[rank] && !states[rank] && first_failure.is_none() && decided.is_none() {
                 first_failure = Some(rank as u32);
             }
@@ -462,10 +408,7 @@ fn aggregate(ranks: u32, states: Vec<bool>, order: Vec<(usize, u8)>) -> Result<(
         }
     }
     let want = if let Some(rank) = first_failure {
-        Some(Outcome::Failed {
-            rank,
-            state: TerminalState::Failed,
-        })
+        Some(Outcome::Failed { rank, state: TerminalState::Failed })
     } else if seen.iter().all(|s| *s) {
         Some(Outcome::Ready)
     } else {
@@ -475,10 +418,7 @@ fn aggregate(ranks: u32, states: Vec<bool>, order: Vec<(usize, u8)>) -> Result<(
     prop_assert_eq!(agg.poll(t0), want);
     if want.is_none() {
         let missing = seen.iter().filter(|s| !**s).count() as u32;
-        prop_assert_eq!(
-            agg.poll(t0 + Duration::from_secs(1)),
-            Some(Outcome::TimedOut { missing })
-        );
+        prop_assert_eq!(agg.poll(t0 + Duration::from_secs(1)), Some(Outcome::TimedOut { missing }));
     }
     Ok(())
 }

@@ -21,20 +21,9 @@ const WAIT: Duration = Duration::from_secs(5);
 
 async fn server(pages: u32) -> (Arc<RankServer<CpuDevice>>, ServerHandle) {
     let (sink, tx) = RankServer::<CpuDevice>::sink();
-    let options = BufferOptions {
-        quarantine_ttl: Duration::from_secs(30),
-        ..BufferOptions::default()
-    };
-    let buf = RankBuffer::new(
-        Arc::new(CpuDevice),
-        tiny(),
-        0,
-        pages,
-        options,
-        Arc::new(SystemClock),
-        sink,
-    )
-    .unwrap();
+    let options = BufferOptions { quarantine_ttl: Duration::from_secs(30), ..BufferOptions::default() };
+    let buf =
+        RankBuffer::new(Arc::new(CpuDevice), tiny(), 0, pages, options, Arc::new(SystemClock), sink).unwrap();
     let srv = RankServer::new(buf, 1, tx);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let handle = srv.start(listener).unwrap();
@@ -63,10 +52,7 @@ async fn loopback_write_ready_consume_release() {
     let (srv, h) = server(8).await;
     let mut events = EventStream::connect(h.addr, fp(), 0).await.unwrap();
     let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
-    let mut prod = ProducerClient::connect(h.addr, fp(), 0)
-        .await
-        .unwrap()
-        .with_segment(16);
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap().with_segment(16);
     assert_eq!(ctl.welcome.pages_total, 8);
     let k = key(1);
     let addrs = ctl.reserve(k, 3, Duration::from_secs(30), &[]).await.unwrap();
@@ -74,30 +60,16 @@ async fn loopback_write_ready_consume_release() {
     assert_eq!(ctl.info().await.unwrap().pages_free, 5);
     let page = srv.buffer().page_bytes();
     for (c, a) in &addrs {
-        assert!(
-            !prod
-                .write_chunk(k, *c, *a, &content(u64::from(*c), 0, page))
-                .await
-                .unwrap()
-        );
+        assert!(!prod.write_chunk(k, *c, *a, &content(u64::from(*c), 0, page)).await.unwrap());
     }
     // A retransmitted chunk is acknowledged as a duplicate and changes nothing.
-    assert!(
-        prod.write_chunk(k, addrs[0].0, addrs[0].1, &content(0, 0, page))
-            .await
-            .unwrap()
-    );
+    assert!(prod.write_chunk(k, addrs[0].0, addrs[0].1, &content(0, 0, page)).await.unwrap());
     let e = next_event(&mut events, |e| matches!(e, RankEvent::Status(_))).await;
     let RankEvent::Status(s) = e else { unreachable!() };
-    assert_eq!(
-        (s.key(), s.state, s.chunks, s.bytes),
-        (k, TerminalState::Ready, 3, 3 * page as u64)
-    );
+    assert_eq!((s.key(), s.state, s.chunks, s.bytes), (k, TerminalState::Ready, 3, 3 * page as u64));
 
     // The embedding decoder takes the reservation, consumes it and verifies every byte.
-    let Ok(ready) = srv.take(k).unwrap().try_ready() else {
-        panic!("not ready")
-    };
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else { panic!("not ready") };
     let consuming = ready.consume().unwrap();
     for c in 0..3 {
         let mut got = vec![0; page];
@@ -121,33 +93,14 @@ async fn refusals_carry_their_numbers() {
         matches!(&r, Err(TransportError::Refused { code: RefusalCode::TooLarge, need: 9, have: 8, message }) if message == "request needs 9 pages but the buffer holds 8"),
         "{r:?}"
     );
-    ctl.reserve(key(2), 6, Duration::from_secs(30), &[])
-        .await
-        .unwrap();
+    ctl.reserve(key(2), 6, Duration::from_secs(30), &[]).await.unwrap();
     let r = ctl.reserve(key(3), 3, Duration::from_secs(30), &[]).await;
     assert!(
-        matches!(
-            r,
-            Err(TransportError::Refused {
-                code: RefusalCode::Busy,
-                need: 3,
-                have: 2,
-                ..
-            })
-        ),
+        matches!(r, Err(TransportError::Refused { code: RefusalCode::Busy, need: 3, have: 2, .. })),
         "{r:?}"
     );
     let r = ctl.reserve(key(2), 1, Duration::from_secs(30), &[]).await;
-    assert!(
-        matches!(
-            r,
-            Err(TransportError::Refused {
-                code: RefusalCode::Duplicate,
-                ..
-            })
-        ),
-        "{r:?}"
-    );
+    assert!(matches!(r, Err(TransportError::Refused { code: RefusalCode::Duplicate, .. })), "{r:?}");
     // The connection is still usable after refusals.
     assert_eq!(ctl.info().await.unwrap().pages_free, 2);
     h.shutdown().await;
@@ -162,9 +115,7 @@ async fn cancel_mid_transfer_quarantines_until_the_producer_fences() {
     let k = key(5);
     let addrs = ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
     let page = srv.buffer().page_bytes();
-    prod.write_chunk(k, addrs[0].0, addrs[0].1, &vec![1; page])
-        .await
-        .unwrap();
+    prod.write_chunk(k, addrs[0].0, addrs[0].1, &vec![1; page]).await.unwrap();
     ctl.cancel(k).await.unwrap();
     let e = next_event(&mut events, |e| matches!(e, RankEvent::Status(_))).await;
     assert!(matches!(e, RankEvent::Status(s) if s.state == TerminalState::Cancelled));
@@ -173,16 +124,7 @@ async fn cancel_mid_transfer_quarantines_until_the_producer_fences() {
     assert_eq!(srv.buffer().stats().pages.free, 7);
     // A late write is refused, not landed.
     let late = prod.write_chunk(k, addrs[1].0, addrs[1].1, &vec![2; page]).await;
-    assert!(
-        matches!(
-            late,
-            Err(TransportError::Refused {
-                code: RefusalCode::Stale,
-                ..
-            })
-        ),
-        "{late:?}"
-    );
+    assert!(matches!(late, Err(TransportError::Refused { code: RefusalCode::Stale, .. })), "{late:?}");
     prod.fence(k).await.unwrap();
     let e = next_event(&mut events, |e| matches!(e, RankEvent::Released(_))).await;
     assert!(matches!(e, RankEvent::Released(r) if r.reason == ReleaseReason::Fenced));
@@ -220,14 +162,9 @@ async fn hostile_peers_cannot_touch_the_buffer() {
     let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
     let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
     let victim = key(1);
-    let addrs = ctl
-        .reserve(victim, 2, Duration::from_secs(30), &[])
-        .await
-        .unwrap();
+    let addrs = ctl.reserve(victim, 2, Duration::from_secs(30), &[]).await.unwrap();
     let page = srv.buffer().page_bytes();
-    prod.write_chunk(victim, addrs[0].0, addrs[0].1, &content(7, 0, page))
-        .await
-        .unwrap();
+    prod.write_chunk(victim, addrs[0].0, addrs[0].1, &content(7, 0, page)).await.unwrap();
     let before = srv.buffer().stats();
 
     let hello = |role, geometry, rank| frame(&Frame::Hello(Hello { role, geometry, rank }));
@@ -246,10 +183,7 @@ async fn hostile_peers_cannot_touch_the_buffer() {
         bytes: vec![0xAA; page],
     }));
     let mut stale = hello(Role::Producer, fp(), 0);
-    let old = PageAddr {
-        page: addrs[1].1.page,
-        generation: addrs[1].1.generation.wrapping_sub(1),
-    };
+    let old = PageAddr { page: addrs[1].1.page, generation: addrs[1].1.generation.wrapping_sub(1) };
     stale.extend(frame(&Frame::Chunk {
         key: victim,
         chunk: addrs[1].0,
@@ -269,99 +203,33 @@ async fn hostile_peers_cannot_touch_the_buffer() {
     no_page.extend(frame(&Frame::Chunk {
         key: victim,
         chunk: 0,
-        addr: PageAddr {
-            page: 4000,
-            generation: 0,
-        },
+        addr: PageAddr { page: 4000, generation: 0 },
         offset: 0,
         bytes: vec![0; page],
     }));
     let mut wrong_role_frame = hello(Role::Producer, fp(), 0);
-    wrong_role_frame.extend(frame(&Frame::Cancel {
-        key: victim,
-        unsent: true,
-    }));
+    wrong_role_frame.extend(frame(&Frame::Cancel { key: victim, unsent: true }));
 
     // (name, bytes, what the first answer after the welcome must be)
     type Case = (&'static str, Vec<u8>, fn(&Frame) -> bool);
     let cases: Vec<Case> = vec![
-        ("unknown version", bad_version, |f| {
-            matches!(
-                f,
-                Frame::Error {
-                    code: RefusalCode::Version,
-                    ..
-                }
-            )
-        }),
+        ("unknown version", bad_version, |f| matches!(f, Frame::Error { code: RefusalCode::Version, .. })),
         ("other geometry", hello(Role::Control, fp() ^ 1, 0), |f| {
-            matches!(
-                f,
-                Frame::Error {
-                    code: RefusalCode::Geometry,
-                    ..
-                }
-            )
+            matches!(f, Frame::Error { code: RefusalCode::Geometry, .. })
         }),
         ("other rank", hello(Role::Control, fp(), 3), |f| {
-            matches!(
-                f,
-                Frame::Error {
-                    code: RefusalCode::Geometry,
-                    ..
-                }
-            )
+            matches!(f, Frame::Error { code: RefusalCode::Geometry, .. })
         }),
-        ("garbage", b"GET / HTTP/1.1\r\n\r\n".to_vec(), |f| {
-            matches!(f, Frame::Error { .. })
-        }),
-        ("oversized frame", oversized, |f| {
-            matches!(
-                f,
-                Frame::Error {
-                    code: RefusalCode::BadRequest,
-                    ..
-                }
-            )
-        }),
+        ("garbage", b"GET / HTTP/1.1\r\n\r\n".to_vec(), |f| matches!(f, Frame::Error { .. })),
+        ("oversized frame", oversized, |f| matches!(f, Frame::Error { code: RefusalCode::BadRequest, .. })),
         ("page of another request", steal, |f| {
-            matches!(
-                f,
-                Frame::Refused {
-                    code: RefusalCode::NotOwner,
-                    ..
-                }
-            )
+            matches!(f, Frame::Refused { code: RefusalCode::NotOwner, .. })
         }),
-        ("stale generation", stale, |f| {
-            matches!(
-                f,
-                Frame::Refused {
-                    code: RefusalCode::Stale,
-                    ..
-                }
-            )
-        }),
-        ("rewrite of a filled chunk", overwrite, |f| {
-            matches!(f, Frame::ChunkAck { duplicate: true, .. })
-        }),
-        ("page out of range", no_page, |f| {
-            matches!(
-                f,
-                Frame::Refused {
-                    code: RefusalCode::BadRequest,
-                    ..
-                }
-            )
-        }),
+        ("stale generation", stale, |f| matches!(f, Frame::Refused { code: RefusalCode::Stale, .. })),
+        ("rewrite of a filled chunk", overwrite, |f| matches!(f, Frame::ChunkAck { duplicate: true, .. })),
+        ("page out of range", no_page, |f| matches!(f, Frame::Refused { code: RefusalCode::BadRequest, .. })),
         ("control frame on a producer connection", wrong_role_frame, |f| {
-            matches!(
-                f,
-                Frame::Error {
-                    code: RefusalCode::BadRequest,
-                    ..
-                }
-            )
+            matches!(f, Frame::Error { code: RefusalCode::BadRequest, .. })
         }),
     ];
     for (name, bytes, ok) in cases {
@@ -369,19 +237,11 @@ async fn hostile_peers_cannot_touch_the_buffer() {
         let answer = frames.iter().find(|f| !matches!(f, Frame::Welcome { .. }));
         assert!(answer.is_some_and(ok), "{name}: {frames:?}");
     }
-    assert_eq!(
-        srv.buffer().stats(),
-        before,
-        "a hostile frame changed the accounting"
-    );
+    assert_eq!(srv.buffer().stats(), before, "a hostile frame changed the accounting");
     srv.buffer().check_invariants().unwrap();
     // The victim completes with its own bytes.
-    prod.write_chunk(victim, addrs[1].0, addrs[1].1, &content(8, 0, page))
-        .await
-        .unwrap();
-    let Ok(ready) = srv.take(victim).unwrap().try_ready() else {
-        panic!("victim not ready")
-    };
+    prod.write_chunk(victim, addrs[1].0, addrs[1].1, &content(8, 0, page)).await.unwrap();
+    let Ok(ready) = srv.take(victim).unwrap().try_ready() else { panic!("victim not ready") };
     let c = ready.consume().unwrap();
     let mut got = vec![0; page];
     c.read_chunk(0, &mut got).unwrap();
@@ -395,8 +255,5 @@ async fn hostile_peers_cannot_touch_the_buffer() {
 
 #[test]
 fn geometry_fingerprint_is_what_peers_compare() {
-    assert_ne!(
-        tiny().fingerprint(),
-        KvGeometry::new(1, 1, 8, 1, 8, 1).unwrap().fingerprint()
-    );
+    assert_ne!(tiny().fingerprint(), KvGeometry::new(1, 1, 8, 1, 8, 1).unwrap().fingerprint());
 }

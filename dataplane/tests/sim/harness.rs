@@ -24,9 +24,7 @@ use tokio::sync::mpsc;
 /// POSTs JSON (or GETs when `body` is None) and returns the status and body.
 pub async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes) {
     let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
     tokio::spawn(conn);
     let req = match body {
         Some(b) => Request::post(path)
@@ -34,10 +32,7 @@ pub async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, B
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(b.to_string())))
             .unwrap(),
-        None => Request::get(path)
-            .header("host", addr.to_string())
-            .body(Full::new(Bytes::new()))
-            .unwrap(),
+        None => Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap(),
     };
     let res = send.send_request(req).await.unwrap();
     let status = res.status().as_u16();
@@ -86,17 +81,8 @@ impl Decoder {
                 }
             });
         }
-        let controls = ranks
-            .iter()
-            .map(|_| tokio::sync::Mutex::new(Vec::new()))
-            .collect();
-        Arc::new(Self {
-            http,
-            ranks,
-            controls,
-            waiters,
-            fingerprint,
-        })
+        let controls = ranks.iter().map(|_| tokio::sync::Mutex::new(Vec::new())).collect();
+        Arc::new(Self { http, ranks, controls, waiters, fingerprint })
     }
 
     async fn control(&self, rank: usize) -> Result<ControlClient, TransportError> {
@@ -131,10 +117,7 @@ impl Decoder {
             self.give_back(r, c).await;
             match res {
                 Ok(addrs) => got.push(addrs),
-                Err(TransportError::Refused {
-                    code: RefusalCode::Busy,
-                    ..
-                }) => {
+                Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
                     self.cancel_unsent(key).await;
                     return Ok(None);
                 }
@@ -162,11 +145,7 @@ impl Decoder {
             let Ok(mut c) = self.control(r).await else {
                 continue;
             };
-            let res = if unsent {
-                c.cancel_unsent(key).await
-            } else {
-                c.cancel(key).await
-            };
+            let res = if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await };
             if res.is_ok() {
                 self.give_back(r, c).await;
             }
@@ -217,11 +196,7 @@ impl Job {
     }
 
     fn path(&self) -> &'static str {
-        if self.chat {
-            "/v1/chat/completions"
-        } else {
-            "/v1/completions"
-        }
+        if self.chat { "/v1/chat/completions" } else { "/v1/completions" }
     }
 }
 
@@ -229,12 +204,7 @@ impl Job {
 #[derive(Debug)]
 pub enum Handoff {
     /// The decoder's answer (status, body); text and usage extracted.
-    Done {
-        status: u16,
-        text: String,
-        prompt_tokens: u64,
-        completion_tokens: u64,
-    },
+    Done { status: u16, text: String, prompt_tokens: u64, completion_tokens: u64 },
     /// The prefill failed with this status.
     PrefillFailed(#[allow(dead_code)] u16, #[allow(dead_code)] String),
     /// Readiness did not complete: the outcome.
@@ -279,10 +249,7 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
         match d.reserve(key, chunks, limits.lease).await.unwrap() {
             Some(a) => break a,
             None => {
-                assert!(
-                    queued.elapsed() < limits.queue_deadline,
-                    "queued past the deadline"
-                );
+                assert!(queued.elapsed() < limits.queue_deadline, "queued past the deadline");
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
@@ -330,12 +297,8 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
         d.forget(key);
         return Handoff::NotReady(outcome);
     }
-    let (status, body) = http(
-        d.http,
-        job.path(),
-        Some(&job.body(json!({"request_id": rid, "epoch": key.epoch}))),
-    )
-    .await;
+    let (status, body) =
+        http(d.http, job.path(), Some(&job.body(json!({"request_id": rid, "epoch": key.epoch})))).await;
     let (text, prompt_tokens, completion_tokens) = if status == 200 {
         parse_answer(job, &body)
     } else {
@@ -350,12 +313,7 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
         }
     }
     d.forget(key);
-    Handoff::Done {
-        status,
-        text,
-        prompt_tokens,
-        completion_tokens,
-    }
+    Handoff::Done { status, text, prompt_tokens, completion_tokens }
 }
 
 /// Extracts text and usage from a JSON or SSE answer, checking the SSE framing on the way.
@@ -363,11 +321,7 @@ pub fn parse_answer(job: &Job, body: &[u8]) -> (String, u64, u64) {
     let pick = |v: &Value| -> String {
         let c = &v["choices"][0];
         if job.chat {
-            c["message"]["content"]
-                .as_str()
-                .or(c["delta"]["content"].as_str())
-                .unwrap_or("")
-                .to_owned()
+            c["message"]["content"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("").to_owned()
         } else {
             c["text"].as_str().unwrap_or("").to_owned()
         }
@@ -385,9 +339,7 @@ pub fn parse_answer(job: &Job, body: &[u8]) -> (String, u64, u64) {
     let mut usage = (0, 0);
     let mut done = false;
     for event in s.split("\n\n").filter(|e| !e.is_empty()) {
-        let data = event
-            .strip_prefix("data: ")
-            .expect("every SSE event is a data line");
+        let data = event.strip_prefix("data: ").expect("every SSE event is a data line");
         assert!(!done, "event after [DONE]");
         if data == "[DONE]" {
             done = true;
@@ -395,10 +347,7 @@ pub fn parse_answer(job: &Job, body: &[u8]) -> (String, u64, u64) {
         }
         let v: Value = serde_json::from_str(data).unwrap();
         if let Some(u) = v.get("usage") {
-            usage = (
-                u["prompt_tokens"].as_u64().unwrap(),
-                u["completion_tokens"].as_u64().unwrap(),
-            );
+            usage = (u["prompt_tokens"].as_u64().unwrap(), u["completion_tokens"].as_u64().unwrap());
         } else {
             text.push_str(&pick(&v));
         }
@@ -419,10 +368,7 @@ pub async fn assert_decoder_clean(http: SocketAddr, within: Duration) {
         if clean {
             return;
         }
-        assert!(
-            start.elapsed() < within,
-            "decoder not clean after {within:?}: {s}"
-        );
+        assert!(start.elapsed() < within, "decoder not clean after {within:?}: {s}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -434,10 +380,7 @@ pub async fn assert_prefill_clean(http: SocketAddr, within: Duration) {
         if s["engine_blocks_held"] == 0 {
             return;
         }
-        assert!(
-            start.elapsed() < within,
-            "prefiller still holds blocks after {within:?}: {s}"
-        );
+        assert!(start.elapsed() < within, "prefiller still holds blocks after {within:?}: {s}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -42,12 +42,7 @@ async fn cluster(p: usize, d: usize, tp: u32, pages: u32, tweak: impl Fn(&mut Si
         decoders.push(Decoder::connect(r.addr).await);
         decode.push(r);
     }
-    Cluster {
-        prefill,
-        decode,
-        decoders,
-        geometry,
-    }
+    Cluster { prefill, decode, decoders, geometry }
 }
 
 impl Cluster {
@@ -74,11 +69,7 @@ fn jobs(n: usize) -> Vec<Job> {
         .map(|i| Job {
             chat: i % 2 == 0,
             stream: i % 3 == 0,
-            text: format!(
-                "{}question {i}: {}",
-                &system[..(i * 7) % system.len()],
-                "why? ".repeat(i % 17)
-            ),
+            text: format!("{}question {i}: {}", &system[..(i * 7) % system.len()], "why? ".repeat(i % 17)),
             max_tokens: 1 + (i % 9) as u32,
         })
         .collect()
@@ -102,12 +93,7 @@ async fn run_mix(p: usize, d: usize, tp: u32, requests: usize) {
         let (job, out) = r.unwrap();
         let ids = job.ids();
         match out {
-            Handoff::Done {
-                status: 200,
-                text,
-                prompt_tokens,
-                completion_tokens,
-            } => {
+            Handoff::Done { status: 200, text, prompt_tokens, completion_tokens } => {
                 assert_eq!(text, output_text(&ids, job.max_tokens), "{job:?}");
                 assert_eq!(prompt_tokens, ids.len() as u64, "{job:?}");
                 assert_eq!(completion_tokens, u64::from(job.max_tokens), "{job:?}");
@@ -142,12 +128,7 @@ async fn p2d2_tp2_concurrent_requests_sharing_prefixes() {
 }
 
 fn long_job() -> Job {
-    Job {
-        chat: false,
-        stream: false,
-        text: "x".repeat(16 * 4),
-        max_tokens: 3,
-    }
+    Job { chat: false, stream: false, text: "x".repeat(16 * 4), max_tokens: 3 }
 }
 
 /// Sends the prefill for `key` and returns the task; the orchestration steps are up to the test.
@@ -168,9 +149,8 @@ async fn start_prefill(
     let body = json!({"prompt": job.text, "max_tokens": 1, "baton": {"request_id": format!("{:032x}", key.request.0), "epoch": key.epoch, "decoders": decoders}});
     tokio::spawn(async move {
         let stream = tokio::net::TcpStream::connect(prefill).await.ok()?;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .ok()?;
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.ok()?;
         tokio::spawn(conn);
         let req = hyper::Request::post("/v1/completions")
             .header("host", prefill.to_string())
@@ -215,9 +195,7 @@ async fn prefiller_killed_mid_request() {
         .unwrap();
     let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
-    tokio::io::AsyncBufReadExt::read_line(&mut out, &mut line)
-        .await
-        .unwrap();
+    tokio::io::AsyncBufReadExt::read_line(&mut out, &mut line).await.unwrap();
     let hello: serde_json::Value = serde_json::from_str(&line).unwrap();
     let prefill: SocketAddr = hello["listen"].as_str().unwrap().parse().unwrap();
 
@@ -237,10 +215,7 @@ async fn prefiller_killed_mid_request() {
     }
     child.start_kill().unwrap();
     child.wait().await.unwrap();
-    assert_eq!(
-        next_status(&mut rx, Duration::from_secs(5)).await,
-        TerminalState::Expired
-    );
+    assert_eq!(next_status(&mut rx, Duration::from_secs(5)).await, TerminalState::Expired);
     assert!(started.elapsed() >= lease, "expired before its lease");
     // Lease 1.5 s + quarantine 0.3 s: all pages back well within the bound.
     assert_decoder_clean(dec.addr, Duration::from_secs(3)).await;
@@ -253,44 +228,18 @@ async fn prefiller_killed_mid_request() {
 async fn lost_readiness_event_fails_by_deadline_and_cleans_up() {
     let c = cluster(1, 1, 2, 24, |c| {
         if c.role == SimRole::Decode {
-            c.faults = FaultConfig {
-                drop_ready_rank: Some(1),
-                drop_ready_events: 1,
-                ..FaultConfig::default()
-            };
+            c.faults =
+                FaultConfig { drop_ready_rank: Some(1), drop_ready_events: 1, ..FaultConfig::default() };
         }
     })
     .await;
-    let limits = Limits {
-        ready_deadline: Duration::from_millis(500),
-        ..Limits::default()
-    };
+    let limits = Limits { ready_deadline: Duration::from_millis(500), ..Limits::default() };
     let started = Instant::now();
-    let out = handoff(
-        c.prefill[0].addr,
-        &c.decoders[0],
-        &c.geometry,
-        &long_job(),
-        limits,
-    )
-    .await;
-    assert!(
-        matches!(out, Handoff::NotReady(Outcome::TimedOut { missing: 1 })),
-        "{out:?}"
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "waited past the deadline"
-    );
+    let out = handoff(c.prefill[0].addr, &c.decoders[0], &c.geometry, &long_job(), limits).await;
+    assert!(matches!(out, Handoff::NotReady(Outcome::TimedOut { missing: 1 })), "{out:?}");
+    assert!(started.elapsed() < Duration::from_secs(3), "waited past the deadline");
     c.assert_clean().await;
-    let out = handoff(
-        c.prefill[0].addr,
-        &c.decoders[0],
-        &c.geometry,
-        &long_job(),
-        Limits::default(),
-    )
-    .await;
+    let out = handoff(c.prefill[0].addr, &c.decoders[0], &c.geometry, &long_job(), Limits::default()).await;
     assert!(matches!(out, Handoff::Done { status: 200, .. }), "{out:?}");
     c.assert_clean().await;
     c.shutdown().await;
@@ -304,11 +253,7 @@ async fn gateway_cancel_mid_transfer() {
     let c = cluster(1, 1, 1, 24, |c| {
         c.quarantine_ttl = Duration::from_secs(30);
         if c.role == SimRole::Prefill {
-            c.faults = FaultConfig {
-                stall_chunk: Some(1),
-                stall_ms: 400,
-                ..FaultConfig::default()
-            };
+            c.faults = FaultConfig { stall_chunk: Some(1), stall_ms: 400, ..FaultConfig::default() };
         }
     })
     .await;
@@ -318,15 +263,8 @@ async fn gateway_cancel_mid_transfer() {
     let req = start_prefill(c.prefill[0].addr, d, key, 4, Duration::from_secs(20), &long_job()).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     d.cancel(key).await;
-    assert_eq!(
-        next_status(&mut rx, Duration::from_secs(2)).await,
-        TerminalState::Cancelled
-    );
-    assert_eq!(
-        req.await.unwrap(),
-        Some(502),
-        "the prefill must fail, not report success"
-    );
+    assert_eq!(next_status(&mut rx, Duration::from_secs(2)).await, TerminalState::Cancelled);
+    assert_eq!(req.await.unwrap(), Some(502), "the prefill must fail, not report success");
     assert_decoder_clean(c.decode[0].addr, Duration::from_secs(2)).await;
     assert_prefill_clean(c.prefill[0].addr, Duration::from_secs(2)).await;
     c.shutdown().await;
@@ -360,23 +298,13 @@ async fn corrupted_kv_is_an_error_never_a_silent_200() {
     let key = new_key();
     let mut rx = d.listen(key);
     let addrs = d.reserve(key, 4, Duration::from_secs(20)).await.unwrap().unwrap();
-    let mut p = ProducerClient::connect(d.ranks[0], c.geometry.fingerprint(), 0)
-        .await
-        .unwrap();
+    let mut p = ProducerClient::connect(d.ranks[0], c.geometry.fingerprint(), 0).await.unwrap();
     for (chunk, addr) in &addrs[0] {
-        p.write_chunk(
-            key,
-            *chunk,
-            *addr,
-            &vec![0x5A; c.geometry.page_bytes_per_rank() as usize],
-        )
-        .await
-        .unwrap();
+        p.write_chunk(key, *chunk, *addr, &vec![0x5A; c.geometry.page_bytes_per_rank() as usize])
+            .await
+            .unwrap();
     }
-    assert_eq!(
-        next_status(&mut rx, Duration::from_secs(2)).await,
-        TerminalState::Ready
-    );
+    assert_eq!(next_status(&mut rx, Duration::from_secs(2)).await, TerminalState::Ready);
     let body = json!({"prompt": job.text, "max_tokens": 3, "baton": {"request_id": format!("{:032x}", key.request.0), "epoch": key.epoch}});
     let (status, body) = http(c.decode[0].addr, "/v1/completions", Some(&body)).await;
     assert_eq!(status, 500);
