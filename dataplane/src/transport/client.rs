@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-use super::{DEFAULT_REQUEST_TIMEOUT, DEFAULT_SEGMENT_BYTES, FrameIo, TransportError};
+use super::{BoxConn, DEFAULT_REQUEST_TIMEOUT, DEFAULT_SEGMENT_BYTES, FrameIo, TlsClient, TransportError};
 use crate::events::RankEvent;
 use crate::ids::{PageAddr, PrefixKey, RequestKey};
 use crate::wire::{ChunkHead, Frame, Hello, RefusalCode, Role};
@@ -21,13 +21,27 @@ pub struct Welcome {
 
 async fn connect(
     addr: SocketAddr,
+    tls: Option<&TlsClient>,
     role: Role,
     geometry: u64,
     rank: u32,
-) -> Result<(FrameIo<TcpStream>, Welcome), TransportError> {
-    let stream = TcpStream::connect(addr).await?;
+) -> Result<(FrameIo<BoxConn>, Welcome), TransportError> {
+    let stream = tokio::time::timeout(DEFAULT_REQUEST_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| TransportError::Timeout(DEFAULT_REQUEST_TIMEOUT))??;
     stream.set_nodelay(true)?;
-    let mut io = FrameIo::new(stream);
+    let conn: BoxConn = match tls {
+        None => Box::new(stream),
+        Some(t) => {
+            let (connector, name) = t.connector();
+            let s = tokio::time::timeout(DEFAULT_REQUEST_TIMEOUT, connector.connect(name, stream))
+                .await
+                .map_err(|_| TransportError::Timeout(DEFAULT_REQUEST_TIMEOUT))?
+                .map_err(|e| TransportError::Tls(e.to_string()))?;
+            Box::new(s)
+        }
+    };
+    let mut io = FrameIo::new(conn);
     io.write(&Frame::Hello(Hello { role, geometry, rank })).await?;
     match answer(&mut io, DEFAULT_REQUEST_TIMEOUT).await? {
         Frame::Welcome { rank, ranks, pages_total, page_bytes, .. } => {
@@ -38,7 +52,7 @@ async fn connect(
 }
 
 /// The next frame, with connection-level errors and refusals turned into errors.
-async fn answer(io: &mut FrameIo<TcpStream>, within: Duration) -> Result<Frame, TransportError> {
+async fn answer(io: &mut FrameIo<BoxConn>, within: Duration) -> Result<Frame, TransportError> {
     match tokio::time::timeout(within, io.read()).await {
         Err(_) => Err(TransportError::Timeout(within)),
         Ok(Err(e)) => Err(e),
@@ -54,7 +68,7 @@ async fn answer(io: &mut FrameIo<TcpStream>, within: Duration) -> Result<Frame, 
 /// The gateway's control connection to one decoder rank.
 #[derive(Debug)]
 pub struct ControlClient {
-    io: FrameIo<TcpStream>,
+    io: FrameIo<BoxConn>,
     pub welcome: Welcome,
 }
 
@@ -70,7 +84,17 @@ pub struct RankInfo {
 
 impl ControlClient {
     pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
-        let (io, welcome) = connect(addr, Role::Control, geometry, rank).await?;
+        Self::connect_with(addr, None, geometry, rank).await
+    }
+
+    /// Connects over TLS when `tls` is given (with this peer's certificate for mTLS).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        tls: Option<&TlsClient>,
+        geometry: u64,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, tls, Role::Control, geometry, rank).await?;
         Ok(Self { io, welcome })
     }
 
@@ -133,14 +157,24 @@ impl ControlClient {
 /// A prefiller rank's connection to one decoder rank: writes chunks, fences.
 #[derive(Debug)]
 pub struct ProducerClient {
-    io: FrameIo<TcpStream>,
+    io: FrameIo<BoxConn>,
     pub welcome: Welcome,
     segment: usize,
 }
 
 impl ProducerClient {
     pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
-        let (io, welcome) = connect(addr, Role::Producer, geometry, rank).await?;
+        Self::connect_with(addr, None, geometry, rank).await
+    }
+
+    /// Connects over TLS when `tls` is given (with this peer's certificate for mTLS).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        tls: Option<&TlsClient>,
+        geometry: u64,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, tls, Role::Producer, geometry, rank).await?;
         Ok(Self { io, welcome, segment: DEFAULT_SEGMENT_BYTES })
     }
 
@@ -192,13 +226,23 @@ impl ProducerClient {
 /// A subscription to one rank's statuses and releases.
 #[derive(Debug)]
 pub struct EventStream {
-    io: FrameIo<TcpStream>,
+    io: FrameIo<BoxConn>,
     pub welcome: Welcome,
 }
 
 impl EventStream {
     pub async fn connect(addr: SocketAddr, geometry: u64, rank: u32) -> Result<Self, TransportError> {
-        let (io, welcome) = connect(addr, Role::Events, geometry, rank).await?;
+        Self::connect_with(addr, None, geometry, rank).await
+    }
+
+    /// Connects over TLS when `tls` is given (with this peer's certificate for mTLS).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        tls: Option<&TlsClient>,
+        geometry: u64,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        let (io, welcome) = connect(addr, tls, Role::Events, geometry, rank).await?;
         Ok(Self { io, welcome })
     }
 

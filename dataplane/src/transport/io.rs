@@ -22,12 +22,17 @@ pub enum Incoming {
 
 /// A framed connection: reads whole frames (refusing bad ones as soon as their header shows it) and
 /// writes frames.
-#[derive(Debug)]
 pub struct FrameIo<S> {
     stream: S,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
     scratch: Vec<u8>,
+}
+
+impl<S> std::fmt::Debug for FrameIo<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameIo").field("buffered", &self.rbuf.len()).finish()
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {

@@ -13,6 +13,7 @@
 mod client;
 mod io;
 mod server;
+mod tls;
 
 use std::time::Duration;
 
@@ -21,6 +22,15 @@ use thiserror::Error;
 pub use client::{ControlClient, EventStream, ProducerClient, RankInfo, Welcome};
 pub use io::{FrameIo, Incoming};
 pub use server::{BroadcastSink, RankServer, ServerHandle};
+pub use tls::{ALPN, TlsClient, TlsError, TlsServer};
+
+/// A data-plane connection: plain TCP or TLS over TCP.
+pub trait Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Conn for T {}
+
+/// A boxed connection, so plain and TLS peers share every code path.
+pub type BoxConn = Box<dyn Conn>;
 
 use crate::wire::{FrameError, RefusalCode};
 
@@ -53,6 +63,8 @@ pub enum TransportError {
     Refused { code: RefusalCode, need: u32, have: u32, message: String },
     #[error("unexpected frame: {0}")]
     Unexpected(String),
+    #[error("tls: {0}")]
+    Tls(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
 }

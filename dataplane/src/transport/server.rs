@@ -7,11 +7,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rustc_hash::FxHashMap;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinSet;
 
-use super::{DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, Incoming, TransportError};
+use super::{
+    BoxConn, DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, Incoming, TlsServer, TransportError,
+};
 use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
 use crate::device::Device;
 use crate::events::{EventSink, RankEvent, TerminalState};
@@ -148,17 +150,35 @@ impl<D: Device> RankServer<D> {
         self.events.subscribe()
     }
 
-    /// Serves on `listener` until the handle is shut down.
+    /// Serves plain TCP on `listener` until the handle is shut down.
     pub fn start(self: &Arc<Self>, listener: TcpListener) -> Result<ServerHandle, std::io::Error> {
+        self.start_with(listener, None)
+    }
+
+    /// Serves TLS (mTLS when `tls` has a client CA) on `listener` until the handle is shut down.
+    pub fn start_tls(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        tls: TlsServer,
+    ) -> Result<ServerHandle, std::io::Error> {
+        self.start_with(listener, Some(tls))
+    }
+
+    fn start_with(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        tls: Option<TlsServer>,
+    ) -> Result<ServerHandle, std::io::Error> {
         let addr = listener.local_addr()?;
         let stop = Arc::new(Notify::new());
         let this = Arc::clone(self);
         let stop2 = Arc::clone(&stop);
-        let task = tokio::spawn(async move { this.run(listener, stop2).await });
+        let task = tokio::spawn(async move { this.run(listener, tls, stop2).await });
         Ok(ServerHandle { addr, stop, task })
     }
 
-    async fn run(self: Arc<Self>, listener: TcpListener, stop: Arc<Notify>) {
+    async fn run(self: Arc<Self>, listener: TcpListener, tls: Option<TlsServer>, stop: Arc<Notify>) {
+        let acceptor = tls.map(|t| t.acceptor());
         let mut tasks = JoinSet::new();
         let reaper = Arc::clone(&self);
         tasks.spawn(async move { reaper.reap_forever().await });
@@ -171,7 +191,19 @@ impl<D: Device> RankServer<D> {
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
                         let this = Arc::clone(&self);
-                        tasks.spawn(async move { this.connection(stream).await });
+                        let acceptor = acceptor.clone();
+                        tasks.spawn(async move {
+                            let conn: BoxConn = match acceptor {
+                                None => Box::new(stream),
+                                // A peer that cannot finish the handshake in time, or whose
+                                // certificate does not verify, never reaches the buffer.
+                                Some(a) => match tokio::time::timeout(DEFAULT_HANDSHAKE_TIMEOUT, a.accept(stream)).await {
+                                    Ok(Ok(s)) => Box::new(s),
+                                    _ => return,
+                                },
+                            };
+                            this.connection(conn).await
+                        });
                     }
                     // Out of descriptors and the like: back off rather than spin.
                     Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -225,7 +257,7 @@ impl<D: Device> RankServer<D> {
         }
     }
 
-    async fn connection(self: Arc<Self>, stream: TcpStream) {
+    async fn connection(self: Arc<Self>, stream: BoxConn) {
         let mut io = FrameIo::new(stream);
         let hello = match tokio::time::timeout(DEFAULT_HANDSHAKE_TIMEOUT, io.read()).await {
             Ok(Ok(Some(Frame::Hello(h)))) => h,
@@ -282,7 +314,7 @@ impl<D: Device> RankServer<D> {
         Ok(())
     }
 
-    async fn control(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+    async fn control(&self, io: &mut FrameIo<BoxConn>) -> Result<(), TransportError> {
         while let Some(frame) = io.read().await? {
             let reply = match frame {
                 Frame::Info => {
@@ -335,7 +367,7 @@ impl<D: Device> RankServer<D> {
         Ok(())
     }
 
-    async fn producer(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+    async fn producer(&self, io: &mut FrameIo<BoxConn>) -> Result<(), TransportError> {
         let mut current: Option<InFlight<D>> = None;
         while let Some(incoming) = io.read_head().await? {
             match incoming {
@@ -363,7 +395,7 @@ impl<D: Device> RankServer<D> {
     /// returns the answer to send, if the chunk is finished or refused, and the chunk still in flight.
     async fn chunk_segment(
         &self,
-        io: &mut FrameIo<TcpStream>,
+        io: &mut FrameIo<BoxConn>,
         h: ChunkHead,
         mut current: Option<InFlight<D>>,
     ) -> Result<(Option<Frame>, Option<InFlight<D>>), TransportError> {
@@ -430,7 +462,7 @@ impl<D: Device> RankServer<D> {
         }
     }
 
-    async fn event_feed(&self, io: &mut FrameIo<TcpStream>) -> Result<(), TransportError> {
+    async fn event_feed(&self, io: &mut FrameIo<BoxConn>) -> Result<(), TransportError> {
         let mut rx = self.events.subscribe();
         loop {
             match rx.recv().await {
@@ -454,7 +486,7 @@ fn code_of(e: &TransportError) -> RefusalCode {
     }
 }
 
-async fn close(io: &mut FrameIo<TcpStream>, code: RefusalCode, message: String) {
+async fn close(io: &mut FrameIo<BoxConn>, code: RefusalCode, message: String) {
     let message = if code == RefusalCode::Version {
         format!("{message}; this rank speaks protocol version {PROTOCOL_VERSION}")
     } else {

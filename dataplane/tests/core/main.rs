@@ -8,4 +8,5 @@ mod device_cpu;
 mod failure_classes;
 mod models;
 mod properties;
+mod tls;
 mod transport;

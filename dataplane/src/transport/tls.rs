@@ -1,0 +1,147 @@
+//! Optional TLS for data-plane connections (rustls, ring provider), with client-certificate (mTLS)
+//! verification when the rank is given a client CA.
+//!
+//! Both ends are baton, so the defaults are strict: TLS 1.3 only (no reason to speak older versions
+//! to ourselves) and the ALPN protocol `baton-dp/1`, so a data-plane port is never mistaken for an
+//! HTTPS endpoint.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use thiserror::Error;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+/// The ALPN protocol of the data plane.
+pub const ALPN: &[u8] = b"baton-dp/1";
+
+#[derive(Debug, Error)]
+pub enum TlsError {
+    #[error("{path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("tls configuration: {0}")]
+    Config(String),
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots(cas: Vec<CertificateDer<'static>>) -> Result<RootCertStore, TlsError> {
+    let mut store = RootCertStore::empty();
+    for ca in cas {
+        store.add(ca).map_err(|e| TlsError::Config(format!("bad CA certificate: {e}")))?;
+    }
+    if store.is_empty() {
+        return Err(TlsError::Config("no CA certificate given".into()));
+    }
+    Ok(store)
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let file = |reason: String| TlsError::File { path: path.display().to_string(), reason };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| file(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(file("no certificate in the file".into()));
+    }
+    Ok(certs)
+}
+
+fn key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path)
+        .map_err(|e| TlsError::File { path: path.display().to_string(), reason: e.to_string() })
+}
+
+/// A rank's TLS identity and, for mTLS, the CA its peers' certificates must chain to.
+#[derive(Debug, Clone)]
+pub struct TlsServer {
+    config: Arc<ServerConfig>,
+}
+
+impl TlsServer {
+    pub fn new(
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        client_ca: Option<Vec<CertificateDer<'static>>>,
+    ) -> Result<Self, TlsError> {
+        let builder = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let builder = match client_ca {
+            Some(cas) => {
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots(cas)?), provider())
+                    .build()
+                    .map_err(|e| TlsError::Config(e.to_string()))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Config(e.to_string()))?;
+        config.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(Self { config: Arc::new(config) })
+    }
+
+    /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
+    pub fn from_pem_files(cert: &Path, key_file: &Path, client_ca: Option<&Path>) -> Result<Self, TlsError> {
+        Self::new(certs(cert)?, key(key_file)?, client_ca.map(certs).transpose()?)
+    }
+
+    pub(crate) fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(Arc::clone(&self.config))
+    }
+}
+
+/// How a peer connects to a rank over TLS: the CA to trust, the name to check, and for mTLS its own
+/// identity.
+#[derive(Debug, Clone)]
+pub struct TlsClient {
+    config: Arc<ClientConfig>,
+    server_name: ServerName<'static>,
+}
+
+impl TlsClient {
+    pub fn new(
+        cas: Vec<CertificateDer<'static>>,
+        server_name: &str,
+        identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    ) -> Result<Self, TlsError> {
+        let builder = ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .with_root_certificates(roots(cas)?);
+        let mut config = match identity {
+            Some((chain, key)) => {
+                builder.with_client_auth_cert(chain, key).map_err(|e| TlsError::Config(e.to_string()))?
+            }
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![ALPN.to_vec()];
+        let server_name = ServerName::try_from(server_name.to_owned())
+            .map_err(|e| TlsError::Config(format!("server name {server_name:?}: {e}")))?;
+        Ok(Self { config: Arc::new(config), server_name })
+    }
+
+    /// From PEM files: the CA, the rank's name, and optionally this peer's certificate and key.
+    pub fn from_pem_files(
+        ca: &Path,
+        server_name: &str,
+        identity: Option<(&Path, &Path)>,
+    ) -> Result<Self, TlsError> {
+        let identity = match identity {
+            Some((c, k)) => Some((certs(c)?, key(k)?)),
+            None => None,
+        };
+        Self::new(certs(ca)?, server_name, identity)
+    }
+
+    pub(crate) fn connector(&self) -> (TlsConnector, ServerName<'static>) {
+        (TlsConnector::from(Arc::clone(&self.config)), self.server_name.clone())
+    }
+}
