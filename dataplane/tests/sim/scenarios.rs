@@ -313,3 +313,51 @@ async fn corrupted_kv_is_an_error_never_a_silent_200() {
     assert_decoder_clean(c.decode[0].addr, Duration::from_secs(2)).await;
     c.shutdown().await;
 }
+
+/// One slow decoder rank (every chunk written to it takes 30 ms longer): the request still
+/// completes with the right tokens, READY from the fast rank simply waits for the slow one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_rank_delays_but_completes() {
+    let c = cluster(1, 1, 2, 24, |c| {
+        c.faults = FaultConfig { slow_rank: Some(1), slow_ms: 30, ..FaultConfig::default() };
+    })
+    .await;
+    let job = long_job();
+    let started = Instant::now();
+    let out = handoff(c.prefill[0].addr, &c.decoders[0], &c.geometry, &job, Limits::default()).await;
+    match out {
+        Handoff::Done { status: 200, text, .. } => assert_eq!(text, output_text(&job.ids(), job.max_tokens)),
+        other => panic!("{other:?}"),
+    }
+    // 4 chunks to the slow rank at 30 ms each, plus its 30 ms consume delay.
+    assert!(started.elapsed() >= Duration::from_millis(150), "the slow switch did nothing");
+    c.assert_clean().await;
+    c.shutdown().await;
+}
+
+/// A decoder that never takes the chunks (the prefiller stalls past its hold TTL): the prefiller
+/// gives up at the TTL with 504, frees its cache blocks and fences, so the decoder's pages come back
+/// at once too. Stranded producer blocks cannot outlive the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_blocks_are_released_at_the_hold_ttl() {
+    let c = cluster(1, 1, 1, 24, |c| {
+        c.quarantine_ttl = Duration::from_secs(30);
+        if c.role == SimRole::Prefill {
+            c.hold_ttl = Duration::from_millis(300);
+            c.faults = FaultConfig { stall_chunk: Some(1), stall_ms: 10_000, ..FaultConfig::default() };
+        }
+    })
+    .await;
+    let d = &c.decoders[0];
+    let key = new_key();
+    let started = Instant::now();
+    let req = start_prefill(c.prefill[0].addr, d, key, 4, Duration::from_secs(20), &long_job()).await;
+    assert_eq!(req.await.unwrap(), Some(504));
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "{took:?}");
+    assert_prefill_clean(c.prefill[0].addr, Duration::from_secs(1)).await;
+    // The gateway cancels after the failed prefill; the prefiller's fence already ended the quarantine.
+    d.cancel(key).await;
+    assert_decoder_clean(c.decode[0].addr, Duration::from_secs(1)).await;
+    c.shutdown().await;
+}
