@@ -21,7 +21,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_dataplane::device::Device;
 use baton_dataplane::device::cpu::CpuDevice;
+use baton_dataplane::device::shm::ShmDevice;
 use baton_dataplane::transport::{ControlClient, ProducerClient, RankServer};
 use baton_dataplane::{BufferOptions, KvGeometry, RankBuffer, RequestId, RequestKey, SystemClock};
 
@@ -72,6 +74,51 @@ async fn raw_tcp_gbps(page: usize, bytes: u64) -> f64 {
     bytes as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
+/// Writes `rounds` requests of `chunks` pages into a rank on `device` and returns (GB/s, bytes,
+/// seconds) of the timed writes. `shm`: the producer writes through the rank's shared-memory export.
+async fn chunk_writes<D: Device>(
+    device: Arc<D>,
+    geometry: KvGeometry,
+    chunks: u32,
+    rounds: u64,
+    shm: bool,
+) -> (f64, u64, f64) {
+    let page = geometry.page_bytes_per_rank() as usize;
+    let (sink, tx) = RankServer::<D>::sink();
+    let buf =
+        RankBuffer::new(device, geometry, 0, chunks, BufferOptions::default(), Arc::new(SystemClock), sink)
+            .unwrap();
+    let srv = RankServer::new(buf, 1, tx);
+    let h = srv.start(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let fp = geometry.fingerprint();
+    let mut ctl = ControlClient::connect(h.addr, fp, 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp, 0).await.unwrap();
+    if shm {
+        prod.use_shared_memory().unwrap();
+    }
+    let data = vec![0x3Cu8; page];
+    let mut timed = Duration::ZERO;
+    let mut bytes = 0u64;
+    for round in 0..=rounds {
+        let key = RequestKey::new(RequestId(u128::from(round)), 0);
+        let addrs = ctl.reserve(key, chunks, Duration::from_secs(600), &[]).await.unwrap();
+        let start = Instant::now();
+        for (c, a) in &addrs {
+            prod.write_chunk(key, *c, *a, &data).await.unwrap();
+        }
+        // Round 0 warms up (first touch of the buffer's pages) and is not counted.
+        if round > 0 {
+            timed += start.elapsed();
+            bytes += page as u64 * u64::from(chunks);
+        }
+        let Ok(ready) = srv.take(key).unwrap().try_ready() else { panic!("not ready") };
+        drop(ready);
+    }
+    assert_eq!(srv.buffer().stats().pages.free, chunks);
+    h.shutdown().await;
+    (bytes as f64 / timed.as_secs_f64() / 1e9, bytes, timed.as_secs_f64())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
@@ -84,56 +131,23 @@ fn main() {
     let chunks: u32 = 8;
     let rounds: u64 = if quick { 2 } else { 8 };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (gbps, bytes, secs) = rt.block_on(async move {
-        let (sink, tx) = RankServer::<CpuDevice>::sink();
-        let buf = RankBuffer::new(
-            Arc::new(CpuDevice),
-            geometry,
-            0,
-            chunks,
-            BufferOptions::default(),
-            Arc::new(SystemClock),
-            sink,
-        )
-        .unwrap();
-        let srv = RankServer::new(buf, 1, tx);
-        let h = srv.start(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
-        let fp = geometry.fingerprint();
-        let mut ctl = ControlClient::connect(h.addr, fp, 0).await.unwrap();
-        let mut prod = ProducerClient::connect(h.addr, fp, 0).await.unwrap();
-        let data = vec![0x3Cu8; page];
-        let mut timed = Duration::ZERO;
-        let mut bytes = 0u64;
-        for round in 0..=rounds {
-            let key = RequestKey::new(RequestId(u128::from(round)), 0);
-            let addrs = ctl.reserve(key, chunks, Duration::from_secs(600), &[]).await.unwrap();
-            let start = Instant::now();
-            for (c, a) in &addrs {
-                prod.write_chunk(key, *c, *a, &data).await.unwrap();
-            }
-            // Round 0 warms up (first touch of the buffer's pages) and is not counted.
-            if round > 0 {
-                timed += start.elapsed();
-                bytes += page as u64 * u64::from(chunks);
-            }
-            let Ok(ready) = srv.take(key).unwrap().try_ready() else { panic!("not ready") };
-            drop(ready);
-        }
-        assert_eq!(srv.buffer().stats().pages.free, chunks);
-        h.shutdown().await;
-        (bytes as f64 / timed.as_secs_f64() / 1e9, bytes, timed.as_secs_f64())
-    });
+    let (gbps, bytes, secs) = rt.block_on(chunk_writes(Arc::new(CpuDevice), geometry, chunks, rounds, false));
+    let (shm_gbps, _, _) =
+        rt.block_on(chunk_writes(Arc::new(ShmDevice::default()), geometry, chunks, rounds, true));
     let raw = rt.block_on(raw_tcp_gbps(page, bytes));
     let memcpy = memcpy_gbps(page, chunks as usize, bytes);
     let ratio = gbps / memcpy;
+    let shm_ratio = shm_gbps / memcpy;
     println!("page {page} bytes, {bytes} bytes written in {secs:.3} s");
-    println!("loopback chunk writes  {gbps:>7.2} GB/s");
+    println!("loopback chunk writes  {gbps:>7.2} GB/s   (TCP)");
+    println!("same-host chunk writes {shm_gbps:>7.2} GB/s   (shared-memory export, grant/commit over TCP)");
     println!("raw loopback TCP       {raw:>7.2} GB/s");
     println!("memcpy (same run)      {memcpy:>7.2} GB/s");
-    println!("ratio                  {:>7.1} %", ratio * 100.0);
+    println!("TCP / memcpy           {:>7.1} %", ratio * 100.0);
+    println!("shared / memcpy        {:>7.1} %", shm_ratio * 100.0);
     if let Some(path) = out {
         let json = format!(
-            "{{\n  \"bench\": \"dataplane-transport\",\n  \"quick\": {quick},\n  \"page_bytes\": {page},\n  \"bytes\": {bytes},\n  \"seconds\": {secs:.6},\n  \"loopback_gbps\": {gbps:.3},\n  \"raw_tcp_gbps\": {raw:.3},\n  \"memcpy_gbps\": {memcpy:.3},\n  \"ratio\": {ratio:.3}\n}}\n"
+            "{{\n  \"bench\": \"dataplane-transport\",\n  \"quick\": {quick},\n  \"page_bytes\": {page},\n  \"bytes\": {bytes},\n  \"seconds\": {secs:.6},\n  \"loopback_gbps\": {gbps:.3},\n  \"raw_tcp_gbps\": {raw:.3},\n  \"memcpy_gbps\": {memcpy:.3},\n  \"ratio\": {ratio:.3},\n  \"shm_gbps\": {shm_gbps:.3},\n  \"shm_ratio\": {shm_ratio:.3}\n}}\n"
         );
         std::fs::write(&path, json).unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
         println!("wrote {path}");

@@ -184,6 +184,11 @@ impl<D: Device> RankBuffer<D> {
         &self.shared.device
     }
 
+    /// Where same-host producers can write pages directly (see [`Device::export`]), if anywhere.
+    pub fn export(&self) -> Option<String> {
+        self.shared.device.export(&self.shared.memory)
+    }
+
     /// The buffer's clock reading, for computing lease deadlines.
     pub fn now(&self) -> Instant {
         self.shared.clock.now()
@@ -487,6 +492,13 @@ impl<D: Device> PageWriter<D> {
 
     pub fn written(&self) -> usize {
         self.written
+    }
+
+    /// Declares the whole page written by a peer through the buffer's export (shared memory, IPC)
+    /// rather than through [`PageWriter::write`]. Ownership and generation were checked when this
+    /// writer was granted and are checked again at commit; the bytes themselves cannot be.
+    pub fn written_externally(&mut self) {
+        self.written = self.shared.page_bytes;
     }
 
     /// Marks the chunk arrived. READY is emitted here when it was the last one.

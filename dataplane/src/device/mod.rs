@@ -10,6 +10,7 @@
 //! may touch a page; the device only moves bytes and checks bounds.
 
 pub mod cpu;
+pub mod shm;
 
 use std::fmt::Debug;
 
@@ -240,6 +241,12 @@ pub trait Device: Send + Sync + Debug + 'static {
         cache: &[Self::Tensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError>;
+
+    /// A name by which other processes on this host can open the buffer and write pages into it
+    /// directly (a shared-memory path; for GPUs, an IPC handle). `None` when the device cannot share.
+    fn export(&self, _buf: &Self::Buffer) -> Option<String> {
+        None
+    }
 
     /// An event completed once all work submitted so far is done.
     fn record_event(&self) -> Result<Self::Event, DeviceError>;

@@ -11,12 +11,14 @@ use crate::ids::{PageAddr, PrefixKey, RequestKey};
 use crate::wire::{ChunkHead, Frame, Hello, RefusalCode, Role};
 
 /// What a rank said when the connection was accepted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Welcome {
     pub rank: u32,
     pub ranks: u32,
     pub pages_total: u32,
     pub page_bytes: u64,
+    /// Where a same-host producer may write pages directly (empty when the rank does not export).
+    pub export: String,
 }
 
 async fn connect(
@@ -44,8 +46,8 @@ async fn connect(
     let mut io = FrameIo::new(conn);
     io.write(&Frame::Hello(Hello { role, geometry, rank })).await?;
     match answer(&mut io, DEFAULT_REQUEST_TIMEOUT).await? {
-        Frame::Welcome { rank, ranks, pages_total, page_bytes, .. } => {
-            Ok((io, Welcome { rank, ranks, pages_total, page_bytes }))
+        Frame::Welcome { rank, ranks, pages_total, page_bytes, export, .. } => {
+            Ok((io, Welcome { rank, ranks, pages_total, page_bytes, export }))
         }
         other => Err(TransportError::Unexpected(format!("{other:?} instead of welcome"))),
     }
@@ -160,6 +162,8 @@ pub struct ProducerClient {
     io: FrameIo<BoxConn>,
     pub welcome: Welcome,
     segment: usize,
+    /// The rank's export, mapped: chunks are copied into it instead of sent over the socket.
+    shm: Option<crate::device::shm::ShmWriter>,
 }
 
 impl ProducerClient {
@@ -175,13 +179,59 @@ impl ProducerClient {
         rank: u32,
     ) -> Result<Self, TransportError> {
         let (io, welcome) = connect(addr, tls, Role::Producer, geometry, rank).await?;
-        Ok(Self { io, welcome, segment: DEFAULT_SEGMENT_BYTES })
+        Ok(Self { io, welcome, segment: DEFAULT_SEGMENT_BYTES, shm: None })
     }
 
     /// Sets the segment size (bytes per frame) for chunk writes.
     pub fn with_segment(mut self, bytes: usize) -> Self {
         self.segment = bytes.clamp(1, crate::wire::MAX_DATA_FRAME);
         self
+    }
+
+    /// Writes chunks through the rank's shared-memory export from now on (same host only). Fails,
+    /// leaving the socket path in use, when the rank exports nothing or the export cannot be opened
+    /// (another host, another user).
+    pub fn use_shared_memory(&mut self) -> Result<(), TransportError> {
+        if self.welcome.export.is_empty() {
+            return Err(TransportError::Unexpected("the rank does not export its buffer".into()));
+        }
+        let w = crate::device::shm::ShmWriter::open(&self.welcome.export)
+            .map_err(|e| TransportError::Unexpected(e.to_string()))?;
+        self.shm = Some(w);
+        Ok(())
+    }
+
+    /// Whether chunks go through shared memory.
+    pub fn is_shared_memory(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    async fn write_chunk_shm(
+        &mut self,
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+        bytes: &[u8],
+    ) -> Result<bool, TransportError> {
+        self.io.write(&Frame::Grant { key, chunk, addr }).await?;
+        let offset = match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
+            Frame::Granted { key: k, chunk: c, offset } if k == key && c == chunk => offset,
+            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => {
+                return Ok(duplicate);
+            }
+            other => return Err(TransportError::Unexpected(format!("{other:?}"))),
+        };
+        if let Some(w) = &self.shm {
+            // One memcpy into the rank's buffer.
+            if let Err(e) = w.write_at(offset, bytes) {
+                return Err(TransportError::Unexpected(format!("shared-memory write: {e}")));
+            }
+        }
+        self.io.write(&Frame::Written { key, chunk }).await?;
+        match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
+            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => Ok(duplicate),
+            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+        }
     }
 
     /// Writes a whole chunk and waits for the rank's answer: `Ok(true)` when it was already there.
@@ -199,6 +249,9 @@ impl ProducerClient {
                 have: 0,
                 message: format!("chunk of {} bytes, pages are {}", bytes.len(), self.welcome.page_bytes),
             });
+        }
+        if self.shm.is_some() {
+            return self.write_chunk_shm(key, chunk, addr, bytes).await;
         }
         let mut offset = 0usize;
         for seg in bytes.chunks(self.segment) {

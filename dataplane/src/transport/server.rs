@@ -21,6 +21,10 @@ use crate::ids::RequestKey;
 use crate::table::{LeaseError, ReserveError, WriteError};
 use crate::wire::{ChunkHead, Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
 
+/// Chunks one producer connection may hold granted (written through the export, not yet
+/// committed): a producer pipelines a few; more is a runaway peer holding pages.
+const MAX_GRANTS_PER_CONNECTION: usize = 64;
+
 /// How often the reaper wakes at the latest, so a renewal that moves a deadline earlier is honoured
 /// within this bound.
 const REAPER_MAX_SLEEP: Duration = Duration::from_millis(50);
@@ -286,6 +290,7 @@ impl<D: Device> RankServer<D> {
             pages_total: stats.total,
             page_bytes: self.buf.page_bytes() as u64,
             geometry: self.buf.geometry().fingerprint(),
+            export: self.buf.export().unwrap_or_default(),
         };
         if io.write(&welcome).await.is_err() {
             return;
@@ -369,8 +374,34 @@ impl<D: Device> RankServer<D> {
 
     async fn producer(&self, io: &mut FrameIo<BoxConn>) -> Result<(), TransportError> {
         let mut current: Option<InFlight<D>> = None;
+        // Chunks granted to a same-host producer writing through the export; their writers drop
+        // (aborting the write) if the connection goes away before `Written`.
+        let mut granted: FxHashMap<(RequestKey, u32), PageWriter<D>> = FxHashMap::default();
         while let Some(incoming) = io.read_head().await? {
             match incoming {
+                Incoming::Frame(Frame::Grant { key, chunk, addr }) => {
+                    let reply = self.grant(&mut granted, key, chunk, addr);
+                    io.write(&reply).await?;
+                }
+                Incoming::Frame(Frame::Written { key, chunk }) => {
+                    let reply = match granted.remove(&(key, chunk)) {
+                        Some(mut w) => {
+                            w.written_externally();
+                            match w.commit() {
+                                Ok(_) => Frame::ChunkAck { key, chunk, duplicate: false },
+                                Err(e) => write_refusal(key, &e),
+                            }
+                        }
+                        None => refusal(
+                            key,
+                            RefusalCode::BadRequest,
+                            0,
+                            0,
+                            format!("chunk {chunk} was not granted"),
+                        ),
+                    };
+                    io.write(&reply).await?;
+                }
                 Incoming::Chunk(head) => {
                     let (reply, next) = self.chunk_segment(io, head, current.take()).await?;
                     current = next;
@@ -389,6 +420,38 @@ impl<D: Device> RankServer<D> {
             }
         }
         Ok(())
+    }
+
+    fn grant(
+        &self,
+        granted: &mut FxHashMap<(RequestKey, u32), PageWriter<D>>,
+        key: RequestKey,
+        chunk: u32,
+        addr: crate::ids::PageAddr,
+    ) -> Frame {
+        if self.buf.export().is_none() {
+            return refusal(
+                key,
+                RefusalCode::BadRequest,
+                0,
+                0,
+                "this rank does not export its buffer".into(),
+            );
+        }
+        if granted.len() >= MAX_GRANTS_PER_CONNECTION {
+            let msg = format!("{MAX_GRANTS_PER_CONNECTION} chunks already granted on this connection");
+            return refusal(key, RefusalCode::BadRequest, 0, 0, msg);
+        }
+        // A repeated grant for the same chunk replaces (aborts) the earlier one.
+        drop(granted.remove(&(key, chunk)));
+        match self.buf.begin_write(key, chunk, addr) {
+            Ok(BeginWrite::Write(w)) => {
+                granted.insert((key, chunk), w);
+                Frame::Granted { key, chunk, offset: u64::from(addr.page) * self.buf.page_bytes() as u64 }
+            }
+            Ok(BeginWrite::Duplicate) => Frame::ChunkAck { key, chunk, duplicate: true },
+            Err(e) => write_refusal(key, &e),
+        }
     }
 
     /// Takes one segment of a chunk off the wire (always all of its payload, so framing holds) and

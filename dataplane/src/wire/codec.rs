@@ -88,6 +88,9 @@ pub enum Frame {
         pages_total: u32,
         page_bytes: u64,
         geometry: u64,
+        /// Where a same-host producer can write pages directly (a shared-memory file); empty when the
+        /// rank does not export its buffer.
+        export: String,
     },
     /// Ask for the buffer's current state.
     Info,
@@ -151,6 +154,23 @@ pub enum Frame {
     /// The producer will write nothing more for the request.
     Fence {
         key: RequestKey,
+    },
+    /// A same-host producer asks to write a chunk through the rank's export.
+    Grant {
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+    },
+    /// Write the whole page at `offset` of the export, then send `Written`.
+    Granted {
+        key: RequestKey,
+        chunk: u32,
+        offset: u64,
+    },
+    /// The granted chunk's bytes are in the export; commit it.
+    Written {
+        key: RequestKey,
+        chunk: u32,
     },
     Event(RankEvent),
     /// A connection-level error; the sender closes after it.
@@ -228,6 +248,9 @@ mod kind {
     pub(super) const EVENT_STATUS: u8 = 14;
     pub(super) const EVENT_RELEASED: u8 = 15;
     pub(super) const ERROR: u8 = 16;
+    pub(super) const GRANT: u8 = 17;
+    pub(super) const GRANTED: u8 = 18;
+    pub(super) const WRITTEN: u8 = 19;
 }
 
 fn limit_for(kind: u8) -> usize {
@@ -247,13 +270,32 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u32(h.rank);
                 kind::HELLO
             }
-            Frame::Welcome { rank, ranks, pages_total, page_bytes, geometry } => {
+            Frame::Welcome { rank, ranks, pages_total, page_bytes, geometry, export } => {
                 w.u32(*rank);
                 w.u32(*ranks);
                 w.u32(*pages_total);
                 w.u64(*page_bytes);
                 w.u64(*geometry);
+                w.bytes(export.as_bytes());
                 kind::WELCOME
+            }
+            Frame::Grant { key, chunk, addr } => {
+                w.key(key);
+                w.u32(*chunk);
+                w.u32(addr.page);
+                w.u32(addr.generation);
+                kind::GRANT
+            }
+            Frame::Granted { key, chunk, offset } => {
+                w.key(key);
+                w.u32(*chunk);
+                w.u64(*offset);
+                kind::GRANTED
+            }
+            Frame::Written { key, chunk } => {
+                w.key(key);
+                w.u32(*chunk);
+                kind::WRITTEN
             }
             Frame::Info => kind::INFO,
             Frame::InfoReply { rank, ranks, pages_total, pages_free, page_bytes, geometry } => {
@@ -469,7 +511,15 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
             pages_total: r.u32("pages_total")?,
             page_bytes: r.u64("page_bytes")?,
             geometry: r.u64("geometry")?,
+            export: r.string("export")?,
         },
+        kind::GRANT => Frame::Grant {
+            key: r.key()?,
+            chunk: r.u32("chunk")?,
+            addr: PageAddr { page: r.u32("page")?, generation: r.u32("generation")? },
+        },
+        kind::GRANTED => Frame::Granted { key: r.key()?, chunk: r.u32("chunk")?, offset: r.u64("offset")? },
+        kind::WRITTEN => Frame::Written { key: r.key()?, chunk: r.u32("chunk")? },
         kind::INFO => Frame::Info,
         kind::INFO_REPLY => Frame::InfoReply {
             rank: r.u32("rank")?,
@@ -708,7 +758,17 @@ mod tests {
         let k = key();
         vec![
             Frame::Hello(Hello { role: Role::Producer, geometry: 42, rank: 3 }),
-            Frame::Welcome { rank: 1, ranks: 2, pages_total: 64, page_bytes: 32 << 20, geometry: 42 },
+            Frame::Welcome {
+                rank: 1,
+                ranks: 2,
+                pages_total: 64,
+                page_bytes: 32 << 20,
+                geometry: 42,
+                export: "/dev/shm/x".into(),
+            },
+            Frame::Grant { key: k, chunk: 1, addr: PageAddr { page: 3, generation: 4 } },
+            Frame::Granted { key: k, chunk: 1, offset: 3 << 20 },
+            Frame::Written { key: k, chunk: 1 },
             Frame::Info,
             Frame::InfoReply {
                 rank: 1,

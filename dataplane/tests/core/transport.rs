@@ -257,3 +257,90 @@ async fn hostile_peers_cannot_touch_the_buffer() {
 fn geometry_fingerprint_is_what_peers_compare() {
     assert_ne!(tiny().fingerprint(), KvGeometry::new(1, 1, 8, 1, 8, 1).unwrap().fingerprint());
 }
+
+/// The same-host path: chunks written through the rank's shared-memory export land byte for byte,
+/// grants are checked like socket writes, an abandoned grant aborts cleanly, and the export file is
+/// removed with the buffer.
+#[tokio::test]
+async fn same_host_producer_writes_through_shared_memory() {
+    use baton_dataplane::device::shm::ShmDevice;
+    let (sink, tx) = RankServer::<ShmDevice>::sink();
+    let buf = RankBuffer::new(
+        Arc::new(ShmDevice::default()),
+        tiny(),
+        0,
+        8,
+        BufferOptions::default(),
+        Arc::new(SystemClock),
+        sink,
+    )
+    .unwrap();
+    let export = buf.export().unwrap();
+    assert!(std::path::Path::new(&export).exists());
+    let srv = RankServer::new(buf, 1, tx);
+    let h = srv.start(TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap();
+    let fp = fp();
+    let mut ctl = ControlClient::connect(h.addr, fp, 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp, 0).await.unwrap();
+    assert_eq!(prod.welcome.export, export);
+    prod.use_shared_memory().unwrap();
+    let k = key(1);
+    let addrs = ctl.reserve(k, 3, Duration::from_secs(30), &[]).await.unwrap();
+    let page = srv.buffer().page_bytes();
+    // A grant with a stale generation is refused before any byte is written.
+    let stale = PageAddr { page: addrs[0].1.page, generation: addrs[0].1.generation.wrapping_add(1) };
+    let r = prod.write_chunk(k, addrs[0].0, stale, &vec![9; page]).await;
+    assert!(matches!(r, Err(TransportError::Refused { code: RefusalCode::Stale, .. })), "{r:?}");
+    // A producer that is granted a chunk and vanishes: its grant aborts, the chunk can be written again.
+    {
+        let mut io = baton_dataplane::transport::FrameIo::new(TcpStream::connect(h.addr).await.unwrap());
+        io.write(&Frame::Hello(Hello { role: Role::Producer, geometry: fp, rank: 0 })).await.unwrap();
+        let _welcome = io.read().await.unwrap();
+        io.write(&Frame::Grant { key: k, chunk: addrs[0].0, addr: addrs[0].1 }).await.unwrap();
+        assert!(matches!(io.read().await.unwrap(), Some(Frame::Granted { .. })));
+        drop(io);
+    }
+    for (c, a) in &addrs {
+        // Retried until the vanished producer's connection has been noticed and its grant dropped.
+        let bytes = content(u64::from(*c), 0, page);
+        let mut tries = 0;
+        loop {
+            match prod.write_chunk(k, *c, *a, &bytes).await {
+                Ok(dup) => {
+                    assert!(!dup);
+                    break;
+                }
+                Err(TransportError::Refused { code: RefusalCode::BadRequest, .. }) if tries < 100 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("chunk {c}: {e}"),
+            }
+        }
+    }
+    // Once in, a repeated write is a duplicate.
+    assert!(prod.write_chunk(k, addrs[1].0, addrs[1].1, &vec![0; page]).await.unwrap());
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else { panic!("not ready") };
+    let c = ready.consume().unwrap();
+    for chunk in 0..3 {
+        let mut got = vec![0; page];
+        c.read_chunk(chunk, &mut got).unwrap();
+        assert_eq!(got, content(u64::from(chunk), 0, page), "chunk {chunk}");
+    }
+    drop(c);
+    assert_eq!(srv.buffer().stats().pages.free, 8);
+    srv.buffer().check_invariants().unwrap();
+    h.shutdown().await;
+    drop(srv);
+    assert!(!std::path::Path::new(&export).exists(), "export file left behind");
+}
+
+#[tokio::test]
+async fn shared_memory_needs_an_export() {
+    let (_srv, h) = server(4).await;
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    assert!(prod.welcome.export.is_empty());
+    assert!(prod.use_shared_memory().is_err());
+    assert!(!prod.is_shared_memory());
+    h.shutdown().await;
+}
