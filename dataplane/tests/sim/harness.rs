@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
+use baton_dataplane::sim::kv::prefix_hashes;
 use baton_dataplane::sim::kv::{render_chat, tokenize};
 use baton_dataplane::transport::{ControlClient, EventStream, TransportError};
 use baton_dataplane::wire::RefusalCode;
-use baton_dataplane::{KvGeometry, PageAddr, RankEvent, RequestId, RequestKey};
+use baton_dataplane::{KvGeometry, PageAddr, PrefixKey, RankEvent, RequestId, RequestKey};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -103,6 +104,18 @@ impl Decoder {
         chunks: u32,
         lease: Duration,
     ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
+        self.reserve_shared(key, chunks, lease, &[]).await
+    }
+
+    /// Like `reserve`, offering prefix keys of the leading chunks: chunks already filled for another
+    /// request are shared, and only the others come back as write addresses.
+    pub async fn reserve_shared(
+        &self,
+        key: RequestKey,
+        chunks: u32,
+        lease: Duration,
+        prefixes: &[PrefixKey],
+    ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
         let mut got = Vec::new();
         for r in 0..self.ranks.len() {
             let mut c = match self.control(r).await {
@@ -113,7 +126,7 @@ impl Decoder {
                     return Err(e);
                 }
             };
-            let res = c.reserve(key, chunks, lease, &[]).await;
+            let res = c.reserve(key, chunks, lease, prefixes).await;
             self.give_back(r, c).await;
             match res {
                 Ok(addrs) => got.push(addrs),
@@ -204,7 +217,8 @@ impl Job {
 #[derive(Debug)]
 pub enum Handoff {
     /// The decoder's answer (status, body); text and usage extracted.
-    Done { status: u16, text: String, prompt_tokens: u64, completion_tokens: u64 },
+    /// `shared`: chunks (summed over ranks) served from another request's pages instead of sent.
+    Done { status: u16, text: String, prompt_tokens: u64, completion_tokens: u64, shared: usize },
     /// The prefill failed with this status.
     PrefillFailed(#[allow(dead_code)] u16, #[allow(dead_code)] String),
     /// Readiness did not complete: the outcome.
@@ -212,6 +226,13 @@ pub enum Handoff {
 }
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
+
+/// Prefix keys of a prompt's full chunks: the hash of every token up to the chunk's end, so equal
+/// keys mean equal KV. A partial last chunk gets none.
+pub fn prefix_keys(ids: &[u32], chunk_tokens: usize) -> Vec<PrefixKey> {
+    let h = prefix_hashes(ids);
+    (1..=ids.len() / chunk_tokens).map(|c| PrefixKey(h[c * chunk_tokens - 1])).collect()
+}
 
 pub fn new_key() -> RequestKey {
     // Unique across the test run; the high bits mark the process so parallel tests never collide.
@@ -245,8 +266,9 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
     let ids = job.ids();
     let chunks = ids.len().div_ceil(g.chunk_tokens as usize) as u32;
     let queued = Instant::now();
+    let prefixes = prefix_keys(&ids, g.chunk_tokens as usize);
     let addrs = loop {
-        match d.reserve(key, chunks, limits.lease).await.unwrap() {
+        match d.reserve_shared(key, chunks, limits.lease, &prefixes).await.unwrap() {
             Some(a) => break a,
             None => {
                 assert!(queued.elapsed() < limits.queue_deadline, "queued past the deadline");
@@ -313,7 +335,8 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
         }
     }
     d.forget(key);
-    Handoff::Done { status, text, prompt_tokens, completion_tokens }
+    let shared = addrs.iter().map(|r| chunks as usize - r.len()).sum();
+    Handoff::Done { status, text, prompt_tokens, completion_tokens, shared }
 }
 
 /// Extracts text and usage from a JSON or SSE answer, checking the SSE framing on the way.

@@ -89,11 +89,13 @@ async fn run_mix(p: usize, d: usize, tp: u32, requests: usize) {
         });
     }
     let mut ok = 0;
+    let mut shared_total = 0;
     while let Some(r) = tasks.join_next().await {
         let (job, out) = r.unwrap();
         let ids = job.ids();
         match out {
-            Handoff::Done { status: 200, text, prompt_tokens, completion_tokens } => {
+            Handoff::Done { status: 200, text, prompt_tokens, completion_tokens, shared } => {
+                shared_total += shared;
                 assert_eq!(text, output_text(&ids, job.max_tokens), "{job:?}");
                 assert_eq!(prompt_tokens, ids.len() as u64, "{job:?}");
                 assert_eq!(completion_tokens, u64::from(job.max_tokens), "{job:?}");
@@ -103,6 +105,8 @@ async fn run_mix(p: usize, d: usize, tp: u32, requests: usize) {
         }
     }
     assert_eq!(ok, requests);
+    // Prompts share a system prefix: some chunks were served from other requests' pages.
+    assert!(shared_total > 0, "no chunk was ever shared");
     c.assert_clean().await;
     c.shutdown().await;
 }
