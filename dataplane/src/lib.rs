@@ -4,7 +4,9 @@
 //! lease deadlines, chunk writes checked against page generations, a typestate lifecycle whose every
 //! resource is a guard released in `Drop`, shared prefix chunks as counted handles, a deadline-ordered
 //! reaper, per-rank terminal statuses and the readiness aggregator the gateway uses. Bytes move through
-//! the [`device::Device`] trait (CPU reference here; CUDA in its own module).
+//! the [`device::Device`] trait (CPU reference, shared memory; CUDA in its own module). [`wire`] and
+//! [`transport`] carry it over TCP (TLS optional); `sim` (feature `sim`) is a simulated engine that
+//! embeds it.
 //!
 //! It never knows about HTTP, the gateway or any engine's scheduler.
 
