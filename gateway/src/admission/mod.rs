@@ -1,0 +1,330 @@
+//! Admission per decoder: a weighted fair queue in slots, where a request's slots are the pages its
+//! KV cache needs in the decoder's PD buffer (`ceil(prompt_tokens / chunk_tokens)`).
+//!
+//! - A request needing more slots than the whole buffer is refused at once (`TooLarge`, naming both
+//!   numbers); one that fits waits, even if it needs the whole buffer.
+//! - Waiters are served by start-time fair queuing across priority classes (each class gets slots
+//!   in proportion to its weight), FIFO within a class. The chosen head is never overtaken: if it
+//!   does not fit yet, nothing behind it is granted, so a large request cannot starve.
+//! - Queue length and queue wait are bounded (`QueueFull`, `Timeout`, both retryable).
+//! - Slots are a [`SlotGuard`] released in `Drop`, exactly once; a waiter that gives up (client gone,
+//!   deadline) leaves the queue in its own `Drop`, so nobody waits behind a ghost.
+//!
+//! This module knows nothing of HTTP or of the data plane's wire; the handoff holds a guard until the
+//! decoder reports the pages free.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// Most requests waiting for one decoder: beyond it clients are told to come back (429) rather
+/// than queue for longer than any deadline allows.
+pub const DEFAULT_MAX_QUEUE: usize = 1024;
+
+/// Longest a request waits for room before it is answered 503 with `Retry-After`.
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Weight of a priority class nobody configured.
+pub const DEFAULT_WEIGHT: f64 = 1.0;
+
+/// Why a request was not admitted.
+#[derive(Debug, Error, PartialEq, Clone)]
+pub enum AdmissionError {
+    #[error("request needs {need} slots but the decoder buffer holds {capacity}")]
+    TooLarge { need: u32, capacity: u32 },
+    #[error("{limit} requests are already waiting for this decoder")]
+    QueueFull { limit: usize },
+    #[error("no room for {need} slots within {waited:?}")]
+    Timeout { need: u32, waited: Duration },
+}
+
+impl AdmissionError {
+    /// Whether the same request may succeed later.
+    pub fn retryable(&self) -> bool {
+        !matches!(self, Self::TooLarge { .. })
+    }
+}
+
+/// Limits and weights of one decoder's queue.
+#[derive(Clone, Debug)]
+pub struct QueueConfig {
+    /// Most waiters (default [`DEFAULT_MAX_QUEUE`]).
+    pub max_queue: usize,
+    /// `(priority class, weight)`; classes not listed weigh [`DEFAULT_WEIGHT`].
+    pub weights: Vec<(u8, f64)>,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self { max_queue: DEFAULT_MAX_QUEUE, weights: Vec::new() }
+    }
+}
+
+/// A snapshot of a queue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QueueStats {
+    pub capacity: u32,
+    pub in_use: u32,
+    pub waiting: usize,
+    pub waiting_slots: u64,
+    pub oldest_wait: Option<Duration>,
+    /// Slot releases that found fewer slots in use than they returned; always 0 unless there is a bug.
+    pub accounting_errors: u64,
+}
+
+struct Waiter {
+    id: u64,
+    slots: u32,
+    start: f64,
+    enqueued: Instant,
+    tx: oneshot::Sender<SlotGuard>,
+}
+
+struct Class {
+    weight: f64,
+    queue: VecDeque<Waiter>,
+    last_finish: f64,
+}
+
+struct State {
+    capacity: u32,
+    in_use: u32,
+    config: QueueConfig,
+    classes: BTreeMap<u8, Class>,
+    /// Virtual time: the start tag of the last waiter served.
+    vtime: f64,
+    next_id: u64,
+    waiting: usize,
+    accounting_errors: u64,
+}
+
+impl State {
+    fn weight(&self, class: u8) -> f64 {
+        self.config.weights.iter().find(|(c, _)| *c == class).map_or(DEFAULT_WEIGHT, |(_, w)| *w).max(1e-6)
+    }
+
+    /// The class whose head has the smallest start tag (ties: the higher class).
+    fn next_class(&self) -> Option<u8> {
+        self.classes
+            .iter()
+            .rev()
+            .filter_map(|(c, k)| k.queue.front().map(|w| (*c, w.start)))
+            .fold(None, |best: Option<(u8, f64)>, (c, s)| match best {
+                Some((_, bs)) if bs <= s => best,
+                _ => Some((c, s)),
+            })
+            .map(|(c, _)| c)
+    }
+}
+
+/// One decoder's admission queue. Cheap to clone (a handle).
+#[derive(Clone)]
+pub struct SlotQueue {
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for SlotQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotQueue").field("stats", &self.stats()).finish()
+    }
+}
+
+/// Slots held by an admitted request; returned to the queue when dropped.
+#[must_use = "dropping the guard releases the slots"]
+pub struct SlotGuard {
+    state: Arc<Mutex<State>>,
+    slots: u32,
+}
+
+impl std::fmt::Debug for SlotGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotGuard").field("slots", &self.slots).finish()
+    }
+}
+
+impl SlotGuard {
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Grants every head that fits, in fair order, and returns what to deliver once the lock is gone.
+fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotGuard>, SlotGuard)> {
+    let mut out = Vec::new();
+    while let Some(c) = s.next_class() {
+        let Some(class) = s.classes.get_mut(&c) else { break };
+        let Some(head) = class.queue.front() else { break };
+        if u64::from(s.in_use) + u64::from(head.slots) > u64::from(s.capacity) {
+            // The head waits and nothing overtakes it.
+            break;
+        }
+        let Some(w) = class.queue.pop_front() else { break };
+        s.vtime = w.start;
+        s.in_use += w.slots;
+        s.waiting -= 1;
+        out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots }));
+    }
+    out
+}
+
+/// Hands granted guards to their waiters; a waiter that already left gets its guard dropped here,
+/// outside the lock, which returns the slots.
+fn deliver(grants: Vec<(oneshot::Sender<SlotGuard>, SlotGuard)>) {
+    for (tx, guard) in grants {
+        if let Err(orphan) = tx.send(guard) {
+            drop(orphan);
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let grants = {
+            let mut s = lock(&self.state);
+            match s.in_use.checked_sub(self.slots) {
+                Some(v) => s.in_use = v,
+                None => s.accounting_errors += 1,
+            }
+            grant(&self.state, &mut s)
+        };
+        deliver(grants);
+    }
+}
+
+/// Removes a waiter that stopped waiting (deadline, client gone) so nobody waits behind it.
+struct Pending {
+    state: Arc<Mutex<State>>,
+    class: u8,
+    id: u64,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let grants = {
+            let mut s = lock(&self.state);
+            let removed = s.classes.get_mut(&self.class).and_then(|c| {
+                let at = c.queue.iter().position(|w| w.id == self.id)?;
+                c.queue.remove(at)
+            });
+            if removed.is_some() {
+                s.waiting -= 1;
+            }
+            grant(&self.state, &mut s)
+        };
+        deliver(grants);
+    }
+}
+
+impl SlotQueue {
+    /// A queue over `capacity` slots (the decoder's PD buffer pages, as its data plane reports).
+    pub fn new(capacity: u32, config: QueueConfig) -> Self {
+        let state = State {
+            capacity,
+            in_use: 0,
+            config,
+            classes: BTreeMap::new(),
+            vtime: 0.0,
+            next_id: 0,
+            waiting: 0,
+            accounting_errors: 0,
+        };
+        Self { state: Arc::new(Mutex::new(state)) }
+    }
+
+    /// Admits a request of `slots` slots in priority class `class`, waiting at most `timeout`.
+    pub async fn acquire(
+        &self,
+        slots: u32,
+        class: u8,
+        timeout: Duration,
+    ) -> Result<SlotGuard, AdmissionError> {
+        let started = Instant::now();
+        let (rx, pending) = {
+            let mut s = lock(&self.state);
+            if slots > s.capacity {
+                return Err(AdmissionError::TooLarge { need: slots, capacity: s.capacity });
+            }
+            if s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.capacity) {
+                s.in_use += slots;
+                return Ok(SlotGuard { state: Arc::clone(&self.state), slots });
+            }
+            if s.waiting >= s.config.max_queue {
+                return Err(AdmissionError::QueueFull { limit: s.config.max_queue });
+            }
+            let weight = s.weight(class);
+            let vtime = s.vtime;
+            let id = s.next_id;
+            s.next_id += 1;
+            s.waiting += 1;
+            let (tx, rx) = oneshot::channel();
+            let c =
+                s.classes.entry(class).or_insert(Class { weight, queue: VecDeque::new(), last_finish: 0.0 });
+            let start = vtime.max(c.last_finish);
+            c.last_finish = start + f64::from(slots.max(1)) / c.weight;
+            c.queue.push_back(Waiter { id, slots, start, enqueued: started, tx });
+            (rx, Pending { state: Arc::clone(&self.state), class, id })
+        };
+        let result = tokio::time::timeout(timeout, rx).await;
+        drop(pending);
+        match result {
+            Ok(Ok(guard)) => Ok(guard),
+            // Dropped without a grant: the capacity shrank below the request.
+            Ok(Err(_)) => {
+                let capacity = lock(&self.state).capacity;
+                Err(AdmissionError::TooLarge { need: slots, capacity })
+            }
+            Err(_) => Err(AdmissionError::Timeout { need: slots, waited: started.elapsed() }),
+        }
+    }
+
+    /// Sets the capacity (the decoder reported a new buffer size). Waiters that no longer fit are
+    /// refused as too large; a larger capacity admits waiters at once.
+    pub fn resize(&self, capacity: u32) {
+        let (grants, refused) = {
+            let mut s = lock(&self.state);
+            s.capacity = capacity;
+            let mut refused = Vec::new();
+            for c in s.classes.values_mut() {
+                let (keep, drop_): (VecDeque<Waiter>, VecDeque<Waiter>) =
+                    c.queue.drain(..).partition(|w| w.slots <= capacity);
+                c.queue = keep;
+                refused.extend(drop_);
+            }
+            s.waiting -= refused.len();
+            (grant(&self.state, &mut s), refused)
+        };
+        drop(refused);
+        deliver(grants);
+    }
+
+    /// A snapshot. A query.
+    pub fn stats(&self) -> QueueStats {
+        let s = lock(&self.state);
+        let now = Instant::now();
+        let waiters = s.classes.values().flat_map(|c| c.queue.iter());
+        let (mut waiting_slots, mut oldest) = (0u64, None::<Instant>);
+        for w in waiters {
+            waiting_slots += u64::from(w.slots);
+            oldest = Some(oldest.map_or(w.enqueued, |o| o.min(w.enqueued)));
+        }
+        QueueStats {
+            capacity: s.capacity,
+            in_use: s.in_use,
+            waiting: s.waiting,
+            waiting_slots,
+            oldest_wait: oldest.map(|o| now.saturating_duration_since(o)),
+            accounting_errors: s.accounting_errors,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,216 @@
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tokio::task::JoinHandle;
+
+use super::*;
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn q(capacity: u32) -> SlotQueue {
+    SlotQueue::new(capacity, QueueConfig::default())
+}
+
+fn spawn_acquire(
+    q: &SlotQueue,
+    slots: u32,
+    class: u8,
+    timeout: Duration,
+) -> JoinHandle<Result<SlotGuard, AdmissionError>> {
+    let q = q.clone();
+    tokio::spawn(async move { q.acquire(slots, class, timeout).await })
+}
+
+/// Lets spawned tasks run until they block.
+async fn settle() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn too_large_is_refused_at_once_exact_fit_waits() {
+    let q = q(10);
+    assert_eq!(
+        q.acquire(11, 0, LONG).await.unwrap_err(),
+        AdmissionError::TooLarge { need: 11, capacity: 10 }
+    );
+    assert_eq!(
+        AdmissionError::TooLarge { need: 11, capacity: 10 }.to_string(),
+        "request needs 11 slots but the decoder buffer holds 10"
+    );
+    let small = q.acquire(1, 0, LONG).await.unwrap();
+    let whole = spawn_acquire(&q, 10, 0, LONG);
+    settle().await;
+    assert_eq!(q.stats().waiting, 1, "a request needing the whole buffer waits");
+    drop(small);
+    let whole = whole.await.unwrap().unwrap();
+    assert_eq!(q.stats().in_use, 10);
+    drop(whole);
+    assert_eq!(q.stats().in_use, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_head_is_never_overtaken() {
+    let q = q(10);
+    let a = q.acquire(8, 0, LONG).await.unwrap();
+    let big = spawn_acquire(&q, 5, 0, LONG);
+    settle().await;
+    // One slot would fit now, but the 5-slot request is ahead of it.
+    let small = spawn_acquire(&q, 1, 0, LONG);
+    settle().await;
+    assert_eq!(q.stats().waiting, 2);
+    assert_eq!(q.stats().in_use, 8);
+    drop(a);
+    let big = big.await.unwrap().unwrap();
+    let small = small.await.unwrap().unwrap();
+    assert_eq!((big.slots(), small.slots(), q.stats().in_use), (5, 1, 6));
+}
+
+#[tokio::test(start_paused = true)]
+async fn queue_length_and_wait_are_bounded() {
+    let q = SlotQueue::new(1, QueueConfig { max_queue: 2, ..QueueConfig::default() });
+    let held = q.acquire(1, 0, LONG).await.unwrap();
+    let w1 = spawn_acquire(&q, 1, 0, Duration::from_secs(5));
+    let w2 = spawn_acquire(&q, 1, 0, LONG);
+    settle().await;
+    assert_eq!(q.acquire(1, 0, LONG).await.unwrap_err(), AdmissionError::QueueFull { limit: 2 });
+    tokio::time::advance(Duration::from_secs(5)).await;
+    let e = w1.await.unwrap().unwrap_err();
+    assert!(matches!(e, AdmissionError::Timeout { need: 1, .. }) && e.retryable(), "{e:?}");
+    // The timed-out waiter left the queue: the one behind it is next.
+    assert_eq!(q.stats().waiting, 1);
+    drop(held);
+    assert!(w2.await.unwrap().is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_leaves_unblocks_those_behind_it() {
+    let q = q(4);
+    let held = q.acquire(3, 0, LONG).await.unwrap();
+    let big = spawn_acquire(&q, 4, 0, LONG);
+    settle().await;
+    let small = spawn_acquire(&q, 1, 0, LONG);
+    settle().await;
+    assert_eq!(q.stats().waiting, 2);
+    // The client of the big request disconnects: its acquire future is dropped.
+    big.abort();
+    let _ = big.await;
+    let small = small.await.unwrap().unwrap();
+    assert_eq!(q.stats().in_use, 4);
+    assert_eq!(q.stats().waiting, 0);
+    drop((held, small));
+    assert_eq!(q.stats().in_use, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn classes_share_by_weight() {
+    let q = SlotQueue::new(1, QueueConfig { weights: vec![(1, 2.0), (0, 1.0)], ..QueueConfig::default() });
+    let held = q.acquire(1, 0, LONG).await.unwrap();
+    let mut waiters = Vec::new();
+    for i in 0..30 {
+        waiters.push((1u8, spawn_acquire(&q, 1, 1, LONG)));
+        waiters.push((0u8, spawn_acquire(&q, 1, 0, LONG)));
+        if i == 0 {
+            settle().await;
+        }
+    }
+    settle().await;
+    drop(held);
+    // Serve 30 grants one at a time and count who got them.
+    let mut order = Vec::new();
+    let mut pending: Vec<_> = waiters;
+    for _ in 0..30 {
+        settle().await;
+        let at = pending.iter().position(|(_, h)| h.is_finished()).expect("someone was granted");
+        let (class, h) = pending.remove(at);
+        let guard = h.await.unwrap().unwrap();
+        order.push(class);
+        drop(guard);
+    }
+    let high = order.iter().filter(|c| **c == 1).count();
+    assert!((18..=22).contains(&high), "weight 2:1 should give about 20 of 30, got {high}: {order:?}");
+    for (_, h) in pending {
+        h.abort();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn shrinking_capacity_refuses_waiters_that_no_longer_fit() {
+    let q = q(10);
+    let held = q.acquire(6, 0, LONG).await.unwrap();
+    let w = spawn_acquire(&q, 8, 0, LONG);
+    settle().await;
+    q.resize(7);
+    assert_eq!(w.await.unwrap().unwrap_err(), AdmissionError::TooLarge { need: 8, capacity: 7 });
+    let w = spawn_acquire(&q, 4, 0, LONG);
+    settle().await;
+    q.resize(12);
+    assert!(w.await.unwrap().is_ok());
+    drop(held);
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    slots: u32,
+    class: u8,
+    hold_ms: u64,
+    timeout_ms: u64,
+    start_ms: u64,
+}
+
+fn run_random(capacity: u32, reqs: Vec<Req>) -> Result<(), TestCaseError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+    rt.block_on(async move {
+        let q = SlotQueue::new(capacity, QueueConfig { max_queue: 64, weights: vec![(2, 3.0)] });
+        let mut tasks = Vec::new();
+        for r in reqs.clone() {
+            let q = q.clone();
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(r.start_ms)).await;
+                match q.acquire(r.slots, r.class, Duration::from_millis(r.timeout_ms)).await {
+                    Ok(g) => {
+                        tokio::time::sleep(Duration::from_millis(r.hold_ms)).await;
+                        drop(g);
+                        Ok(true)
+                    }
+                    Err(AdmissionError::TooLarge { .. }) if r.slots > capacity => Ok(false),
+                    Err(AdmissionError::TooLarge { .. }) => {
+                        Err("fitting request refused as too large".to_owned())
+                    }
+                    Err(_) => Ok(false),
+                }
+            }));
+        }
+        // Watch the invariant while everything runs.
+        for _ in 0..2000 {
+            let s = q.stats();
+            prop_assert!(s.in_use <= s.capacity, "over-committed: {s:?}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        for t in tasks {
+            t.await.unwrap().map_err(TestCaseError::fail)?;
+        }
+        let s = q.stats();
+        prop_assert_eq!((s.in_use, s.waiting, s.accounting_errors), (0, 0, 0));
+        Ok(())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Random arrivals, sizes, classes, holds and deadlines: never over capacity, every slot back,
+    /// nobody left waiting.
+    #[test]
+    fn random_load_never_over_commits_or_leaks(
+        capacity in 1u32..16,
+        reqs in proptest::collection::vec(
+            (1u32..20, 0u8..3, 0u64..50, 1u64..200, 0u64..300)
+                .prop_map(|(slots, class, hold_ms, timeout_ms, start_ms)| Req { slots, class, hold_ms, timeout_ms, start_ms }),
+            1..40,
+        ),
+    ) {
+        run_random(capacity, reqs)?;
+    }
+}

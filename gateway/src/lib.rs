@@ -1,0 +1,6 @@
+//! baton's gateway: the OpenAI-compatible front door of a PD-disaggregated fleet.
+//!
+//! Data flows one way: api → tokenize → routing/admission → handoff → endpoints. Lower layers never
+//! import higher ones.
+
+pub mod admission;
