@@ -4,3 +4,8 @@
 //! import higher ones.
 
 pub mod admission;
+pub mod api;
+pub mod demo;
+pub mod handoff;
+pub mod server;
+pub mod tokenize;

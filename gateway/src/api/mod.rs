@@ -1,0 +1,308 @@
+//! The OpenAI-compatible surface: typed requests, and the closed set of errors with their status,
+//! stable `code` and retry advice. One function ([`GatewayError::status`] with
+//! [`GatewayError::body`]) maps every error to its HTTP response.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use thiserror::Error;
+
+/// Largest request body read: prompts of a few hundred thousand tokens fit.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Completions => "/v1/completions",
+            Self::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// Where an error came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Client,
+    Upstream,
+    Internal,
+}
+
+/// Every way a request can fail, each with a fixed status and stable code.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum GatewayError {
+    #[error("invalid request body: {0}")]
+    BadJson(String),
+    #[error("{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("model {0:?} is not served here")]
+    UnknownModel(String),
+    #[error("this model's maximum context length is {limit} tokens, the prompt has {tokens}")]
+    ContextLength { tokens: u64, limit: u64 },
+    #[error("prompt needs {need} slots but the decoder buffer holds {capacity}")]
+    TooLarge { need: u32, capacity: u32 },
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("content-type must be application/json")]
+    ContentType,
+    #[error("{0}")]
+    QueueFull(String),
+    #[error("{0}")]
+    QueueTimeout(String),
+    #[error("no healthy {0} endpoint")]
+    NoEndpoint(&'static str),
+    #[error("upstream {leg}: {message}")]
+    Upstream { leg: &'static str, message: String },
+    #[error("kv transfer: {0}")]
+    KvTransfer(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::BadJson(_) | Self::Invalid { .. } | Self::ContextLength { .. } => 400,
+            Self::UnknownModel(_) | Self::NotFound(_) => 404,
+            Self::TooLarge { .. } | Self::BodyTooLarge { .. } => 413,
+            Self::ContentType => 415,
+            Self::QueueFull(_) => 429,
+            Self::Upstream { .. } | Self::KvTransfer(_) => 502,
+            Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
+            Self::Internal(_) => 500,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::BadJson(_) => "invalid_json",
+            Self::Invalid { .. } => "invalid_value",
+            Self::UnknownModel(_) => "model_not_found",
+            Self::ContextLength { .. } => "context_length_exceeded",
+            Self::TooLarge { .. } => "prompt_too_large_for_kv_buffer",
+            Self::BodyTooLarge { .. } => "body_too_large",
+            Self::ContentType => "unsupported_media_type",
+            Self::QueueFull(_) => "queue_full",
+            Self::QueueTimeout(_) => "queue_timeout",
+            Self::NoEndpoint(_) => "no_healthy_endpoint",
+            Self::Upstream { .. } => "upstream_error",
+            Self::KvTransfer(_) => "kv_transfer_failed",
+            Self::NotFound(_) => "not_found",
+            Self::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn origin(&self) -> Origin {
+        match self.status() {
+            500 => Origin::Internal,
+            502 | 503 if !matches!(self, Self::QueueTimeout(_) | Self::NoEndpoint(_)) => Origin::Upstream,
+            s if s < 500 => Origin::Client,
+            _ => Origin::Upstream,
+        }
+    }
+
+    /// Seconds a client should wait before retrying, when a retry can help.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::QueueFull(_) => Some(1),
+            Self::QueueTimeout(_) | Self::NoEndpoint(_) => Some(2),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> Value {
+        let kind = match self.origin() {
+            Origin::Client => "invalid_request_error",
+            Origin::Upstream | Origin::Internal => "server_error",
+        };
+        let param = match self {
+            Self::Invalid { field, .. } => json!(field),
+            Self::ContextLength { .. } | Self::TooLarge { .. } => json!("messages"),
+            _ => Value::Null,
+        };
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": self.code()}})
+    }
+}
+
+/// A request's prompt as the client sent it.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize, Clone)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
+
+#[derive(Debug, Deserialize, Clone, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields the gateway reads; the whole JSON object is forwarded to the engines untouched apart
+/// from the handoff fields.
+#[derive(Debug, Deserialize)]
+pub struct GenFields {
+    pub model: Option<String>,
+    pub prompt: Option<Prompt>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// A parsed generation request.
+#[derive(Debug)]
+pub struct GenRequest {
+    pub endpoint: Endpoint,
+    pub fields: GenFields,
+    /// The original JSON object.
+    pub raw: serde_json::Map<String, Value>,
+}
+
+/// A short, escaped prefix of client input for error messages (never echo it whole).
+fn short(s: &str) -> String {
+    let p: String = s.chars().take(32).collect();
+    format!("{p:?}")
+}
+
+impl GenRequest {
+    /// Parses and validates a request body.
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, GatewayError> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| GatewayError::BadJson(e.to_string()))?;
+        let Value::Object(raw) = value else {
+            return Err(GatewayError::BadJson("the body must be a JSON object".into()));
+        };
+        let fields: GenFields = serde_json::from_value(Value::Object(raw.clone()))
+            .map_err(|e| GatewayError::BadJson(e.to_string()))?;
+        match endpoint {
+            Endpoint::Completions if fields.prompt.is_none() => {
+                return Err(GatewayError::Invalid { field: "prompt", reason: "is required".into() });
+            }
+            Endpoint::Chat => match &fields.messages {
+                None => {
+                    return Err(GatewayError::Invalid { field: "messages", reason: "is required".into() });
+                }
+                Some(m) if m.is_empty() => {
+                    return Err(GatewayError::Invalid {
+                        field: "messages",
+                        reason: "must not be empty".into(),
+                    });
+                }
+                Some(m) => {
+                    if let Some(bad) = m.iter().find(|m| {
+                        !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool" | "developer")
+                    }) {
+                        return Err(GatewayError::Invalid {
+                            field: "messages",
+                            reason: format!("unknown role {}", short(&bad.role)),
+                        });
+                    }
+                }
+            },
+            Endpoint::Completions => {}
+        }
+        if fields.max_tokens == Some(0) || fields.max_completion_tokens == Some(0) {
+            return Err(GatewayError::Invalid { field: "max_tokens", reason: "must be at least 1".into() });
+        }
+        Ok(Self { endpoint, fields, raw })
+    }
+
+    /// The prompt text (completions) or the messages rendered by the simulated/simple template.
+    pub fn messages(&self) -> Vec<(String, String)> {
+        self.fields
+            .messages
+            .as_ref()
+            .map(|m| m.iter().map(|m| (m.role.clone(), content_text(&m.content))).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn model(&self) -> Option<&str> {
+        self.fields.model.as_deref()
+    }
+}
+
+/// A message's text: a string, or the text parts of a content array.
+pub fn content_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_table() {
+        // (name, endpoint, body, expected error code or None)
+        let cases: Vec<(&str, Endpoint, &str, Option<&str>)> = vec![
+            ("completion ok", Endpoint::Completions, r#"{"model":"m","prompt":"hi"}"#, None),
+            ("token prompt ok", Endpoint::Completions, r#"{"prompt":[1,2,3]}"#, None),
+            ("chat ok", Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}]}"#, None),
+            ("not json", Endpoint::Completions, "{", Some("invalid_json")),
+            ("not an object", Endpoint::Completions, "[1]", Some("invalid_json")),
+            ("no prompt", Endpoint::Completions, r#"{"model":"m"}"#, Some("invalid_value")),
+            ("no messages", Endpoint::Chat, r#"{"model":"m"}"#, Some("invalid_value")),
+            ("empty messages", Endpoint::Chat, r#"{"messages":[]}"#, Some("invalid_value")),
+            (
+                "bad role",
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"wizard","content":"x"}]}"#,
+                Some("invalid_value"),
+            ),
+            (
+                "zero max_tokens",
+                Endpoint::Completions,
+                r#"{"prompt":"x","max_tokens":0}"#,
+                Some("invalid_value"),
+            ),
+            (
+                "wrong type",
+                Endpoint::Completions,
+                r#"{"prompt":"x","max_tokens":"many"}"#,
+                Some("invalid_json"),
+            ),
+        ];
+        for (name, ep, body, want) in cases {
+            let got = GenRequest::parse(ep, body.as_bytes()).err().map(|e| e.code());
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn errors_map_to_status_code_and_retry() {
+        let e = GatewayError::TooLarge { need: 70, capacity: 64 };
+        assert_eq!((e.status(), e.code(), e.retry_after()), (413, "prompt_too_large_for_kv_buffer", None));
+        assert_eq!(e.body()["error"]["message"], "prompt needs 70 slots but the decoder buffer holds 64");
+        let e = GatewayError::QueueFull("x".into());
+        assert_eq!((e.status(), e.retry_after(), e.origin()), (429, Some(1), Origin::Client));
+        let e = GatewayError::ContextLength { tokens: 9000, limit: 8192 };
+        assert_eq!((e.status(), e.code()), (400, "context_length_exceeded"));
+        let e = GatewayError::Upstream { leg: "prefill", message: "503".into() };
+        assert_eq!(
+            (e.status(), e.origin(), e.body()["error"]["type"].as_str()),
+            (502, Origin::Upstream, Some("server_error"))
+        );
+        let bad = GenRequest::parse(Endpoint::Chat, br#"{"messages":[{"role":"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA","content":"x"}]}"#).unwrap_err();
+        assert!(bad.to_string().len() < 80, "client input is echoed only as a short prefix: {bad}");
+    }
+}

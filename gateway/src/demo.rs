@@ -1,0 +1,121 @@
+//! `baton demo`: the gateway in front of simulated engines (1P1D by default) on loopback, with no
+//! GPU, no download and no file to edit.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+use tokio::sync::Notify;
+
+use crate::admission::QueueConfig;
+use crate::handoff::decoder::DecoderHandle;
+use crate::handoff::{Limits, Native, Prefiller};
+use crate::server::{Gateway, ModelInfo};
+
+/// The demo's listen address by default.
+pub const DEFAULT_DEMO_LISTEN: &str = "127.0.0.1:8080";
+/// Context length of the simulated model.
+pub const DEMO_CONTEXT_LENGTH: u64 = 32_768;
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    pub listen: SocketAddr,
+    pub prefills: usize,
+    pub decoders: usize,
+    pub tp: u32,
+    /// PD buffer pages per decoder rank.
+    pub pages: u32,
+    pub token_delay: Duration,
+    pub limits: Limits,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            prefills: 1,
+            decoders: 1,
+            tp: 1,
+            pages: 64,
+            token_delay: Duration::ZERO,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A running demo.
+#[derive(Debug)]
+pub struct Demo {
+    pub addr: SocketAddr,
+    pub gateway: Arc<Gateway>,
+    pub engines: Vec<Running>,
+    stop: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Demo {
+    /// HTTP addresses of the decode engines.
+    pub fn decode_addrs(&self) -> Vec<SocketAddr> {
+        self.gateway.decoders.iter().map(|d| d.http).collect()
+    }
+
+    pub async fn shutdown(self) {
+        self.stop.notify_one();
+        let _ = self.task.await;
+        for e in self.engines {
+            e.shutdown().await;
+        }
+    }
+}
+
+fn parse_addr(v: &serde_json::Value) -> Option<SocketAddr> {
+    v.as_str()?.parse().ok()
+}
+
+/// Starts the engines and the gateway.
+pub async fn start(c: DemoConfig) -> Result<Demo, String> {
+    let geometry = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
+    let mut engines = Vec::new();
+    let mut prefills = Vec::new();
+    for i in 0..c.prefills {
+        let mut sc = SimConfig::new(SimRole::Prefill, geometry);
+        sc.token_delay = c.token_delay;
+        let r = launch(sc).await.map_err(|e| e.to_string())?;
+        prefills.push(Prefiller { name: format!("prefill-{i}"), http: r.addr });
+        engines.push(r);
+    }
+    let mut decoders = Vec::new();
+    for i in 0..c.decoders {
+        let mut sc = SimConfig::new(SimRole::Decode, geometry);
+        sc.pages = c.pages;
+        sc.token_delay = c.token_delay;
+        let r = launch(sc).await.map_err(|e| e.to_string())?;
+        let stats = r.engine.stats();
+        let ranks: Vec<SocketAddr> = stats["ranks"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|r| parse_addr(&r["addr"])).collect())
+            .unwrap_or_default();
+        let d = DecoderHandle::connect(
+            format!("decode-{i}"),
+            r.addr,
+            ranks,
+            geometry.fingerprint(),
+            geometry.chunk_tokens,
+            None,
+            QueueConfig::default(),
+        )
+        .await
+        .map_err(|e| format!("decoder {i}: {e}"))?;
+        decoders.push(d);
+        engines.push(r);
+    }
+    let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH };
+    let gateway = Gateway::new(model, prefills, decoders, Native::new(c.limits));
+    let listener = crate::server::bind(c.listen).await.map_err(|e| format!("listen on {}: {e}", c.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let stop = Arc::new(Notify::new());
+    let task = tokio::spawn(Arc::clone(&gateway).serve(listener, Arc::clone(&stop)));
+    Ok(Demo { addr, gateway, engines, stop, task })
+}

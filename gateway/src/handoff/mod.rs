@@ -1,0 +1,342 @@
+//! The native PD handoff: admit (slots) → reserve on every decoder rank (all or nothing, retried
+//! while another replica holds pages) → prefill with the write addresses → wait for READY from every
+//! rank (deadline, fail fast) → decode, streamed back → slots returned when every rank reports its
+//! pages released.
+//!
+//! Everything a request holds (slots, the reservation, the event subscription) lives in one
+//! [`Lifecycle`]; its `Drop` runs on every path, including a client that disconnects at any await
+//! point: it cancels what is still reserved (quarantine-free when the prefiller never saw the
+//! addresses) and returns the slots once the decoder has freed the pages (or a bound passes).
+
+pub mod decoder;
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
+use baton_dataplane::{RankEvent, RequestId, RequestKey};
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::admission::{AdmissionError, SlotGuard};
+use crate::api::{GatewayError, GenRequest};
+use decoder::DecoderHandle;
+
+/// A reservation's lease on the decoder: long enough for a long prefill and the decode request to
+/// arrive, short enough that a vanished gateway strands pages for at most this long.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
+/// Longest wait for every decoder rank to hold the whole KV after the prefill returned.
+pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest an upstream leg may take to answer (headers, for a streamed decode).
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
+/// free before they are returned anyway: the decoder's lease and quarantine end them by then.
+pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+/// First pause before retrying a reservation refused for lack of room.
+const RESERVE_BACKOFF: Duration = Duration::from_millis(2);
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type RespBody = BoxBody<Bytes, BoxError>;
+
+/// Timing limits of the handoff.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub lease: Duration,
+    pub queue_timeout: Duration,
+    pub ready_timeout: Duration,
+    pub upstream_timeout: Duration,
+    pub release_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            lease: DEFAULT_LEASE,
+            queue_timeout: crate::admission::DEFAULT_QUEUE_TIMEOUT,
+            ready_timeout: DEFAULT_READY_TIMEOUT,
+            upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
+            release_timeout: DEFAULT_RELEASE_TIMEOUT,
+        }
+    }
+}
+
+/// A prefill engine.
+#[derive(Clone, Debug)]
+pub struct Prefiller {
+    pub name: String,
+    pub http: SocketAddr,
+}
+
+/// Request ids unique across restarts and replicas: 64 random bits per process (the std hasher's
+/// random keys), then a counter.
+#[derive(Debug)]
+pub struct KeyGen {
+    high: u64,
+    next: AtomicU64,
+}
+
+impl Default for KeyGen {
+    fn default() -> Self {
+        let mut h = RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        Self { high: h.finish(), next: AtomicU64::new(1) }
+    }
+}
+
+impl KeyGen {
+    pub fn next(&self) -> RequestKey {
+        RequestKey::new(
+            RequestId(u128::from(self.high) << 64 | u128::from(self.next.fetch_add(1, Ordering::Relaxed))),
+            0,
+        )
+    }
+}
+
+/// What a request holds; released in `Drop`, on every path.
+struct Lifecycle {
+    dec: Arc<DecoderHandle>,
+    key: RequestKey,
+    slots: Option<SlotGuard>,
+    rx: Option<mpsc::UnboundedReceiver<RankEvent>>,
+    reserved: bool,
+    sent: bool,
+    /// Set once the decoder took the request: no cancel, only wait for the release.
+    decoded: bool,
+    released: u32,
+    release_timeout: Duration,
+}
+
+impl Drop for Lifecycle {
+    fn drop(&mut self) {
+        let dec = Arc::clone(&self.dec);
+        let (key, slots, rx) = (self.key, self.slots.take(), self.rx.take());
+        let (reserved, sent, decoded, seen, bound) =
+            (self.reserved, self.sent, self.decoded, self.released, self.release_timeout);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        rt.spawn(async move {
+            if reserved && !decoded {
+                dec.cancel(key, !sent).await;
+            }
+            if let Some(mut rx) = rx {
+                let ranks = dec.rank_count();
+                let mut released = seen;
+                let deadline = tokio::time::Instant::now() + bound;
+                while released < ranks {
+                    match tokio::time::timeout_at(deadline, rx.recv()).await {
+                        Ok(Some(RankEvent::Released(_))) => released += 1,
+                        Ok(Some(_)) => {}
+                        _ => break,
+                    }
+                }
+            }
+            dec.forget(key);
+            // The slots go back only now: the decoder has freed the pages (or its lease will).
+            drop(slots);
+        });
+    }
+}
+
+/// The native handoff.
+pub struct Native {
+    client: Client<HttpConnector, Full<Bytes>>,
+    pub limits: Limits,
+    keys: KeyGen,
+}
+
+impl std::fmt::Debug for Native {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Native").field("limits", &self.limits).finish()
+    }
+}
+
+fn admission_error(e: AdmissionError) -> GatewayError {
+    match e {
+        AdmissionError::TooLarge { need, capacity } => GatewayError::TooLarge { need, capacity },
+        e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e.to_string()),
+        e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(e.to_string()),
+    }
+}
+
+fn short_body(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(b);
+    s.chars().take(300).collect()
+}
+
+impl Native {
+    pub fn new(limits: Limits) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client =
+            Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
+        Self { client, limits, keys: KeyGen::default() }
+    }
+
+    async fn post(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        body: &Value,
+    ) -> Result<Response<hyper::body::Incoming>, String> {
+        let req = Request::post(format!("http://{addr}{path}"))
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        match tokio::time::timeout(self.limits.upstream_timeout, self.client.request(req)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.limits.upstream_timeout)),
+        }
+    }
+
+    /// Runs one request through the handoff and returns the decoder's response, streamed.
+    pub async fn run(
+        &self,
+        prefill: &Prefiller,
+        dec: &Arc<DecoderHandle>,
+        req: &GenRequest,
+        ids: &[u32],
+        class: u8,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        let chunks = u32::try_from(ids.len().div_ceil(dec.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX);
+        let slots =
+            dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?;
+        let key = self.keys.next();
+        let mut life = Lifecycle {
+            dec: Arc::clone(dec),
+            key,
+            slots: Some(slots),
+            rx: None,
+            reserved: false,
+            sent: false,
+            decoded: false,
+            released: 0,
+            release_timeout: self.limits.release_timeout,
+        };
+
+        // Reserve on every rank; a refusal for room (another replica's pages) waits and retries.
+        let give_up = Instant::now() + self.limits.queue_timeout;
+        let mut backoff = RESERVE_BACKOFF;
+        life.rx = Some(dec.listen(key));
+        let addrs = loop {
+            match dec.reserve(key, chunks, self.limits.lease, &[]).await {
+                Ok(Some(a)) => break a,
+                Ok(None) if Instant::now() < give_up => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                }
+                Ok(None) => {
+                    return Err(GatewayError::QueueTimeout(format!(
+                        "decoder {} had no free pages in time",
+                        dec.name
+                    )));
+                }
+                Err(e) => {
+                    return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
+                }
+            }
+        };
+        life.reserved = true;
+
+        // Prefill: the engines agree on the token ids; the prefill leg is never streamed.
+        let rid = format!("{:032x}", key.request.0);
+        let decoders: Vec<Value> = addrs
+            .iter()
+            .enumerate()
+            .map(|(r, a)| {
+                let chunks: Vec<Value> = a.iter().map(|(c, p)| json!([c, p.page, p.generation])).collect();
+                json!({"rank": r, "addr": dec.ranks.get(r).map(ToString::to_string), "chunks": chunks})
+            })
+            .collect();
+        let mut body = Value::Object(req.raw.clone());
+        body["stream"] = json!(false);
+        if let Some(o) = body.as_object_mut() {
+            o.remove("stream_options");
+        }
+        body["baton"] =
+            json!({"request_id": rid, "epoch": key.epoch, "decoders": decoders, "prompt_token_ids": ids});
+        life.sent = true;
+        let resp = self
+            .post(prefill.http, req.endpoint.path(), &body)
+            .await
+            .map_err(|m| GatewayError::Upstream { leg: "prefill", message: m })?;
+        if resp.status() != 200 {
+            let status = resp.status().as_u16();
+            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            return Err(GatewayError::Upstream {
+                leg: "prefill",
+                message: format!("{status}: {}", short_body(&b)),
+            });
+        }
+        // The prefill's own answer (one token) is not used; drain it so the connection is reused.
+        let _ = resp.into_body().collect().await;
+
+        // Every rank must hold the whole KV.
+        let deadline = Instant::now() + self.limits.ready_timeout;
+        let mut agg = Aggregator::new(key, dec.rank_count(), deadline)
+            .map_err(|e| GatewayError::Internal(e.to_string()))?;
+        let outcome = loop {
+            let Some(rx) = life.rx.as_mut() else {
+                return Err(GatewayError::Internal("no event subscription".into()));
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, rx.recv()).await {
+                Ok(Some(RankEvent::Status(s))) => match agg.observe(&s, Instant::now()) {
+                    Ok(Progress::Done(o)) => break o,
+                    Ok(Progress::Pending { .. }) | Err(_) => {}
+                },
+                Ok(Some(RankEvent::Released(_))) => life.released += 1,
+                Ok(None) => return Err(GatewayError::KvTransfer("decoder event feed closed".into())),
+                Err(_) => break agg.poll(Instant::now()).unwrap_or(Outcome::TimedOut { missing: 0 }),
+            }
+        };
+        match outcome {
+            Outcome::Ready => {}
+            Outcome::Failed { rank, state } => {
+                return Err(GatewayError::KvTransfer(format!(
+                    "decoder rank {rank} reported {}",
+                    state.as_str()
+                )));
+            }
+            Outcome::TimedOut { missing } => {
+                return Err(GatewayError::KvTransfer(format!(
+                    "{missing} decoder ranks did not hold the kv within {:?}",
+                    self.limits.ready_timeout
+                )));
+            }
+        }
+
+        // Decode, streamed straight back.
+        let mut body = Value::Object(req.raw.clone());
+        body["baton"] = json!({"request_id": rid, "epoch": key.epoch, "prompt_token_ids": ids});
+        let resp = self
+            .post(dec.http, req.endpoint.path(), &body)
+            .await
+            .map_err(|m| GatewayError::Upstream { leg: "decode", message: m })?;
+        if resp.status() != 200 {
+            let status = resp.status().as_u16();
+            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            return Err(GatewayError::Upstream {
+                leg: "decode",
+                message: format!("{status}: {}", short_body(&b)),
+            });
+        }
+        life.decoded = true;
+        drop(life);
+        let (parts, body) = resp.into_parts();
+        Ok(Response::from_parts(parts, body.map_err(|e| Box::new(e) as BoxError).boxed()))
+    }
+}
