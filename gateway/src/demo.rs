@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+
 use tokio::sync::Notify;
 
 use crate::admission::QueueConfig;
@@ -74,17 +75,28 @@ fn parse_addr(v: &serde_json::Value) -> Option<SocketAddr> {
     v.as_str()?.parse().ok()
 }
 
-/// Starts the engines and the gateway.
-pub async fn start(c: DemoConfig) -> Result<Demo, String> {
+/// The engines of a demo, without a gateway.
+#[derive(Debug)]
+pub struct Engines {
+    pub prefills: Vec<Prefiller>,
+    /// `(name, HTTP address, rank data-plane addresses)` per decoder.
+    pub decoders: Vec<(String, SocketAddr, Vec<SocketAddr>)>,
+    pub fingerprint: u64,
+    pub chunk_tokens: u32,
+    pub running: Vec<Running>,
+}
+
+/// Starts the simulated engines.
+pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
     let geometry = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
-    let mut engines = Vec::new();
+    let mut running = Vec::new();
     let mut prefills = Vec::new();
     for i in 0..c.prefills {
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
         sc.token_delay = c.token_delay;
         let r = launch(sc).await.map_err(|e| e.to_string())?;
         prefills.push(Prefiller { name: format!("prefill-{i}"), http: r.addr });
-        engines.push(r);
+        running.push(r);
     }
     let mut decoders = Vec::new();
     for i in 0..c.decoders {
@@ -97,25 +109,51 @@ pub async fn start(c: DemoConfig) -> Result<Demo, String> {
             .as_array()
             .map(|a| a.iter().filter_map(|r| parse_addr(&r["addr"])).collect())
             .unwrap_or_default();
+        decoders.push((format!("decode-{i}"), r.addr, ranks));
+        running.push(r);
+    }
+    Ok(Engines {
+        prefills,
+        decoders,
+        fingerprint: geometry.fingerprint(),
+        chunk_tokens: geometry.chunk_tokens,
+        running,
+    })
+}
+
+/// A gateway in front of `engines`, serving on `listen`.
+pub async fn start_gateway(
+    e: &Engines,
+    listen: SocketAddr,
+    limits: Limits,
+) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
+    let mut decoders = Vec::new();
+    for (name, http, ranks) in &e.decoders {
         let d = DecoderHandle::connect(
-            format!("decode-{i}"),
-            r.addr,
-            ranks,
-            geometry.fingerprint(),
-            geometry.chunk_tokens,
+            name.clone(),
+            *http,
+            ranks.clone(),
+            e.fingerprint,
+            e.chunk_tokens,
             None,
             QueueConfig::default(),
         )
         .await
-        .map_err(|e| format!("decoder {i}: {e}"))?;
+        .map_err(|err| format!("{name}: {err}"))?;
         decoders.push(d);
-        engines.push(r);
     }
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH };
-    let gateway = Gateway::new(model, prefills, decoders, Native::new(c.limits));
-    let listener = crate::server::bind(c.listen).await.map_err(|e| format!("listen on {}: {e}", c.listen))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let gateway = Gateway::new(model, e.prefills.clone(), decoders, Native::new(limits));
+    let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;
+    let addr = listener.local_addr().map_err(|err| err.to_string())?;
     let stop = Arc::new(Notify::new());
     let task = tokio::spawn(Arc::clone(&gateway).serve(listener, Arc::clone(&stop)));
-    Ok(Demo { addr, gateway, engines, stop, task })
+    Ok((addr, gateway, stop, task))
+}
+
+/// Starts the engines and the gateway.
+pub async fn start(c: DemoConfig) -> Result<Demo, String> {
+    let engines = start_engines(&c).await?;
+    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.limits).await?;
+    Ok(Demo { addr, gateway, engines: engines.running, stop, task })
 }

@@ -28,6 +28,29 @@ use crate::transport::ProducerClient;
 /// transfer is abandoned and the blocks freed: a dead decoder or gateway cannot strand them.
 pub const DEFAULT_PRODUCER_HOLD_TTL: Duration = Duration::from_secs(30);
 
+/// Fences every target when a prefill is abandoned mid-way (its future dropped).
+struct FenceOnDrop {
+    engine: Arc<PrefillEngine>,
+    key: RequestKey,
+    targets: Vec<DecoderTarget>,
+    armed: bool,
+}
+
+impl Drop for FenceOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (engine, key, targets) = (Arc::clone(&self.engine), self.key, std::mem::take(&mut self.targets));
+        rt.spawn(async move {
+            for t in targets {
+                engine.fence(t.addr, t.rank, key).await;
+            }
+        });
+    }
+}
+
 struct Rank {
     cache: Vec<CpuTensor>,
     layout: CacheLayout,
@@ -147,6 +170,10 @@ impl PrefillEngine {
             }
         }
 
+        // If this future is dropped (the caller gave up), the decoders still learn at once that no
+        // more writes will come, instead of waiting out their quarantine.
+        let mut fence_guard =
+            FenceOnDrop { engine: Arc::clone(self), key, targets: targets.to_vec(), armed: true };
         let mut tasks = JoinSet::new();
         for t in targets.iter().cloned() {
             let this = Arc::clone(self);
@@ -169,6 +196,7 @@ impl PrefillEngine {
         });
         tasks.shutdown().await;
         // Whatever happened, the decoders learn that nothing more will come for this request.
+        fence_guard.armed = false;
         for t in targets {
             self.fence(t.addr, t.rank, key).await;
         }

@@ -131,7 +131,10 @@ impl Drop for Lifecycle {
             if reserved && !decoded {
                 dec.cancel(key, !sent).await;
             }
-            if let Some(mut rx) = rx {
+            // Never sent: the rank freed the pages before answering the cancel (and a reservation
+            // that was never made sends no release), so there is nothing to wait for.
+            let wait = !(reserved && !decoded && !sent);
+            if let Some(mut rx) = rx.filter(|_| wait) {
                 let ranks = dec.rank_count();
                 let mut released = seen;
                 let deadline = tokio::time::Instant::now() + bound;
@@ -231,6 +234,9 @@ impl Native {
         let give_up = Instant::now() + self.limits.queue_timeout;
         let mut backoff = RESERVE_BACKOFF;
         life.rx = Some(dec.listen(key));
+        // Marked before the call: a client that leaves while a Reserve frame is in flight must still
+        // cancel it (cancel is idempotent), or the pages would wait out the whole lease.
+        life.reserved = true;
         let addrs = loop {
             match dec.reserve(key, chunks, self.limits.lease, &[]).await {
                 Ok(Some(a)) => break a,
@@ -249,7 +255,6 @@ impl Native {
                 }
             }
         };
-        life.reserved = true;
 
         // Prefill: the engines agree on the token ids; the prefill leg is never streamed.
         let rid = format!("{:032x}", key.request.0);
