@@ -28,6 +28,8 @@ pub struct DemoConfig {
     pub tp: u32,
     /// PD buffer pages per decoder rank.
     pub pages: u32,
+    /// Tokens per chunk (page) of the simulated model.
+    pub chunk_tokens: u32,
     pub token_delay: Duration,
     pub limits: Limits,
 }
@@ -40,6 +42,7 @@ impl Default for DemoConfig {
             decoders: 1,
             tp: 1,
             pages: 64,
+            chunk_tokens: 16,
             token_delay: Duration::ZERO,
             limits: Limits::default(),
         }
@@ -88,7 +91,16 @@ pub struct Engines {
 
 /// Starts the simulated engines.
 pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
-    let geometry = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
+    let g = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
+    let geometry = baton_dataplane::KvGeometry::new(
+        g.layers,
+        g.kv_heads,
+        g.head_dim,
+        g.dtype_bytes,
+        c.chunk_tokens,
+        c.tp,
+    )
+    .map_err(|e| e.to_string())?;
     let mut running = Vec::new();
     let mut prefills = Vec::new();
     for i in 0..c.prefills {

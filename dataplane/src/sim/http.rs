@@ -230,7 +230,10 @@ impl SimEngine {
         }
         let prompt = ids.len();
         if !req.stream {
-            tokio::time::sleep(self.token_delay * n).await;
+            // A zero sleep would still wait for the next timer tick (about 1 ms).
+            if !self.token_delay.is_zero() {
+                tokio::time::sleep(self.token_delay * n).await;
+            }
             let text: String = (0..n).map(|i| output_token(&ids, i).1).collect();
             drop(held);
             return Ok(json_response(200, &full_response(ep, &id, &model, &text, prompt, n)));

@@ -11,7 +11,7 @@ use std::time::Duration;
 use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, start};
 
 const USAGE: &str =
-    "usage: baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--token-delay-ms N]
+    "usage: baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
 
   demo   the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)";
 
@@ -32,9 +32,10 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
     c.decoders = usize::try_from(num("--decode", 1)?).map_err(|e| e.to_string())?;
     c.tp = u32::try_from(num("--tp", 1)?).map_err(|e| e.to_string())?;
     c.pages = u32::try_from(num("--pages", 64)?).map_err(|e| e.to_string())?;
+    c.chunk_tokens = u32::try_from(num("--chunk-tokens", 16)?).map_err(|e| e.to_string())?;
     c.token_delay = Duration::from_millis(num("--token-delay-ms", 0)?);
-    if c.prefills == 0 || c.decoders == 0 || c.tp == 0 || c.pages == 0 {
-        return Err("--prefill, --decode, --tp and --pages must be at least 1".into());
+    if c.prefills == 0 || c.decoders == 0 || c.tp == 0 || c.pages == 0 || c.chunk_tokens == 0 {
+        return Err("--prefill, --decode, --tp, --pages and --chunk-tokens must be at least 1".into());
     }
     Ok(c)
 }

@@ -106,6 +106,35 @@ impl KeyGen {
     }
 }
 
+/// Per-phase durations of one request, sent back as a `Server-Timing` header (milliseconds):
+/// `queue` (admission), `reserve` (pages on every rank), `prefill` (the prefill leg), `kv_ready`
+/// (until every rank holds the KV), `decode` (until the decoder's response headers).
+#[derive(Debug)]
+struct Timing {
+    last: Instant,
+    phases: Vec<(&'static str, Duration)>,
+}
+
+impl Timing {
+    fn start() -> Self {
+        Self { last: Instant::now(), phases: Vec::with_capacity(5) }
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        let now = Instant::now();
+        self.phases.push((phase, now - self.last));
+        self.last = now;
+    }
+
+    fn header(&self) -> String {
+        self.phases
+            .iter()
+            .map(|(n, d)| format!("{n};dur={:.3}", d.as_secs_f64() * 1e3))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// What a request holds; released in `Drop`, on every path.
 struct Lifecycle {
     dec: Arc<DecoderHandle>,
@@ -215,8 +244,10 @@ impl Native {
         class: u8,
     ) -> Result<Response<RespBody>, GatewayError> {
         let chunks = u32::try_from(ids.len().div_ceil(dec.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX);
+        let mut timing = Timing::start();
         let slots =
             dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?;
+        timing.mark("queue");
         let key = self.keys.next();
         let mut life = Lifecycle {
             dec: Arc::clone(dec),
@@ -255,6 +286,7 @@ impl Native {
                 }
             }
         };
+        timing.mark("reserve");
 
         // Prefill: the engines agree on the token ids; the prefill leg is never streamed.
         let rid = format!("{:032x}", key.request.0);
@@ -288,6 +320,7 @@ impl Native {
         }
         // The prefill's own answer (one token) is not used; drain it so the connection is reused.
         let _ = resp.into_body().collect().await;
+        timing.mark("prefill");
 
         // Every rank must hold the whole KV.
         let deadline = Instant::now() + self.limits.ready_timeout;
@@ -324,6 +357,8 @@ impl Native {
             }
         }
 
+        timing.mark("kv_ready");
+
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());
         body["baton"] = json!({"request_id": rid, "epoch": key.epoch, "prompt_token_ids": ids});
@@ -341,7 +376,11 @@ impl Native {
         }
         life.decoded = true;
         drop(life);
-        let (parts, body) = resp.into_parts();
+        timing.mark("decode");
+        let (mut parts, body) = resp.into_parts();
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
+            parts.headers.insert("server-timing", v);
+        }
         Ok(Response::from_parts(parts, body.map_err(|e| Box::new(e) as BoxError).boxed()))
     }
 }
