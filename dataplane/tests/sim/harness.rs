@@ -183,6 +183,8 @@ pub struct Job {
     pub stream: bool,
     pub text: String,
     pub max_tokens: u32,
+    /// Time to keep the READY KV in the decoder's buffer before decoding.
+    pub hold: Duration,
 }
 
 impl Job {
@@ -319,6 +321,7 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
         d.forget(key);
         return Handoff::NotReady(outcome);
     }
+    tokio::time::sleep(job.hold).await;
     let (status, body) =
         http(d.http, job.path(), Some(&job.body(json!({"request_id": rid, "epoch": key.epoch})))).await;
     let (text, prompt_tokens, completion_tokens) = if status == 200 {
