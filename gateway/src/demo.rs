@@ -133,11 +133,12 @@ pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
     })
 }
 
-/// A gateway in front of `engines`, serving on `listen`.
+/// A gateway in front of `engines`, serving on `listen` (over TLS when `tls` is given).
 pub async fn start_gateway(
     e: &Engines,
     listen: SocketAddr,
     limits: Limits,
+    tls: Option<crate::server::tls::FrontTls>,
 ) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
     let mut decoders = Vec::new();
     for (name, http, ranks) in &e.decoders {
@@ -159,13 +160,13 @@ pub async fn start_gateway(
     let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;
     let addr = listener.local_addr().map_err(|err| err.to_string())?;
     let stop = Arc::new(Notify::new());
-    let task = tokio::spawn(Arc::clone(&gateway).serve(listener, Arc::clone(&stop)));
+    let task = tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&stop)));
     Ok((addr, gateway, stop, task))
 }
 
 /// Starts the engines and the gateway.
 pub async fn start(c: DemoConfig) -> Result<Demo, String> {
     let engines = start_engines(&c).await?;
-    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.limits).await?;
+    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.limits, None).await?;
     Ok(Demo { addr, gateway, engines: engines.running, stop, task })
 }

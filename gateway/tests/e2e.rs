@@ -260,8 +260,8 @@ async fn two_replicas_share_one_decoder() {
     let c = DemoConfig { tp: 2, pages: 24, ..DemoConfig::default() };
     let engines = start_engines(&c).await.unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let (a, ga, _sa, _ta) = start_gateway(&engines, any, Limits::default()).await.unwrap();
-    let (b, gb, _sb, _tb) = start_gateway(&engines, any, Limits::default()).await.unwrap();
+    let (a, ga, _sa, _ta) = start_gateway(&engines, any, Limits::default(), None).await.unwrap();
+    let (b, gb, _sb, _tb) = start_gateway(&engines, any, Limits::default(), None).await.unwrap();
     let decode_http = engines.decoders[0].1;
     let watch = tokio::spawn(async move {
         // The decoder's own accounting, sampled under load: never an error, never more reserved
@@ -328,5 +328,176 @@ async fn two_replicas_share_one_decoder() {
         }
         assert!(start.elapsed() < Duration::from_secs(10), "{v}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+mod tls {
+    use std::sync::Arc;
+
+    use baton_gateway::demo::{DemoConfig, start_engines, start_gateway};
+    use baton_gateway::handoff::Limits;
+    use baton_gateway::server::tls::FrontTls;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use hyper::Request;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        KeyUsagePurpose,
+    };
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use serde_json::json;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    struct Pki {
+        ca: CertificateDer<'static>,
+        server: (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>),
+        client: (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>),
+    }
+
+    fn pki() -> Pki {
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, "baton gateway test CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |usage| {
+            let k = KeyPair::generate().unwrap();
+            let mut p = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            p.extended_key_usages = vec![usage];
+            let c = p.signed_by(&k, &issuer).unwrap();
+            (vec![c.der().clone()], PrivateKeyDer::Pkcs8(k.serialize_der().into()))
+        };
+        Pki {
+            ca: ca_cert.der().clone(),
+            server: leaf(ExtendedKeyUsagePurpose::ServerAuth),
+            client: leaf(ExtendedKeyUsagePurpose::ClientAuth),
+        }
+    }
+
+    fn connector(p: &Pki, alpn: &[u8], with_cert: bool) -> tokio_rustls::TlsConnector {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(p.ca.clone()).unwrap();
+        let b =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots);
+        let mut c = if with_cert {
+            b.with_client_auth_cert(p.client.0.clone(), p.client.1.clone_key()).unwrap()
+        } else {
+            b.with_no_client_auth()
+        };
+        c.alpn_protocols = vec![alpn.to_vec()];
+        tokio_rustls::TlsConnector::from(Arc::new(c))
+    }
+
+    async fn gateway(p: &Pki, mtls: bool) -> std::net::SocketAddr {
+        let engines = start_engines(&DemoConfig::default()).await.unwrap();
+        let tls = FrontTls::new(p.server.0.clone(), p.server.1.clone_key(), mtls.then(|| vec![p.ca.clone()]))
+            .unwrap();
+        let (addr, ..) =
+            start_gateway(&engines, "127.0.0.1:0".parse().unwrap(), Limits::default(), Some(tls))
+                .await
+                .unwrap();
+        // The engines live for the rest of the test process.
+        std::mem::forget(engines);
+        addr
+    }
+
+    fn completion() -> Request<Full<Bytes>> {
+        let body = json!({"model": "baton-sim", "prompt": "over tls", "max_tokens": 3}).to_string();
+        Request::post("https://localhost/v1/completions")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn http1_and_http2_over_tls() {
+        let p = pki();
+        let addr = gateway(&p, false).await;
+        let name = ServerName::try_from("localhost").unwrap();
+        // HTTP/1.1
+        let tls = connector(&p, b"http/1.1", false)
+            .connect(name.clone(), TcpStream::connect(addr).await.unwrap())
+            .await
+            .unwrap();
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+        tokio::spawn(conn);
+        let res = send.send_request(completion()).await.unwrap();
+        assert_eq!(res.status(), 200);
+        let _ = res.into_body().collect().await.unwrap();
+        // HTTP/2
+        let tls =
+            connector(&p, b"h2", false).connect(name, TcpStream::connect(addr).await.unwrap()).await.unwrap();
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await.unwrap();
+        tokio::spawn(conn);
+        let res = send.send_request(completion()).await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.version(), hyper::Version::HTTP_2);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert!(
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap()["choices"][0]["text"].is_string()
+        );
+    }
+
+    /// A TLS 1.1 ClientHello (written by hand: modern clients cannot send one) gets an alert, never a
+    /// ServerHello.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_1_1_is_refused() {
+        let p = pki();
+        let addr = gateway(&p, false).await;
+        let mut hello = vec![0x03, 0x02]; // client_version TLS 1.1
+        hello.extend_from_slice(&[7u8; 32]); // random
+        hello.push(0); // session id
+        hello.extend_from_slice(&[0x00, 0x02, 0x00, 0x2f]); // one suite: TLS_RSA_WITH_AES_128_CBC_SHA
+        hello.extend_from_slice(&[0x01, 0x00]); // null compression
+        let mut hs = vec![0x01, 0x00, 0x00, hello.len() as u8];
+        hs.extend(hello);
+        let mut record = vec![0x16, 0x03, 0x02, 0x00, hs.len() as u8];
+        record.extend(hs);
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&record).await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert!(n == 0 || buf[0] == 0x15, "expected an alert or a close, got {:?}", &buf[..n]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mtls_refuses_clients_without_a_certificate() {
+        let p = pki();
+        let addr = gateway(&p, true).await;
+        let name = ServerName::try_from("localhost").unwrap();
+        // Without a certificate: the handshake or the first exchange fails.
+        let refused = async {
+            let tls = connector(&p, b"http/1.1", false)
+                .connect(name.clone(), TcpStream::connect(addr).await.ok()?)
+                .await
+                .ok()?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.ok()?;
+            tokio::spawn(conn);
+            let res = send.send_request(completion()).await.ok()?;
+            Some(res.status())
+        }
+        .await;
+        assert_eq!(refused, None, "a client without a certificate was served");
+        // With one: served.
+        let tls = connector(&p, b"http/1.1", true)
+            .connect(name, TcpStream::connect(addr).await.unwrap())
+            .await
+            .unwrap();
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+        tokio::spawn(conn);
+        assert_eq!(send.send_request(completion()).await.unwrap().status(), 200);
     }
 }

@@ -1,5 +1,7 @@
-//! The HTTP front door (plain HTTP/1.1 and HTTP/2 in this build; TLS comes next): routes, limits,
-//! and the one place errors become responses.
+//! The HTTP front door (HTTP/1.1 and HTTP/2, plain or over TLS): routes, limits, and the one place
+//! errors become responses.
+
+pub mod tls;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -93,8 +95,14 @@ impl Gateway {
             .or_else(|| self.decoders.iter().max_by_key(|d| d.queue.stats().capacity))
     }
 
-    /// Serves until `stop` is notified.
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, stop: Arc<Notify>) {
+    /// Serves until `stop` is notified; over TLS when `tls` is given (plain HTTP only where the
+    /// caller chose it).
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        tls: Option<tls::FrontTls>,
+        stop: Arc<Notify>,
+    ) {
         let mut conns = JoinSet::new();
         loop {
             tokio::select! {
@@ -106,20 +114,37 @@ impl Gateway {
                     };
                     let _ = stream.set_nodelay(true);
                     let this = Arc::clone(&self);
+                    let tls = tls.clone();
                     conns.spawn(async move {
-                        let svc = service_fn(move |req| {
-                            let this = Arc::clone(&this);
-                            async move { Ok::<_, Infallible>(this.handle(req).await) }
-                        });
-                        let mut b = auto::Builder::new(TokioExecutor::new());
-                        b.http1().timer(TokioTimer::new()).header_read_timeout(DEFAULT_HEADER_READ_TIMEOUT);
-                        let _ = b.serve_connection(TokioIo::new(stream), svc).await;
+                        match tls {
+                            None => this.connection(TokioIo::new(stream)).await,
+                            Some(t) => {
+                                // A client that cannot finish the handshake in time (or is refused:
+                                // old protocol, no certificate) is simply dropped.
+                                if let Ok(Ok(s)) = tokio::time::timeout(DEFAULT_HEADER_READ_TIMEOUT, t.acceptor().accept(stream)).await {
+                                    this.connection(TokioIo::new(s)).await;
+                                }
+                            }
+                        }
                     });
                 }
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         }
         conns.shutdown().await;
+    }
+
+    async fn connection<I>(self: Arc<Self>, io: I)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let svc = service_fn(move |req| {
+            let this = Arc::clone(&self);
+            async move { Ok::<_, Infallible>(this.handle(req).await) }
+        });
+        let mut b = auto::Builder::new(TokioExecutor::new());
+        b.http1().timer(TokioTimer::new()).header_read_timeout(DEFAULT_HEADER_READ_TIMEOUT);
+        let _ = b.serve_connection(io, svc).await;
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {

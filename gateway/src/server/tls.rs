@@ -1,0 +1,77 @@
+//! TLS on the gateway's listener (rustls, ring provider): TLS 1.2 and 1.3 only (1.0 and 1.1 are
+//! refused: deprecated by RFC 8996), ALPN `h2` and `http/1.1`, and client-certificate verification
+//! (mTLS) when a client CA is configured.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::TlsAcceptor;
+
+/// A listener's TLS settings.
+#[derive(Clone)]
+pub struct FrontTls {
+    acceptor: TlsAcceptor,
+}
+
+impl std::fmt::Debug for FrontTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FrontTls")
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificate in the file", path.display()));
+    }
+    Ok(certs)
+}
+
+impl FrontTls {
+    pub fn new(
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        client_ca: Option<Vec<CertificateDer<'static>>>,
+    ) -> Result<Self, String> {
+        let builder = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|e| e.to_string())?;
+        let builder = match client_ca {
+            Some(cas) => {
+                let mut roots = RootCertStore::empty();
+                for ca in cas {
+                    roots.add(ca).map_err(|e| format!("client CA: {e}"))?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                    .build()
+                    .map_err(|e| format!("client CA: {e}"))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder.with_single_cert(chain, key).map_err(|e| e.to_string())?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Self { acceptor: TlsAcceptor::from(Arc::new(config)) })
+    }
+
+    /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
+    pub fn from_pem_files(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, String> {
+        let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
+        Self::new(certs(cert)?, key, client_ca.map(certs).transpose()?)
+    }
+
+    pub(crate) fn acceptor(&self) -> &TlsAcceptor {
+        &self.acceptor
+    }
+}
