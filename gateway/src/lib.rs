@@ -5,7 +5,9 @@
 
 pub mod admission;
 pub mod api;
+pub mod config;
 pub mod demo;
 pub mod handoff;
+pub mod serve;
 pub mod server;
 pub mod tokenize;

@@ -501,3 +501,114 @@ mod tls {
         assert_eq!(send.send_request(completion()).await.unwrap().status(), 200);
     }
 }
+
+mod configs {
+    use std::path::{Path, PathBuf};
+
+    use baton_dataplane::sim::{SimConfig, SimRole, launch, tiny_geometry};
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    use serde_json::json;
+
+    fn tempdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("baton-cfg-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("tls")).unwrap();
+        d
+    }
+
+    /// Every example in `configs/` passes `check-config` (its TLS files generated where it names them).
+    #[test]
+    fn shipped_examples_check() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let dir = tempdir("examples");
+        std::fs::create_dir_all(dir.join("models")).unwrap();
+        for m in std::fs::read_dir(src.join("models")).unwrap() {
+            let m = m.unwrap().path();
+            std::fs::copy(&m, dir.join("models").join(m.file_name().unwrap())).unwrap();
+        }
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        let k = KeyPair::generate().unwrap();
+        let cert =
+            CertificateParams::new(vec!["localhost".to_owned()]).unwrap().signed_by(&k, &issuer).unwrap();
+        std::fs::write(dir.join("tls/server.pem"), cert.pem()).unwrap();
+        std::fs::write(dir.join("tls/server.key"), k.serialize_pem()).unwrap();
+        std::fs::write(dir.join("tls/clients-ca.pem"), ca_cert.pem()).unwrap();
+        let mut checked = 0;
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap().path();
+            if f.extension().is_some_and(|e| e == "toml") {
+                let copy = dir.join(f.file_name().unwrap());
+                std::fs::copy(&f, &copy).unwrap();
+                baton_gateway::config::load(&copy).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+                checked += 1;
+            }
+        }
+        assert!(checked >= 2, "only {checked} example configs");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `baton serve` from a file: the gateway connects to the decoder's data plane named there and
+    /// serves a request end to end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_from_a_config_file() {
+        let g = tiny_geometry(2).unwrap();
+        let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+        let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
+        let stats = decode.engine.stats();
+        let ranks: Vec<String> = stats["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
+            .collect();
+        let text = format!(
+            r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[[prefill]]
+name = "p"
+url = "http://{}"
+
+[[decode]]
+name = "d"
+url = "http://{}"
+dataplane = [{}]
+max_slots = 20
+"#,
+            prefill.addr,
+            decode.addr,
+            ranks.join(", ")
+        );
+        let dir = tempdir("serve");
+        let file = dir.join("baton.toml");
+        std::fs::write(&file, text).unwrap();
+        let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+        assert_eq!(
+            serving.gateway.decoders[0].queue.stats().capacity,
+            20,
+            "max_slots lowers the reported 64"
+        );
+        let addr = serving.addrs[0];
+        let (s, body) = super::http(
+            addr,
+            "/v1/completions",
+            Some(&json!({"prompt": "from a config file", "max_tokens": 3})),
+        )
+        .await;
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+        serving.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -18,7 +18,7 @@ use baton_dataplane::sim::{SimConfig, SimRole, launch, tiny_geometry};
 
 const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--model NAME] [--tp N]
        [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]
-       [--token-delay-us N] [--dp-host IP] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]";
+       [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]";
 
 fn parse() -> Result<SimConfig, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -58,6 +58,9 @@ fn parse() -> Result<SimConfig, String> {
     }
     if let Some(h) = get("--dp-host") {
         c.dp_host = h.parse().map_err(|_| format!("--dp-host: not an IP: {h:?}"))?;
+    }
+    if let Some(p) = get("--dp-port") {
+        c.dp_base_port = Some(p.parse().map_err(|_| format!("--dp-port: not a port: {p:?}"))?);
     }
     c.pages =
         u32::try_from(num(get("--pages"), "--pages", u64::from(c.pages))?).map_err(|e| e.to_string())?;

@@ -3,7 +3,7 @@
 //! a mismatch is an error, never a silent 200. Chunks are then scattered into the rank's own paged
 //! cache (HND layout) and the pages freed, which emits "pages released".
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -56,15 +56,10 @@ impl std::fmt::Debug for DecodeEngine {
 
 impl DecodeEngine {
     /// Starts one data-plane server per rank on `host` (ephemeral ports).
-    pub async fn start(
-        geometry: KvGeometry,
-        pages: u32,
-        options: BufferOptions,
-        cache_blocks: u32,
-        block_size: u32,
-        host: IpAddr,
-        faults: Arc<Faults>,
-    ) -> Result<Arc<Self>, SimError> {
+    pub async fn start(c: &super::SimConfig, faults: Arc<Faults>) -> Result<Arc<Self>, SimError> {
+        let (geometry, pages, cache_blocks, block_size, host, base_port) =
+            (c.geometry, c.pages, c.cache_blocks, c.block_size, c.dp_host, c.dp_base_port);
+        let options = BufferOptions { quarantine_ttl: c.quarantine_ttl, ..BufferOptions::default() };
         let device = Arc::new(CpuDevice);
         let cl = geometry.chunk_layout();
         let mut ranks = Vec::new();
@@ -87,7 +82,15 @@ impl DecodeEngine {
             )
             .map_err(SimError::internal)?;
             let server = RankServer::new(buf, geometry.tp_size, tx);
-            let listener = TcpListener::bind(SocketAddr::new(host, 0)).await.map_err(SimError::internal)?;
+            let port = match base_port {
+                Some(b) => b
+                    .checked_add(u16::try_from(r).unwrap_or(u16::MAX))
+                    .ok_or_else(|| SimError::bad("data-plane port overflow"))?,
+                None => 0,
+            };
+            let at = SocketAddr::new(host, port);
+            let listener =
+                TcpListener::bind(at).await.map_err(|e| SimError::internal(format!("bind {at}: {e}")))?;
             let handle = server.start(listener).map_err(SimError::internal)?;
             let layout = CacheLayout::hnd(cache_blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
             let cache = (0..cl.layers)

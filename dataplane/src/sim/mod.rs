@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use crate::buffer::{BufferOptions, DEFAULT_QUARANTINE_TTL};
+use crate::buffer::DEFAULT_QUARANTINE_TTL;
 use crate::geometry::KvGeometry;
 use decode::DecodeEngine;
 use faults::{FaultConfig, Faults};
@@ -64,8 +64,10 @@ pub struct SimConfig {
     pub cache_blocks: u32,
     pub block_size: u32,
     pub token_delay: Duration,
-    /// Where decode ranks' data-plane servers listen (ephemeral ports).
+    /// Where decode ranks' data-plane servers listen.
     pub dp_host: IpAddr,
+    /// Rank `r` listens on `dp_base_port + r`; ephemeral ports when `None`.
+    pub dp_base_port: Option<u16>,
     pub quarantine_ttl: Duration,
     pub hold_ttl: Duration,
     pub faults: FaultConfig,
@@ -83,6 +85,7 @@ impl SimConfig {
             block_size: DEFAULT_SIM_BLOCK_SIZE,
             token_delay: Duration::ZERO,
             dp_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            dp_base_port: None,
             quarantine_ttl: DEFAULT_QUARANTINE_TTL,
             hold_ttl: DEFAULT_PRODUCER_HOLD_TTL,
             faults: FaultConfig::default(),
@@ -121,17 +124,7 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             c.hold_ttl,
         )?),
         SimRole::Decode => {
-            let options = BufferOptions { quarantine_ttl: c.quarantine_ttl, ..BufferOptions::default() };
-            let d = DecodeEngine::start(
-                c.geometry,
-                c.pages,
-                options,
-                c.cache_blocks,
-                c.block_size,
-                c.dp_host,
-                Arc::clone(&faults),
-            )
-            .await?;
+            let d = DecodeEngine::start(&c, Arc::clone(&faults)).await?;
             d.apply_faults().await;
             Role::Decode(d)
         }

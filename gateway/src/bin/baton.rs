@@ -1,7 +1,6 @@
 //! `baton`: the PD gateway.
 //!
-//! This build has `baton demo`; `serve --config` and `check-config` arrive with the configuration
-//! file (see the gateway issue).
+//! `baton serve --config FILE`, `baton check-config FILE`, `baton demo`.
 
 #![allow(clippy::print_stdout)]
 
@@ -10,10 +9,67 @@ use std::time::Duration;
 
 use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, start};
 
-const USAGE: &str =
-    "usage: baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
+const USAGE: &str = "usage: baton serve --config FILE
+       baton check-config FILE
+       baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
 
-  demo   the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)";
+  serve          run the gateway from a TOML configuration (see configs/)
+  check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
+  demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)";
+
+fn check(file: &str) -> ExitCode {
+    match baton_gateway::config::load(std::path::Path::new(file)) {
+        Ok(c) => {
+            println!("{file}: ok");
+            println!("  model {} (context {} tokens)", c.model, c.context_length);
+            for (addr, tls) in &c.listeners {
+                println!("  listener {addr} ({})", if tls.is_some() { "TLS" } else { "plain HTTP" });
+            }
+            for (name, http) in &c.prefills {
+                println!("  prefill {name} at {http}");
+            }
+            for d in &c.decoders {
+                println!(
+                    "  decode {} at {}: TP {}, {} KV bytes per token, page {} bytes per rank{}",
+                    d.name,
+                    d.http,
+                    d.ranks.len(),
+                    d.geometry.kv_bytes_per_token(),
+                    d.geometry.page_bytes_per_rank(),
+                    d.max_slots.map_or(String::new(), |m| format!(", at most {m} slots"))
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{file}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(file: &str) -> ExitCode {
+    let checked = match baton_gateway::config::load(std::path::Path::new(file)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{file}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let serving = match baton_gateway::serve::start(checked).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("baton serve: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for a in &serving.addrs {
+        println!("baton: serving on {a}");
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    serving.shutdown().await;
+    ExitCode::SUCCESS
+}
 
 fn flag(args: &[String], name: &str) -> Option<String> {
     let i = args.iter().position(|a| a == name)?;
@@ -45,6 +101,24 @@ async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("demo") => {}
+        Some("check-config") => {
+            return match args.get(1) {
+                Some(f) => check(f),
+                None => {
+                    eprintln!("{USAGE}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        Some("serve") => {
+            return match flag(&args, "--config") {
+                Some(f) => serve(&f).await,
+                None => {
+                    eprintln!("baton serve: --config FILE is required\n{USAGE}");
+                    ExitCode::from(2)
+                }
+            };
+        }
         Some("-h" | "--help") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

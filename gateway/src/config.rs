@@ -1,0 +1,398 @@
+//! The gateway's one TOML file: listeners, the model and its KV geometry, the prefill and decode
+//! pools, admission limits. Unknown fields are refused; every default is a named constant; a bad file
+//! is refused with the field, the value and the reason. Relative paths are relative to the file.
+//!
+//! Buffer sizes are not configured here: each decoder's data plane reports them at start. A decode
+//! pool may only lower the slots it is given (`max_slots`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use baton_dataplane::KvGeometry;
+use serde::Deserialize;
+
+use crate::admission::{DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT};
+use crate::handoff::{
+    DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Limits,
+};
+use crate::server::tls::FrontTls;
+
+/// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
+pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub listeners: Vec<Listener>,
+    pub model: Model,
+    pub prefill: Vec<Endpoint>,
+    pub decode: Vec<DecodePool>,
+    #[serde(default)]
+    pub admission: Admission,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listener {
+    pub address: SocketAddr,
+    /// Serve plain HTTP on this listener. Off unless said: TLS is the default.
+    #[serde(default)]
+    pub plain_http: bool,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// With it, clients must present a certificate from this CA (mTLS).
+    pub client_ca: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    pub name: String,
+    pub context_length: u64,
+    /// Tokens per KV chunk (default [`DEFAULT_CHUNK_TOKENS`]).
+    pub chunk_tokens: Option<u32>,
+    pub geometry: Geometry,
+}
+
+/// The KV geometry: a HuggingFace `config.json`, or the numbers.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Geometry {
+    pub hf_config: Option<PathBuf>,
+    pub layers: Option<u32>,
+    pub kv_heads: Option<u32>,
+    pub head_dim: Option<u32>,
+    pub dtype_bytes: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    pub name: String,
+    /// `http://host:port`
+    pub url: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodePool {
+    pub name: String,
+    pub url: String,
+    /// Data-plane address of each rank, in rank order; their count is the TP size.
+    pub dataplane: Vec<SocketAddr>,
+    /// Lowers the slots the data plane reports (never raises them).
+    pub max_slots: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Admission {
+    /// Requests waiting per decoder (default [`DEFAULT_MAX_QUEUE`]).
+    pub max_queue: usize,
+    /// Longest wait for room, ms (default [`DEFAULT_QUEUE_TIMEOUT`]).
+    pub queue_timeout_ms: u64,
+    /// Reservation lease on the decoder, ms (default [`DEFAULT_LEASE`]).
+    pub lease_ms: u64,
+    /// Longest wait for every rank to hold the KV, ms (default [`DEFAULT_READY_TIMEOUT`]).
+    pub ready_timeout_ms: u64,
+    /// Longest an upstream leg may take to answer, ms (default [`DEFAULT_UPSTREAM_TIMEOUT`]).
+    pub upstream_timeout_ms: u64,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Default for Admission {
+    fn default() -> Self {
+        Self {
+            max_queue: DEFAULT_MAX_QUEUE,
+            queue_timeout_ms: ms(DEFAULT_QUEUE_TIMEOUT),
+            lease_ms: ms(DEFAULT_LEASE),
+            ready_timeout_ms: ms(DEFAULT_READY_TIMEOUT),
+            upstream_timeout_ms: ms(DEFAULT_UPSTREAM_TIMEOUT),
+        }
+    }
+}
+
+/// A refused configuration: which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.into(), reason: reason.into() }
+}
+
+/// A decode pool, checked.
+#[derive(Debug, Clone)]
+pub struct CheckedDecoder {
+    pub name: String,
+    pub http: SocketAddr,
+    pub ranks: Vec<SocketAddr>,
+    /// The pool's geometry (its TP is its rank count).
+    pub geometry: KvGeometry,
+    pub max_slots: Option<u32>,
+}
+
+/// A checked configuration, ready to serve.
+#[derive(Debug)]
+pub struct Checked {
+    pub listeners: Vec<(SocketAddr, Option<FrontTls>)>,
+    pub model: String,
+    pub context_length: u64,
+    pub decoders: Vec<CheckedDecoder>,
+    pub prefills: Vec<(String, SocketAddr)>,
+    pub max_queue: usize,
+    pub limits: Limits,
+}
+
+/// `http://host:port` → the socket address.
+pub fn parse_url(field: &str, url: &str) -> Result<SocketAddr, ConfigError> {
+    let rest =
+        url.strip_prefix("http://").ok_or_else(|| err(field, format!("{url:?} must start with http://")))?;
+    let host = rest.trim_end_matches('/');
+    host.parse().map_err(|_| err(field, format!("{url:?} must be http://IP:PORT")))
+}
+
+impl Config {
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_owned();
+            err("config", msg)
+        })
+    }
+
+    /// Validates everything that can be checked without the network: addresses, TLS files,
+    /// geometry. `base` is the directory relative paths start from.
+    pub fn check(&self, base: &Path) -> Result<Checked, ConfigError> {
+        let path = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        if self.listeners.is_empty() {
+            return Err(err("listeners", "at least one listener is required"));
+        }
+        let mut listeners = Vec::new();
+        for (i, l) in self.listeners.iter().enumerate() {
+            let f = format!("listeners[{i}]");
+            let tls = match (l.plain_http, &l.tls_cert, &l.tls_key) {
+                (true, None, None) => {
+                    if l.client_ca.is_some() {
+                        return Err(err(format!("{f}.client_ca"), "needs TLS (tls_cert and tls_key)"));
+                    }
+                    None
+                }
+                (true, _, _) => {
+                    return Err(err(
+                        format!("{f}.plain_http"),
+                        "plain_http and tls_cert/tls_key exclude each other",
+                    ));
+                }
+                (false, Some(c), Some(k)) => Some(
+                    FrontTls::from_pem_files(&path(c), &path(k), l.client_ca.as_deref().map(path).as_deref())
+                        .map_err(|e| err(format!("{f}.tls"), e))?,
+                ),
+                (false, _, _) => {
+                    return Err(err(
+                        f,
+                        "needs tls_cert and tls_key, or plain_http = true to serve without TLS",
+                    ));
+                }
+            };
+            listeners.push((l.address, tls));
+        }
+        if self.model.name.is_empty() {
+            return Err(err("model.name", "must not be empty"));
+        }
+        if self.model.context_length == 0 {
+            return Err(err("model.context_length", "must be greater than 0"));
+        }
+        let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
+        let g = &self.model.geometry;
+        let geometry_for = |tp: u32| -> Result<KvGeometry, ConfigError> {
+            match (&g.hf_config, g.layers, g.kv_heads, g.head_dim, g.dtype_bytes) {
+                (Some(p), None, None, None, _) => {
+                    let json = std::fs::read_to_string(path(p)).map_err(|e| {
+                        err("model.geometry.hf_config", format!("{}: {e}", path(p).display()))
+                    })?;
+                    KvGeometry::from_hf_config(&json, chunk, tp, g.dtype_bytes)
+                        .map_err(|e| err("model.geometry", e.to_string()))
+                }
+                (None, Some(l), Some(h), Some(d), Some(b)) => {
+                    KvGeometry::new(l, h, d, b, chunk, tp).map_err(|e| err("model.geometry", e.to_string()))
+                }
+                _ => Err(err(
+                    "model.geometry",
+                    "give hf_config (optionally with dtype_bytes), or layers, kv_heads, head_dim and dtype_bytes",
+                )),
+            }
+        };
+        if self.prefill.is_empty() {
+            return Err(err("prefill", "at least one prefill endpoint is required"));
+        }
+        let mut prefills = Vec::new();
+        for (i, p) in self.prefill.iter().enumerate() {
+            prefills.push((p.name.clone(), parse_url(&format!("prefill[{i}].url"), &p.url)?));
+        }
+        if self.decode.is_empty() {
+            return Err(err("decode", "at least one decode pool is required"));
+        }
+        let mut decoders = Vec::new();
+        for (i, d) in self.decode.iter().enumerate() {
+            let http = parse_url(&format!("decode[{i}].url"), &d.url)?;
+            if d.dataplane.is_empty() {
+                return Err(err(format!("decode[{i}].dataplane"), "list one data-plane address per rank"));
+            }
+            let tp = u32::try_from(d.dataplane.len())
+                .map_err(|_| err(format!("decode[{i}].dataplane"), "too many ranks"))?;
+            let geometry =
+                geometry_for(tp).map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
+            if d.max_slots == Some(0) {
+                return Err(err(format!("decode[{i}].max_slots"), "must be greater than 0"));
+            }
+            decoders.push(CheckedDecoder {
+                name: d.name.clone(),
+                http,
+                ranks: d.dataplane.clone(),
+                geometry,
+                max_slots: d.max_slots,
+            });
+        }
+        let a = &self.admission;
+        for (field, v) in [
+            ("admission.queue_timeout_ms", a.queue_timeout_ms),
+            ("admission.lease_ms", a.lease_ms),
+            ("admission.ready_timeout_ms", a.ready_timeout_ms),
+            ("admission.upstream_timeout_ms", a.upstream_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(err(field, "must be greater than 0"));
+            }
+        }
+        if a.max_queue == 0 {
+            return Err(err("admission.max_queue", "must be greater than 0"));
+        }
+        if a.lease_ms <= a.ready_timeout_ms {
+            return Err(err(
+                "admission.lease_ms",
+                format!(
+                    "{} must exceed ready_timeout_ms {}: a lease shorter than the wait expires every slow request",
+                    a.lease_ms, a.ready_timeout_ms
+                ),
+            ));
+        }
+        let limits = Limits {
+            lease: Duration::from_millis(a.lease_ms),
+            queue_timeout: Duration::from_millis(a.queue_timeout_ms),
+            ready_timeout: Duration::from_millis(a.ready_timeout_ms),
+            upstream_timeout: Duration::from_millis(a.upstream_timeout_ms),
+            release_timeout: DEFAULT_RELEASE_TIMEOUT,
+        };
+        Ok(Checked {
+            listeners,
+            model: self.model.name.clone(),
+            context_length: self.model.context_length,
+            decoders,
+            prefills,
+            max_queue: a.max_queue,
+            limits,
+        })
+    }
+}
+
+/// Reads and checks a file.
+pub fn load(file: &Path) -> Result<Checked, ConfigError> {
+    let text = std::fs::read_to_string(file).map_err(|e| err(file.display().to_string(), e.to_string()))?;
+    let base = file.parent().unwrap_or(Path::new("."));
+    Config::parse(&text)?.check(base)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[[listeners]]
+address = "127.0.0.1:8080"
+plain_http = true
+
+[model]
+name = "baton-sim"
+context_length = 32768
+chunk_tokens = 16
+geometry = { layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }
+
+[[prefill]]
+name = "p0"
+url = "http://127.0.0.1:8100"
+
+[[decode]]
+name = "d0"
+url = "http://127.0.0.1:8200"
+dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
+"#;
+
+    #[test]
+    fn a_good_file_checks_with_defaults() {
+        let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
+        assert_eq!(c.decoders[0].geometry.tp_size, 2);
+        assert_eq!(c.limits.lease, DEFAULT_LEASE);
+        assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
+    }
+
+    #[test]
+    fn bad_files_name_the_field() {
+        // (name, edit of GOOD, field the error must name)
+        let cases: Vec<(&str, String, &str)> = vec![
+            ("unknown field", GOOD.replace("plain_http = true", "plain_http = true\ncolour = 1"), "config"),
+            ("no tls and not plain", GOOD.replace("plain_http = true", ""), "listeners[0]"),
+            ("bad url", GOOD.replace("http://127.0.0.1:8100", "127.0.0.1:8100"), "prefill[0].url"),
+            (
+                "no ranks",
+                GOOD.replace(r#"dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]"#, "dataplane = []"),
+                "decode[0].dataplane",
+            ),
+            (
+                "tp does not divide heads",
+                GOOD.replace(
+                    r#"["127.0.0.1:9000", "127.0.0.1:9001"]"#,
+                    r#"["127.0.0.1:9000", "127.0.0.1:9001", "127.0.0.1:9002"]"#,
+                ),
+                "decode[0] (model.geometry)",
+            ),
+            ("half a geometry", GOOD.replace("layers = 2, ", ""), "decode[0] (model.geometry)"),
+            (
+                "zero context",
+                GOOD.replace("context_length = 32768", "context_length = 0"),
+                "model.context_length",
+            ),
+            (
+                "lease shorter than ready wait",
+                format!("{GOOD}\n[admission]\nlease_ms = 1000\nready_timeout_ms = 2000\n"),
+                "admission.lease_ms",
+            ),
+            (
+                "missing tls file",
+                GOOD.replace(
+                    "plain_http = true",
+                    r#"tls_cert = "nope.pem"
+tls_key = "nope.key""#,
+                ),
+                "listeners[0].tls",
+            ),
+        ];
+        for (name, text, field) in cases {
+            let got = Config::parse(&text).and_then(|c| c.check(Path::new("."))).map(|_| ()).unwrap_err();
+            assert_eq!(got.field, field, "{name}: {got}");
+        }
+    }
+}

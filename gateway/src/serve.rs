@@ -1,0 +1,66 @@
+//! `baton serve`: a checked configuration brought up: decoders connected (their buffer sizes read
+//! from the data plane), every listener bound.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::admission::QueueConfig;
+use crate::config::Checked;
+use crate::handoff::decoder::DecoderHandle;
+use crate::handoff::{Native, Prefiller};
+use crate::server::{Gateway, ModelInfo};
+
+/// A serving gateway.
+#[derive(Debug)]
+pub struct Serving {
+    pub addrs: Vec<SocketAddr>,
+    pub gateway: Arc<Gateway>,
+    stop: Vec<Arc<Notify>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Serving {
+    pub async fn shutdown(self) {
+        for s in &self.stop {
+            s.notify_one();
+        }
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Connects and binds everything the configuration names.
+pub async fn start(c: Checked) -> Result<Serving, String> {
+    let mut decoders = Vec::new();
+    for d in c.decoders {
+        let queue = QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() };
+        let (g, name) = (d.geometry, d.name);
+        let d = DecoderHandle::connect(
+            name.clone(),
+            d.http,
+            d.ranks,
+            g.fingerprint(),
+            g.chunk_tokens,
+            d.max_slots,
+            queue,
+        )
+        .await
+        .map_err(|e| format!("decoder {name}: data plane: {e}"))?;
+        decoders.push(d);
+    }
+    let prefills = c.prefills.into_iter().map(|(name, http)| Prefiller { name, http }).collect();
+    let model = ModelInfo { name: c.model, context_length: c.context_length };
+    let gateway = Gateway::new(model, prefills, decoders, Native::new(c.limits));
+    let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
+    for (addr, tls) in c.listeners {
+        let listener = crate::server::bind(addr).await.map_err(|e| format!("listen on {addr}: {e}"))?;
+        addrs.push(listener.local_addr().map_err(|e| e.to_string())?);
+        let s = Arc::new(Notify::new());
+        tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&s))));
+        stop.push(s);
+    }
+    Ok(Serving { addrs, gateway, stop, tasks })
+}
