@@ -6,19 +6,9 @@
 
 use crate::api::{Endpoint, GenRequest, Prompt};
 
-/// Renders chat messages with the fallback template.
-pub fn render_chat(messages: &[(String, String)]) -> String {
-    let mut s = String::new();
-    for (role, content) in messages {
-        s.push_str("<|");
-        s.push_str(role);
-        s.push_str("|>\n");
-        s.push_str(content);
-        s.push('\n');
-    }
-    s.push_str("<|assistant|>\n");
-    s
-}
+/// Renders chat messages with the fallback template: the simulated model's own template, so the
+/// gateway and the engines count the same tokens.
+pub use baton_dataplane::sim::kv::render_chat;
 
 /// The prompt's token ids under the fallback tokenizer.
 pub fn token_ids(req: &GenRequest) -> Vec<u32> {
