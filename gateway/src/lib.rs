@@ -10,4 +10,5 @@ pub mod demo;
 pub mod handoff;
 pub mod serve;
 pub mod server;
+pub mod telemetry;
 pub mod tokenize;

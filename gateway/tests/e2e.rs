@@ -612,3 +612,35 @@ max_slots = 20
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `/metrics` after traffic: outcomes by status, every phase observed, the decoder's slot gauges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_phases_and_slots() {
+    let d = demo(1, 32).await;
+    for _ in 0..3 {
+        let (s, _) =
+            http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 0), "max_tokens": 2}))).await;
+        assert_eq!(s, 200);
+    }
+    let (s, _) = http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(33 * 16, 0)}))).await;
+    assert_eq!(s, 413);
+    let (s, body) = http(d.addr, "/metrics", None).await;
+    assert_eq!(s, 200);
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let value = |line: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(line))
+            .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(value("baton_requests_total{status=\"200\"}"), 3.0);
+    assert_eq!(value("baton_requests_total{status=\"413\"}"), 1.0);
+    for phase in ["queue", "reserve", "prefill", "kv_ready", "decode"] {
+        assert_eq!(value(&format!("baton_phase_seconds_count{{phase=\"{phase}\"}}")), 3.0, "{phase}");
+    }
+    assert_eq!(value("baton_phase_seconds_count{phase=\"total\"}"), 4.0);
+    assert_eq!(value("baton_decoder_slots_capacity{decoder=\"decode-0\"}"), 32.0);
+    d.shutdown().await;
+}

@@ -187,6 +187,7 @@ pub struct Native {
     client: Client<HttpConnector, Full<Bytes>>,
     pub limits: Limits,
     keys: KeyGen,
+    pub metrics: std::sync::Arc<crate::telemetry::Metrics>,
 }
 
 impl std::fmt::Debug for Native {
@@ -214,7 +215,7 @@ impl Native {
         connector.set_nodelay(true);
         let client =
             Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
-        Self { client, limits, keys: KeyGen::default() }
+        Self { client, limits, keys: KeyGen::default(), metrics: Default::default() }
     }
 
     async fn post(
@@ -377,6 +378,9 @@ impl Native {
         life.decoded = true;
         drop(life);
         timing.mark("decode");
+        for (phase, d) in &timing.phases {
+            self.metrics.phase(phase, *d);
+        }
         let (mut parts, body) = resp.into_parts();
         if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
             parts.headers.insert("server-timing", v);

@@ -165,12 +165,44 @@ impl Gateway {
                 return full(if ready { 200 } else { 503 }, &json!({"ready": ready}));
             }
             (&Method::GET, "/admin/decoders") => return full(200, &self.decoders_view().await),
+            (&Method::GET, "/metrics") => return self.metrics(),
             _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
         };
-        match self.generate(ep, req).await {
+        let started = std::time::Instant::now();
+        let r = match self.generate(ep, req).await {
             Ok(r) => r,
             Err(e) => error_response(&e),
-        }
+        };
+        // `total` is the time to the response headers (for a stream, to the first byte).
+        self.native.metrics.phase("total", started.elapsed());
+        self.native.metrics.answered(r.status().as_u16());
+        r
+    }
+
+    fn metrics(&self) -> Response<RespBody> {
+        let gauges: Vec<crate::telemetry::DecoderGauges> = self
+            .decoders
+            .iter()
+            .map(|d| {
+                let s = d.queue.stats();
+                crate::telemetry::DecoderGauges {
+                    name: d.name.clone(),
+                    capacity: s.capacity,
+                    reserved: s.in_use,
+                    waiting: s.waiting,
+                    waiting_slots: s.waiting_slots,
+                    oldest_wait: s.oldest_wait,
+                }
+            })
+            .collect();
+        let mut r = Response::new(
+            Full::new(Bytes::from(self.native.metrics.render(&gauges)))
+                .map_err(|e| -> BoxError { match e {} })
+                .boxed(),
+        );
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
+        r
     }
 
     async fn generate(

@@ -1,0 +1,144 @@
+//! Prometheus metrics with the `baton_` prefix and bounded labels: per-phase latency histograms,
+//! requests by status, and (read at scrape time) per-decoder slot gauges. Written by hand: a few
+//! atomics per request, no registry to lock.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Histogram bounds in seconds: 100 µs to 60 s.
+const BUCKETS: [f64; 16] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+
+/// The phases of a request, in order.
+pub const PHASES: [&str; 6] = ["queue", "reserve", "prefill", "kv_ready", "decode", "total"];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (b, bound) in self.buckets.iter().zip(BUCKETS) {
+            if s <= bound {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// The gateway's metrics.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    phases: [Histogram; PHASES.len()],
+    /// Requests answered, by HTTP status (a closed set: the statuses the gateway produces).
+    by_status: Mutex<BTreeMap<u16, u64>>,
+}
+
+/// Per-decoder values read at scrape time.
+#[derive(Debug, Clone)]
+pub struct DecoderGauges {
+    pub name: String,
+    pub capacity: u32,
+    pub reserved: u32,
+    pub waiting: usize,
+    pub waiting_slots: u64,
+    pub oldest_wait: Option<Duration>,
+}
+
+impl Metrics {
+    /// Records a phase duration; unknown phase names are ignored.
+    pub fn phase(&self, name: &str, d: Duration) {
+        if let Some(i) = PHASES.iter().position(|p| *p == name)
+            && let Some(h) = self.phases.get(i)
+        {
+            h.observe(d);
+        }
+    }
+
+    pub fn answered(&self, status: u16) {
+        *self.by_status.lock().unwrap_or_else(|e| e.into_inner()).entry(status).or_default() += 1;
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self, decoders: &[DecoderGauges]) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# HELP baton_phase_seconds Time spent in each phase of a request.");
+        let _ = writeln!(o, "# TYPE baton_phase_seconds histogram");
+        for (name, h) in PHASES.iter().zip(&self.phases) {
+            for (b, bound) in h.buckets.iter().zip(BUCKETS) {
+                let _ = writeln!(
+                    o,
+                    "baton_phase_seconds_bucket{{phase=\"{name}\",le=\"{bound}\"}} {}",
+                    b.load(Ordering::Relaxed)
+                );
+            }
+            let count = h.count.load(Ordering::Relaxed);
+            let _ = writeln!(o, "baton_phase_seconds_bucket{{phase=\"{name}\",le=\"+Inf\"}} {count}");
+            let _ = writeln!(
+                o,
+                "baton_phase_seconds_sum{{phase=\"{name}\"}} {}",
+                h.sum_us.load(Ordering::Relaxed) as f64 / 1e6
+            );
+            let _ = writeln!(o, "baton_phase_seconds_count{{phase=\"{name}\"}} {count}");
+        }
+        let _ = writeln!(o, "# HELP baton_requests_total Requests answered, by HTTP status.");
+        let _ = writeln!(o, "# TYPE baton_requests_total counter");
+        for (status, n) in self.by_status.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = writeln!(o, "baton_requests_total{{status=\"{status}\"}} {n}");
+        }
+        type Gauge = (&'static str, &'static str, fn(&DecoderGauges) -> f64);
+        let gauges: [Gauge; 5] = [
+            (
+                "baton_decoder_slots_capacity",
+                "Slots (PD buffer pages) the decoder's data plane reports.",
+                |d| f64::from(d.capacity),
+            ),
+            ("baton_decoder_slots_reserved", "Slots held by admitted requests.", |d| f64::from(d.reserved)),
+            ("baton_decoder_waiting_requests", "Requests waiting for slots.", |d| d.waiting as f64),
+            ("baton_decoder_waiting_slots", "Slots the waiting requests need.", |d| d.waiting_slots as f64),
+            ("baton_decoder_oldest_wait_seconds", "How long the oldest waiter has waited.", |d| {
+                d.oldest_wait.map_or(0.0, |w| w.as_secs_f64())
+            }),
+        ];
+        for (metric, help, get) in gauges {
+            let _ = writeln!(o, "# HELP {metric} {help}");
+            let _ = writeln!(o, "# TYPE {metric} gauge");
+            for d in decoders {
+                let _ = writeln!(o, "{metric}{{decoder=\"{}\"}} {}", d.name, get(d));
+            }
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_counts_add_up() {
+        let m = Metrics::default();
+        m.phase("queue", Duration::from_micros(50));
+        m.phase("queue", Duration::from_millis(3));
+        m.phase("nonsense", Duration::from_secs(1));
+        m.answered(200);
+        m.answered(200);
+        m.answered(413);
+        let text = m.render(&[]);
+        assert!(text.contains("baton_phase_seconds_bucket{phase=\"queue\",le=\"0.0001\"} 1"), "{text}");
+        assert!(text.contains("baton_phase_seconds_bucket{phase=\"queue\",le=\"0.005\"} 2"), "{text}");
+        assert!(text.contains("baton_phase_seconds_count{phase=\"queue\"} 2"));
+        assert!(text.contains("baton_phase_seconds_count{phase=\"total\"} 0"));
+        assert!(text.contains("baton_requests_total{status=\"200\"} 2"));
+        assert!(text.contains("baton_requests_total{status=\"413\"} 1"));
+    }
+}
