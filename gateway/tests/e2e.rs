@@ -644,3 +644,84 @@ async fn metrics_count_requests_phases_and_slots() {
     assert_eq!(value("baton_decoder_slots_capacity{decoder=\"decode-0\"}"), 32.0);
     d.shutdown().await;
 }
+
+/// A decoder rank that restarts (here: a bigger buffer on the same port): the gateway reconnects its
+/// event feed, re-reads the capacity, and READY from the new rank reaches the request waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoder_restart_reconnects_and_rereads_capacity() {
+    use std::sync::Arc;
+
+    use baton_dataplane::device::cpu::CpuDevice;
+    use baton_dataplane::transport::{ProducerClient, RankServer};
+    use baton_dataplane::{
+        BufferOptions, RankBuffer, RankEvent, RequestId, RequestKey, SystemClock, TerminalState,
+    };
+    use baton_gateway::admission::QueueConfig;
+    use baton_gateway::handoff::decoder::DecoderHandle;
+
+    let g = baton_dataplane::sim::tiny_geometry(1).unwrap();
+    let rank = |pages: u32| {
+        let (sink, tx) = RankServer::<CpuDevice>::sink();
+        let buf = RankBuffer::new(
+            Arc::new(CpuDevice),
+            g,
+            0,
+            pages,
+            BufferOptions::default(),
+            Arc::new(SystemClock),
+            sink,
+        )
+        .unwrap();
+        RankServer::new(buf, 1, tx)
+    };
+    let first = rank(8);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let h = first.start(listener).unwrap();
+    let http: SocketAddr = "127.0.0.1:9".parse().unwrap(); // not used by this test
+    let dec = DecoderHandle::connect(
+        "d".into(),
+        http,
+        vec![addr],
+        g.fingerprint(),
+        g.chunk_tokens,
+        None,
+        QueueConfig::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dec.queue.stats().capacity, 8);
+
+    // The rank restarts with 12 pages on the same port.
+    h.shutdown().await;
+    drop(first);
+    let second = rank(12);
+    let started = Instant::now();
+    let listener = loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => break l,
+            Err(_) if started.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("rebind {addr}: {e}"),
+        }
+    };
+    let h2 = second.start(listener).unwrap();
+    while dec.queue.stats().capacity != 12 {
+        assert!(started.elapsed() < Duration::from_secs(10), "capacity not re-read: {:?}", dec.queue.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Events from the new rank reach the waiting request.
+    let key = RequestKey::new(RequestId(77), 0);
+    let mut rx = dec.listen(key);
+    let addrs = dec.reserve(key, 2, Duration::from_secs(30), &[]).await.unwrap().unwrap();
+    let mut p = ProducerClient::connect(addr, g.fingerprint(), 0).await.unwrap();
+    for (c, a) in &addrs[0] {
+        p.write_chunk(key, *c, *a, &vec![1; g.page_bytes_per_rank() as usize]).await.unwrap();
+    }
+    let e = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+    assert!(matches!(e, RankEvent::Status(s) if s.state == TerminalState::Ready), "{e:?}");
+    dec.cancel(key, false).await;
+    h2.shutdown().await;
+}

@@ -1,9 +1,11 @@
 //! A decode engine as the gateway sees it: its HTTP address, its ranks' data-plane control
-//! connections, one event subscription per rank routed to the requests waiting on them, and the
-//! admission queue sized by the buffer the ranks report (never typed by hand).
+//! connections, one event subscription per rank routed to the requests waiting on them (reconnected
+//! when it breaks), and the admission queue sized by the buffer the ranks report, at start and on
+//! every reconnect (never typed by hand).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +38,77 @@ impl std::fmt::Debug for DecoderHandle {
     }
 }
 
+/// The decoder's slots: the smallest rank's buffer, lowered by `max_slots` (0 with no ranks).
+fn capacity(caps: &[AtomicU32], max_slots: Option<u32>) -> u32 {
+    let c = caps.iter().map(|c| c.load(Ordering::Relaxed)).min().unwrap_or(0);
+    max_slots.map_or(c, |m| m.min(c))
+}
+
+/// First and longest pause before reconnecting a rank's event feed.
+const RECONNECT_MIN: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// One rank's event feed: routes events to the requests waiting on them and, when the feed ends
+/// (the rank restarted, the network broke), reconnects and re-reads the rank's buffer size.
+struct RankFeed {
+    rank: usize,
+    addr: SocketAddr,
+    fingerprint: u64,
+    waiters: Waiters,
+    queue: SlotQueue,
+    caps: Arc<Vec<AtomicU32>>,
+    max_slots: Option<u32>,
+}
+
+impl RankFeed {
+    async fn run(self, mut feed: EventStream) {
+        let r32 = u32::try_from(self.rank).unwrap_or(u32::MAX);
+        loop {
+            while let Ok(Some(e)) = feed.next().await {
+                let key = match e {
+                    RankEvent::Status(s) => s.key(),
+                    RankEvent::Released(r) => r.key,
+                };
+                let tx = self.waiters.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+                if let Some(tx) = tx {
+                    let _ = tx.send(e);
+                }
+            }
+            // Requests waiting on this rank now run into their deadlines; new ones are served once
+            // the feed is back.
+            let mut backoff = RECONNECT_MIN;
+            feed = loop {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_MAX);
+                let Ok(mut c) = ControlClient::connect(self.addr, self.fingerprint, r32).await else {
+                    continue;
+                };
+                let Ok(info) = c.info().await else { continue };
+                let Ok(f) = EventStream::connect(self.addr, self.fingerprint, r32).await else { continue };
+                if let Some(cap) = self.caps.get(self.rank) {
+                    cap.store(info.pages_total, Ordering::Relaxed);
+                }
+                self.queue.resize(capacity(&self.caps, self.max_slots));
+                break f;
+            };
+        }
+    }
+}
+
+/// A control call.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Reserve { key: RequestKey, chunks: u32, lease: Duration, prefixes: &'a [PrefixKey] },
+    Cancel { key: RequestKey, unsent: bool },
+    Info,
+}
+
+enum OpOut {
+    Reserved(Vec<(u32, PageAddr)>),
+    Done,
+    Info(baton_dataplane::transport::RankInfo),
+}
+
 /// What a decoder's ranks say about their buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankView {
@@ -57,33 +130,32 @@ impl DecoderHandle {
         queue: QueueConfig,
     ) -> Result<Arc<Self>, TransportError> {
         let waiters: Waiters = Arc::default();
-        let mut routers = JoinSet::new();
-        let mut capacity = u32::MAX;
         let mut controls = Vec::new();
+        let mut feeds = Vec::new();
+        let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
         for (r, addr) in ranks.iter().enumerate() {
             let r32 = u32::try_from(r).unwrap_or(u32::MAX);
             let mut c = ControlClient::connect(*addr, fingerprint, r32).await?;
-            capacity = capacity.min(c.info().await?.pages_total);
+            if let Some(cap) = caps.get(r) {
+                cap.store(c.info().await?.pages_total, Ordering::Relaxed);
+            }
             controls.push(tokio::sync::Mutex::new(vec![c]));
-            let mut ev = EventStream::connect(*addr, fingerprint, r32).await?;
-            let w = Arc::clone(&waiters);
-            routers.spawn(async move {
-                while let Ok(Some(e)) = ev.next().await {
-                    let key = match e {
-                        RankEvent::Status(s) => s.key(),
-                        RankEvent::Released(r) => r.key,
-                    };
-                    let tx = w.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-                    if let Some(tx) = tx {
-                        let _ = tx.send(e);
-                    }
-                }
-            });
+            feeds.push(EventStream::connect(*addr, fingerprint, r32).await?);
         }
-        if ranks.is_empty() {
-            capacity = 0;
+        let queue = SlotQueue::new(capacity(&caps, max_slots), queue);
+        let mut routers = JoinSet::new();
+        for (r, feed) in feeds.into_iter().enumerate() {
+            let rank = RankFeed {
+                rank: r,
+                addr: ranks.get(r).copied().ok_or(TransportError::Closed)?,
+                fingerprint,
+                waiters: Arc::clone(&waiters),
+                queue: queue.clone(),
+                caps: Arc::clone(&caps),
+                max_slots,
+            };
+            routers.spawn(rank.run(feed));
         }
-        let capacity = max_slots.map_or(capacity, |m| m.min(capacity));
         Ok(Arc::new(Self {
             name,
             http,
@@ -92,21 +164,26 @@ impl DecoderHandle {
             fingerprint,
             controls,
             waiters,
-            queue: SlotQueue::new(capacity, queue),
+            queue,
             _routers: routers,
         }))
     }
 
-    async fn control(&self, rank: usize) -> Result<ControlClient, TransportError> {
+    /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
+    async fn control(&self, rank: usize) -> Result<(ControlClient, bool), TransportError> {
         let pooled = match self.controls.get(rank) {
             Some(m) => m.lock().await.pop(),
             None => None,
         };
         match pooled {
-            Some(c) => Ok(c),
+            Some(c) => Ok((c, true)),
             None => {
                 let addr = self.ranks.get(rank).copied().ok_or(TransportError::Closed)?;
-                ControlClient::connect(addr, self.fingerprint, u32::try_from(rank).unwrap_or(u32::MAX)).await
+                Ok((
+                    ControlClient::connect(addr, self.fingerprint, u32::try_from(rank).unwrap_or(u32::MAX))
+                        .await?,
+                    false,
+                ))
             }
         }
     }
@@ -114,6 +191,34 @@ impl DecoderHandle {
     async fn give_back(&self, rank: usize, c: ControlClient) {
         if let Some(m) = self.controls.get(rank) {
             m.lock().await.push(c);
+        }
+    }
+
+    /// Runs one control call on `rank`. A pooled connection that fails with a transport error (the
+    /// rank restarted, the connection died while idle) is dropped and the call made once more on a
+    /// fresh one; refusals are answers, not failures.
+    async fn call(&self, rank: usize, op: Op<'_>) -> Result<OpOut, TransportError> {
+        let mut retried = false;
+        loop {
+            let (mut c, pooled) = self.control(rank).await?;
+            let res = match op {
+                Op::Reserve { key, chunks, lease, prefixes } => {
+                    c.reserve(key, chunks, lease, prefixes).await.map(OpOut::Reserved)
+                }
+                Op::Cancel { key, unsent } => {
+                    if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await }
+                        .map(|()| OpOut::Done)
+                }
+                Op::Info => c.info().await.map(OpOut::Info),
+            };
+            match res {
+                Ok(_) | Err(TransportError::Refused { .. }) => {
+                    self.give_back(rank, c).await;
+                    return res;
+                }
+                Err(_) if pooled && !retried => retried = true,
+                Err(e) => return Err(e),
+            }
         }
     }
 
@@ -128,18 +233,11 @@ impl DecoderHandle {
     ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
         let mut got = Vec::with_capacity(self.ranks.len());
         for r in 0..self.ranks.len() {
-            let res = match self.control(r).await {
-                Ok(mut c) => {
-                    let res = c.reserve(key, chunks, lease, prefixes).await;
-                    if res.is_ok() || matches!(res, Err(TransportError::Refused { .. })) {
-                        self.give_back(r, c).await;
-                    }
-                    res
+            match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
+                Ok(OpOut::Reserved(addrs)) => got.push(addrs),
+                Ok(_) => {
+                    return Err(TransportError::Unexpected("reserve answered with something else".into()));
                 }
-                Err(e) => Err(e),
-            };
-            match res {
-                Ok(addrs) => got.push(addrs),
                 Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
                     self.cancel(key, true).await;
                     return Ok(None);
@@ -158,11 +256,7 @@ impl DecoderHandle {
     /// the reservation). `unsent`: no prefiller ever had the addresses.
     pub async fn cancel(&self, key: RequestKey, unsent: bool) {
         for r in 0..self.ranks.len() {
-            let Ok(mut c) = self.control(r).await else { continue };
-            let res = if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await };
-            if res.is_ok() {
-                self.give_back(r, c).await;
-            }
+            let _ = self.call(r, Op::Cancel { key, unsent }).await;
         }
     }
 
@@ -181,11 +275,8 @@ impl DecoderHandle {
     pub async fn ranks_view(&self) -> Vec<RankView> {
         let mut out = Vec::new();
         for r in 0..self.ranks.len() {
-            if let Ok(mut c) = self.control(r).await
-                && let Ok(i) = c.info().await
-            {
+            if let Ok(OpOut::Info(i)) = self.call(r, Op::Info).await {
                 out.push(RankView { rank: i.rank, pages_total: i.pages_total, pages_free: i.pages_free });
-                self.give_back(r, c).await;
             }
         }
         out
