@@ -313,11 +313,9 @@ impl<D: Device> Drop for Core<D> {
 
 impl<D: Device> Core<D> {
     fn page_of(&self, chunk: u32) -> Result<u32, DeviceError> {
-        let pages = self.shared.lock().chunk_pages(self.h);
-        pages
-            .get(chunk as usize)
-            .copied()
-            .flatten()
+        self.shared
+            .lock()
+            .chunk_page(self.h, chunk)
             .ok_or(DeviceError::NoSuchPage { page: chunk, pages: self.chunks })
     }
 }

@@ -529,18 +529,12 @@ impl Table {
             .collect()
     }
 
-    pub(crate) fn chunk_pages(&self, h: Handle) -> Vec<Option<u32>> {
-        self.entry(h)
-            .map(|e| {
-                e.chunks
-                    .iter()
-                    .map(|c| match c {
-                        Chunk::Own { page, .. } | Chunk::Shared { page } => Some(*page),
-                        Chunk::Gone => None,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// The page holding chunk `chunk` of a request (owned or shared). A query.
+    pub(crate) fn chunk_page(&self, h: Handle, chunk: u32) -> Option<u32> {
+        match self.entry(h)?.chunks.get(chunk as usize)? {
+            Chunk::Own { page, .. } | Chunk::Shared { page } => Some(*page),
+            Chunk::Gone => None,
+        }
     }
 
     fn lease_check(&mut self, h: Handle, now: Instant, out: &mut Events) -> Result<(), LeaseError> {

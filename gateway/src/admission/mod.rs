@@ -64,6 +64,14 @@ impl Default for QueueConfig {
     }
 }
 
+/// The part of a queue's state routing reads on every request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueLoad {
+    pub capacity: u32,
+    pub in_use: u32,
+    pub waiting_slots: u64,
+}
+
 /// A snapshot of a queue.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QueueStats {
@@ -99,6 +107,8 @@ struct State {
     vtime: f64,
     next_id: u64,
     waiting: usize,
+    /// Slots the waiters need, kept up to date so routing can read it without walking the queue.
+    waiting_slots: u64,
     accounting_errors: u64,
 }
 
@@ -170,6 +180,7 @@ fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotG
         s.vtime = w.start;
         s.in_use += w.slots;
         s.waiting -= 1;
+        s.waiting_slots -= u64::from(w.slots);
         out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots }));
     }
     out
@@ -214,8 +225,9 @@ impl Drop for Pending {
                 let at = c.queue.iter().position(|w| w.id == self.id)?;
                 c.queue.remove(at)
             });
-            if removed.is_some() {
+            if let Some(w) = removed {
                 s.waiting -= 1;
+                s.waiting_slots -= u64::from(w.slots);
             }
             grant(&self.state, &mut s)
         };
@@ -234,6 +246,7 @@ impl SlotQueue {
             vtime: 0.0,
             next_id: 0,
             waiting: 0,
+            waiting_slots: 0,
             accounting_errors: 0,
         };
         Self { state: Arc::new(Mutex::new(state)) }
@@ -264,6 +277,7 @@ impl SlotQueue {
             let id = s.next_id;
             s.next_id += 1;
             s.waiting += 1;
+            s.waiting_slots += u64::from(slots);
             let (tx, rx) = oneshot::channel();
             let c =
                 s.classes.entry(class).or_insert(Class { weight, queue: VecDeque::new(), last_finish: 0.0 });
@@ -299,13 +313,20 @@ impl SlotQueue {
                 refused.extend(drop_);
             }
             s.waiting -= refused.len();
+            s.waiting_slots -= refused.iter().map(|w| u64::from(w.slots)).sum::<u64>();
             (grant(&self.state, &mut s), refused)
         };
         drop(refused);
         deliver(grants);
     }
 
-    /// A snapshot. A query.
+    /// What routing needs, in constant time: `(capacity, slots in use, slots waited for)`.
+    pub fn load(&self) -> QueueLoad {
+        let s = lock(&self.state);
+        QueueLoad { capacity: s.capacity, in_use: s.in_use, waiting_slots: s.waiting_slots }
+    }
+
+    /// A snapshot (walks the waiters; for admin endpoints and metrics, not per request). A query.
     pub fn stats(&self) -> QueueStats {
         let s = lock(&self.state);
         let now = Instant::now();

@@ -186,6 +186,8 @@ fn run_random(capacity: u32, reqs: Vec<Req>) -> Result<(), TestCaseError> {
         for _ in 0..2000 {
             let s = q.stats();
             prop_assert!(s.in_use <= s.capacity, "over-committed: {s:?}");
+            // The counter routing reads agrees with the waiters actually queued.
+            prop_assert_eq!(q.load().waiting_slots, s.waiting_slots);
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         for t in tasks {

@@ -17,6 +17,7 @@ pub const PHASES: [&str; 6] = ["queue", "reserve", "prefill", "kv_ready", "decod
 
 #[derive(Debug, Default)]
 struct Histogram {
+    /// Observations per bucket (not cumulative: one increment per observation; summed at render).
     buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_us: AtomicU64,
@@ -25,10 +26,8 @@ struct Histogram {
 impl Histogram {
     fn observe(&self, d: Duration) {
         let s = d.as_secs_f64();
-        for (b, bound) in self.buckets.iter().zip(BUCKETS) {
-            if s <= bound {
-                b.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some(b) = BUCKETS.iter().position(|bound| s <= *bound).and_then(|i| self.buckets.get(i)) {
+            b.fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_us.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
@@ -74,12 +73,11 @@ impl Metrics {
         let _ = writeln!(o, "# HELP baton_phase_seconds Time spent in each phase of a request.");
         let _ = writeln!(o, "# TYPE baton_phase_seconds histogram");
         for (name, h) in PHASES.iter().zip(&self.phases) {
+            let mut cumulative = 0;
             for (b, bound) in h.buckets.iter().zip(BUCKETS) {
-                let _ = writeln!(
-                    o,
-                    "baton_phase_seconds_bucket{{phase=\"{name}\",le=\"{bound}\"}} {}",
-                    b.load(Ordering::Relaxed)
-                );
+                cumulative += b.load(Ordering::Relaxed);
+                let _ =
+                    writeln!(o, "baton_phase_seconds_bucket{{phase=\"{name}\",le=\"{bound}\"}} {cumulative}");
             }
             let count = h.count.load(Ordering::Relaxed);
             let _ = writeln!(o, "baton_phase_seconds_bucket{{phase=\"{name}\",le=\"+Inf\"}} {count}");
