@@ -16,7 +16,13 @@ use crate::admission::{DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT};
 use crate::handoff::{
     DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Limits,
 };
+use crate::routing::{
+    Builtin, DEFAULT_EJECT_AFTER_FAILURES, DEFAULT_EJECT_FOR, DEFAULT_HEALTH_CHECK_INTERVAL,
+    DEFAULT_HEALTH_CHECK_TIMEOUT, HealthConfig,
+};
 use crate::server::tls::FrontTls;
+use crate::telemetry::LogConfig;
+use crate::tokenize::Tokenizer;
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
@@ -30,6 +36,10 @@ pub struct Config {
     pub decode: Vec<DecodePool>,
     #[serde(default)]
     pub admission: Admission,
+    #[serde(default)]
+    pub routing: Routing,
+    #[serde(default)]
+    pub telemetry: Telemetry,
 }
 
 #[derive(Debug, Deserialize)]
@@ -53,6 +63,11 @@ pub struct Model {
     /// Tokens per KV chunk (default [`DEFAULT_CHUNK_TOKENS`]).
     pub chunk_tokens: Option<u32>,
     pub geometry: Geometry,
+    /// The model's HuggingFace `tokenizer.json`. Without it prompts are counted by the byte-level
+    /// upper bound (with a warning at start).
+    pub tokenizer: Option<PathBuf>,
+    /// The model's `tokenizer_config.json`, for its chat template (and BOS/EOS tokens).
+    pub tokenizer_config: Option<PathBuf>,
 }
 
 /// The KV geometry: a HuggingFace `config.json`, or the numbers.
@@ -98,6 +113,42 @@ pub struct Admission {
     pub ready_timeout_ms: u64,
     /// Longest an upstream leg may take to answer, ms (default [`DEFAULT_UPSTREAM_TIMEOUT`]).
     pub upstream_timeout_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Routing {
+    /// `round-robin`, `least-loaded` or `kv-aware` (the default).
+    pub policy: String,
+    /// Consecutive failures that eject an endpoint (default [`DEFAULT_EJECT_AFTER_FAILURES`]).
+    pub eject_after_failures: u32,
+    /// First ejection, ms (default [`DEFAULT_EJECT_FOR`]); repeated ones double up to a minute.
+    pub eject_ms: u64,
+    /// Active `GET /health` period, ms (default [`DEFAULT_HEALTH_CHECK_INTERVAL`]).
+    pub health_check_interval_ms: u64,
+    /// Health check answer deadline, ms (default [`DEFAULT_HEALTH_CHECK_TIMEOUT`]).
+    pub health_check_timeout_ms: u64,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Self {
+            policy: Builtin::default().name().to_owned(),
+            eject_after_failures: DEFAULT_EJECT_AFTER_FAILURES,
+            eject_ms: ms(DEFAULT_EJECT_FOR),
+            health_check_interval_ms: ms(DEFAULT_HEALTH_CHECK_INTERVAL),
+            health_check_timeout_ms: ms(DEFAULT_HEALTH_CHECK_TIMEOUT),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Telemetry {
+    /// `text` (the default) or `json`, one object per line.
+    pub log_format: Option<String>,
+    /// A `tracing` filter such as `info` or `baton_gateway=debug` (default `info`; `RUST_LOG` wins).
+    pub log_level: Option<String>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -156,6 +207,10 @@ pub struct Checked {
     pub prefills: Vec<(String, SocketAddr)>,
     pub max_queue: usize,
     pub limits: Limits,
+    pub tokenizer: std::sync::Arc<Tokenizer>,
+    pub routing: Builtin,
+    pub health: HealthConfig,
+    pub log: LogConfig,
 }
 
 /// `http://host:port` → the socket address.
@@ -297,6 +352,43 @@ impl Config {
             upstream_timeout: Duration::from_millis(a.upstream_timeout_ms),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
         };
+        let tokenizer = match (&self.model.tokenizer, &self.model.tokenizer_config) {
+            (None, None) => Tokenizer::fallback(),
+            (None, Some(_)) => {
+                return Err(err("model.tokenizer_config", "needs model.tokenizer (the tokenizer.json)"));
+            }
+            (Some(t), c) => Tokenizer::load(&path(t), c.as_deref().map(path).as_deref()).map_err(|e| {
+                err(
+                    if c.is_some() && !e.file.ends_with("tokenizer.json") {
+                        "model.tokenizer_config"
+                    } else {
+                        "model.tokenizer"
+                    },
+                    e.to_string(),
+                )
+            })?,
+        };
+        let r = &self.routing;
+        let routing = Builtin::parse(&r.policy).ok_or_else(|| {
+            err("routing.policy", format!("{:?} is not one of {}", r.policy, Builtin::NAMES.join(", ")))
+        })?;
+        for (field, v) in [
+            ("routing.eject_after_failures", u64::from(r.eject_after_failures)),
+            ("routing.health_check_interval_ms", r.health_check_interval_ms),
+            ("routing.health_check_timeout_ms", r.health_check_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(err(field, "must be greater than 0"));
+            }
+        }
+        let health = HealthConfig {
+            eject_after_failures: r.eject_after_failures,
+            eject_for: Duration::from_millis(r.eject_ms),
+            check_interval: Duration::from_millis(r.health_check_interval_ms),
+            check_timeout: Duration::from_millis(r.health_check_timeout_ms),
+        };
+        let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
+            .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
         Ok(Checked {
             listeners,
             model: self.model.name.clone(),
@@ -305,6 +397,10 @@ impl Config {
             prefills,
             max_queue: a.max_queue,
             limits,
+            tokenizer: std::sync::Arc::new(tokenizer),
+            routing,
+            health,
+            log,
         })
     }
 }
@@ -388,6 +484,32 @@ dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
 tls_key = "nope.key""#,
                 ),
                 "listeners[0].tls",
+            ),
+            ("unknown routing", format!("{GOOD}\n[routing]\npolicy = \"random\"\n"), "routing.policy"),
+            (
+                "zero health interval",
+                format!("{GOOD}\n[routing]\nhealth_check_interval_ms = 0\n"),
+                "routing.health_check_interval_ms",
+            ),
+            (
+                "bad log format",
+                format!("{GOOD}\n[telemetry]\nlog_format = \"xml\"\n"),
+                "telemetry.log_format",
+            ),
+            (
+                "bad log filter",
+                format!("{GOOD}\n[telemetry]\nlog_level = \"a=b=c\"\n"),
+                "telemetry.log_level",
+            ),
+            (
+                "missing tokenizer",
+                GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer = \"nope/tokenizer.json\""),
+                "model.tokenizer",
+            ),
+            (
+                "template without tokenizer",
+                GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer_config = \"x.json\""),
+                "model.tokenizer_config",
             ),
         ];
         for (name, text, field) in cases {

@@ -12,7 +12,9 @@ use tokio::sync::Notify;
 use crate::admission::QueueConfig;
 use crate::handoff::decoder::DecoderHandle;
 use crate::handoff::{Limits, Native, Prefiller};
+use crate::routing::{Builtin, HealthConfig, Router};
 use crate::server::{Gateway, ModelInfo};
+use crate::tokenize::Tokenizer;
 
 /// The demo's listen address by default.
 pub const DEFAULT_DEMO_LISTEN: &str = "127.0.0.1:8080";
@@ -31,7 +33,19 @@ pub struct DemoConfig {
     /// Tokens per chunk (page) of the simulated model.
     pub chunk_tokens: u32,
     pub token_delay: Duration,
+    /// The gateway in front (its limits, tokenizer, routing).
+    pub gateway: GatewaySetup,
+}
+
+/// How a gateway in front of engines is set up.
+#[derive(Clone, Debug, Default)]
+pub struct GatewaySetup {
     pub limits: Limits,
+    pub tls: Option<crate::server::tls::FrontTls>,
+    /// The fallback (byte-level) unless a real tokenizer is given.
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub routing: Builtin,
+    pub health: HealthConfig,
 }
 
 impl Default for DemoConfig {
@@ -44,7 +58,7 @@ impl Default for DemoConfig {
             pages: 64,
             chunk_tokens: 16,
             token_delay: Duration::ZERO,
-            limits: Limits::default(),
+            gateway: GatewaySetup::default(),
         }
     }
 }
@@ -107,7 +121,7 @@ pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
         sc.token_delay = c.token_delay;
         let r = launch(sc).await.map_err(|e| e.to_string())?;
-        prefills.push(Prefiller { name: format!("prefill-{i}"), http: r.addr });
+        prefills.push(Prefiller::new(format!("prefill-{i}"), r.addr));
         running.push(r);
     }
     let mut decoders = Vec::new();
@@ -133,12 +147,12 @@ pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
     })
 }
 
-/// A gateway in front of `engines`, serving on `listen` (over TLS when `tls` is given).
+/// A gateway in front of `engines`, serving on `listen` (over TLS when `setup.tls` is given). Its
+/// health checks run until the gateway is dropped.
 pub async fn start_gateway(
     e: &Engines,
     listen: SocketAddr,
-    limits: Limits,
-    tls: Option<crate::server::tls::FrontTls>,
+    setup: GatewaySetup,
 ) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
     let mut decoders = Vec::new();
     for (name, http, ranks) in &e.decoders {
@@ -155,8 +169,15 @@ pub async fn start_gateway(
         .map_err(|err| format!("{name}: {err}"))?;
         decoders.push(d);
     }
-    let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH };
-    let gateway = Gateway::new(model, e.prefills.clone(), decoders, Native::new(limits));
+    let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
+    let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
+    // Each gateway keeps its own view of the prefillers' health.
+    let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http)).collect();
+    let mut native = Native::new(setup.limits);
+    native.health = setup.health;
+    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing));
+    let _health = gateway.start_health_checks();
+    let tls = setup.tls;
     let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;
     let addr = listener.local_addr().map_err(|err| err.to_string())?;
     let stop = Arc::new(Notify::new());
@@ -167,6 +188,6 @@ pub async fn start_gateway(
 /// Starts the engines and the gateway.
 pub async fn start(c: DemoConfig) -> Result<Demo, String> {
     let engines = start_engines(&c).await?;
-    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.limits, None).await?;
+    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.gateway).await?;
     Ok(Demo { addr, gateway, engines: engines.running, stop, task })
 }

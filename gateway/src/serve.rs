@@ -10,6 +10,7 @@ use crate::admission::QueueConfig;
 use crate::config::Checked;
 use crate::handoff::decoder::DecoderHandle;
 use crate::handoff::{Native, Prefiller};
+use crate::routing::Router;
 use crate::server::{Gateway, ModelInfo};
 
 /// A serving gateway.
@@ -19,10 +20,12 @@ pub struct Serving {
     pub gateway: Arc<Gateway>,
     stop: Vec<Arc<Notify>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    health: tokio::task::JoinHandle<()>,
 }
 
 impl Serving {
     pub async fn shutdown(self) {
+        self.health.abort();
         for s in &self.stop {
             s.notify_one();
         }
@@ -51,9 +54,18 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         .map_err(|e| format!("decoder {name}: data plane: {e}"))?;
         decoders.push(d);
     }
-    let prefills = c.prefills.into_iter().map(|(name, http)| Prefiller { name, http }).collect();
-    let model = ModelInfo { name: c.model, context_length: c.context_length };
-    let gateway = Gateway::new(model, prefills, decoders, Native::new(c.limits));
+    let prefills = c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
+    if !c.tokenizer.is_exact() {
+        tracing::warn!(
+            "model {} has no tokenizer configured: prompts are counted by the byte-level upper bound, which over-counts slots",
+            c.model
+        );
+    }
+    let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
+    let mut native = Native::new(c.limits);
+    native.health = c.health;
+    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(c.routing));
+    let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
     for (addr, tls) in c.listeners {
         let listener = crate::server::bind(addr).await.map_err(|e| format!("listen on {addr}: {e}"))?;
@@ -62,5 +74,5 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&s))));
         stop.push(s);
     }
-    Ok(Serving { addrs, gateway, stop, tasks })
+    Ok(Serving { addrs, gateway, stop, tasks, health: health_task })
 }

@@ -48,9 +48,13 @@ async fn demo(tp: u32, pages: u32) -> Demo {
 
 /// Waits until every decoder rank has all pages free and the gateway holds no slots.
 async fn assert_clean(d: &Demo) {
+    assert_clean_at(d.addr).await;
+}
+
+async fn assert_clean_at(addr: SocketAddr) {
     let start = Instant::now();
     loop {
-        let (_, body) = http(d.addr, "/admin/decoders", None).await;
+        let (_, body) = http(addr, "/admin/decoders", None).await;
         let v: Value = serde_json::from_slice(&body).unwrap();
         let clean = v["decoders"].as_array().unwrap().iter().all(|d| {
             d["reserved_slots"] == 0
@@ -255,13 +259,12 @@ async fn random_disconnects_leave_nothing_held() {
 /// the buffer ends clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_one_decoder() {
-    use baton_gateway::demo::{start_engines, start_gateway};
-    use baton_gateway::handoff::Limits;
+    use baton_gateway::demo::{GatewaySetup, start_engines, start_gateway};
     let c = DemoConfig { tp: 2, pages: 24, ..DemoConfig::default() };
     let engines = start_engines(&c).await.unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let (a, ga, _sa, _ta) = start_gateway(&engines, any, Limits::default(), None).await.unwrap();
-    let (b, gb, _sb, _tb) = start_gateway(&engines, any, Limits::default(), None).await.unwrap();
+    let (a, ga, _sa, _ta) = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
+    let (b, gb, _sb, _tb) = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
     let decode_http = engines.decoders[0].1;
     let watch = tokio::spawn(async move {
         // The decoder's own accounting, sampled under load: never an error, never more reserved
@@ -334,8 +337,7 @@ async fn two_replicas_share_one_decoder() {
 mod tls {
     use std::sync::Arc;
 
-    use baton_gateway::demo::{DemoConfig, start_engines, start_gateway};
-    use baton_gateway::handoff::Limits;
+    use baton_gateway::demo::{DemoConfig, GatewaySetup, start_engines, start_gateway};
     use baton_gateway::server::tls::FrontTls;
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
@@ -399,10 +401,13 @@ mod tls {
         let engines = start_engines(&DemoConfig::default()).await.unwrap();
         let tls = FrontTls::new(p.server.0.clone(), p.server.1.clone_key(), mtls.then(|| vec![p.ca.clone()]))
             .unwrap();
-        let (addr, ..) =
-            start_gateway(&engines, "127.0.0.1:0".parse().unwrap(), Limits::default(), Some(tls))
-                .await
-                .unwrap();
+        let (addr, ..) = start_gateway(
+            &engines,
+            "127.0.0.1:0".parse().unwrap(),
+            GatewaySetup { tls: Some(tls), ..GatewaySetup::default() },
+        )
+        .await
+        .unwrap();
         // The engines live for the rest of the test process.
         std::mem::forget(engines);
         addr
@@ -537,6 +542,13 @@ mod configs {
         std::fs::write(dir.join("tls/server.pem"), cert.pem()).unwrap();
         std::fs::write(dir.join("tls/server.key"), k.serialize_pem()).unwrap();
         std::fs::write(dir.join("tls/clients-ca.pem"), ca_cert.pem()).unwrap();
+        // The Llama 3.1 tokenizer where the TLS example names it (the operator copies it there).
+        let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/llama3_1");
+        std::fs::create_dir_all(dir.join("tokenizers/llama-3.1")).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(tok.join(f), dir.join("tokenizers/llama-3.1").join(f))
+                .unwrap_or_else(|e| panic!("{f}: {e} (run scripts/fetch-tokenizers)"));
+        }
         let mut checked = 0;
         for f in std::fs::read_dir(&src).unwrap() {
             let f = f.unwrap().path();
@@ -724,4 +736,207 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     assert!(matches!(e, RankEvent::Status(s) if s.state == TerminalState::Ready), "{e:?}");
     dec.cancel(key, false).await;
     h2.shutdown().await;
+}
+
+/// Real tokenizers (Qwen3 and Llama 3.1 `tokenizer.json` with their chat templates, fetched by
+/// `scripts/fetch-tokenizers`) and the official OpenAI Python SDK as the client.
+mod real_tokenizers {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use baton_gateway::api::{Endpoint, GenRequest};
+    use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+    use baton_gateway::tokenize::Tokenizer;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn repo() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    }
+
+    fn load(name: &str) -> Tokenizer {
+        let dir = repo().join(".cache/tokenizers").join(name);
+        assert!(
+            dir.join("tokenizer.json").exists(),
+            "{} is missing: run scripts/fetch-tokenizers (scripts/test does)",
+            dir.display()
+        );
+        Tokenizer::load(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json"))).unwrap()
+    }
+
+    fn chat(messages: &Value) -> GenRequest {
+        GenRequest::parse(Endpoint::Chat, json!({ "messages": messages }).to_string().as_bytes()).unwrap()
+    }
+
+    /// Known ids, and chat templates rendered exactly as the models' own templates do.
+    #[test]
+    fn qwen3_and_llama3_count_and_render_like_their_models() {
+        let q = load("qwen3");
+        assert!(q.is_exact());
+        assert_eq!(q.encode("Hello world", true).unwrap(), vec![9707, 1879]);
+        let m = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]);
+        let pairs: Vec<(String, String)> =
+            vec![("system".into(), "Be brief.".into()), ("user".into(), "Hi!".into())];
+        assert_eq!(
+            q.render_chat(&pairs).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Special tokens in the rendered template are single ids (<|im_start|> = 151644).
+        let ids = q.token_ids(&chat(&m)).unwrap();
+        assert_eq!(ids.first(), Some(&151_644));
+        assert_eq!(ids.iter().filter(|&&t| t == 151_644).count(), 3);
+
+        let l = load("llama3_1");
+        // The completion prompt gets the BOS token (128000), as vLLM encodes it.
+        assert_eq!(l.encode("Hello world", true).unwrap(), vec![128_000, 9906, 1917]);
+        assert_eq!(
+            l.render_chat(&pairs).unwrap(),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        // The chat is encoded without adding a second BOS: the template wrote one.
+        let ids = l.token_ids(&chat(&m)).unwrap();
+        assert_eq!(ids.iter().filter(|&&t| t == 128_000).count(), 1);
+        // A real tokenizer makes fewer tokens than the byte-level bound.
+        let text = "The baton passes between prefill and decode ranks. ".repeat(20);
+        let fallback = Tokenizer::fallback().encode(&text, true).unwrap().len();
+        assert!(q.encode(&text, true).unwrap().len() * 3 < fallback);
+    }
+
+    fn python() -> PathBuf {
+        let p = std::env::var_os("BATON_TEST_PYTHON")
+            .map_or_else(|| repo().join(".cache/venv/bin/python"), PathBuf::from);
+        assert!(p.exists(), "{} is missing: scripts/test creates it (the openai SDK)", p.display());
+        p
+    }
+
+    /// The official OpenAI SDK parses every answer shape (JSON and SSE, completions and chat, usage
+    /// in the stream, models, errors); prompt usage is the Qwen3 tokenizer's own count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn openai_sdk_parses_answers_and_usage_matches_the_tokenizer() {
+        let tok = Arc::new(load("qwen3"));
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            gateway: GatewaySetup { tokenizer: Some(Arc::clone(&tok)), ..GatewaySetup::default() },
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/openai_client.py");
+        let out = tokio::process::Command::new(python())
+            .arg(&script)
+            .arg(format!("http://{}/v1", d.addr))
+            .arg("baton-sim")
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "openai client failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+        let prompt = "The baton passes between prefill and decode ranks. ".repeat(8);
+        let prompt_ids = tok.encode(&prompt, true).unwrap();
+        let pairs: Vec<(String, String)> = vec![
+            ("system".into(), "You are terse.".into()),
+            ("user".into(), "Hello, how are you? ".repeat(4)),
+        ];
+        let chat_ids = tok.encode(&tok.render_chat(&pairs).unwrap(), false).unwrap();
+        for (case, ids, n) in [
+            ("completion", &prompt_ids, 7),
+            ("completion_stream", &prompt_ids, 7),
+            ("chat", &chat_ids, 5),
+            ("chat_stream", &chat_ids, 5),
+        ] {
+            let c = &v[case];
+            assert_eq!(c["text"], output_text(ids, n), "{case}: {c}");
+            assert_eq!(c["usage"]["prompt_tokens"], ids.len(), "{case}: {c}");
+            assert_eq!(c["usage"]["completion_tokens"], n, "{case}: {c}");
+            assert_eq!(c["usage"]["total_tokens"], ids.len() + n as usize, "{case}: {c}");
+        }
+        assert_eq!(v["chat"]["role"], "assistant");
+        assert_eq!(v["chat_stream"]["roles"], json!(["assistant"]));
+        assert_eq!(v["models"], json!(["baton-sim"]));
+        assert_eq!(v["error"], json!({"type": "NotFoundError", "status": 404}));
+        assert_clean(&d).await;
+        d.shutdown().await;
+    }
+}
+
+/// Routing with health: a prefiller that dies is ejected after consecutive failures (passive) or
+/// by the health check (active); every request after that succeeds and nothing stays held.
+mod health {
+    use baton_gateway::demo::{DemoConfig, GatewaySetup, start_engines, start_gateway};
+    use baton_gateway::routing::{Builtin, HealthConfig};
+
+    use super::*;
+
+    async fn complete(addr: SocketAddr, i: usize) -> u16 {
+        http(addr, "/v1/completions", Some(&json!({"prompt": prompt(40, i), "max_tokens": 2}))).await.0
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dead_prefiller_is_ejected_passively_and_by_health_checks() {
+        let mut engines =
+            start_engines(&DemoConfig { prefills: 2, decoders: 2, ..DemoConfig::default() }).await.unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        // Passive only: the health check is too slow to matter here.
+        let passive = HealthConfig {
+            eject_after_failures: 2,
+            eject_for: Duration::from_secs(60),
+            check_interval: Duration::from_secs(3600),
+            ..HealthConfig::default()
+        };
+        let (a, ga, _sa, _ta) = start_gateway(
+            &engines,
+            any,
+            GatewaySetup { routing: Builtin::RoundRobin, health: passive, ..GatewaySetup::default() },
+        )
+        .await
+        .unwrap();
+        // Active: checks every 50 ms, never ejects passively.
+        let active = HealthConfig {
+            eject_after_failures: 1000,
+            check_interval: Duration::from_millis(50),
+            check_timeout: Duration::from_millis(500),
+            ..HealthConfig::default()
+        };
+        let (b, _gb, _sb, _tb) = start_gateway(
+            &engines,
+            any,
+            GatewaySetup { routing: Builtin::RoundRobin, health: active, ..GatewaySetup::default() },
+        )
+        .await
+        .unwrap();
+        // Both engines serve while healthy.
+        for i in 0..4 {
+            assert_eq!(complete(a, i).await, 200);
+        }
+        // prefill-1 dies (engines are started prefills first).
+        engines.running.remove(1).shutdown().await;
+        let mut failed = 0;
+        for i in 0..10 {
+            match complete(a, i).await {
+                200 => {}
+                502 => failed += 1,
+                s => panic!("unexpected status {s}"),
+            }
+        }
+        assert_eq!(failed, 2, "ejected after exactly 2 consecutive failures");
+        assert!(!ga.prefills[1].health.healthy());
+        assert_eq!(ga.prefills[1].health.ejected_total.load(std::sync::atomic::Ordering::Relaxed), 1);
+        for i in 0..10 {
+            assert_eq!(complete(a, i).await, 200, "after the ejection every request succeeds");
+        }
+        // The active checker has seen the death by now.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for i in 0..10 {
+            assert_eq!(complete(b, i).await, 200, "the health check took the dead engine out");
+        }
+        assert_clean_at(a).await;
+        assert_clean_at(b).await;
+        for r in engines.running {
+            r.shutdown().await;
+        }
+    }
 }

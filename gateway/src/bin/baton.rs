@@ -8,20 +8,31 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, start};
+use baton_gateway::routing::Builtin;
+use baton_gateway::telemetry::LogConfig;
+use baton_gateway::tokenize::Tokenizer;
 
 const USAGE: &str = "usage: baton serve --config FILE
        baton check-config FILE
        baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
+                  [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
 
   serve          run the gateway from a TOML configuration (see configs/)
   check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
-  demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)";
+  demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
+                 --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template";
 
 fn check(file: &str) -> ExitCode {
     match baton_gateway::config::load(std::path::Path::new(file)) {
         Ok(c) => {
             println!("{file}: ok");
-            println!("  model {} (context {} tokens)", c.model, c.context_length);
+            println!(
+                "  model {} (context {} tokens, tokenizer: {})",
+                c.model,
+                c.context_length,
+                c.tokenizer.describe()
+            );
+            println!("  routing {}, logs {:?} at {:?}", c.routing.name(), c.log.format, c.log.filter);
             for (addr, tls) in &c.listeners {
                 println!("  listener {addr} ({})", if tls.is_some() { "TLS" } else { "plain HTTP" });
             }
@@ -56,6 +67,7 @@ async fn serve(file: &str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    checked.log.install();
     let serving = match baton_gateway::serve::start(checked).await {
         Ok(s) => s,
         Err(e) => {
@@ -90,6 +102,19 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
     c.pages = u32::try_from(num("--pages", 64)?).map_err(|e| e.to_string())?;
     c.chunk_tokens = u32::try_from(num("--chunk-tokens", 16)?).map_err(|e| e.to_string())?;
     c.token_delay = Duration::from_millis(num("--token-delay-ms", 0)?);
+    if let Some(dir) = flag(args, "--tokenizer") {
+        let dir = std::path::Path::new(&dir);
+        let t = Tokenizer::load(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json")))
+            .map_err(|e| format!("--tokenizer: {e}"))?;
+        c.gateway.tokenizer = Some(std::sync::Arc::new(t));
+    }
+    if let Some(r) = flag(args, "--routing") {
+        c.gateway.routing = Builtin::parse(&r)
+            .ok_or_else(|| format!("--routing: {r:?} is not one of {}", Builtin::NAMES.join(", ")))?;
+    }
+    LogConfig::parse(flag(args, "--log-format").as_deref(), None)
+        .map_err(|(_, reason)| format!("--log-format: {reason}"))?
+        .install();
     if c.prefills == 0 || c.decoders == 0 || c.tp == 0 || c.pages == 0 || c.chunk_tokens == 0 {
         return Err("--prefill, --decode, --tp, --pages and --chunk-tokens must be at least 1".into());
     }

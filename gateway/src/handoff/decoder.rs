@@ -29,6 +29,7 @@ pub struct DecoderHandle {
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
     waiters: Waiters,
     pub queue: SlotQueue,
+    pub health: crate::routing::Health,
     _routers: JoinSet<()>,
 }
 
@@ -165,6 +166,7 @@ impl DecoderHandle {
             controls,
             waiters,
             queue,
+            health: crate::routing::Health::default(),
             _routers: routers,
         }))
     }

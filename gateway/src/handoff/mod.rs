@@ -31,6 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::admission::{AdmissionError, SlotGuard};
 use crate::api::{GatewayError, GenRequest};
+use crate::routing::{Health, HealthConfig};
 use decoder::DecoderHandle;
 
 /// A reservation's lease on the decoder: long enough for a long prefill and the decode request to
@@ -76,6 +77,13 @@ impl Default for Limits {
 pub struct Prefiller {
     pub name: String,
     pub http: SocketAddr,
+    pub health: Arc<Health>,
+}
+
+impl Prefiller {
+    pub fn new(name: String, http: SocketAddr) -> Self {
+        Self { name, http, health: Arc::default() }
+    }
 }
 
 /// Request ids unique across restarts and replicas: 64 random bits per process (the std hasher's
@@ -182,10 +190,19 @@ impl Drop for Lifecycle {
     }
 }
 
+/// An upstream call that got no response.
+#[derive(Debug)]
+struct PostError {
+    message: String,
+    /// The request never left (no connection): the engine cannot have seen it.
+    unsent: bool,
+}
+
 /// The native handoff.
 pub struct Native {
     client: Client<HttpConnector, Full<Bytes>>,
     pub limits: Limits,
+    pub health: HealthConfig,
     keys: KeyGen,
     pub metrics: std::sync::Arc<crate::telemetry::Metrics>,
 }
@@ -215,7 +232,13 @@ impl Native {
         connector.set_nodelay(true);
         let client =
             Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
-        Self { client, limits, keys: KeyGen::default(), metrics: Default::default() }
+        Self {
+            client,
+            limits,
+            health: HealthConfig::default(),
+            keys: KeyGen::default(),
+            metrics: Default::default(),
+        }
     }
 
     async fn post(
@@ -223,15 +246,40 @@ impl Native {
         addr: SocketAddr,
         path: &str,
         body: &Value,
-    ) -> Result<Response<hyper::body::Incoming>, String> {
+    ) -> Result<Response<hyper::body::Incoming>, PostError> {
         let req = Request::post(format!("http://{addr}{path}"))
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
         match tokio::time::timeout(self.limits.upstream_timeout, self.client.request(req)).await {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no answer within {:?}", self.limits.upstream_timeout)),
+            Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
+            Err(_) => Err(PostError {
+                message: format!("no answer within {:?}", self.limits.upstream_timeout),
+                unsent: false,
+            }),
+        }
+    }
+
+    /// Counts a failure against an endpoint (passive health).
+    fn failed(&self, name: &str, h: &Health) {
+        if h.failure(&self.health) {
+            tracing::warn!(endpoint = name, "ejected after consecutive failures");
+        }
+    }
+
+    /// `GET /health` answered 200 within `timeout`.
+    pub async fn health_check(&self, addr: SocketAddr, timeout: Duration) -> bool {
+        let Ok(req) = Request::get(format!("http://{addr}/health")).body(Full::new(Bytes::new())) else {
+            return false;
+        };
+        match tokio::time::timeout(timeout, self.client.request(req)).await {
+            Ok(Ok(r)) => {
+                let ok = r.status() == 200;
+                let _ = r.into_body().collect().await;
+                ok
+            }
+            _ => false,
         }
     }
 
@@ -283,6 +331,7 @@ impl Native {
                     )));
                 }
                 Err(e) => {
+                    self.failed(&dec.name, &dec.health);
                     return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
                 }
             }
@@ -307,12 +356,19 @@ impl Native {
         body["baton"] =
             json!({"request_id": rid, "epoch": key.epoch, "decoders": decoders, "prompt_token_ids": ids});
         life.sent = true;
-        let resp = self
-            .post(prefill.http, req.endpoint.path(), &body)
-            .await
-            .map_err(|m| GatewayError::Upstream { leg: "prefill", message: m })?;
+        let in_flight = prefill.health.start();
+        let resp = self.post(prefill.http, req.endpoint.path(), &body).await.map_err(|e| {
+            self.failed(&prefill.name, &prefill.health);
+            // No connection, so the prefiller never saw the addresses: the cancel needs no
+            // quarantine and the pages are free at once.
+            life.sent = !e.unsent;
+            GatewayError::Upstream { leg: "prefill", message: e.message }
+        })?;
         if resp.status() != 200 {
             let status = resp.status().as_u16();
+            if status >= 500 {
+                self.failed(&prefill.name, &prefill.health);
+            }
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
             return Err(GatewayError::Upstream {
                 leg: "prefill",
@@ -321,6 +377,8 @@ impl Native {
         }
         // The prefill's own answer (one token) is not used; drain it so the connection is reused.
         let _ = resp.into_body().collect().await;
+        prefill.health.success();
+        drop(in_flight);
         timing.mark("prefill");
 
         // Every rank must hold the whole KV.
@@ -363,18 +421,22 @@ impl Native {
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());
         body["baton"] = json!({"request_id": rid, "epoch": key.epoch, "prompt_token_ids": ids});
-        let resp = self
-            .post(dec.http, req.endpoint.path(), &body)
-            .await
-            .map_err(|m| GatewayError::Upstream { leg: "decode", message: m })?;
+        let resp = self.post(dec.http, req.endpoint.path(), &body).await.map_err(|e| {
+            self.failed(&dec.name, &dec.health);
+            GatewayError::Upstream { leg: "decode", message: e.message }
+        })?;
         if resp.status() != 200 {
             let status = resp.status().as_u16();
+            if status >= 500 {
+                self.failed(&dec.name, &dec.health);
+            }
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
             return Err(GatewayError::Upstream {
                 leg: "decode",
                 message: format!("{status}: {}", short_body(&b)),
             });
         }
+        dec.health.success();
         life.decoded = true;
         drop(life);
         timing.mark("decode");

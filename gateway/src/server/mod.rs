@@ -6,7 +6,7 @@ pub mod tls;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,10 +21,11 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES};
+use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, Origin};
 use crate::handoff::decoder::DecoderHandle;
 use crate::handoff::{BoxError, Native, Prefiller, RespBody};
-use crate::tokenize::token_ids;
+use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
+use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 
 /// How long a client may take to send its request headers (hyper enforces it only with a timer).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -34,6 +35,7 @@ pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct ModelInfo {
     pub name: String,
     pub context_length: u64,
+    pub tokenizer: Arc<Tokenizer>,
 }
 
 /// The gateway: one model, its prefill and decode pools, the handoff.
@@ -43,7 +45,8 @@ pub struct Gateway {
     pub prefills: Vec<Prefiller>,
     pub decoders: Vec<Arc<DecoderHandle>>,
     pub native: Native,
-    next_prefill: AtomicUsize,
+    pub router: Router,
+    seq: AtomicU64,
 }
 
 fn full(status: u16, v: &Value) -> Response<RespBody> {
@@ -71,28 +74,51 @@ impl Gateway {
         prefills: Vec<Prefiller>,
         decoders: Vec<Arc<DecoderHandle>>,
         native: Native,
+        router: Router,
     ) -> Arc<Self> {
-        Arc::new(Self { model, prefills, decoders, native, next_prefill: AtomicUsize::new(0) })
+        Arc::new(Self { model, prefills, decoders, native, router, seq: AtomicU64::new(0) })
     }
 
-    /// Round robin over prefillers.
-    fn pick_prefill(&self) -> Option<&Prefiller> {
-        let n = self.prefills.len();
-        (n > 0)
-            .then(|| self.next_prefill.fetch_add(1, Ordering::Relaxed) % n)
-            .and_then(|i| self.prefills.get(i))
+    /// Every endpoint's state, one list per metric, for the routing policy.
+    fn candidates(&self) -> Candidates {
+        let mut c = Candidates {
+            prefill: PrefillView {
+                healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
+                in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
+            },
+            decode: DecodeView::default(),
+        };
+        for d in &self.decoders {
+            let l = d.queue.load();
+            c.decode.healthy.push(d.health.healthy());
+            c.decode.capacity_slots.push(l.capacity);
+            c.decode.free_slots.push(l.capacity.saturating_sub(l.in_use));
+            c.decode.waiting_slots.push(l.waiting_slots);
+        }
+        c
     }
 
-    /// KV-buffer aware: the decoder with the fewest slots waiting, then the most slots free. Reads
-    /// each queue once, in constant time.
-    fn pick_decoder(&self, need: u32) -> Option<&Arc<DecoderHandle>> {
-        let loads: Vec<_> = self.decoders.iter().map(|d| (d, d.queue.load())).collect();
-        loads
-            .iter()
-            .filter(|(_, l)| l.capacity >= need)
-            .min_by_key(|(_, l)| (l.waiting_slots, u64::from(l.in_use)))
-            .or_else(|| loads.iter().max_by_key(|(_, l)| l.capacity))
-            .map(|(d, _)| *d)
+    /// Checks every endpoint's `GET /health` each `check_interval` until the gateway is dropped.
+    pub fn start_health_checks(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let cfg = self.native.health;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(cfg.check_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(this) = weak.upgrade() else { return };
+                let prefills = this.prefills.iter().map(|p| (p.http, &*p.health));
+                let decoders = this.decoders.iter().map(|d| (d.http, &d.health));
+                for (addr, health) in prefills.chain(decoders) {
+                    let ok = this.native.health_check(addr, cfg.check_timeout).await;
+                    if health.healthy() != ok {
+                        tracing::warn!(endpoint = %addr, healthy = ok, "health check changed");
+                    }
+                    health.checked(ok);
+                }
+            }
+        })
     }
 
     /// Serves until `stop` is notified; over TLS when `tls` is given (plain HTTP only where the
@@ -171,7 +197,14 @@ impl Gateway {
         let started = std::time::Instant::now();
         let r = match self.generate(ep, req).await {
             Ok(r) => r,
-            Err(e) => error_response(&e),
+            Err(e) => {
+                if e.origin() == Origin::Client {
+                    tracing::debug!(path, status = e.status(), code = e.code(), error = %e, "request refused");
+                } else {
+                    tracing::warn!(path, status = e.status(), code = e.code(), error = %e, "request failed");
+                }
+                error_response(&e)
+            }
         };
         // `total` is the time to the response headers (for a stream, to the first byte).
         self.native.metrics.phase("total", started.elapsed());
@@ -226,18 +259,46 @@ impl Gateway {
         {
             return Err(GatewayError::UnknownModel(m.chars().take(64).collect()));
         }
-        let ids = token_ids(&req);
+        let tok = Arc::clone(&self.model.tokenizer);
+        let ids = if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
+            tok.token_ids(&req)?
+        } else {
+            let req = Arc::new(req);
+            let r = Arc::clone(&req);
+            let ids = tokio::task::spawn_blocking(move || tok.token_ids(&r))
+                .await
+                .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))??;
+            let req =
+                Arc::try_unwrap(req).map_err(|_| GatewayError::Internal("request still shared".into()))?;
+            return self.dispatch(req, ids).await;
+        };
+        self.dispatch(req, ids).await
+    }
+
+    async fn dispatch(&self, req: GenRequest, ids: Vec<u32>) -> Result<Response<RespBody>, GatewayError> {
         if ids.len() as u64 > self.model.context_length {
             return Err(GatewayError::ContextLength {
                 tokens: ids.len() as u64,
                 limit: self.model.context_length,
             });
         }
-        let prefill = self.pick_prefill().ok_or(GatewayError::NoEndpoint("prefill"))?;
         let need = self.decoders.first().map_or(0, |d| {
             u32::try_from(ids.len().div_ceil(d.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
         });
-        let dec = self.pick_decoder(need).ok_or(GatewayError::NoEndpoint("decode"))?;
+        let facts = RouteFacts {
+            model: &self.model.name,
+            prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            slots: need,
+            max_tokens: req.fields.max_tokens.or(req.fields.max_completion_tokens),
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+        };
+        let routes = self.router.route(&facts, &self.candidates()).map_err(|e| match e {
+            NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
+            NoRoute::Decode => GatewayError::NoEndpoint("decode"),
+        })?;
+        let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
+        let prefill = self.prefills.get(route.prefill).ok_or(GatewayError::NoEndpoint("prefill"))?;
+        let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         self.native.run(prefill, dec, &req, &ids, 0).await
     }
 

@@ -140,3 +140,56 @@ mod tests {
         assert!(text.contains("baton_requests_total{status=\"413\"} 1"));
     }
 }
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Where logs go and how much.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A `tracing` filter directive (`RUST_LOG` takes precedence when set).
+    pub filter: String,
+}
+
+/// The log filter when nobody set one.
+pub const DEFAULT_LOG_FILTER: &str = "info";
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, filter: DEFAULT_LOG_FILTER.to_owned() }
+    }
+}
+
+impl LogConfig {
+    /// Checks the config's `log_format` and `log_level`; on error, the field and the reason.
+    pub fn parse(format: Option<&str>, level: Option<&str>) -> Result<Self, (&'static str, String)> {
+        let format = match format.unwrap_or("text") {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => return Err(("log_format", format!("{other:?} is not text or json"))),
+        };
+        let filter = level.unwrap_or(DEFAULT_LOG_FILTER).to_owned();
+        tracing_subscriber::EnvFilter::try_new(&filter)
+            .map_err(|e| ("log_level", format!("{filter:?} is not a tracing filter: {e}")))?;
+        Ok(Self { format, filter })
+    }
+
+    /// Installs the global subscriber (stderr). A second call does nothing.
+    pub fn install(&self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .or_else(|_| tracing_subscriber::EnvFilter::try_new(&self.filter))
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+        let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        let _ = match self.format {
+            LogFormat::Text => b.try_init(),
+            LogFormat::Json => b.json().flatten_event(true).try_init(),
+        };
+    }
+}

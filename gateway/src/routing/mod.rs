@@ -1,0 +1,444 @@
+//! Routing: which prefill engine and which decode engine serve a request.
+//!
+//! A policy sees the request's facts and the candidates' state, one list per metric (index `i` of
+//! every list is endpoint `i`), and returns the chosen pair or [`Decision::Default`]. The built-in
+//! policies implement the same trait a WebAssembly policy will: the router checks any decision
+//! (indexes in range, endpoints healthy) and falls back to the built-in policy when a decision is
+//! invalid or a policy declines.
+//!
+//! Health is passive and active: [`Health`] ejects an endpoint after
+//! [`DEFAULT_EJECT_AFTER_FAILURES`] consecutive failures for [`DEFAULT_EJECT_FOR`] (doubling
+//! while failures go on, up to [`MAX_EJECT_FOR`]); a periodic `GET /health` marks an endpoint down
+//! when it does not answer 200 within [`DEFAULT_HEALTH_CHECK_TIMEOUT`].
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Consecutive failures (connection refused, 5xx, timeouts) that eject an endpoint.
+pub const DEFAULT_EJECT_AFTER_FAILURES: u32 = 3;
+/// How long a first ejection lasts.
+pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(5);
+/// Longest ejection: repeated ejections double up to it.
+pub const MAX_EJECT_FOR: Duration = Duration::from_secs(60);
+/// Period of the active health check.
+pub const DEFAULT_HEALTH_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+/// An endpoint that does not answer its health check within this is marked down.
+pub const DEFAULT_HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The built-in policies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Builtin {
+    /// Each pool in turn, ignoring load.
+    RoundRobin,
+    /// Fewest requests in flight (prefill), fewest slots held or waiting (decode).
+    LeastLoaded,
+    /// Decode: among decoders whose buffer can hold the request, fewest slots waiting, then most
+    /// slots free; prefill: fewest in flight.
+    #[default]
+    KvAware,
+}
+
+impl Builtin {
+    pub const NAMES: [&'static str; 3] = ["round-robin", "least-loaded", "kv-aware"];
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "round-robin" => Some(Self::RoundRobin),
+            "least-loaded" => Some(Self::LeastLoaded),
+            "kv-aware" => Some(Self::KvAware),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round-robin",
+            Self::LeastLoaded => "least-loaded",
+            Self::KvAware => "kv-aware",
+        }
+    }
+}
+
+/// What a policy knows of a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteFacts<'a> {
+    pub model: &'a str,
+    pub prompt_tokens: u32,
+    /// Slots (KV chunk pages) the request needs on a decoder.
+    pub slots: u32,
+    pub max_tokens: Option<u32>,
+    /// A sequence number for round robin.
+    pub seq: u64,
+}
+
+/// Prefill candidates, one list per metric.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillView {
+    pub healthy: Vec<bool>,
+    pub in_flight: Vec<u32>,
+}
+
+/// Decode candidates, one list per metric.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeView {
+    pub healthy: Vec<bool>,
+    pub capacity_slots: Vec<u32>,
+    pub free_slots: Vec<u32>,
+    pub waiting_slots: Vec<u64>,
+}
+
+/// Every candidate.
+#[derive(Clone, Debug, Default)]
+pub struct Candidates {
+    pub prefill: PrefillView,
+    pub decode: DecodeView,
+}
+
+/// A chosen pair (indexes into the candidate lists).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub prefill: usize,
+    pub decode: usize,
+}
+
+/// A policy's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The preferred pair first, then fallbacks.
+    Route(Vec<Route>),
+    /// Let the built-in policy decide.
+    Default,
+}
+
+/// A routing policy: built in, or (later) a WebAssembly component.
+pub trait RoutingPolicy: Send + Sync + fmt::Debug {
+    fn name(&self) -> &str;
+    fn route(&self, facts: &RouteFacts<'_>, c: &Candidates) -> Decision;
+}
+
+fn healthy_indexes(h: &[bool]) -> impl Iterator<Item = usize> + '_ {
+    h.iter().enumerate().filter(|(_, ok)| **ok).map(|(i, _)| i)
+}
+
+fn round_robin(h: &[bool], seq: u64) -> Option<usize> {
+    let up: Vec<usize> = healthy_indexes(h).collect();
+    let n = up.len() as u64;
+    (n > 0).then(|| usize::try_from(seq % n).ok()).flatten().and_then(|i| up.get(i).copied())
+}
+
+fn fewest_in_flight(p: &PrefillView) -> Option<usize> {
+    healthy_indexes(&p.healthy).min_by_key(|&i| p.in_flight.get(i).copied().unwrap_or(u32::MAX))
+}
+
+impl RoutingPolicy for Builtin {
+    fn name(&self) -> &str {
+        Builtin::name(*self)
+    }
+
+    fn route(&self, f: &RouteFacts<'_>, c: &Candidates) -> Decision {
+        let d = &c.decode;
+        let held = |i: usize| {
+            let cap = d.capacity_slots.get(i).copied().unwrap_or(0);
+            u64::from(cap.saturating_sub(d.free_slots.get(i).copied().unwrap_or(0)))
+                + d.waiting_slots.get(i).copied().unwrap_or(0)
+        };
+        let (prefill, decode) = match self {
+            Self::RoundRobin => (round_robin(&c.prefill.healthy, f.seq), round_robin(&d.healthy, f.seq)),
+            Self::LeastLoaded => {
+                (fewest_in_flight(&c.prefill), healthy_indexes(&d.healthy).min_by_key(|&i| held(i)))
+            }
+            Self::KvAware => {
+                let fits = |i: &usize| d.capacity_slots.get(*i).is_some_and(|&c| c >= f.slots);
+                let best = healthy_indexes(&d.healthy).filter(fits).min_by_key(|&i| {
+                    (
+                        d.waiting_slots.get(i).copied().unwrap_or(0),
+                        u32::MAX - d.free_slots.get(i).copied().unwrap_or(0),
+                    )
+                });
+                // None fits: the largest, whose admission refuses with both numbers.
+                let decode = best.or_else(|| {
+                    healthy_indexes(&d.healthy).max_by_key(|&i| d.capacity_slots.get(i).copied().unwrap_or(0))
+                });
+                (fewest_in_flight(&c.prefill), decode)
+            }
+        };
+        match (prefill, decode) {
+            (Some(prefill), Some(decode)) => Decision::Route(vec![Route { prefill, decode }]),
+            _ => Decision::Route(Vec::new()),
+        }
+    }
+}
+
+/// Why no route was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoRoute {
+    Prefill,
+    Decode,
+}
+
+/// A policy in front of the built-in one.
+#[derive(Debug)]
+pub struct Router {
+    pub builtin: Builtin,
+    pub policy: Option<Box<dyn RoutingPolicy>>,
+    /// Decisions of `policy` that were invalid and replaced by the built-in one.
+    pub invalid: AtomicU64,
+}
+
+impl Router {
+    pub fn new(builtin: Builtin) -> Self {
+        Self { builtin, policy: None, invalid: AtomicU64::new(0) }
+    }
+
+    fn valid(r: &Route, c: &Candidates) -> bool {
+        c.prefill.healthy.get(r.prefill) == Some(&true) && c.decode.healthy.get(r.decode) == Some(&true)
+    }
+
+    /// The pairs to try, best first (never empty), or which pool has no healthy endpoint.
+    pub fn route(&self, f: &RouteFacts<'_>, c: &Candidates) -> Result<Vec<Route>, NoRoute> {
+        if !c.prefill.healthy.contains(&true) {
+            return Err(NoRoute::Prefill);
+        }
+        if !c.decode.healthy.contains(&true) {
+            return Err(NoRoute::Decode);
+        }
+        if let Some(p) = &self.policy
+            && let Decision::Route(routes) = p.route(f, c)
+        {
+            if !routes.is_empty() && routes.iter().all(|r| Self::valid(r, c)) {
+                return Ok(routes);
+            }
+            self.invalid.fetch_add(1, Ordering::Relaxed);
+        }
+        match self.builtin.route(f, c) {
+            Decision::Route(r) if !r.is_empty() && r.iter().all(|r| Self::valid(r, c)) => Ok(r),
+            _ => Err(NoRoute::Decode),
+        }
+    }
+}
+
+/// Health settings.
+#[derive(Clone, Copy, Debug)]
+pub struct HealthConfig {
+    pub eject_after_failures: u32,
+    pub eject_for: Duration,
+    pub check_interval: Duration,
+    pub check_timeout: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            eject_after_failures: DEFAULT_EJECT_AFTER_FAILURES,
+            eject_for: DEFAULT_EJECT_FOR,
+            check_interval: DEFAULT_HEALTH_CHECK_INTERVAL,
+            check_timeout: DEFAULT_HEALTH_CHECK_TIMEOUT,
+        }
+    }
+}
+
+/// One endpoint's health and load, shared by the requests using it. Lock-free.
+#[derive(Debug)]
+pub struct Health {
+    epoch: Instant,
+    failures: AtomicU32,
+    ejections: AtomicU32,
+    /// Milliseconds after `epoch` until which the endpoint is ejected.
+    ejected_until: AtomicU64,
+    /// The last active check failed.
+    check_down: AtomicBool,
+    in_flight: AtomicU32,
+    /// Ejections so far (a metric).
+    pub ejected_total: AtomicU64,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            failures: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
+            ejected_until: AtomicU64::new(0),
+            check_down: AtomicBool::new(false),
+            in_flight: AtomicU32::new(0),
+            ejected_total: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Counts a request in flight on an endpoint until dropped.
+#[derive(Debug)]
+pub struct InFlight<'a>(&'a Health);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Health {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Neither ejected nor failing its health check.
+    pub fn healthy(&self) -> bool {
+        !self.check_down.load(Ordering::Relaxed)
+            && self.ejected_until.load(Ordering::Relaxed) <= self.now_ms()
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn start(&self) -> InFlight<'_> {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self)
+    }
+
+    /// A request succeeded on the endpoint.
+    pub fn success(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+        self.ejections.store(0, Ordering::Relaxed);
+    }
+
+    /// A request failed because of the endpoint; returns true when this failure ejected it.
+    pub fn failure(&self, cfg: &HealthConfig) -> bool {
+        let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < cfg.eject_after_failures.max(1) {
+            return false;
+        }
+        self.failures.store(0, Ordering::Relaxed);
+        let k = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
+        let span = cfg.eject_for.saturating_mul(1 << k).min(MAX_EJECT_FOR.max(cfg.eject_for));
+        let until = self.now_ms().saturating_add(u64::try_from(span.as_millis()).unwrap_or(u64::MAX));
+        self.ejected_until.store(until, Ordering::Relaxed);
+        self.ejected_total.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// The result of an active health check.
+    pub fn checked(&self, ok: bool) {
+        self.check_down.store(!ok, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(slots: u32, seq: u64) -> RouteFacts<'static> {
+        RouteFacts { model: "m", prompt_tokens: slots * 16, slots, max_tokens: None, seq }
+    }
+
+    fn cands() -> Candidates {
+        Candidates {
+            prefill: PrefillView { healthy: vec![true, true, true], in_flight: vec![5, 1, 3] },
+            decode: DecodeView {
+                healthy: vec![true, true, true],
+                capacity_slots: vec![64, 128, 32],
+                free_slots: vec![60, 10, 32],
+                waiting_slots: vec![0, 0, 4],
+            },
+        }
+    }
+
+    fn first(d: Decision) -> Route {
+        match d {
+            Decision::Route(r) => r[0],
+            Decision::Default => panic!("builtin declined"),
+        }
+    }
+
+    #[test]
+    fn round_robin_skips_unhealthy() {
+        let mut c = cands();
+        c.prefill.healthy[1] = false;
+        let picks: Vec<usize> =
+            (0..4).map(|s| first(Builtin::RoundRobin.route(&facts(1, s), &c)).prefill).collect();
+        assert_eq!(picks, vec![0, 2, 0, 2]);
+    }
+
+    #[test]
+    fn least_loaded_counts_held_and_waiting_slots() {
+        let r = first(Builtin::LeastLoaded.route(&facts(1, 0), &cands()));
+        // prefill 1 has 1 in flight; decode 2 holds 0 + 4 waiting, decode 0 holds 4 + 0: tie → first.
+        assert_eq!(r, Route { prefill: 1, decode: 0 });
+    }
+
+    #[test]
+    fn kv_aware_prefers_fit_then_fewest_waiting_then_most_free() {
+        // 40 slots: decoder 2 (32) cannot hold it; 0 and 1 have nobody waiting; 0 has more free.
+        assert_eq!(first(Builtin::KvAware.route(&facts(40, 0), &cands())).decode, 0);
+        // 100 slots: only decoder 1 can hold it.
+        assert_eq!(first(Builtin::KvAware.route(&facts(100, 0), &cands())).decode, 1);
+        // 500 slots: nobody can; the largest, whose admission names both numbers.
+        assert_eq!(first(Builtin::KvAware.route(&facts(500, 0), &cands())).decode, 1);
+    }
+
+    #[derive(Debug)]
+    struct Fixed(Decision);
+    impl RoutingPolicy for Fixed {
+        fn name(&self) -> &str {
+            "fixed"
+        }
+        fn route(&self, _: &RouteFacts<'_>, _: &Candidates) -> Decision {
+            self.0.clone()
+        }
+    }
+
+    #[test]
+    fn router_checks_a_policy_and_falls_back() {
+        let mut c = cands();
+        c.decode.healthy[2] = false;
+        let mut r = Router::new(Builtin::KvAware);
+        let pick = |r: &Router, c: &Candidates| r.route(&facts(1, 0), c).unwrap()[0];
+        r.policy = Some(Box::new(Fixed(Decision::Route(vec![Route { prefill: 2, decode: 1 }]))));
+        assert_eq!(pick(&r, &c), Route { prefill: 2, decode: 1 });
+        // Out of range, unhealthy, empty: the built-in decides and the fault is counted.
+        for bad in [vec![Route { prefill: 9, decode: 0 }], vec![Route { prefill: 0, decode: 2 }], vec![]] {
+            r.policy = Some(Box::new(Fixed(Decision::Route(bad))));
+            assert_eq!(pick(&r, &c), Route { prefill: 1, decode: 0 });
+        }
+        assert_eq!(r.invalid.load(Ordering::Relaxed), 3);
+        r.policy = Some(Box::new(Fixed(Decision::Default)));
+        assert_eq!(pick(&r, &c), Route { prefill: 1, decode: 0 });
+        assert_eq!(r.invalid.load(Ordering::Relaxed), 3);
+        c.decode.healthy = vec![false; 3];
+        assert_eq!(r.route(&facts(1, 0), &c), Err(NoRoute::Decode));
+        c.prefill.healthy = vec![false; 3];
+        assert_eq!(r.route(&facts(1, 0), &c), Err(NoRoute::Prefill));
+    }
+
+    #[test]
+    fn passive_ejection_after_consecutive_failures_and_success_resets() {
+        let cfg = HealthConfig {
+            eject_after_failures: 3,
+            eject_for: Duration::from_secs(60),
+            ..Default::default()
+        };
+        let h = Health::default();
+        assert!(!h.failure(&cfg));
+        assert!(!h.failure(&cfg));
+        h.success();
+        assert!(!h.failure(&cfg));
+        assert!(!h.failure(&cfg));
+        assert!(h.healthy());
+        assert!(h.failure(&cfg));
+        assert!(!h.healthy());
+        assert_eq!(h.ejected_total.load(Ordering::Relaxed), 1);
+        let short = HealthConfig { eject_after_failures: 1, eject_for: Duration::ZERO, ..cfg };
+        let h = Health::default();
+        assert!(h.failure(&short));
+        assert!(h.healthy(), "a zero ejection ends at once");
+        h.checked(false);
+        assert!(!h.healthy());
+        h.checked(true);
+        assert!(h.healthy());
+        let g = h.start();
+        assert_eq!(h.in_flight(), 1);
+        drop(g);
+        assert_eq!(h.in_flight(), 0);
+    }
+}
