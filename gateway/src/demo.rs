@@ -46,6 +46,8 @@ pub struct GatewaySetup {
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub routing: Builtin,
     pub health: HealthConfig,
+    /// TEST ONLY: admission off and pages taken chunk by chunk ([`Native::unprotected`]).
+    pub unprotected: bool,
 }
 
 impl Default for DemoConfig {
@@ -175,6 +177,7 @@ pub async fn start_gateway(
     let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http)).collect();
     let mut native = Native::new(setup.limits);
     native.health = setup.health;
+    native.unprotected = setup.unprotected;
     let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing));
     let _health = gateway.start_health_checks();
     let tls = setup.tls;

@@ -120,11 +120,9 @@ fn answer_text(body: &[u8], chat: bool, stream: bool) -> (String, Option<(u64, u
     (text, usage)
 }
 
-/// The deadlock scenario: a 64-page buffer, TP 2, 300 concurrent requests needing 1 to 60 pages each.
-/// Every request completes with the right tokens; afterwards every page is free and no slot held.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deadlock_scenario_completes_and_leaves_the_buffer_clean() {
-    let d = demo(2, 64).await;
+/// Starts the deadlock scenario's 300 requests (1 to 60 pages each, completions and chat, streamed
+/// and not) against `addr`; each task checks its tokens and usage, then counts itself in `done`.
+fn deadlock_scenario(addr: SocketAddr, done: &std::sync::Arc<std::sync::atomic::AtomicUsize>) -> JoinSet<()> {
     let chunk = 16usize;
     let mut tasks = JoinSet::new();
     for i in 0..300usize {
@@ -133,7 +131,7 @@ async fn deadlock_scenario_completes_and_leaves_the_buffer_clean() {
         let (chat, stream) = (i % 4 == 1, i % 3 == 0);
         let text = prompt(tokens, i);
         let max_tokens = 1 + (i % 5) as u32;
-        let addr = d.addr;
+        let done = std::sync::Arc::clone(done);
         tasks.spawn(async move {
             let (path, body, ids) = if chat {
                 let ids: Vec<u32> = render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
@@ -147,13 +145,80 @@ async fn deadlock_scenario_completes_and_leaves_the_buffer_clean() {
             let (got, usage) = answer_text(&body, chat, stream);
             assert_eq!(got, output_text(&ids, max_tokens), "request {i}");
             assert_eq!(usage, Some((ids.len() as u64, u64::from(max_tokens))), "request {i} usage");
+            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         });
     }
+    tasks
+}
+
+/// The deadlock scenario: a 64-page buffer, TP 2, 300 concurrent requests needing 1 to 60 pages each.
+/// Every request completes with the right tokens; afterwards every page is free and no slot held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlock_scenario_completes_and_leaves_the_buffer_clean() {
+    let d = demo(2, 64).await;
+    let done = std::sync::Arc::default();
+    let mut tasks = deadlock_scenario(d.addr, &done);
     let started = Instant::now();
     while let Some(r) = tasks.join_next().await {
         r.unwrap();
     }
+    assert_eq!(done.load(std::sync::atomic::Ordering::Relaxed), 300);
     assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+    assert_clean(&d).await;
+    d.shutdown().await;
+}
+
+/// The same scenario with the protections off (the test-only switch: no admission, pages taken one
+/// chunk at a time as they would arrive, as LMCache's PD buffer allocates) wedges: the buffer fills
+/// with partial requests, each waiting for pages another holds, and nothing completes for seconds.
+/// This is what the test above would see without admission and all-or-nothing reservations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlock_scenario_wedges_with_the_protections_off() {
+    use baton_gateway::demo::GatewaySetup;
+    use std::sync::atomic::Ordering;
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 64,
+        gateway: GatewaySetup { unprotected: true, ..GatewaySetup::default() },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    // Uncontended, the unprotected path works: the wedge below comes from contention alone.
+    let (status, _) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(60 * 16, 0), "max_tokens": 2}))).await;
+    assert_eq!(status, 200);
+    let done = std::sync::Arc::default();
+    let mut tasks = deadlock_scenario(d.addr, &done);
+    // Wedged: for 2 s in a row, no request completes and the buffer has no free page.
+    let started = Instant::now();
+    let mut stalled_since: Option<(Instant, usize)> = None;
+    let wedged_at = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never wedged: {} completed",
+            done.load(Ordering::Relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_, body) = http(d.addr, "/admin/decoders", None).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let full = v["decoders"][0]["ranks"].as_array().unwrap().iter().all(|r| r["pages_free"] == 0);
+        let n = done.load(Ordering::Relaxed);
+        match stalled_since {
+            Some((t, m)) if full && m == n => {
+                if t.elapsed() >= Duration::from_secs(2) {
+                    break n;
+                }
+            }
+            _ => stalled_since = full.then(|| (Instant::now(), n)),
+        }
+    };
+    assert!(wedged_at < 300, "all completed");
+    eprintln!("wedged with {wedged_at} of 300 completed and every page held by partial requests");
+    // The clients give up; their held chunks are cancelled and the buffer drains.
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
     assert_clean(&d).await;
     d.shutdown().await;
 }

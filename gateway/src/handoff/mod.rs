@@ -190,6 +190,28 @@ impl Drop for Lifecycle {
     }
 }
 
+/// Single-chunk reservations held by [`Native::hold_chunk_by_chunk`]; cancelled on drop.
+struct ChunkHolds {
+    dec: Arc<DecoderHandle>,
+    keys: Vec<RequestKey>,
+}
+
+impl Drop for ChunkHolds {
+    fn drop(&mut self) {
+        let (dec, keys) = (Arc::clone(&self.dec), std::mem::take(&mut self.keys));
+        if keys.is_empty() {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                for k in keys {
+                    dec.cancel(k, true).await;
+                }
+            });
+        }
+    }
+}
+
 /// An upstream call that got no response.
 #[derive(Debug)]
 struct PostError {
@@ -203,6 +225,10 @@ pub struct Native {
     client: Client<HttpConnector, Full<Bytes>>,
     pub limits: Limits,
     pub health: HealthConfig,
+    /// TEST ONLY: the protections off, to show what they prevent. No admission, and decoder pages
+    /// taken one chunk at a time as the chunks would arrive (as LMCache's PD buffer allocates),
+    /// each held while the next is awaited. Never set by configuration.
+    pub unprotected: bool,
     keys: KeyGen,
     pub metrics: std::sync::Arc<crate::telemetry::Metrics>,
 }
@@ -236,6 +262,7 @@ impl Native {
             client,
             limits,
             health: HealthConfig::default(),
+            unprotected: false,
             keys: KeyGen::default(),
             metrics: Default::default(),
         }
@@ -283,6 +310,42 @@ impl Native {
         }
     }
 
+    /// TEST ONLY ([`Native::unprotected`]): takes the request's pages one chunk at a time, holding
+    /// each while waiting for the next (hold and wait: the deadlock's precondition), then gives
+    /// them back to reserve the request as a whole. Under contention every request ends up holding
+    /// part of the buffer and waiting for pages nobody will free.
+    async fn hold_chunk_by_chunk(&self, dec: &Arc<DecoderHandle>, chunks: u32) -> Result<(), GatewayError> {
+        let mut held = ChunkHolds { dec: Arc::clone(dec), keys: Vec::new() };
+        let give_up = Instant::now() + self.limits.queue_timeout;
+        while held.keys.len() < chunks as usize {
+            let key = self.keys.next();
+            // Marked held before the call, so a client that leaves mid-call still cancels it.
+            held.keys.push(key);
+            match dec.reserve(key, 1, self.limits.lease, &[]).await {
+                Ok(Some(_)) => {}
+                Ok(None) if Instant::now() < give_up => {
+                    held.keys.pop();
+                    dec.cancel(key, true).await;
+                    tokio::time::sleep(RESERVE_BACKOFF).await;
+                }
+                Ok(None) => {
+                    return Err(GatewayError::QueueTimeout(format!(
+                        "decoder {} never had the pages",
+                        dec.name
+                    )));
+                }
+                Err(e) => {
+                    return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
+                }
+            }
+        }
+        let keys = std::mem::take(&mut held.keys);
+        for k in keys {
+            dec.cancel(k, true).await;
+        }
+        Ok(())
+    }
+
     /// Runs one request through the handoff and returns the decoder's response, streamed.
     pub async fn run(
         &self,
@@ -294,14 +357,18 @@ impl Native {
     ) -> Result<Response<RespBody>, GatewayError> {
         let chunks = u32::try_from(ids.len().div_ceil(dec.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX);
         let mut timing = Timing::start();
-        let slots =
-            dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?;
+        let slots = if self.unprotected {
+            self.hold_chunk_by_chunk(dec, chunks).await?;
+            None
+        } else {
+            Some(dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?)
+        };
         timing.mark("queue");
         let key = self.keys.next();
         let mut life = Lifecycle {
             dec: Arc::clone(dec),
             key,
-            slots: Some(slots),
+            slots,
             rx: None,
             reserved: false,
             sent: false,
