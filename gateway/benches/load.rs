@@ -38,6 +38,19 @@ struct Run {
     p99_us: f64,
     /// Through the gateway: p50 of the time spent outside the engines' prefill and decode legs.
     own_p50_us: Option<f64>,
+    /// Through the gateway: p50 of each `Server-Timing` phase, µs.
+    phases_p50_us: Vec<(String, f64)>,
+}
+
+/// Each `Server-Timing` phase, µs.
+fn phases(h: &hyper::HeaderMap) -> Vec<(String, f64)> {
+    let Some(v) = h.get("server-timing").and_then(|v| v.to_str().ok()) else { return Vec::new() };
+    v.split(", ")
+        .filter_map(|part| {
+            let (name, dur) = part.split_once(";dur=")?;
+            Some((name.to_owned(), dur.parse::<f64>().ok()? * 1e3))
+        })
+        .collect()
 }
 
 /// Milliseconds the engines' legs took, from the gateway's `Server-Timing` header.
@@ -58,7 +71,9 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
-async fn worker(addr: SocketAddr, body: Bytes, n: usize) -> Vec<(Duration, Option<Duration>)> {
+type Sample = (Duration, Option<Duration>, Vec<(String, f64)>);
+
+async fn worker(addr: SocketAddr, body: Bytes, n: usize) -> Vec<Sample> {
     let stream = TcpStream::connect(addr).await.unwrap();
     stream.set_nodelay(true).unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
@@ -75,9 +90,10 @@ async fn worker(addr: SocketAddr, body: Bytes, n: usize) -> Vec<(Duration, Optio
         let res = send.send_request(req).await.unwrap();
         assert_eq!(res.status(), 200);
         let engines = engine_ms(res.headers());
+        let ph = phases(res.headers());
         let _ = res.into_body().collect().await.unwrap();
         let total = t.elapsed();
-        out.push((total, engines.map(|ms| total.saturating_sub(Duration::from_secs_f64(ms / 1e3)))));
+        out.push((total, engines.map(|ms| total.saturating_sub(Duration::from_secs_f64(ms / 1e3))), ph));
     }
     out
 }
@@ -96,10 +112,21 @@ async fn load(name: &str, addr: SocketAddr, concurrency: usize, per_client: usiz
         all.extend(h.await.unwrap());
     }
     let seconds = t.elapsed().as_secs_f64();
-    let mut totals: Vec<Duration> = all.iter().map(|(t, _)| *t).collect();
+    let mut totals: Vec<Duration> = all.iter().map(|(t, _, _)| *t).collect();
     totals.sort();
-    let mut own: Vec<Duration> = all.iter().filter_map(|(_, o)| *o).collect();
+    let mut own: Vec<Duration> = all.iter().filter_map(|(_, o, _)| *o).collect();
     own.sort();
+    let mut phases_p50_us = Vec::new();
+    if let Some((_, _, first)) = all.first() {
+        for (i, (name, _)) in first.iter().enumerate() {
+            let mut v: Vec<Duration> = all
+                .iter()
+                .filter_map(|(_, _, p)| p.get(i).map(|(_, us)| Duration::from_secs_f64(us / 1e6)))
+                .collect();
+            v.sort();
+            phases_p50_us.push((name.clone(), pct(&v, 0.5)));
+        }
+    }
     let own_p50_us = (!own.is_empty()).then(|| pct(&own, 0.5));
     Run {
         name: name.into(),
@@ -109,6 +136,7 @@ async fn load(name: &str, addr: SocketAddr, concurrency: usize, per_client: usiz
         p50_us: pct(&totals, 0.5),
         p99_us: pct(&totals, 0.99),
         own_p50_us,
+        phases_p50_us,
     }
 }
 
@@ -138,15 +166,20 @@ fn main() {
     let mut rows = Vec::new();
     for r in &runs {
         let rps = r.requests as f64 / r.seconds;
-        let own =
+        let mut own =
             r.own_p50_us.map_or(String::new(), |o| format!("  (outside the engines' legs: p50 {o:.0} µs)"));
+        if !r.phases_p50_us.is_empty() {
+            let ph: Vec<String> = r.phases_p50_us.iter().map(|(n, us)| format!("{n} {us:.0}")).collect();
+            own.push_str(&format!("\n{:<31}phase p50s, µs: {}", "", ph.join(", ")));
+        }
         println!(
             "{:<22} c={:<3} {:>6} req  {:>9.0} req/s  p50 {:>8.0} µs  p99 {:>8.0} µs{own}",
             r.name, r.concurrency, r.requests, rps, r.p50_us, r.p99_us
         );
         rows.push(format!(
-            "    {{\"name\": \"{}\", \"concurrency\": {}, \"requests\": {}, \"seconds\": {:.4}, \"rps\": {:.1}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"own_p50_us\": {}}}",
-            r.name, r.concurrency, r.requests, r.seconds, rps, r.p50_us, r.p99_us, r.own_p50_us.map_or("null".to_owned(), |o| format!("{o:.1}"))
+            "    {{\"name\": \"{}\", \"concurrency\": {}, \"requests\": {}, \"seconds\": {:.4}, \"rps\": {:.1}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"own_p50_us\": {}, \"phases_p50_us\": {{{}}}}}",
+            r.name, r.concurrency, r.requests, r.seconds, rps, r.p50_us, r.p99_us, r.own_p50_us.map_or("null".to_owned(), |o| format!("{o:.1}")),
+            r.phases_p50_us.iter().map(|(n, us)| format!("\"{n}\": {us:.1}")).collect::<Vec<_>>().join(", ")
         ));
     }
     for pair in runs.chunks(2) {
