@@ -989,6 +989,14 @@ mod health {
         }
         assert_eq!(failed, 2, "ejected after exactly 2 consecutive failures");
         assert!(!ga.prefills[1].health.healthy());
+        let (_, m) = http(a, "/metrics", None).await;
+        let m = String::from_utf8(m.to_vec()).unwrap();
+        assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-1\"} 0"), "{m}");
+        assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-0\"} 1"), "{m}");
+        assert!(
+            m.contains("baton_endpoint_ejections_total{pool=\"prefill\",endpoint=\"prefill-1\"} 1"),
+            "{m}"
+        );
         assert_eq!(ga.prefills[1].health.ejected_total.load(std::sync::atomic::Ordering::Relaxed), 1);
         for i in 0..10 {
             assert_eq!(complete(a, i).await, 200, "after the ejection every request succeeds");

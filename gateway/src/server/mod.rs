@@ -228,11 +228,23 @@ impl Gateway {
                 }
             })
             .collect();
-        let mut r = Response::new(
-            Full::new(Bytes::from(self.native.metrics.render(&gauges)))
-                .map_err(|e| -> BoxError { match e {} })
-                .boxed(),
-        );
+        let mut text = self.native.metrics.render(&gauges);
+        let endpoints: Vec<crate::telemetry::EndpointHealth> = self
+            .prefills
+            .iter()
+            .map(|p| ("prefill", &p.name, &*p.health))
+            .chain(self.decoders.iter().map(|d| ("decode", &d.name, &d.health)))
+            .map(|(pool, name, h)| crate::telemetry::EndpointHealth {
+                pool,
+                name: name.clone(),
+                healthy: h.healthy(),
+                in_flight: h.in_flight(),
+                ejections: h.ejected_total.load(Ordering::Relaxed),
+            })
+            .collect();
+        crate::telemetry::render_endpoints(&mut text, &endpoints);
+        let mut r =
+            Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
         r.headers_mut()
             .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
         r

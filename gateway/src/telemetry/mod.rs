@@ -141,6 +141,45 @@ mod tests {
     }
 }
 
+/// One engine's health, read at scrape time.
+#[derive(Clone, Debug)]
+pub struct EndpointHealth {
+    /// `prefill` or `decode`.
+    pub pool: &'static str,
+    pub name: String,
+    pub healthy: bool,
+    pub in_flight: u32,
+    pub ejections: u64,
+}
+
+/// Appends the per-endpoint health series to a rendered scrape.
+pub fn render_endpoints(o: &mut String, endpoints: &[EndpointHealth]) {
+    type Series = (&'static str, &'static str, &'static str, fn(&EndpointHealth) -> f64);
+    let series: [Series; 3] = [
+        (
+            "baton_endpoint_healthy",
+            "gauge",
+            "1 when the engine is routable (not ejected, health check passing).",
+            |e| {
+                if e.healthy { 1.0 } else { 0.0 }
+            },
+        ),
+        ("baton_endpoint_in_flight", "gauge", "Prefill requests in flight on the engine.", |e| {
+            f64::from(e.in_flight)
+        }),
+        ("baton_endpoint_ejections_total", "counter", "Passive ejections after consecutive failures.", |e| {
+            e.ejections as f64
+        }),
+    ];
+    for (metric, kind, help, get) in series {
+        let _ = writeln!(o, "# HELP {metric} {help}");
+        let _ = writeln!(o, "# TYPE {metric} {kind}");
+        for e in endpoints {
+            let _ = writeln!(o, "{metric}{{pool=\"{}\",endpoint=\"{}\"}} {}", e.pool, e.name, get(e));
+        }
+    }
+}
+
 /// Log output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LogFormat {
