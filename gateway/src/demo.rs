@@ -13,7 +13,7 @@ use crate::admission::QueueConfig;
 use crate::handoff::decoder::DecoderHandle;
 use crate::handoff::{Limits, Native, Prefiller};
 use crate::routing::{Builtin, HealthConfig, Router};
-use crate::server::{Gateway, ModelInfo};
+use crate::server::{Gateway, HttpTimeouts, ModelInfo};
 use crate::tokenize::Tokenizer;
 
 /// The demo's listen address by default.
@@ -48,6 +48,7 @@ pub struct GatewaySetup {
     pub health: HealthConfig,
     /// TEST ONLY: admission off and pages taken chunk by chunk ([`Native::unprotected`]).
     pub unprotected: bool,
+    pub http: HttpTimeouts,
 }
 
 impl Default for DemoConfig {
@@ -178,7 +179,7 @@ pub async fn start_gateway(
     let mut native = Native::new(setup.limits);
     native.health = setup.health;
     native.unprotected = setup.unprotected;
-    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing));
+    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http);
     let _health = gateway.start_health_checks();
     let tls = setup.tls;
     let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;

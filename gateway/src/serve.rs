@@ -11,7 +11,7 @@ use crate::config::Checked;
 use crate::handoff::decoder::DecoderHandle;
 use crate::handoff::{Native, Prefiller};
 use crate::routing::Router;
-use crate::server::{Gateway, ModelInfo};
+use crate::server::{Gateway, HttpTimeouts, ModelInfo};
 
 /// A serving gateway.
 #[derive(Debug)]
@@ -64,7 +64,8 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
     let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
     let mut native = Native::new(c.limits);
     native.health = c.health;
-    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(c.routing));
+    let gateway =
+        Gateway::new(model, prefills, decoders, native, Router::new(c.routing), HttpTimeouts::default());
     let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
     for (addr, tls) in c.listeners {

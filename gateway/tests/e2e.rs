@@ -1013,3 +1013,86 @@ mod health {
         }
     }
 }
+
+/// The front door's time limits: slow headers, a slow body (408) and idle keep-alive connections
+/// are cut off by the named limits (shortened here).
+mod front_limits {
+    use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+    use baton_gateway::server::HttpTimeouts;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// Reads until EOF (or `within` passes); returns what was read and whether EOF came.
+    async fn read_to_close(s: &mut TcpStream, within: Duration) -> (String, bool) {
+        let mut buf = Vec::new();
+        let r = tokio::time::timeout(within, s.read_to_end(&mut buf)).await;
+        (String::from_utf8_lossy(&buf).into_owned(), r.is_ok())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_headers_slow_bodies_and_idle_connections_are_cut_off() {
+        let limits = HttpTimeouts {
+            header_read: Duration::from_millis(300),
+            body_read: Duration::from_millis(300),
+            idle: Duration::from_millis(400),
+        };
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            gateway: GatewaySetup { http: limits, ..GatewaySetup::default() },
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+
+        // Headers never finished: the connection is closed.
+        let mut s = TcpStream::connect(d.addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+        let t = Instant::now();
+        let (_, closed) = read_to_close(&mut s, Duration::from_secs(5)).await;
+        assert!(closed && t.elapsed() < Duration::from_secs(3), "slow headers not cut off");
+
+        // A body that stops half-way: 408 with the OpenAI error.
+        let mut s = TcpStream::connect(d.addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\":")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let t = Instant::now();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.unwrap().unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(t.elapsed() < Duration::from_secs(3), "408 only after {:?}", t.elapsed());
+        assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+        assert!(head.contains("request_timeout"), "{head}");
+
+        assert_clean(&d).await;
+        d.shutdown().await;
+
+        // A keep-alive connection left idle after a request is closed (by the idle limit alone:
+        // the header limit is long here).
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            gateway: GatewaySetup {
+                http: HttpTimeouts { header_read: Duration::from_secs(30), ..limits },
+                ..GatewaySetup::default()
+            },
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        let mut s = TcpStream::connect(d.addr).await.unwrap();
+        let body = json!({"prompt": "hi", "max_tokens": 1}).to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let t = Instant::now();
+        let (got, closed) = read_to_close(&mut s, Duration::from_secs(5)).await;
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        assert!(closed, "idle connection left open");
+        assert!(t.elapsed() >= Duration::from_millis(300), "closed before the idle limit: {:?}", t.elapsed());
+        assert_clean(&d).await;
+        d.shutdown().await;
+    }
+}

@@ -48,6 +48,8 @@ pub enum GatewayError {
     TooLarge { need: u32, capacity: u32 },
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("request body not received within {limit:?}")]
+    BodyTimeout { limit: std::time::Duration },
     #[error("content-type must be application/json")]
     ContentType,
     #[error("{0}")]
@@ -73,6 +75,7 @@ impl GatewayError {
             Self::UnknownModel(_) | Self::NotFound(_) => 404,
             Self::TooLarge { .. } | Self::BodyTooLarge { .. } => 413,
             Self::ContentType => 415,
+            Self::BodyTimeout { .. } => 408,
             Self::QueueFull(_) => 429,
             Self::Upstream { .. } | Self::KvTransfer(_) => 502,
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
@@ -89,6 +92,7 @@ impl GatewayError {
             Self::TooLarge { .. } => "prompt_too_large_for_kv_buffer",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::ContentType => "unsupported_media_type",
+            Self::BodyTimeout { .. } => "request_timeout",
             Self::QueueFull(_) => "queue_full",
             Self::QueueTimeout(_) => "queue_timeout",
             Self::NoEndpoint(_) => "no_healthy_endpoint",

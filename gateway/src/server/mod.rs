@@ -1,6 +1,7 @@
 //! The HTTP front door (HTTP/1.1 and HTTP/2, plain or over TLS): routes, limits, and the one place
 //! errors become responses.
 
+pub mod idle;
 pub mod tls;
 
 use std::convert::Infallible;
@@ -29,6 +30,28 @@ use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 
 /// How long a client may take to send its request headers (hyper enforces it only with a timer).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send its request body once the headers are in (then 408).
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A connection with no request in flight and no traffic for this long is closed.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The front door's time limits.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpTimeouts {
+    pub header_read: Duration,
+    pub body_read: Duration,
+    pub idle: Duration,
+}
+
+impl Default for HttpTimeouts {
+    fn default() -> Self {
+        Self {
+            header_read: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read: DEFAULT_BODY_READ_TIMEOUT,
+            idle: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
 
 /// The model this gateway serves.
 #[derive(Clone, Debug)]
@@ -46,6 +69,7 @@ pub struct Gateway {
     pub decoders: Vec<Arc<DecoderHandle>>,
     pub native: Native,
     pub router: Router,
+    pub http: HttpTimeouts,
     seq: AtomicU64,
 }
 
@@ -75,8 +99,9 @@ impl Gateway {
         decoders: Vec<Arc<DecoderHandle>>,
         native: Native,
         router: Router,
+        http: HttpTimeouts,
     ) -> Arc<Self> {
-        Arc::new(Self { model, prefills, decoders, native, router, seq: AtomicU64::new(0) })
+        Arc::new(Self { model, prefills, decoders, native, router, http, seq: AtomicU64::new(0) })
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
@@ -147,7 +172,7 @@ impl Gateway {
                             Some(t) => {
                                 // A client that cannot finish the handshake in time (or is refused:
                                 // old protocol, no certificate) is simply dropped.
-                                if let Ok(Ok(s)) = tokio::time::timeout(DEFAULT_HEADER_READ_TIMEOUT, t.acceptor().accept(stream)).await {
+                                if let Ok(Ok(s)) = tokio::time::timeout(this.http.header_read, t.acceptor().accept(stream)).await {
                                     this.connection(TokioIo::new(s)).await;
                                 }
                             }
@@ -164,13 +189,37 @@ impl Gateway {
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
+        let limits = self.http;
+        let activity = idle::Activity::new();
+        let io = idle::Stamped::new(io, Arc::clone(&activity));
+        let act = Arc::clone(&activity);
         let svc = service_fn(move |req| {
             let this = Arc::clone(&self);
-            async move { Ok::<_, Infallible>(this.handle(req).await) }
+            let guard = act.request();
+            async move {
+                let r = this.handle(req).await;
+                drop(guard);
+                Ok::<_, Infallible>(r)
+            }
         });
         let mut b = auto::Builder::new(TokioExecutor::new());
-        b.http1().timer(TokioTimer::new()).header_read_timeout(DEFAULT_HEADER_READ_TIMEOUT);
-        let _ = b.serve_connection(io, svc).await;
+        b.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read);
+        b.http2().timer(TokioTimer::new());
+        let conn = b.serve_connection(io, svc);
+        tokio::pin!(conn);
+        let mut tick = tokio::time::interval(limits.idle / 8);
+        let mut closing = false;
+        loop {
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = tick.tick(), if !closing => {
+                    if activity.idle_for(limits.idle) {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+        }
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {
@@ -260,11 +309,14 @@ impl Gateway {
         {
             return Err(GatewayError::ContentType);
         }
-        let body = Limited::new(req.into_body(), MAX_BODY_BYTES)
-            .collect()
-            .await
-            .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
-            .to_bytes();
+        let body = tokio::time::timeout(
+            self.http.body_read,
+            Limited::new(req.into_body(), MAX_BODY_BYTES).collect(),
+        )
+        .await
+        .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
+        .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
+        .to_bytes();
         let req = GenRequest::parse(ep, &body)?;
         if let Some(m) = req.model()
             && m != self.model.name
