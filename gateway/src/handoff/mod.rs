@@ -349,7 +349,7 @@ impl Native {
     /// Runs one request through the handoff and returns the decoder's response, streamed.
     pub async fn run(
         &self,
-        prefill: &Prefiller,
+        prefills: &[&Prefiller],
         dec: &Arc<DecoderHandle>,
         req: &GenRequest,
         ids: &[u32],
@@ -422,15 +422,34 @@ impl Native {
         }
         body["baton"] =
             json!({"request_id": rid, "epoch": key.epoch, "decoders": decoders, "prompt_token_ids": ids});
-        life.sent = true;
-        let in_flight = prefill.health.start();
-        let resp = self.post(prefill.http, req.endpoint.path(), &body).await.map_err(|e| {
-            self.failed(&prefill.name, &prefill.health);
-            // No connection, so the prefiller never saw the addresses: the cancel needs no
-            // quarantine and the pages are free at once.
-            life.sent = !e.unsent;
-            GatewayError::Upstream { leg: "prefill", message: e.message }
-        })?;
+        // The first prefiller, then the fallbacks while a prefiller cannot even be connected to
+        // (it never saw the addresses, so another may take the same reservation).
+        let mut attempt = 0;
+        let (prefill, resp, in_flight) = loop {
+            let Some(prefill) = prefills.get(attempt).copied() else {
+                return Err(GatewayError::NoEndpoint("prefill"));
+            };
+            attempt += 1;
+            life.sent = true;
+            let in_flight = prefill.health.start();
+            match self.post(prefill.http, req.endpoint.path(), &body).await {
+                Ok(resp) => break (prefill, resp, in_flight),
+                Err(e) => {
+                    self.failed(&prefill.name, &prefill.health);
+                    // No connection, so the prefiller never saw the addresses: the cancel needs
+                    // no quarantine and the pages are free at once.
+                    life.sent = !e.unsent;
+                    if !e.unsent || attempt >= prefills.len() {
+                        return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
+                    }
+                    tracing::debug!(
+                        prefill = prefill.name,
+                        error = e.message,
+                        "prefill unreachable, trying the next"
+                    );
+                }
+            }
+        };
         if resp.status() != 200 {
             let status = resp.status().as_u16();
             if status >= 500 {

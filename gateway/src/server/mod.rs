@@ -361,9 +361,22 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        let prefill = self.prefills.get(route.prefill).ok_or(GatewayError::NoEndpoint("prefill"))?;
+        // The chosen prefiller, then the policy's fallbacks, then every other healthy one: tried in
+        // turn only while a prefiller cannot be connected to.
+        let mut order: Vec<usize> = routes.iter().map(|r| r.prefill).collect();
+        order.extend(
+            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy())),
+        );
+        let mut prefills: Vec<&Prefiller> = Vec::with_capacity(order.len());
+        for i in order {
+            if let Some(p) = self.prefills.get(i)
+                && !prefills.iter().any(|q| std::ptr::eq(*q, p))
+            {
+                prefills.push(p);
+            }
+        }
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        self.native.run(prefill, dec, &req, &ids, 0).await
+        self.native.run(&prefills, dec, &req, &ids, 0).await
     }
 
     /// `/admin/decoders`: per decoder, the admission queue and what the data plane reports.
