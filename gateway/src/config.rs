@@ -358,14 +358,7 @@ impl Config {
                 return Err(err("model.tokenizer_config", "needs model.tokenizer (the tokenizer.json)"));
             }
             (Some(t), c) => Tokenizer::load(&path(t), c.as_deref().map(path).as_deref()).map_err(|e| {
-                err(
-                    if c.is_some() && !e.file.ends_with("tokenizer.json") {
-                        "model.tokenizer_config"
-                    } else {
-                        "model.tokenizer"
-                    },
-                    e.to_string(),
-                )
+                err(if e.in_config { "model.tokenizer_config" } else { "model.tokenizer" }, e.to_string())
             })?,
         };
         let r = &self.routing;

@@ -61,10 +61,12 @@ impl fmt::Debug for Tokenizer {
 pub struct LoadError {
     pub file: String,
     pub reason: String,
+    /// The failing file is the `tokenizer_config.json` (else the `tokenizer.json`).
+    pub in_config: bool,
 }
 
 fn load_err(file: &Path, reason: impl fmt::Display) -> LoadError {
-    LoadError { file: file.display().to_string(), reason: reason.to_string() }
+    LoadError { file: file.display().to_string(), reason: reason.to_string(), in_config: true }
 }
 
 /// `bos_token` and friends are a string or an `AddedToken` object with `content`.
@@ -84,8 +86,8 @@ impl Tokenizer {
 
     /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
     pub fn load(tokenizer_json: &Path, tokenizer_config: Option<&Path>) -> Result<Self, LoadError> {
-        let tok =
-            tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| load_err(tokenizer_json, e))?;
+        let tok = tokenizers::Tokenizer::from_file(tokenizer_json)
+            .map_err(|e| LoadError { in_config: false, ..load_err(tokenizer_json, e) })?;
         let chat = match tokenizer_config {
             None => None,
             Some(p) => {
@@ -157,7 +159,7 @@ impl Tokenizer {
     pub fn work(req: &GenRequest) -> usize {
         match (&req.fields.prompt, &req.fields.messages) {
             (Some(Prompt::Text(t)), _) => t.len(),
-            (_, Some(m)) => m.iter().map(|m| m.content.to_string().len()).sum(),
+            (_, Some(m)) => m.iter().map(|m| crate::api::content_len(&m.content)).sum(),
             _ => 0,
         }
     }

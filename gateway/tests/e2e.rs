@@ -967,7 +967,7 @@ mod health {
             check_timeout: Duration::from_millis(500),
             ..HealthConfig::default()
         };
-        let (b, _gb, _sb, _tb) = start_gateway(
+        let (b, gb, _sb, _tb) = start_gateway(
             &engines,
             any,
             GatewaySetup { routing: Builtin::RoundRobin, health: active, ..GatewaySetup::default() },
@@ -1004,10 +1004,13 @@ mod health {
         for i in 0..10 {
             assert_eq!(complete(a, i).await, 200, "after the ejection every request succeeds");
         }
-        // The active checker has seen the death by now.
+        // The active checker has seen the death by now (and only it: b never ejects passively).
         tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!gb.prefills[1].health.healthy(), "the health check took the dead engine out");
+        assert!(gb.prefills[0].health.healthy());
+        assert_eq!(gb.prefills[1].health.ejected_total.load(std::sync::atomic::Ordering::Relaxed), 0);
         for i in 0..10 {
-            assert_eq!(complete(b, i).await, 200, "the health check took the dead engine out");
+            assert_eq!(complete(b, i).await, 200);
         }
         assert_clean_at(a).await;
         assert_clean_at(b).await;

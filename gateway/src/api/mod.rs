@@ -242,6 +242,17 @@ impl GenRequest {
     }
 }
 
+/// Bytes of [`content_text`], without building it.
+pub fn content_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(parts) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).map(str::len).sum()
+        }
+        _ => 0,
+    }
+}
+
 /// A message's text: a string, or the text parts of a content array.
 pub fn content_text(v: &Value) -> String {
     match v {

@@ -324,8 +324,8 @@ impl Native {
             match dec.reserve(key, 1, self.limits.lease, &[]).await {
                 Ok(Some(_)) => {}
                 Ok(None) if Instant::now() < give_up => {
+                    // `reserve` gave back what it got: nothing of `key` is held.
                     held.keys.pop();
-                    dec.cancel(key, true).await;
                     tokio::time::sleep(RESERVE_BACKOFF).await;
                 }
                 Ok(None) => {
@@ -339,9 +339,11 @@ impl Native {
                 }
             }
         }
-        let keys = std::mem::take(&mut held.keys);
-        for k in keys {
+        // Given back one by one, each forgotten only once cancelled: a client that leaves part-way
+        // leaves the rest to the guard's Drop.
+        while let Some(&k) = held.keys.last() {
             dec.cancel(k, true).await;
+            held.keys.pop();
         }
         Ok(())
     }

@@ -133,15 +133,27 @@ impl Gateway {
             loop {
                 tick.tick().await;
                 let Some(this) = weak.upgrade() else { return };
-                let prefills = this.prefills.iter().map(|p| (p.http, &*p.health));
-                let decoders = this.decoders.iter().map(|d| (d.http, &d.health));
-                for (addr, health) in prefills.chain(decoders) {
-                    let ok = this.native.health_check(addr, cfg.check_timeout).await;
-                    if health.healthy() != ok {
-                        tracing::warn!(endpoint = %addr, healthy = ok, "health check changed");
-                    }
-                    health.checked(ok);
+                // All engines at once: one that hangs until the timeout delays no other check.
+                let n = this.prefills.len() + this.decoders.len();
+                let mut checks = JoinSet::new();
+                for i in 0..n {
+                    let this = Arc::clone(&this);
+                    checks.spawn(async move {
+                        let (addr, health) = match this.prefills.get(i) {
+                            Some(p) => (p.http, &*p.health),
+                            None => match this.decoders.get(i - this.prefills.len()) {
+                                Some(d) => (d.http, &d.health),
+                                None => return,
+                            },
+                        };
+                        let ok = this.native.health_check(addr, cfg.check_timeout).await;
+                        if health.healthy() != ok {
+                            tracing::warn!(endpoint = %addr, healthy = ok, "health check changed");
+                        }
+                        health.checked(ok);
+                    });
                 }
+                while checks.join_next().await.is_some() {}
             }
         })
     }
@@ -323,20 +335,18 @@ impl Gateway {
         {
             return Err(GatewayError::UnknownModel(m.chars().take(64).collect()));
         }
-        let tok = Arc::clone(&self.model.tokenizer);
-        let ids = if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
-            tok.token_ids(&req)?
-        } else {
-            let req = Arc::new(req);
-            let r = Arc::clone(&req);
-            let ids = tokio::task::spawn_blocking(move || tok.token_ids(&r))
-                .await
-                .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))??;
-            let req =
-                Arc::try_unwrap(req).map_err(|_| GatewayError::Internal("request still shared".into()))?;
+        if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
+            let ids = self.model.tokenizer.token_ids(&req)?;
             return self.dispatch(req, ids).await;
-        };
-        self.dispatch(req, ids).await
+        }
+        let tok = Arc::clone(&self.model.tokenizer);
+        let (req, ids) = tokio::task::spawn_blocking(move || {
+            let ids = tok.token_ids(&req);
+            (req, ids)
+        })
+        .await
+        .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))?;
+        self.dispatch(req, ids?).await
     }
 
     async fn dispatch(&self, req: GenRequest, ids: Vec<u32>) -> Result<Response<RespBody>, GatewayError> {
@@ -363,18 +373,15 @@ impl Gateway {
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         // The chosen prefiller, then the policy's fallbacks, then every other healthy one: tried in
         // turn only while a prefiller cannot be connected to.
-        let mut order: Vec<usize> = routes.iter().map(|r| r.prefill).collect();
-        order.extend(
-            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy())),
-        );
-        let mut prefills: Vec<&Prefiller> = Vec::with_capacity(order.len());
-        for i in order {
-            if let Some(p) = self.prefills.get(i)
-                && !prefills.iter().any(|q| std::ptr::eq(*q, p))
-            {
-                prefills.push(p);
+        let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());
+        let healthy =
+            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy()));
+        for i in routes.iter().map(|r| r.prefill).chain(healthy) {
+            if !order.contains(&i) {
+                order.push(i);
             }
         }
+        let prefills: Vec<&Prefiller> = order.iter().filter_map(|&i| self.prefills.get(i)).collect();
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         self.native.run(&prefills, dec, &req, &ids, 0).await
     }
