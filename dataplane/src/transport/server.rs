@@ -45,7 +45,49 @@ pub struct RankServer<D: Device> {
     buf: RankBuffer<D>,
     ranks: u32,
     held: Mutex<FxHashMap<RequestKey, Reservation<D>>>,
+    /// Taken only under `held`'s lock, so a Reserve and a Cancel of one key are ordered.
+    cancelled: Mutex<Tombstones>,
     events: broadcast::Sender<RankEvent>,
+}
+
+/// How long a cancel that found no reservation is remembered.
+const TOMBSTONE_TTL: Duration = Duration::from_secs(300);
+/// Most cancels remembered at once (the oldest go first).
+const MAX_TOMBSTONES: usize = 1 << 16;
+
+/// Keys cancelled before their reservation existed. A client that gives up while its Reserve is in
+/// flight cancels on another connection, and that cancel can arrive first; the Reserve that follows
+/// is refused instead of holding pages until its lease ends. Keys are never reused, so remembering
+/// one is always safe; the memory is bounded in time and size.
+#[derive(Debug, Default)]
+struct Tombstones {
+    order: std::collections::VecDeque<(std::time::Instant, RequestKey)>,
+    keys: rustc_hash::FxHashSet<RequestKey>,
+}
+
+impl Tombstones {
+    fn expire(&mut self, now: std::time::Instant) {
+        while let Some(&(at, key)) = self.order.front() {
+            if now.duration_since(at) < TOMBSTONE_TTL && self.order.len() <= MAX_TOMBSTONES {
+                break;
+            }
+            self.order.pop_front();
+            self.keys.remove(&key);
+        }
+    }
+
+    fn add(&mut self, key: RequestKey) {
+        let now = std::time::Instant::now();
+        if self.keys.insert(key) {
+            self.order.push_back((now, key));
+        }
+        self.expire(now);
+    }
+
+    fn contains(&mut self, key: &RequestKey) -> bool {
+        self.expire(std::time::Instant::now());
+        self.keys.contains(key)
+    }
 }
 
 impl<D: Device> std::fmt::Debug for RankServer<D> {
@@ -125,7 +167,13 @@ impl<D: Device> RankServer<D> {
     /// A server for `buf`'s rank, one of `ranks`. The buffer must have been built with the sink
     /// returned by [`RankServer::sink`].
     pub fn new(buf: RankBuffer<D>, ranks: u32, events: broadcast::Sender<RankEvent>) -> Arc<Self> {
-        Arc::new(Self { buf, ranks, held: Mutex::new(FxHashMap::default()), events })
+        Arc::new(Self {
+            buf,
+            ranks,
+            held: Mutex::new(FxHashMap::default()),
+            cancelled: Mutex::new(Tombstones::default()),
+            events,
+        })
     }
 
     /// An event sink for the rank's buffer and the channel the server will publish from.
@@ -335,13 +383,18 @@ impl<D: Device> RankServer<D> {
                 }
                 Frame::Reserve { key, chunks, lease_ms, prefixes } => {
                     let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
-                    match self.buf.reserve(ReserveRequest { key, chunks, prefixes: &prefixes, lease }) {
-                        Ok(mut r) => {
-                            let addrs = r.publish();
-                            self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
-                            Frame::Reserved { key, addrs }
+                    let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                    if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+                        refusal(key, RefusalCode::Closed, 0, 0, format!("{key} was cancelled"))
+                    } else {
+                        match self.buf.reserve(ReserveRequest { key, chunks, prefixes: &prefixes, lease }) {
+                            Ok(mut r) => {
+                                let addrs = r.publish();
+                                held.insert(key, r);
+                                Frame::Reserved { key, addrs }
+                            }
+                            Err(e) => reserve_refusal(key, &e),
                         }
-                        Err(e) => reserve_refusal(key, &e),
                     }
                 }
                 Frame::Renew { key, lease_ms } => {
@@ -355,7 +408,14 @@ impl<D: Device> RankServer<D> {
                 }
                 Frame::Cancel { key, unsent } => {
                     // Dropped outside the lock: the drop emits events.
-                    let r = self.held.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                    let r = {
+                        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                        let r = held.remove(&key);
+                        if r.is_none() {
+                            self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).add(key);
+                        }
+                        r
+                    };
                     drop(r);
                     if unsent {
                         // No producer ever had the addresses: nothing to wait for.

@@ -106,6 +106,25 @@ async fn refusals_carry_their_numbers() {
     h.shutdown().await;
 }
 
+/// A cancel that overtakes its reservation (sent on another connection by a client that gave up
+/// while the Reserve was in flight) makes the late Reserve fail instead of holding pages until its
+/// lease ends.
+#[tokio::test]
+async fn a_cancel_that_overtakes_its_reserve_refuses_it() {
+    let (srv, h) = server(8).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut other = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    other.cancel_unsent(key(7)).await.unwrap();
+    let r = ctl.reserve(key(7), 2, Duration::from_secs(30), &[]).await;
+    assert!(matches!(r, Err(TransportError::Refused { code: RefusalCode::Closed, .. })), "{r:?}");
+    assert_eq!(srv.buffer().stats().pages.free, 8);
+    // Other keys are unaffected, and a cancel after a reservation leaves no mark.
+    ctl.reserve(key(8), 2, Duration::from_secs(30), &[]).await.unwrap();
+    ctl.cancel_unsent(key(8)).await.unwrap();
+    assert_eq!(srv.buffer().stats().pages.free, 8);
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn cancel_mid_transfer_quarantines_until_the_producer_fences() {
     let (srv, h) = server(8).await;

@@ -121,8 +121,8 @@ impl Decoder {
             let mut c = match self.control(r).await {
                 Ok(c) => c,
                 Err(e) => {
-                    // All or none: what other ranks granted goes back.
-                    self.cancel_unsent(key).await;
+                    // All or none: what the ranks before granted goes back (rank `r` was never asked).
+                    self.cancel_ranks(key, true, 0..r).await;
                     return Err(e);
                 }
             };
@@ -130,12 +130,14 @@ impl Decoder {
             self.give_back(r, c).await;
             match res {
                 Ok(addrs) => got.push(addrs),
+                // Only the ranks that granted: a rank that cancels a key it never reserved refuses
+                // that key from then on, and the caller retries with this one.
                 Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
-                    self.cancel_unsent(key).await;
+                    self.cancel_ranks(key, true, 0..r).await;
                     return Ok(None);
                 }
                 Err(e) => {
-                    self.cancel_unsent(key).await;
+                    self.cancel_ranks(key, true, 0..=r).await;
                     return Err(e);
                 }
             }
@@ -148,13 +150,12 @@ impl Decoder {
         self.cancel_with(key, false).await;
     }
 
-    /// Cancels when the addresses never reached a prefiller: no quarantine needed.
-    pub async fn cancel_unsent(&self, key: RequestKey) {
-        self.cancel_with(key, true).await;
+    async fn cancel_with(&self, key: RequestKey, unsent: bool) {
+        self.cancel_ranks(key, unsent, 0..self.ranks.len()).await;
     }
 
-    async fn cancel_with(&self, key: RequestKey, unsent: bool) {
-        for r in 0..self.ranks.len() {
+    async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
+        for r in ranks {
             let Ok(mut c) = self.control(r).await else {
                 continue;
             };

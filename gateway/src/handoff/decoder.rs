@@ -241,12 +241,16 @@ impl DecoderHandle {
                     return Err(TransportError::Unexpected("reserve answered with something else".into()));
                 }
                 Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
-                    self.cancel(key, true).await;
+                    // All or none: what the ranks before gave goes back at once. Only those: a rank
+                    // that cancels a key it never reserved refuses that key from then on, and the
+                    // caller retries with this one. Rank `r` said no, so it holds nothing.
+                    self.cancel_ranks(key, true, 0..r).await;
                     return Ok(None);
                 }
                 Err(e) => {
-                    // All or none: what other ranks granted goes back at once.
-                    self.cancel(key, true).await;
+                    // Rank `r` may have reserved before the call broke: cancel there too (the key
+                    // is not retried).
+                    self.cancel_ranks(key, true, 0..=r).await;
                     return Err(e);
                 }
             }
@@ -257,7 +261,11 @@ impl DecoderHandle {
     /// Cancels on every rank (idempotent; a rank that cannot be reached is skipped: its lease ends
     /// the reservation). `unsent`: no prefiller ever had the addresses.
     pub async fn cancel(&self, key: RequestKey, unsent: bool) {
-        for r in 0..self.ranks.len() {
+        self.cancel_ranks(key, unsent, 0..self.ranks.len()).await;
+    }
+
+    async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
+        for r in ranks {
             let _ = self.call(r, Op::Cancel { key, unsent }).await;
         }
     }
