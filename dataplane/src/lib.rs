@@ -12,6 +12,7 @@
 
 pub mod buffer;
 pub mod clock;
+pub mod compat;
 pub mod device;
 pub mod events;
 pub mod geometry;

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::cast_possible_truncation)]
 
 mod common;
+mod compat;
 mod device_cpu;
 mod failure_classes;
 mod models;

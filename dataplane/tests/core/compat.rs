@@ -1,0 +1,104 @@
+//! baton's ZMTP and LMCache msgpack against the real libraries: pyzmq (libzmq 4.3) and msgspec, from
+//! the test venv that `scripts/test` builds (`tests/support/lmcache_peer.py`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use baton_dataplane::compat::lmcache::{AllocRequest, AllocResponse, PdMsg, ProxyNotif};
+use baton_dataplane::compat::zmtp::{Connection, DEFAULT_MAX_MESSAGE, PullServer, RepServer, SocketType};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::mpsc;
+
+fn python() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let p = std::env::var_os("BATON_TEST_PYTHON")
+        .map_or_else(|| root.join(".cache/venv/bin/python"), PathBuf::from);
+    assert!(p.exists(), "{} is missing: scripts/test creates it (pyzmq, msgspec)", p.display());
+    p
+}
+
+fn peer(args: &[&str]) -> Command {
+    let mut c = Command::new(python());
+    c.arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/lmcache_peer.py"))
+        .args(args)
+        .kill_on_drop(true);
+    c
+}
+
+fn free_port() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+/// Two libzmq PUSH sockets (as two prefiller ranks) notify baton's PULL listener; msgspec's bytes
+/// decode as `ProxyNotif`, and the two senders are told apart by connection.
+#[tokio::test]
+async fn libzmq_push_with_msgspec_notifications_reach_the_pull_listener() {
+    let (tx, mut rx) = mpsc::channel(16);
+    let server = PullServer::bind("127.0.0.1:0".parse().unwrap(), tx, 16, DEFAULT_MAX_MESSAGE).await.unwrap();
+    let addr = server.addr.to_string();
+    let a = peer(&["push", &addr, "req-7", "2"]).status().await.unwrap();
+    let b = peer(&["push", &addr, "req-7", "1"]).status().await.unwrap();
+    assert!(a.success() && b.success());
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let p = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.unwrap().unwrap();
+        assert_eq!(p.frames.len(), 1);
+        assert_eq!(
+            PdMsg::decode(&p.frames[0]).unwrap(),
+            PdMsg::ProxyNotif(ProxyNotif { req_id: "req-7".into() })
+        );
+        got.push(p.peer);
+    }
+    got.sort_unstable();
+    got.dedup();
+    assert_eq!(got.len(), 2, "two senders, two peers");
+}
+
+/// baton's PUSH (what the simulated prefiller sends) is read by a libzmq PULL socket and decodes as
+/// LMCache's own `ProxyNotif`, so LMCache's proxy could consume it.
+#[tokio::test]
+async fn baton_push_is_read_by_libzmq_pull_and_msgspec() {
+    let addr = free_port();
+    let mut child = peer(&["pull", &addr.to_string(), "2"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("bound"));
+    let mut c = Connection::connect(addr, SocketType::Push, 1 << 20).await.unwrap();
+    for id in ["a", "b"] {
+        let m = PdMsg::ProxyNotif(ProxyNotif { req_id: id.into() }).encode().unwrap();
+        c.send(&[&m]).await.unwrap();
+    }
+    for id in ["a", "b"] {
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line()).await.unwrap().unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        assert_eq!(v, serde_json::json!({"type": "ProxyNotif", "req_id": id}));
+    }
+    assert!(child.wait().await.unwrap().success());
+}
+
+/// A libzmq REQ socket sends msgspec's `AllocRequest` to baton's REP server (the simulated decoder's
+/// allocation channel) and decodes the `AllocResponse`.
+#[tokio::test]
+async fn libzmq_req_allocates_through_the_rep_server() {
+    let rep = RepServer::bind("127.0.0.1:0".parse().unwrap(), 1 << 20, |body: Vec<u8>| async move {
+        let reply = match PdMsg::decode(&body) {
+            Ok(PdMsg::AllocRequest(AllocRequest { keys, last_chunk_toks, .. })) => AllocResponse {
+                already_sent_indexes: vec![],
+                remote_indexes: (0..keys.len() as i64).map(|i| i * 10 + last_chunk_toks).collect(),
+            },
+            _ => AllocResponse { already_sent_indexes: vec![], remote_indexes: vec![-1] },
+        };
+        PdMsg::AllocResponse(reply).encode().unwrap()
+    })
+    .await
+    .unwrap();
+    let out = peer(&["req", &rep.addr.to_string()]).output().await.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({"type": "AllocResponse", "already_sent_indexes": [], "remote_indexes": [5, 15]})
+    );
+}
