@@ -5,12 +5,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+use baton_dataplane::sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
 
 use tokio::sync::Notify;
 
 use crate::admission::QueueConfig;
 use crate::handoff::decoder::DecoderHandle;
+use crate::handoff::lmcache::{LmcacheTarget, Notifications};
 use crate::handoff::{Limits, Native, Prefiller};
 use crate::routing::{Builtin, HealthConfig, Router};
 use crate::server::{Gateway, HttpTimeouts, ModelInfo};
@@ -33,8 +34,34 @@ pub struct DemoConfig {
     /// Tokens per chunk (page) of the simulated model.
     pub chunk_tokens: u32,
     pub token_delay: Duration,
+    /// How the KV reaches the decoders.
+    pub handoff: DemoHandoff,
+    /// Fault switches the simulated prefillers start with.
+    pub prefill_faults: baton_dataplane::sim::faults::FaultConfig,
+    /// `lmcache` mode: prefillers answer before their chunks are written (LMCache's async backend).
+    pub lmcache_async_send: bool,
     /// The gateway in front (its limits, tokenizer, routing).
     pub gateway: GatewaySetup,
+}
+
+/// The handoff the demo's engines and gateway use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DemoHandoff {
+    /// baton's data plane.
+    #[default]
+    Native,
+    /// LMCache's PD backend (ZMQ side channels, msgpack notifications).
+    Lmcache,
+}
+
+impl DemoHandoff {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "native" => Some(Self::Native),
+            "lmcache" => Some(Self::Lmcache),
+            _ => None,
+        }
+    }
 }
 
 /// How a gateway in front of engines is set up.
@@ -49,6 +76,10 @@ pub struct GatewaySetup {
     /// TEST ONLY: admission off and pages taken chunk by chunk ([`Native::unprotected`]).
     pub unprotected: bool,
     pub http: HttpTimeouts,
+    /// `lmcache` mode: the notification listener (bound before the prefillers start, which need its
+    /// address) and whether to ask for the first token from prefill.
+    pub lmcache: Option<Arc<Notifications>>,
+    pub no_first_token: bool,
 }
 
 impl Default for DemoConfig {
@@ -61,6 +92,9 @@ impl Default for DemoConfig {
             pages: 64,
             chunk_tokens: 16,
             token_delay: Duration::ZERO,
+            handoff: DemoHandoff::Native,
+            prefill_faults: Default::default(),
+            lmcache_async_send: false,
             gateway: GatewaySetup::default(),
         }
     }
@@ -103,11 +137,22 @@ pub struct Engines {
     pub decoders: Vec<(String, SocketAddr, Vec<SocketAddr>)>,
     pub fingerprint: u64,
     pub chunk_tokens: u32,
+    /// `lmcache` mode: each decoder's PD backend ports and capacity in chunks (parallel to
+    /// `decoders`; empty in native mode).
+    pub lmcache: Vec<(LmcacheTarget, u32)>,
     pub running: Vec<Running>,
 }
 
-/// Starts the simulated engines.
+/// Starts the simulated engines; `lmcache_proxy` is where LMCache prefillers send notifications.
 pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
+    start_engines_with(c, None).await
+}
+
+/// [`start_engines`], with the LMCache notification address for `lmcache` mode.
+pub async fn start_engines_with(
+    c: &DemoConfig,
+    lmcache_proxy: Option<SocketAddr>,
+) -> Result<Engines, String> {
     let g = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
     let geometry = baton_dataplane::KvGeometry::new(
         g.layers,
@@ -123,17 +168,48 @@ pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
     for i in 0..c.prefills {
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
         sc.token_delay = c.token_delay;
+        sc.faults = c.prefill_faults.clone();
+        if c.handoff == DemoHandoff::Lmcache {
+            sc.lmcache = Some(LmcacheSimConfig {
+                proxy: lmcache_proxy,
+                async_send: c.lmcache_async_send,
+                ..LmcacheSimConfig::default()
+            });
+        }
         let r = launch(sc).await.map_err(|e| e.to_string())?;
         prefills.push(Prefiller::new(format!("prefill-{i}"), r.addr));
         running.push(r);
     }
     let mut decoders = Vec::new();
+    let mut lmcache = Vec::new();
     for i in 0..c.decoders {
         let mut sc = SimConfig::new(SimRole::Decode, geometry);
         sc.pages = c.pages;
         sc.token_delay = c.token_delay;
+        if c.handoff == DemoHandoff::Lmcache {
+            sc.lmcache = Some(LmcacheSimConfig {
+                pd_buffer_bytes: u64::from(c.pages) * geometry.page_bytes_per_rank(),
+                ..LmcacheSimConfig::default()
+            });
+        }
         let r = launch(sc).await.map_err(|e| e.to_string())?;
         let stats = r.engine.stats();
+        if c.handoff == DemoHandoff::Lmcache {
+            let ranks = stats["lmcache"]["ranks"].as_array().cloned().unwrap_or_default();
+            let port = |v: &serde_json::Value| parse_addr(v).map(|a| a.port());
+            lmcache.push((
+                LmcacheTarget {
+                    receiver_host: "127.0.0.1".into(),
+                    init_ports: ranks.iter().filter_map(|r| port(&r["init_addr"])).collect(),
+                    alloc_ports: ranks.iter().filter_map(|r| port(&r["alloc_addr"])).collect(),
+                },
+                ranks
+                    .iter()
+                    .filter_map(|r| r["capacity_chunks"].as_u64())
+                    .min()
+                    .map_or(0, |c| u32::try_from(c).unwrap_or(u32::MAX)),
+            ));
+        }
         let ranks: Vec<SocketAddr> = stats["ranks"]
             .as_array()
             .map(|a| a.iter().filter_map(|r| parse_addr(&r["addr"])).collect())
@@ -146,6 +222,7 @@ pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
         decoders,
         fingerprint: geometry.fingerprint(),
         chunk_tokens: geometry.chunk_tokens,
+        lmcache,
         running,
     })
 }
@@ -158,7 +235,18 @@ pub async fn start_gateway(
     setup: GatewaySetup,
 ) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
     let mut decoders = Vec::new();
-    for (name, http, ranks) in &e.decoders {
+    for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
+        if let Some((target, capacity)) = e.lmcache.get(i) {
+            decoders.push(DecoderHandle::lmcache(
+                name.clone(),
+                *http,
+                target.clone(),
+                *capacity,
+                e.chunk_tokens,
+                QueueConfig::default(),
+            ));
+            continue;
+        }
         let d = DecoderHandle::connect(
             name.clone(),
             *http,
@@ -179,6 +267,11 @@ pub async fn start_gateway(
     let mut native = Native::new(setup.limits);
     native.health = setup.health;
     native.unprotected = setup.unprotected;
+    native.first_token = !setup.no_first_token;
+    if let Some(hub) = setup.lmcache {
+        native.drainer = Some(crate::handoff::lmcache::DrainClient::new(&native));
+        native.lmcache = Some(hub);
+    }
     let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http);
     let _health = gateway.start_health_checks();
     let tls = setup.tls;
@@ -190,8 +283,16 @@ pub async fn start_gateway(
 }
 
 /// Starts the engines and the gateway.
-pub async fn start(c: DemoConfig) -> Result<Demo, String> {
-    let engines = start_engines(&c).await?;
+pub async fn start(mut c: DemoConfig) -> Result<Demo, String> {
+    let mut proxy = None;
+    if c.handoff == DemoHandoff::Lmcache && c.gateway.lmcache.is_none() {
+        let hub = Notifications::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        proxy = Some(hub.addr);
+        c.gateway.lmcache = Some(hub);
+    } else if let Some(h) = &c.gateway.lmcache {
+        proxy = Some(h.addr);
+    }
+    let engines = start_engines_with(&c, proxy).await?;
     let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.gateway).await?;
     Ok(Demo { addr, gateway, engines: engines.running, stop, task })
 }

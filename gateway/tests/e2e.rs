@@ -1102,3 +1102,6 @@ mod front_limits {
         d.shutdown().await;
     }
 }
+
+#[path = "e2e/lmcache.rs"]
+mod lmcache;

@@ -80,6 +80,8 @@ pub struct GenRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub baton: Option<BatonParams>,
+    /// vLLM's KV connector parameters (LMCache `disagg_spec` / `ret_first_tok`; NIXL's remote fields).
+    pub kv_transfer_params: Option<Value>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +117,18 @@ impl GenRequest {
 
     pub fn max_tokens(&self) -> u32 {
         self.max_completion_tokens.or(self.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+
+    /// LMCache's fields of `kv_transfer_params`, if any.
+    pub fn lmcache_params(&self) -> Result<Option<super::lmcache::LmcacheParams>, super::SimError> {
+        match &self.kv_transfer_params {
+            Some(v) if v.get("disagg_spec").is_some() || v.get("ret_first_tok").is_some() => {
+                serde_json::from_value(v.clone())
+                    .map(Some)
+                    .map_err(|e| super::SimError::bad(format!("kv_transfer_params: {e}")))
+            }
+            _ => Ok(None),
+        }
     }
 
     pub fn include_usage(&self) -> bool {

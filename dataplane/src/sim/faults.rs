@@ -24,6 +24,13 @@ pub struct FaultConfig {
     /// this rank takes `slow_ms` longer.
     pub slow_rank: Option<u32>,
     pub slow_ms: u64,
+    /// LMCache prefill: never send the proxy notification.
+    pub drop_notify: bool,
+    /// LMCache prefill: this rank sends its notification twice.
+    pub duplicate_notify_rank: Option<u32>,
+    /// LMCache prefill: this rank sends its notification `delay_notify_ms` late.
+    pub delay_notify_rank: Option<u32>,
+    pub delay_notify_ms: u64,
 }
 
 /// The live fault switches of one engine.

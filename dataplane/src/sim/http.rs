@@ -25,7 +25,7 @@ use super::SimError;
 use super::api::{Endpoint, GenRequest, error_body, full_response, stream_chunk, usage_chunk};
 use super::decode::DecodeEngine;
 use super::faults::{FaultConfig, Faults};
-use super::kv::output_token;
+use super::kv::output_tokens;
 use super::prefill::PrefillEngine;
 
 /// Largest request body the engine reads.
@@ -55,10 +55,18 @@ pub enum Role {
     Decode(Arc<DecodeEngine>),
 }
 
+/// The LMCache PD backend side of an engine, when it plays one.
+#[derive(Debug)]
+pub enum LmcacheRole {
+    Sender(Arc<super::lmcache::Sender>),
+    Receiver(Arc<super::lmcache::Receiver>),
+}
+
 /// A simulated engine behind HTTP.
 #[derive(Debug)]
 pub struct SimEngine {
     pub role: Role,
+    pub lmcache: Option<LmcacheRole>,
     pub model: String,
     pub faults: Arc<Faults>,
     /// Time per generated token.
@@ -80,8 +88,40 @@ fn error_response(e: &SimError) -> Resp {
 }
 
 impl SimEngine {
-    pub fn new(role: Role, model: String, faults: Arc<Faults>, token_delay: Duration) -> Arc<Self> {
-        Arc::new(Self { role, model, faults, token_delay, next_id: AtomicU64::new(1) })
+    pub fn new(
+        role: Role,
+        lmcache: Option<LmcacheRole>,
+        model: String,
+        faults: Arc<Faults>,
+        token_delay: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self { role, lmcache, model, faults, token_delay, next_id: AtomicU64::new(1) })
+    }
+
+    fn lmcache_stats(&self) -> Value {
+        match &self.lmcache {
+            None => Value::Null,
+            Some(LmcacheRole::Sender(s)) => {
+                json!({"notifications_sent": s.notifications_sent.load(Ordering::Relaxed)})
+            }
+            Some(LmcacheRole::Receiver(r)) => {
+                let ranks: Vec<Value> = r
+                    .ranks
+                    .iter()
+                    .map(|k| {
+                        json!({
+                            "rank": k.rank, "alloc_addr": k.alloc_addr.to_string(), "init_addr": k.init_addr.to_string(),
+                            "capacity_chunks": k.capacity, "used_chunks": k.used(),
+                            "alloc_waits": k.stats.alloc_waits.load(Ordering::Relaxed),
+                            "late_writes": k.stats.late_writes.load(Ordering::Relaxed),
+                            "retrieved_chunks": k.stats.retrieved.load(Ordering::Relaxed),
+                            "recomputed": k.stats.recomputed.load(Ordering::Relaxed),
+                        })
+                    })
+                    .collect();
+                json!({"ranks": ranks})
+            }
+        }
     }
 
     /// Serves HTTP/1.1 and HTTP/2 on `listener` until `stop` is notified.
@@ -176,6 +216,12 @@ impl SimEngine {
 
     /// The engine's state: for tests and operators poking at the simulator.
     pub fn stats(&self) -> Value {
+        let mut v = self.role_stats();
+        v["lmcache"] = self.lmcache_stats();
+        v
+    }
+
+    fn role_stats(&self) -> Value {
         match &self.role {
             Role::Prefill(p) => json!({
                 "role": "prefill", "model": self.model, "tp": p.geometry().tp_size,
@@ -215,6 +261,7 @@ impl SimEngine {
         };
         let mut n = req.max_tokens();
         let mut held = Vec::new();
+        let mut first_tok = None;
         match (&self.role, &req.baton) {
             (Role::Prefill(p), Some(b)) if !b.decoders.is_empty() => {
                 let key = b.key().map_err(SimError::bad)?;
@@ -228,15 +275,34 @@ impl SimEngine {
             }
             _ => {}
         }
+        match (&self.lmcache, req.lmcache_params()?) {
+            (Some(LmcacheRole::Sender(s)), Some(params)) if params.disagg_spec.is_some() => {
+                if let Some(spec) = &params.disagg_spec {
+                    s.send(spec, &ids).await?;
+                }
+                n = 1;
+                if params.ret_first_tok {
+                    first_tok = output_tokens(&ids, 1).first().map(|t| t.0);
+                }
+            }
+            (Some(LmcacheRole::Receiver(r)), _) if req.baton.is_none() => {
+                r.retrieve(&ids).await?;
+            }
+            _ => {}
+        }
         let prompt = ids.len();
         if !req.stream {
             // A zero sleep would still wait for the next timer tick (about 1 ms).
             if !self.token_delay.is_zero() {
                 tokio::time::sleep(self.token_delay * n).await;
             }
-            let text: String = (0..n).map(|i| output_token(&ids, i).1).collect();
+            let text: String = output_tokens(&ids, n).into_iter().map(|(_, t)| t).collect();
             drop(held);
-            return Ok(json_response(200, &full_response(ep, &id, &model, &text, prompt, n)));
+            let mut body = full_response(ep, &id, &model, &text, prompt, n);
+            if let Some(t) = first_tok {
+                body["kv_transfer_params"] = json!({"first_tok": t});
+            }
+            return Ok(json_response(200, &body));
         }
         let include_usage = req.include_usage();
         let delay = self.token_delay;
@@ -246,11 +312,10 @@ impl SimEngine {
             // ends the task and returns them.
             let _held = held;
             let event = |v: Value| Bytes::from(format!("data: {v}\n\n"));
-            for i in 0..n {
+            for (i, (_, tok)) in output_tokens(&ids, n).into_iter().enumerate() {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                let tok = output_token(&ids, i).1;
                 if tx.send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0))).await.is_err() {
                     return;
                 }

@@ -63,15 +63,24 @@ pub fn tokenize(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
 }
 
+/// FNV-1a offset basis: the hash of the empty prefix.
+const PREFIX_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Extends a prefix hash by one token id.
+fn extend(mut h: u64, id: u32) -> u64 {
+    for b in id.to_le_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// `h[t]` = hash of token ids `0..=t`.
 pub fn prefix_hashes(ids: &[u32]) -> Vec<u64> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = PREFIX_BASIS;
     ids.iter()
         .map(|id| {
-            for b in id.to_le_bytes() {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
+            h = extend(h, *id);
             h
         })
         .collect()
@@ -161,14 +170,46 @@ pub fn verify_chunk(
     Ok(())
 }
 
-/// Output token `i` of a request: its id and text.
-pub fn output_token(ids: &[u32], i: u32) -> (u32, &'static str) {
-    let seed = prefix_hashes(ids).last().copied().unwrap_or(0);
-    let id = usize::try_from(mix(seed ^ u64::from(i)) % WORDS.len() as u64).unwrap_or(0);
-    (u32::try_from(id).unwrap_or(0), WORDS.get(id).copied().unwrap_or("."))
+/// The first `n` output tokens of a request (ids and texts), generated autoregressively: each token
+/// depends on the whole sequence before it, so a decoder given the prompt plus the first token (the
+/// prefiller's, with first token from prefill) continues exactly where a single engine would.
+pub fn output_tokens(ids: &[u32], n: u32) -> Vec<(u32, &'static str)> {
+    let mut h = ids.iter().fold(PREFIX_BASIS, |h, id| extend(h, *id));
+    (0..n)
+        .map(|_| {
+            let w = usize::try_from(mix(h) % WORDS.len() as u64).unwrap_or(0);
+            let id = u32::try_from(w).unwrap_or(0);
+            h = extend(h, id);
+            (id, WORDS.get(w).copied().unwrap_or("."))
+        })
+        .collect()
 }
 
 /// The whole output text of `n` tokens.
 pub fn output_text(ids: &[u32], n: u32) -> String {
-    (0..n).map(|i| output_token(ids, i).1).collect()
+    output_tokens(ids, n).into_iter().map(|(_, t)| t).collect()
+}
+
+/// A chunk page as a prefiller rank produces it: the KV of the chunk's valid tokens in chunk layout,
+/// zeros after a partial chunk's last token.
+pub fn chunk_page(g: &KvGeometry, rank: u32, hashes: &[u64], chunk: u32) -> Vec<u8> {
+    let cl = g.chunk_layout();
+    let mut page = vec![0u8; cl.page_bytes()];
+    let first = chunk as usize * cl.chunk_tokens as usize;
+    let valid = hashes.len().saturating_sub(first).min(cl.chunk_tokens as usize);
+    let n = cl.head_bytes();
+    for layer in 0..cl.layers {
+        for kv in 0..2 {
+            for t in 0..valid {
+                let prefix = hashes.get(first + t).copied().unwrap_or(0);
+                for head in 0..cl.heads {
+                    let at = cl.offset(layer, kv, u32::try_from(t).unwrap_or(u32::MAX)) + head as usize * n;
+                    if let Some(out) = page.get_mut(at..at + n) {
+                        head_bytes(prefix, layer, kv, rank, head, out);
+                    }
+                }
+            }
+        }
+    }
+    page
 }

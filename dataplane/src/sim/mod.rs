@@ -16,6 +16,7 @@ pub mod decode;
 pub mod faults;
 pub mod http;
 pub mod kv;
+pub mod lmcache;
 pub mod prefill;
 
 use std::fmt;
@@ -30,7 +31,7 @@ use crate::buffer::DEFAULT_QUARANTINE_TTL;
 use crate::geometry::KvGeometry;
 use decode::DecodeEngine;
 use faults::{FaultConfig, Faults};
-use http::{Role, SimEngine};
+use http::{LmcacheRole, Role, SimEngine};
 use prefill::{DEFAULT_PRODUCER_HOLD_TTL, PrefillEngine};
 
 /// Which side of a PD pair the engine plays.
@@ -71,6 +72,23 @@ pub struct SimConfig {
     pub quarantine_ttl: Duration,
     pub hold_ttl: Duration,
     pub faults: FaultConfig,
+    /// Also play LMCache's PD backend (decode: receiver; prefill: sender).
+    pub lmcache: Option<LmcacheSimConfig>,
+}
+
+/// The LMCache PD backend settings of a simulated engine (the `pd_*` keys of LMCache's YAML).
+#[derive(Clone, Debug, Default)]
+pub struct LmcacheSimConfig {
+    /// Decode: PD buffer bytes per rank (`pd_buffer_size`).
+    pub pd_buffer_bytes: u64,
+    /// Decode: each rank's alloc and init ports (`pd_peer_alloc_port`, `pd_peer_init_port`); empty:
+    /// ephemeral.
+    pub alloc_ports: Vec<u16>,
+    pub init_ports: Vec<u16>,
+    /// Prefill: where to PUSH notifications (`pd_proxy_host:pd_proxy_port`).
+    pub proxy: Option<SocketAddr>,
+    /// Prefill: answer before the chunks are written (LMCache's asynchronous PD backend).
+    pub async_send: bool,
 }
 
 impl SimConfig {
@@ -89,6 +107,7 @@ impl SimConfig {
             quarantine_ttl: DEFAULT_QUARANTINE_TTL,
             hold_ttl: DEFAULT_PRODUCER_HOLD_TTL,
             faults: FaultConfig::default(),
+            lmcache: None,
         }
     }
 }
@@ -129,7 +148,27 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             Role::Decode(d)
         }
     };
-    let engine = SimEngine::new(role, c.model, faults, c.token_delay);
+    let lmcache = match (&c.lmcache, c.role) {
+        (None, _) => None,
+        (Some(l), SimRole::Prefill) => Some(LmcacheRole::Sender(Arc::new(lmcache::Sender::new(
+            c.geometry,
+            c.model.clone(),
+            lmcache::SenderConfig { proxy: l.proxy, async_send: l.async_send },
+            Arc::clone(&faults),
+        )))),
+        (Some(l), SimRole::Decode) => Some(LmcacheRole::Receiver(Arc::new(
+            lmcache::Receiver::start(
+                c.geometry,
+                c.model.clone(),
+                c.dp_host,
+                l.pd_buffer_bytes,
+                &l.alloc_ports,
+                &l.init_ports,
+            )
+            .await?,
+        ))),
+    };
+    let engine = SimEngine::new(role, lmcache, c.model, faults, c.token_delay);
     let listener = TcpListener::bind(c.listen)
         .await
         .map_err(|e| SimError::internal(format!("bind {}: {e}", c.listen)))?;

@@ -19,9 +19,19 @@ use crate::admission::{QueueConfig, SlotQueue};
 
 type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
 
+/// How a decode engine receives the KV.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeMode {
+    /// baton's data plane: reservations on every rank, readiness events.
+    Native,
+    /// LMCache's PD backend: the prefiller pushes into the decoder's buffer and notifies the gateway.
+    Lmcache(super::lmcache::LmcacheTarget),
+}
+
 /// One decode engine.
 pub struct DecoderHandle {
     pub name: String,
+    pub mode: DecodeMode,
     pub http: SocketAddr,
     pub ranks: Vec<SocketAddr>,
     pub chunk_tokens: u32,
@@ -159,6 +169,7 @@ impl DecoderHandle {
         }
         Ok(Arc::new(Self {
             name,
+            mode: DecodeMode::Native,
             http,
             ranks,
             chunk_tokens,
@@ -169,6 +180,31 @@ impl DecoderHandle {
             health: crate::routing::Health::default(),
             _routers: routers,
         }))
+    }
+
+    /// A decoder behind LMCache's PD backend: `capacity` slots (from its buffer size, chunk size and
+    /// the model's KV bytes per token), no data-plane connections.
+    pub fn lmcache(
+        name: String,
+        http: SocketAddr,
+        target: super::lmcache::LmcacheTarget,
+        capacity: u32,
+        chunk_tokens: u32,
+        queue: QueueConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            name,
+            mode: DecodeMode::Lmcache(target),
+            http,
+            ranks: Vec::new(),
+            chunk_tokens,
+            fingerprint: 0,
+            controls: Vec::new(),
+            waiters: Arc::default(),
+            queue: SlotQueue::new(capacity, queue),
+            health: crate::routing::Health::default(),
+            _routers: JoinSet::new(),
+        })
     }
 
     /// A control connection for `rank`, and whether it came from the pool (and so may be stale).

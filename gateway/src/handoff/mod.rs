@@ -9,6 +9,7 @@
 //! addresses) and returns the slots once the decoder has freed the pages (or a bound passes).
 
 pub mod decoder;
+pub mod lmcache;
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -134,6 +135,11 @@ impl Timing {
         self.last = now;
     }
 
+    /// Time since the start.
+    fn total(&self) -> Duration {
+        self.phases.iter().map(|(_, d)| *d).sum::<Duration>() + self.last.elapsed()
+    }
+
     fn header(&self) -> String {
         self.phases
             .iter()
@@ -231,6 +237,11 @@ pub struct Native {
     pub unprotected: bool,
     keys: KeyGen,
     pub metrics: std::sync::Arc<crate::telemetry::Metrics>,
+    /// The `lmcache` mode's notification listener (when a decoder uses that mode).
+    pub lmcache: Option<Arc<lmcache::Notifications>>,
+    pub drainer: Option<Arc<lmcache::DrainClient>>,
+    /// Ask `lmcache` prefillers for the first token (`ret_first_tok`) and send it to the client at once.
+    pub first_token: bool,
 }
 
 impl std::fmt::Debug for Native {
@@ -265,20 +276,81 @@ impl Native {
             unprotected: false,
             keys: KeyGen::default(),
             metrics: Default::default(),
+            lmcache: None,
+            drainer: None,
+            first_token: true,
         }
     }
 
+    /// Listens for LMCache prefill notifications on `addr` (the proxy port of LMCache's YAML).
+    pub async fn listen_lmcache(&mut self, addr: SocketAddr) -> Result<SocketAddr, String> {
+        let hub = lmcache::Notifications::bind(addr).await?;
+        let at = hub.addr;
+        self.lmcache = Some(hub);
+        self.drainer = Some(lmcache::DrainClient::new(self));
+        Ok(at)
+    }
+
+    /// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even be
+    /// connected to (it never saw the request, so another may take it). `sent` is set while the
+    /// request may have reached an engine.
+    async fn send_prefill<'a>(
+        &self,
+        prefills: &[&'a Prefiller],
+        path: &str,
+        body: &Value,
+        sent: &mut bool,
+        detach: bool,
+    ) -> Result<(&'a Prefiller, Response<hyper::body::Incoming>, crate::routing::InFlight<'a>), GatewayError>
+    {
+        let mut attempt = 0;
+        loop {
+            let Some(prefill) = prefills.get(attempt).copied() else {
+                return Err(GatewayError::NoEndpoint("prefill"));
+            };
+            attempt += 1;
+            *sent = true;
+            let in_flight = prefill.health.start();
+            match self.post(prefill.http, path, body, detach).await {
+                Ok(resp) => return Ok((prefill, resp, in_flight)),
+                Err(e) => {
+                    self.failed(&prefill.name, &prefill.health);
+                    *sent = !e.unsent;
+                    if !e.unsent || attempt >= prefills.len() {
+                        return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
+                    }
+                    tracing::debug!(
+                        prefill = prefill.name,
+                        error = e.message,
+                        "prefill unreachable, trying the next"
+                    );
+                }
+            }
+        }
+    }
+
+    /// POSTs `body`. `detach`: the call runs to its end even if the caller stops waiting (a client
+    /// that leaves does not abort an engine mid-transfer).
     async fn post(
         &self,
         addr: SocketAddr,
         path: &str,
         body: &Value,
+        detach: bool,
     ) -> Result<Response<hyper::body::Incoming>, PostError> {
         let req = Request::post(format!("http://{addr}{path}"))
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
-        match tokio::time::timeout(self.limits.upstream_timeout, self.client.request(req)).await {
+        let call = tokio::time::timeout(self.limits.upstream_timeout, self.client.request(req));
+        let answer = if detach {
+            tokio::spawn(call)
+                .await
+                .map_err(|e| PostError { message: format!("upstream call task: {e}"), unsent: false })?
+        } else {
+            call.await
+        };
+        match answer {
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
             Err(_) => Err(PostError {
@@ -424,34 +496,10 @@ impl Native {
         }
         body["baton"] =
             json!({"request_id": rid, "epoch": key.epoch, "decoders": decoders, "prompt_token_ids": ids});
-        // The first prefiller, then the fallbacks while a prefiller cannot even be connected to
-        // (it never saw the addresses, so another may take the same reservation).
-        let mut attempt = 0;
-        let (prefill, resp, in_flight) = loop {
-            let Some(prefill) = prefills.get(attempt).copied() else {
-                return Err(GatewayError::NoEndpoint("prefill"));
-            };
-            attempt += 1;
-            life.sent = true;
-            let in_flight = prefill.health.start();
-            match self.post(prefill.http, req.endpoint.path(), &body).await {
-                Ok(resp) => break (prefill, resp, in_flight),
-                Err(e) => {
-                    self.failed(&prefill.name, &prefill.health);
-                    // No connection, so the prefiller never saw the addresses: the cancel needs
-                    // no quarantine and the pages are free at once.
-                    life.sent = !e.unsent;
-                    if !e.unsent || attempt >= prefills.len() {
-                        return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
-                    }
-                    tracing::debug!(
-                        prefill = prefill.name,
-                        error = e.message,
-                        "prefill unreachable, trying the next"
-                    );
-                }
-            }
-        };
+        // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
+        // never saw the addresses leaves the pages free at once (no quarantine).
+        let (prefill, resp, in_flight) =
+            self.send_prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await?;
         if resp.status() != 200 {
             let status = resp.status().as_u16();
             if status >= 500 {
@@ -509,7 +557,7 @@ impl Native {
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());
         body["baton"] = json!({"request_id": rid, "epoch": key.epoch, "prompt_token_ids": ids});
-        let resp = self.post(dec.http, req.endpoint.path(), &body).await.map_err(|e| {
+        let resp = self.post(dec.http, req.endpoint.path(), &body, false).await.map_err(|e| {
             self.failed(&dec.name, &dec.health);
             GatewayError::Upstream { leg: "decode", message: e.message }
         })?;

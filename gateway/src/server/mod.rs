@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, Origin};
-use crate::handoff::decoder::DecoderHandle;
+use crate::handoff::decoder::{DecodeMode, DecoderHandle};
 use crate::handoff::{BoxError, Native, Prefiller, RespBody};
 use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
@@ -383,7 +383,10 @@ impl Gateway {
         }
         let prefills: Vec<&Prefiller> = order.iter().filter_map(|&i| self.prefills.get(i)).collect();
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        self.native.run(&prefills, dec, &req, &ids, 0).await
+        match &dec.mode {
+            DecodeMode::Native => self.native.run(&prefills, dec, &req, &ids, 0).await,
+            DecodeMode::Lmcache(t) => self.native.run_lmcache(&prefills, dec, t, &req, &ids, 0).await,
+        }
     }
 
     /// `/admin/decoders`: per decoder, the admission queue and what the data plane reports.

@@ -1,0 +1,253 @@
+//! The `lmcache` handoff end to end: simulated engines speaking LMCache's PD backend protocol (ZMQ
+//! REQ/REP allocation, msgpack `ProxyNotif` over PUSH/PULL) behind the gateway.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use baton_dataplane::sim::faults::FaultConfig;
+use baton_dataplane::sim::kv::output_text;
+use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::handoff::Limits;
+use baton_gateway::tokenize::render_chat;
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+
+use super::{answer_text, deadlock_scenario, http, prompt};
+
+async fn lmcache_demo(tp: u32, pages: u32, faults: FaultConfig, setup: GatewaySetup) -> Demo {
+    start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp,
+        pages,
+        handoff: DemoHandoff::Lmcache,
+        prefill_faults: faults,
+        gateway: setup,
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// No slot held by the gateway and no chunk left in any decoder's PD buffer; `strict`: nothing was
+/// recomputed or written late either.
+async fn assert_lmcache_clean(d: &Demo, strict: bool) {
+    let start = Instant::now();
+    loop {
+        let slots: u32 = d.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum();
+        let mut used = 0;
+        let mut odd = Vec::new();
+        for e in &d.engines {
+            let s = e.engine.stats();
+            for r in s["lmcache"]["ranks"].as_array().into_iter().flatten() {
+                used += r["used_chunks"].as_u64().unwrap();
+                if r["recomputed"] != 0 || r["late_writes"] != 0 {
+                    odd.push(r.clone());
+                }
+            }
+        }
+        if slots == 0 && used == 0 {
+            if strict {
+                assert!(odd.is_empty(), "recomputed or late writes: {odd:?}");
+            }
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "not clean: {slots} slots, {used} chunks held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Completions and chat, streamed and not, with and without first token from prefill: the text is
+/// what one engine would have produced and usage counts the prompt once and every token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_mode_serves_completions_and_chat_streamed_and_not() {
+    for no_first_token in [false, true] {
+        let setup = GatewaySetup { no_first_token, ..GatewaySetup::default() };
+        let d = lmcache_demo(2, 64, FaultConfig::default(), setup).await;
+        for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
+            let text = prompt(100, 7);
+            let (path, body, ids) = if chat {
+                let ids: Vec<u32> =
+                    render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
+                let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
+                ("/v1/chat/completions", body, ids)
+            } else {
+                let body = json!({"prompt": text, "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
+                ("/v1/completions", body, text.bytes().map(u32::from).collect())
+            };
+            let (status, b) = http(d.addr, path, Some(&body)).await;
+            let case = format!("chat={chat} stream={stream} first_token={}", !no_first_token);
+            assert_eq!(status, 200, "{case}: {}", String::from_utf8_lossy(&b));
+            let (got, usage) = answer_text(&b, chat, stream);
+            assert_eq!(got, output_text(&ids, 5), "{case}");
+            assert_eq!(usage, Some((ids.len() as u64, 5)), "{case}");
+            if stream && chat {
+                let first: Value = serde_json::from_str(
+                    std::str::from_utf8(&b)
+                        .unwrap()
+                        .split("\n\n")
+                        .next()
+                        .unwrap()
+                        .strip_prefix("data: ")
+                        .unwrap(),
+                )
+                .unwrap();
+                assert_eq!(first["choices"][0]["delta"]["role"], "assistant", "{case}");
+            }
+        }
+        // max_tokens 1 with first token: the prefill's token is the whole answer, and the decoder's
+        // buffer is still drained.
+        let (status, b) =
+            http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 1), "max_tokens": 1}))).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            answer_text(&b, false, false).0,
+            output_text(&prompt(40, 1).bytes().map(u32::from).collect::<Vec<_>>(), 1)
+        );
+        assert_lmcache_clean(&d, true).await;
+        d.shutdown().await;
+    }
+}
+
+/// The deadlock scenario in `lmcache` mode: 64-chunk buffers, TP 2, 300 concurrent mixed requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_deadlock_scenario_completes_and_leaves_no_slot_held() {
+    let d = lmcache_demo(2, 64, FaultConfig::default(), GatewaySetup::default()).await;
+    let done = Arc::default();
+    let mut tasks = deadlock_scenario(d.addr, &done);
+    let started = Instant::now();
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_eq!(done.load(Ordering::Relaxed), 300);
+    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
+    assert_lmcache_clean(&d, true).await;
+    let hub = d.gateway.native.lmcache.as_ref().unwrap();
+    assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 600, "one notification per rank per request");
+    assert_eq!(hub.waiting(), 0);
+    d.shutdown().await;
+}
+
+/// A notification that never comes fails the request by its deadline with a clear error; the
+/// decoder's buffer is drained and the slots come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_missing_notification_fails_by_its_deadline_and_frees_the_slots() {
+    let limits = Limits { ready_timeout: Duration::from_millis(300), ..Limits::default() };
+    let faults = FaultConfig { drop_notify: true, ..FaultConfig::default() };
+    let d = lmcache_demo(2, 64, faults, GatewaySetup { limits, ..GatewaySetup::default() }).await;
+    for stream in [false, true] {
+        let t = Instant::now();
+        let (status, b) = http(
+            d.addr,
+            "/v1/completions",
+            Some(&json!({"prompt": prompt(50, 2), "max_tokens": 4, "stream": stream})),
+        )
+        .await;
+        let body = String::from_utf8_lossy(&b).into_owned();
+        if stream {
+            // The first token went out before the wait; the failure ends the stream with an error event.
+            assert_eq!(status, 200);
+            assert!(body.contains("kv_transfer_failed") && body.ends_with("data: [DONE]\n\n"), "{body}");
+        } else {
+            assert_eq!(status, 502, "{body}");
+            assert!(body.contains("kv_transfer_failed"), "{body}");
+        }
+        assert!(body.contains("0 of 2 prefill ranks reported the kv"), "{body}");
+        assert!(
+            t.elapsed() >= Duration::from_millis(300) && t.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    assert_lmcache_clean(&d, false).await;
+    let drainer = d.gateway.native.drainer.as_ref().unwrap();
+    assert_eq!(drainer.drains.load(Ordering::Relaxed), 2);
+    assert_eq!(drainer.drain_failures.load(Ordering::Relaxed), 0);
+    d.shutdown().await;
+}
+
+/// Prefillers that answer before writing (LMCache's asynchronous backend): rank 0 notifies twice
+/// while rank 1 is still writing. The duplicate is recognised (same connection) and the decode waits
+/// for rank 1; released early, the decoder would find rank 1's chunks allocated but unwritten and
+/// fail the request (checked: with duplicates counted, this test fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_duplicate_notifications_do_not_release_a_request_early() {
+    let faults = FaultConfig {
+        duplicate_notify_rank: Some(0),
+        slow_rank: Some(1),
+        slow_ms: 150,
+        ..FaultConfig::default()
+    };
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 64,
+        handoff: DemoHandoff::Lmcache,
+        prefill_faults: faults,
+        lmcache_async_send: true,
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut tasks = JoinSet::new();
+    for i in 0..8usize {
+        let addr = d.addr;
+        tasks.spawn(async move {
+            let text = prompt(40, i);
+            let (status, b) =
+                http(addr, "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 3}))).await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+            assert_eq!(
+                answer_text(&b, false, false).0,
+                output_text(&text.bytes().map(u32::from).collect::<Vec<_>>(), 3)
+            );
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    let hub = d.gateway.native.lmcache.as_ref().unwrap();
+    assert_eq!(hub.stats.duplicate.load(Ordering::Relaxed), 8);
+    assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 16);
+    assert_lmcache_clean(&d, true).await;
+    d.shutdown().await;
+}
+
+/// 200 clients that leave at random points: afterwards no slot is held and no chunk is left in the
+/// decoders' buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_random_disconnects_leave_nothing_held() {
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 16,
+        token_delay: Duration::from_millis(3),
+        handoff: DemoHandoff::Lmcache,
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut tasks = JoinSet::new();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for i in 0..200usize {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let pages = 1 + (x % 12) as usize;
+        let give_up = Duration::from_millis(x % 150);
+        let stream = i % 2 == 0;
+        let addr = d.addr;
+        tasks.spawn(async move {
+            let body = json!({"prompt": prompt(pages * 16 - 3, i), "max_tokens": 20, "stream": stream});
+            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_lmcache_clean(&d, false).await;
+    let (s, _) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
+    assert_eq!(s, 200);
+    d.shutdown().await;
+}
