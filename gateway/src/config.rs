@@ -40,6 +40,83 @@ pub struct Config {
     pub routing: Routing,
     #[serde(default)]
     pub telemetry: Telemetry,
+    /// The `lmcache` handoff's gateway side (needed when a decode pool uses it).
+    pub lmcache: Option<LmcacheGateway>,
+}
+
+/// How the KV reaches a decode pool.
+#[derive(Debug, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum HandoffMode {
+    /// baton's data plane (`dataplane` addresses).
+    #[default]
+    Native,
+    /// vLLM with LMCache's PD backend (`[decode.lmcache]`).
+    Lmcache,
+}
+
+/// `[lmcache]`: where LMCache prefillers notify the gateway.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LmcacheGateway {
+    /// The PULL socket's `IP:PORT`: the prefillers' `pd_proxy_host:pd_proxy_port`.
+    pub notify_listen: SocketAddr,
+    /// Ask prefillers for the first token (`ret_first_tok`) and send it to the client at once
+    /// (default true).
+    #[serde(default = "yes")]
+    pub first_token: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `[decode.lmcache]`: a decoder's LMCache PD backend. Values given here win over its YAML.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LmcachePool {
+    /// The decoder's LMCache YAML (`pd_peer_host`, `pd_peer_init_port`, `pd_peer_alloc_port`,
+    /// `pd_buffer_size`, `chunk_size` are read from it).
+    pub config: Option<PathBuf>,
+    pub receiver_host: Option<String>,
+    pub init_ports: Option<Vec<u16>>,
+    pub alloc_ports: Option<Vec<u16>>,
+    /// PD buffer bytes per decoder rank.
+    pub pd_buffer_size: Option<u64>,
+    /// LMCache's chunk size in tokens (default `model.chunk_tokens`).
+    pub chunk_size: Option<u32>,
+}
+
+/// The keys of an LMCache YAML the gateway reads (the rest are LMCache's business).
+#[derive(Debug, Deserialize, Default)]
+struct LmcacheYaml {
+    chunk_size: Option<u32>,
+    #[serde(alias = "nixl_buffer_size")]
+    pd_buffer_size: Option<u64>,
+    #[serde(alias = "nixl_role")]
+    pd_role: Option<String>,
+    #[serde(alias = "nixl_peer_host")]
+    pd_peer_host: Option<String>,
+    #[serde(alias = "nixl_peer_init_port")]
+    pd_peer_init_port: Option<Ports>,
+    #[serde(alias = "nixl_peer_alloc_port")]
+    pd_peer_alloc_port: Option<Ports>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Ports {
+    One(u16),
+    Many(Vec<u16>),
+}
+
+impl Ports {
+    fn list(self) -> Vec<u16> {
+        match self {
+            Self::One(p) => vec![p],
+            Self::Many(v) => v,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -94,10 +171,16 @@ pub struct Endpoint {
 pub struct DecodePool {
     pub name: String,
     pub url: String,
-    /// Data-plane address of each rank, in rank order; their count is the TP size.
+    /// `native` (default) or `lmcache`.
+    #[serde(default)]
+    pub handoff: HandoffMode,
+    /// Native: data-plane address of each rank, in rank order; their count is the TP size.
+    #[serde(default)]
     pub dataplane: Vec<SocketAddr>,
     /// Lowers the slots the data plane reports (never raises them).
     pub max_slots: Option<u32>,
+    /// `lmcache`: the decoder's PD backend.
+    pub lmcache: Option<LmcachePool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -195,6 +278,18 @@ pub struct CheckedDecoder {
     /// The pool's geometry (its TP is its rank count).
     pub geometry: KvGeometry,
     pub max_slots: Option<u32>,
+    /// `lmcache` mode: where its PD backend listens and its capacity in chunks.
+    pub lmcache: Option<CheckedLmcache>,
+}
+
+/// A decoder's LMCache PD backend, checked.
+#[derive(Debug, Clone)]
+pub struct CheckedLmcache {
+    pub target: crate::handoff::lmcache::LmcacheTarget,
+    /// `pd_buffer_size / (chunk_size × kv_bytes_per_token / tp)`.
+    pub capacity: u32,
+    pub chunk_size: u32,
+    pub pd_buffer_size: u64,
 }
 
 /// A checked configuration, ready to serve.
@@ -211,6 +306,9 @@ pub struct Checked {
     pub routing: Builtin,
     pub health: HealthConfig,
     pub log: LogConfig,
+    /// `[lmcache]`: the notification listener and whether to ask for the first token.
+    pub lmcache_listen: Option<SocketAddr>,
+    pub first_token: bool,
 }
 
 /// `http://host:port` → the socket address.
@@ -304,23 +402,62 @@ impl Config {
         let mut decoders = Vec::new();
         for (i, d) in self.decode.iter().enumerate() {
             let http = parse_url(&format!("decode[{i}].url"), &d.url)?;
-            if d.dataplane.is_empty() {
-                return Err(err(format!("decode[{i}].dataplane"), "list one data-plane address per rank"));
-            }
-            let tp = u32::try_from(d.dataplane.len())
-                .map_err(|_| err(format!("decode[{i}].dataplane"), "too many ranks"))?;
-            let geometry =
-                geometry_for(tp).map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
             if d.max_slots == Some(0) {
                 return Err(err(format!("decode[{i}].max_slots"), "must be greater than 0"));
             }
-            decoders.push(CheckedDecoder {
-                name: d.name.clone(),
-                http,
-                ranks: d.dataplane.clone(),
-                geometry,
-                max_slots: d.max_slots,
-            });
+            match d.handoff {
+                HandoffMode::Native => {
+                    if d.lmcache.is_some() {
+                        return Err(err(format!("decode[{i}].lmcache"), "needs handoff = \"lmcache\""));
+                    }
+                    if d.dataplane.is_empty() {
+                        return Err(err(
+                            format!("decode[{i}].dataplane"),
+                            "list one data-plane address per rank",
+                        ));
+                    }
+                    let tp = u32::try_from(d.dataplane.len())
+                        .map_err(|_| err(format!("decode[{i}].dataplane"), "too many ranks"))?;
+                    let geometry =
+                        geometry_for(tp).map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
+                    decoders.push(CheckedDecoder {
+                        name: d.name.clone(),
+                        http,
+                        ranks: d.dataplane.clone(),
+                        geometry,
+                        max_slots: d.max_slots,
+                        lmcache: None,
+                    });
+                }
+                HandoffMode::Lmcache => {
+                    if !d.dataplane.is_empty() {
+                        return Err(err(format!("decode[{i}].dataplane"), "is for the native handoff only"));
+                    }
+                    let f = format!("decode[{i}].lmcache");
+                    let pool = d.lmcache.as_ref().ok_or_else(|| {
+                        err(&f, "handoff = \"lmcache\" needs [decode.lmcache] (its YAML, or ports and buffer size)")
+                    })?;
+                    let lm = check_lmcache(&f, pool, &path, chunk, &geometry_for)?;
+                    let geometry =
+                        geometry_for(u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX))
+                            .map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
+                    decoders.push(CheckedDecoder {
+                        name: d.name.clone(),
+                        http,
+                        ranks: Vec::new(),
+                        geometry,
+                        max_slots: d.max_slots,
+                        lmcache: Some(lm),
+                    });
+                }
+            }
+        }
+        let lmcache_used = decoders.iter().any(|d| d.lmcache.is_some());
+        if lmcache_used && self.lmcache.is_none() {
+            return Err(err(
+                "lmcache.notify_listen",
+                "a decode pool uses handoff = \"lmcache\": say where its prefillers notify (their pd_proxy_host:pd_proxy_port)",
+            ));
         }
         let a = &self.admission;
         for (field, v) in [
@@ -394,8 +531,94 @@ impl Config {
             routing,
             health,
             log,
+            lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
+            first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
         })
     }
+}
+
+/// Merges `[decode.lmcache]` with the YAML it names and computes the slots.
+fn check_lmcache(
+    f: &str,
+    pool: &LmcachePool,
+    path: &dyn Fn(&Path) -> PathBuf,
+    model_chunk: u32,
+    geometry_for: &dyn Fn(u32) -> Result<KvGeometry, ConfigError>,
+) -> Result<CheckedLmcache, ConfigError> {
+    let yaml = match &pool.config {
+        None => LmcacheYaml::default(),
+        Some(p) => {
+            let p = path(p);
+            let text = std::fs::read_to_string(&p)
+                .map_err(|e| err(format!("{f}.config"), format!("{}: {e}", p.display())))?;
+            let y: LmcacheYaml = serde_yaml_ng::from_str(&text)
+                .map_err(|e| err(format!("{f}.config"), format!("{}: {e}", p.display())))?;
+            if let Some(role) = y.pd_role.as_deref().filter(|r| *r != "receiver") {
+                return Err(err(
+                    format!("{f}.config"),
+                    format!(
+                        "{} has pd_role {role:?}: give the decoder's (receiver's) LMCache config",
+                        p.display()
+                    ),
+                ));
+            }
+            y
+        }
+    };
+    let receiver_host = pool
+        .receiver_host
+        .clone()
+        .or(yaml.pd_peer_host)
+        .ok_or_else(|| err(format!("{f}.receiver_host"), "needed (or pd_peer_host in its YAML)"))?;
+    let init_ports = pool
+        .init_ports
+        .clone()
+        .or(yaml.pd_peer_init_port.map(Ports::list))
+        .ok_or_else(|| err(format!("{f}.init_ports"), "needed (or pd_peer_init_port in its YAML)"))?;
+    let alloc_ports = pool
+        .alloc_ports
+        .clone()
+        .or(yaml.pd_peer_alloc_port.map(Ports::list))
+        .ok_or_else(|| err(format!("{f}.alloc_ports"), "needed (or pd_peer_alloc_port in its YAML)"))?;
+    if alloc_ports.is_empty() || alloc_ports.len() != init_ports.len() {
+        return Err(err(
+            format!("{f}.alloc_ports"),
+            format!(
+                "one alloc and one init port per decoder rank ({} and {} given)",
+                alloc_ports.len(),
+                init_ports.len()
+            ),
+        ));
+    }
+    let pd_buffer_size = pool
+        .pd_buffer_size
+        .or(yaml.pd_buffer_size)
+        .ok_or_else(|| err(format!("{f}.pd_buffer_size"), "needed (or pd_buffer_size in its YAML)"))?;
+    let chunk_size = pool.chunk_size.or(yaml.chunk_size).unwrap_or(model_chunk);
+    if chunk_size == 0 {
+        return Err(err(format!("{f}.chunk_size"), "must be greater than 0"));
+    }
+    let tp =
+        u32::try_from(alloc_ports.len()).map_err(|_| err(format!("{f}.alloc_ports"), "too many ranks"))?;
+    let g = geometry_for(tp).map_err(|e| err(format!("{f} ({})", e.field), e.reason))?;
+    let g = KvGeometry::new(g.layers, g.kv_heads, g.head_dim, g.dtype_bytes, chunk_size, tp)
+        .map_err(|e| err(format!("{f}.chunk_size"), e.to_string()))?;
+    let chunk_bytes = g.page_bytes_per_rank().max(1);
+    let capacity = u32::try_from(pd_buffer_size / chunk_bytes).unwrap_or(u32::MAX);
+    if capacity == 0 {
+        return Err(err(
+            format!("{f}.pd_buffer_size"),
+            format!(
+                "{pd_buffer_size} bytes hold no chunk of {chunk_bytes} bytes per rank ({chunk_size} tokens)"
+            ),
+        ));
+    }
+    Ok(CheckedLmcache {
+        target: crate::handoff::lmcache::LmcacheTarget { receiver_host, init_ports, alloc_ports },
+        capacity,
+        chunk_size,
+        pd_buffer_size,
+    })
 }
 
 /// Reads and checks a file.
@@ -436,6 +659,50 @@ dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
         assert_eq!(c.decoders[0].geometry.tp_size, 2);
         assert_eq!(c.limits.lease, DEFAULT_LEASE);
         assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
+    }
+
+    const LMCACHE: &str = r#"
+[[decode]]
+name = "d1"
+url = "http://127.0.0.1:8300"
+handoff = "lmcache"
+lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports = [7400, 7401], pd_buffer_size = 65536 }
+
+[lmcache]
+notify_listen = "127.0.0.1:7500"
+"#;
+
+    #[test]
+    fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
+        let c = Config::parse(&format!("{GOOD}{LMCACHE}")).unwrap().check(Path::new(".")).unwrap();
+        let lm = c.decoders[1].lmcache.as_ref().unwrap();
+        // 2 layers × 2 KV × 2 heads × 16 dims × 2 bytes = 256 bytes per token, 128 per rank at TP 2:
+        // 16-token chunks are 2 KiB per rank, 64 KiB hold 32.
+        assert_eq!((lm.capacity, lm.chunk_size, lm.target.alloc_ports.len()), (32, 16, 2));
+        assert_eq!(c.lmcache_listen, Some("127.0.0.1:7500".parse().unwrap()));
+        assert!(c.first_token);
+        // The same from an LMCache YAML, older key names included; explicit values win.
+        let dir = std::env::temp_dir().join(format!("baton-lmcache-yaml-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("d.yaml"),
+            "enable_nixl: True\nnixl_role: \"receiver\"\nnixl_peer_host: \"10.1.1.1\"\nnixl_peer_init_port: 7301\nnixl_peer_alloc_port: 7401\nnixl_buffer_size: 131072 # 128 KiB\nchunk_size: 32\n",
+        )
+        .unwrap();
+        let text = format!("{GOOD}{LMCACHE}").replace(
+            r#"lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports = [7400, 7401], pd_buffer_size = 65536 }"#,
+            r#"lmcache = { config = "d.yaml", pd_buffer_size = 262144 }"#,
+        );
+        let c = Config::parse(&text).unwrap().check(&dir).unwrap();
+        let lm = c.decoders[1].lmcache.as_ref().unwrap();
+        assert_eq!(lm.target.receiver_host, "10.1.1.1");
+        assert_eq!((lm.target.init_ports.clone(), lm.target.alloc_ports.clone()), (vec![7301], vec![7401]));
+        // TP 1, 32-token chunks: 8 KiB per chunk; 256 KiB (the TOML's value, not the YAML's) hold 32.
+        assert_eq!((lm.chunk_size, lm.capacity, lm.pd_buffer_size), (32, 32, 262_144));
+        std::fs::write(dir.join("p.yaml"), "pd_role: \"sender\"\npd_proxy_port: 7500\n").unwrap();
+        let bad = Config::parse(&text.replace("d.yaml", "p.yaml")).unwrap().check(&dir).unwrap_err();
+        assert_eq!(bad.field, "decode[1].lmcache.config", "{bad}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -498,6 +765,31 @@ tls_key = "nope.key""#,
                 "missing tokenizer",
                 GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer = \"nope/tokenizer.json\""),
                 "model.tokenizer",
+            ),
+            (
+                "lmcache without a listener",
+                format!("{GOOD}{LMCACHE}").replace("[lmcache]\nnotify_listen = \"127.0.0.1:7500\"", ""),
+                "lmcache.notify_listen",
+            ),
+            (
+                "lmcache ports mismatch",
+                format!("{GOOD}{LMCACHE}").replace("alloc_ports = [7400, 7401]", "alloc_ports = [7400]"),
+                "decode[1].lmcache.alloc_ports",
+            ),
+            (
+                "lmcache buffer below one chunk",
+                format!("{GOOD}{LMCACHE}").replace("pd_buffer_size = 65536", "pd_buffer_size = 100"),
+                "decode[1].lmcache.pd_buffer_size",
+            ),
+            (
+                "lmcache without its section",
+                format!("{GOOD}{LMCACHE}").replace("lmcache = { receiver_host", "colour = { receiver_host"),
+                "config",
+            ),
+            (
+                "lmcache section on a native pool",
+                GOOD.replace("dataplane = [", "lmcache = { pd_buffer_size = 1 }\ndataplane = ["),
+                "decode[0].lmcache",
             ),
             (
                 "template without tokenizer",

@@ -40,6 +40,11 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
     let mut decoders = Vec::new();
     for d in c.decoders {
         let queue = QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() };
+        if let Some(lm) = d.lmcache {
+            let capacity = d.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity));
+            decoders.push(DecoderHandle::lmcache(d.name, d.http, lm.target, capacity, lm.chunk_size, queue));
+            continue;
+        }
         let (g, name) = (d.geometry, d.name);
         let d = DecoderHandle::connect(
             name.clone(),
@@ -64,6 +69,11 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
     let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
     let mut native = Native::new(c.limits);
     native.health = c.health;
+    native.first_token = c.first_token;
+    if let Some(addr) = c.lmcache_listen {
+        let at = native.listen_lmcache(addr).await?;
+        tracing::info!(%at, "listening for LMCache prefill notifications");
+    }
     let gateway =
         Gateway::new(model, prefills, decoders, native, Router::new(c.routing), HttpTimeouts::default());
     let health_task = gateway.start_health_checks();

@@ -591,10 +591,12 @@ mod configs {
     fn shipped_examples_check() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
         let dir = tempdir("examples");
-        std::fs::create_dir_all(dir.join("models")).unwrap();
-        for m in std::fs::read_dir(src.join("models")).unwrap() {
-            let m = m.unwrap().path();
-            std::fs::copy(&m, dir.join("models").join(m.file_name().unwrap())).unwrap();
+        for sub in ["models", "lmcache"] {
+            std::fs::create_dir_all(dir.join(sub)).unwrap();
+            for m in std::fs::read_dir(src.join(sub)).unwrap() {
+                let m = m.unwrap().path();
+                std::fs::copy(&m, dir.join(sub).join(m.file_name().unwrap())).unwrap();
+            }
         }
         let ca_key = KeyPair::generate().unwrap();
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -624,7 +626,7 @@ mod configs {
                 checked += 1;
             }
         }
-        assert!(checked >= 2, "only {checked} example configs");
+        assert!(checked >= 3, "only {checked} example configs");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, start};
+use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, DemoHandoff, start};
 use baton_gateway::routing::Builtin;
 use baton_gateway::telemetry::LogConfig;
 use baton_gateway::tokenize::Tokenizer;
@@ -16,11 +16,13 @@ const USAGE: &str = "usage: baton serve --config FILE
        baton check-config FILE
        baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
                   [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
+                  [--handoff native|lmcache]
 
   serve          run the gateway from a TOML configuration (see configs/)
   check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
   demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
-                 --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template";
+                 --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template;
+                 --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels)";
 
 fn check(file: &str) -> ExitCode {
     match baton_gateway::config::load(std::path::Path::new(file)) {
@@ -39,7 +41,26 @@ fn check(file: &str) -> ExitCode {
             for (name, http) in &c.prefills {
                 println!("  prefill {name} at {http}");
             }
+            if let Some(a) = c.lmcache_listen {
+                println!("  lmcache notifications on {a} (first token from prefill: {})", c.first_token);
+            }
             for d in &c.decoders {
+                if let Some(lm) = &d.lmcache {
+                    println!(
+                        "  decode {} at {}: lmcache, receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
+                        d.name,
+                        d.http,
+                        lm.target.receiver_host,
+                        lm.target.init_ports,
+                        lm.target.alloc_ports,
+                        lm.capacity,
+                        lm.pd_buffer_size,
+                        lm.chunk_size,
+                        d.geometry.kv_bytes_per_token(),
+                        lm.target.alloc_ports.len()
+                    );
+                    continue;
+                }
                 println!(
                     "  decode {} at {}: TP {}, {} KV bytes per token, page {} bytes per rank{}",
                     d.name,
@@ -108,6 +129,10 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
             .map_err(|e| format!("--tokenizer: {e}"))?;
         c.gateway.tokenizer = Some(std::sync::Arc::new(t));
     }
+    if let Some(h) = flag(args, "--handoff") {
+        c.handoff =
+            DemoHandoff::parse(&h).ok_or_else(|| format!("--handoff: {h:?} is not native or lmcache"))?;
+    }
     if let Some(r) = flag(args, "--routing") {
         c.gateway.routing = Builtin::parse(&r)
             .ok_or_else(|| format!("--routing: {r:?} is not one of {}", Builtin::NAMES.join(", ")))?;
@@ -168,8 +193,8 @@ async fn main() -> ExitCode {
         }
     };
     println!(
-        "baton demo: gateway on http://{} in front of {} prefill and {} decode simulated engines (TP {}, {} pages per rank)",
-        demo.addr, config.prefills, config.decoders, config.tp, config.pages
+        "baton demo: gateway on http://{} in front of {} prefill and {} decode simulated engines (TP {}, {} pages per rank, {:?} handoff)",
+        demo.addr, config.prefills, config.decoders, config.tp, config.pages, config.handoff
     );
     println!(
         "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",

@@ -251,3 +251,87 @@ async fn lmcache_random_disconnects_leave_nothing_held() {
     assert_eq!(s, 200);
     d.shutdown().await;
 }
+
+/// `baton serve` from a TOML file naming an LMCache decoder by its YAML: the gateway reads ports,
+/// buffer size and chunk size from it, listens for notifications, and serves end to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_an_lmcache_pool_from_config_and_yaml() {
+    use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+    let g = tiny_geometry(2).unwrap();
+    let mut dc = SimConfig::new(SimRole::Decode, g);
+    dc.lmcache = Some(LmcacheSimConfig {
+        pd_buffer_bytes: 32 * g.page_bytes_per_rank(),
+        ..LmcacheSimConfig::default()
+    });
+    let decode = launch(dc).await.unwrap();
+    let ranks = decode.engine.stats()["lmcache"]["ranks"].as_array().unwrap().clone();
+    let port = |r: &Value, k: &str| r[k].as_str().unwrap().parse::<std::net::SocketAddr>().unwrap().port();
+    let dir = std::env::temp_dir().join(format!("baton-lmcache-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("decoder.yaml"),
+        format!(
+            "enable_pd: True\npd_role: \"receiver\"\npd_peer_host: \"127.0.0.1\"\npd_peer_init_port: [{}, {}]\npd_peer_alloc_port: [{}, {}]\npd_buffer_size: {}\nchunk_size: 16\n",
+            port(&ranks[0], "init_addr"),
+            port(&ranks[1], "init_addr"),
+            port(&ranks[0], "alloc_addr"),
+            port(&ranks[1], "alloc_addr"),
+            32 * g.page_bytes_per_rank()
+        ),
+    )
+    .unwrap();
+    // The prefiller's HTTP port is picked first; it starts once the gateway's listener exists.
+    let prefill_at = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let toml = format!(
+        r#"[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+[model]
+name = "baton-sim"
+context_length = 32768
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+[[prefill]]
+name = "p0"
+url = "http://{prefill_at}"
+[[decode]]
+name = "d0"
+url = "http://{}"
+handoff = "lmcache"
+lmcache = {{ config = "decoder.yaml" }}
+[lmcache]
+notify_listen = "127.0.0.1:0"
+[routing]
+health_check_interval_ms = 50
+"#,
+        decode.addr
+    );
+    std::fs::write(dir.join("gw.toml"), toml).unwrap();
+    let checked = baton_gateway::config::load(&dir.join("gw.toml")).unwrap();
+    assert_eq!(checked.decoders[0].lmcache.as_ref().unwrap().capacity, 32);
+    let serving = baton_gateway::serve::start(checked).await.unwrap();
+    let hub = serving.gateway.native.lmcache.as_ref().unwrap().addr;
+    let mut pc = SimConfig::new(SimRole::Prefill, g);
+    pc.listen = prefill_at;
+    pc.lmcache = Some(LmcacheSimConfig { proxy: Some(hub), ..LmcacheSimConfig::default() });
+    let prefill = launch(pc).await.unwrap();
+    // The gateway's first health check ran before the prefiller existed: wait for the next one.
+    let started = Instant::now();
+    while !serving.gateway.prefills[0].health.healthy() {
+        assert!(started.elapsed() < Duration::from_secs(5), "prefiller never became healthy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = prompt(70, 3);
+    let (status, b) =
+        http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 4}))).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(
+        answer_text(&b, false, false).0,
+        output_text(&text.bytes().map(u32::from).collect::<Vec<_>>(), 4)
+    );
+    assert_eq!(decode.engine.stats()["lmcache"]["ranks"][1]["retrieved_chunks"], 5);
+    serving.shutdown().await;
+    prefill.shutdown().await;
+    decode.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
