@@ -53,6 +53,34 @@ pub enum HandoffMode {
     Native,
     /// vLLM with LMCache's PD backend (`[decode.lmcache]`).
     Lmcache,
+    /// vLLM's NIXL connector (`[decode.nixl]` optional).
+    VllmNixl,
+}
+
+/// `[decode.nixl]`: admission of a `vllm-nixl` decoder from its own metrics.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NixlPool {
+    /// Requests in flight when its metrics allow (default [`crate::handoff::nixl::DEFAULT_MAX_IN_FLIGHT`]).
+    pub max_in_flight: u32,
+    /// KV cache usage (0..1) that closes admission (default [`crate::handoff::nixl::DEFAULT_KV_USAGE_HIGH`]).
+    pub kv_usage_high: f64,
+    /// Waiting requests that close admission (default [`crate::handoff::nixl::DEFAULT_MAX_WAITING`]).
+    pub max_waiting: u64,
+    /// How often `/metrics` is read, ms (default [`crate::handoff::nixl::DEFAULT_SCRAPE_INTERVAL`]).
+    pub scrape_interval_ms: u64,
+}
+
+impl Default for NixlPool {
+    fn default() -> Self {
+        let t = crate::handoff::nixl::NixlTarget::default();
+        Self {
+            max_in_flight: t.max_in_flight,
+            kv_usage_high: t.kv_usage_high,
+            max_waiting: t.max_waiting,
+            scrape_interval_ms: ms(t.scrape_interval),
+        }
+    }
 }
 
 /// `[lmcache]`: where LMCache prefillers notify the gateway.
@@ -181,6 +209,8 @@ pub struct DecodePool {
     pub max_slots: Option<u32>,
     /// `lmcache`: the decoder's PD backend.
     pub lmcache: Option<LmcachePool>,
+    /// `vllm-nixl`: admission settings.
+    pub nixl: Option<NixlPool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -280,6 +310,8 @@ pub struct CheckedDecoder {
     pub max_slots: Option<u32>,
     /// `lmcache` mode: where its PD backend listens and its capacity in chunks.
     pub lmcache: Option<CheckedLmcache>,
+    /// `vllm-nixl` mode: its admission settings.
+    pub nixl: Option<crate::handoff::nixl::NixlTarget>,
 }
 
 /// A decoder's LMCache PD backend, checked.
@@ -410,6 +442,9 @@ impl Config {
                     if d.lmcache.is_some() {
                         return Err(err(format!("decode[{i}].lmcache"), "needs handoff = \"lmcache\""));
                     }
+                    if d.nixl.is_some() {
+                        return Err(err(format!("decode[{i}].nixl"), "needs handoff = \"vllm-nixl\""));
+                    }
                     if d.dataplane.is_empty() {
                         return Err(err(
                             format!("decode[{i}].dataplane"),
@@ -427,6 +462,7 @@ impl Config {
                         geometry,
                         max_slots: d.max_slots,
                         lmcache: None,
+                        nixl: None,
                     });
                 }
                 HandoffMode::Lmcache => {
@@ -448,6 +484,42 @@ impl Config {
                         geometry,
                         max_slots: d.max_slots,
                         lmcache: Some(lm),
+                        nixl: None,
+                    });
+                }
+                HandoffMode::VllmNixl => {
+                    let f = format!("decode[{i}]");
+                    if !d.dataplane.is_empty() || d.lmcache.is_some() || d.max_slots.is_some() {
+                        return Err(err(
+                            &f,
+                            "handoff = \"vllm-nixl\" takes [decode.nixl] only (no dataplane, lmcache or max_slots)",
+                        ));
+                    }
+                    let n = d.nixl.as_ref().map_or_else(NixlPool::default, |n| NixlPool { ..*n });
+                    if n.max_in_flight == 0 {
+                        return Err(err(format!("{f}.nixl.max_in_flight"), "must be greater than 0"));
+                    }
+                    if !(n.kv_usage_high > 0.0 && n.kv_usage_high <= 1.0) {
+                        return Err(err(format!("{f}.nixl.kv_usage_high"), "must be in (0, 1]"));
+                    }
+                    if n.scrape_interval_ms == 0 {
+                        return Err(err(format!("{f}.nixl.scrape_interval_ms"), "must be greater than 0"));
+                    }
+                    let geometry =
+                        geometry_for(1).map_err(|e| err(format!("{f} ({})", e.field), e.reason))?;
+                    decoders.push(CheckedDecoder {
+                        name: d.name.clone(),
+                        http,
+                        ranks: Vec::new(),
+                        geometry,
+                        max_slots: None,
+                        lmcache: None,
+                        nixl: Some(crate::handoff::nixl::NixlTarget {
+                            max_in_flight: n.max_in_flight,
+                            kv_usage_high: n.kv_usage_high,
+                            max_waiting: n.max_waiting,
+                            scrape_interval: Duration::from_millis(n.scrape_interval_ms),
+                        }),
                     });
                 }
             }
@@ -765,6 +837,24 @@ tls_key = "nope.key""#,
                 "missing tokenizer",
                 GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer = \"nope/tokenizer.json\""),
                 "model.tokenizer",
+            ),
+            (
+                "nixl with a dataplane",
+                GOOD.replace("url = \"http://127.0.0.1:8200\"", "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\""),
+                "decode[0]",
+            ),
+            (
+                "nixl usage above 1",
+                GOOD.replace(
+                    "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                    "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\"\nnixl = { kv_usage_high = 1.5 }",
+                ),
+                "decode[0].nixl.kv_usage_high",
+            ),
+            (
+                "unknown handoff",
+                GOOD.replace("url = \"http://127.0.0.1:8200\"", "url = \"http://127.0.0.1:8200\"\nhandoff = \"mooncake\""),
+                "config",
             ),
             (
                 "lmcache without a listener",

@@ -40,6 +40,8 @@ pub struct DemoConfig {
     pub prefill_faults: baton_dataplane::sim::faults::FaultConfig,
     /// `lmcache` mode: prefillers answer before their chunks are written (LMCache's async backend).
     pub lmcache_async_send: bool,
+    /// `vllm-nixl` mode: how long prefillers keep blocks nobody read (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
+    pub nixl_abort_timeout: Duration,
     /// The gateway in front (its limits, tokenizer, routing).
     pub gateway: GatewaySetup,
 }
@@ -52,6 +54,8 @@ pub enum DemoHandoff {
     Native,
     /// LMCache's PD backend (ZMQ side channels, msgpack notifications).
     Lmcache,
+    /// vLLM's NIXL connector (the decoder pulls; admission from the decoder's metrics).
+    VllmNixl,
 }
 
 impl DemoHandoff {
@@ -59,6 +63,7 @@ impl DemoHandoff {
         match s {
             "native" => Some(Self::Native),
             "lmcache" => Some(Self::Lmcache),
+            "vllm-nixl" => Some(Self::VllmNixl),
             _ => None,
         }
     }
@@ -80,6 +85,8 @@ pub struct GatewaySetup {
     /// address) and whether to ask for the first token from prefill.
     pub lmcache: Option<Arc<Notifications>>,
     pub no_first_token: bool,
+    /// `vllm-nixl` mode: the decoders' admission settings.
+    pub nixl: crate::handoff::nixl::NixlTarget,
 }
 
 impl Default for DemoConfig {
@@ -95,6 +102,7 @@ impl Default for DemoConfig {
             handoff: DemoHandoff::Native,
             prefill_faults: Default::default(),
             lmcache_async_send: false,
+            nixl_abort_timeout: baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
             gateway: GatewaySetup::default(),
         }
     }
@@ -140,6 +148,8 @@ pub struct Engines {
     /// `lmcache` mode: each decoder's PD backend ports and capacity in chunks (parallel to
     /// `decoders`; empty in native mode).
     pub lmcache: Vec<(LmcacheTarget, u32)>,
+    /// The engines play vLLM's NIXL connector.
+    pub nixl: bool,
     pub running: Vec<Running>,
 }
 
@@ -169,6 +179,9 @@ pub async fn start_engines_with(
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
         sc.token_delay = c.token_delay;
         sc.faults = c.prefill_faults.clone();
+        if c.handoff == DemoHandoff::VllmNixl {
+            sc.nixl = Some(c.nixl_abort_timeout);
+        }
         if c.handoff == DemoHandoff::Lmcache {
             sc.lmcache = Some(LmcacheSimConfig {
                 proxy: lmcache_proxy,
@@ -186,6 +199,9 @@ pub async fn start_engines_with(
         let mut sc = SimConfig::new(SimRole::Decode, geometry);
         sc.pages = c.pages;
         sc.token_delay = c.token_delay;
+        if c.handoff == DemoHandoff::VllmNixl {
+            sc.nixl = Some(c.nixl_abort_timeout);
+        }
         if c.handoff == DemoHandoff::Lmcache {
             sc.lmcache = Some(LmcacheSimConfig {
                 pd_buffer_bytes: u64::from(c.pages) * geometry.page_bytes_per_rank(),
@@ -223,6 +239,7 @@ pub async fn start_engines_with(
         fingerprint: geometry.fingerprint(),
         chunk_tokens: geometry.chunk_tokens,
         lmcache,
+        nixl: c.handoff == DemoHandoff::VllmNixl,
         running,
     })
 }
@@ -236,6 +253,15 @@ pub async fn start_gateway(
 ) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
+        if e.nixl {
+            decoders.push(DecoderHandle::nixl(
+                name.clone(),
+                *http,
+                setup.nixl.clone(),
+                QueueConfig::default(),
+            ));
+            continue;
+        }
         if let Some((target, capacity)) = e.lmcache.get(i) {
             decoders.push(DecoderHandle::lmcache(
                 name.clone(),

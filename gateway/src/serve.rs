@@ -40,6 +40,10 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
     let mut decoders = Vec::new();
     for d in c.decoders {
         let queue = QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() };
+        if let Some(t) = d.nixl {
+            decoders.push(DecoderHandle::nixl(d.name, d.http, t, queue));
+            continue;
+        }
         if let Some(lm) = d.lmcache {
             let capacity = d.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity));
             decoders.push(DecoderHandle::lmcache(d.name, d.http, lm.target, capacity, lm.chunk_size, queue));

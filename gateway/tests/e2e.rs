@@ -1107,3 +1107,6 @@ mod front_limits {
 
 #[path = "e2e/lmcache.rs"]
 mod lmcache;
+
+#[path = "e2e/nixl.rs"]
+mod nixl;

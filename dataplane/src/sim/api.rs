@@ -119,6 +119,18 @@ impl GenRequest {
         self.max_completion_tokens.or(self.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS)
     }
 
+    /// NIXL's fields of `kv_transfer_params`, if any.
+    pub fn nixl_params(&self) -> Result<Option<super::nixl::NixlParams>, super::SimError> {
+        match &self.kv_transfer_params {
+            Some(v) if v.get("do_remote_decode").is_some() || v.get("do_remote_prefill").is_some() => {
+                serde_json::from_value(v.clone())
+                    .map(Some)
+                    .map_err(|e| super::SimError::bad(format!("kv_transfer_params: {e}")))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// LMCache's fields of `kv_transfer_params`, if any.
     pub fn lmcache_params(&self) -> Result<Option<super::lmcache::LmcacheParams>, super::SimError> {
         match &self.kv_transfer_params {

@@ -119,6 +119,11 @@ impl DecodeEngine {
         self.ranks.iter().map(|r| r.pool.held()).sum()
     }
 
+    /// Engine cache blocks of all ranks.
+    pub fn total_blocks(&self) -> u32 {
+        self.ranks.iter().map(|r| r.pool.total()).sum()
+    }
+
     /// Applies the crash switch: the rank stops serving, forgets its reservations and says nothing.
     pub async fn apply_faults(&self) {
         let Some(r) = self.faults.get().crash_rank else {

@@ -31,6 +31,10 @@ pub struct FaultConfig {
     /// LMCache prefill: this rank sends its notification `delay_notify_ms` late.
     pub delay_notify_rank: Option<u32>,
     pub delay_notify_ms: u64,
+    /// `/metrics` reports this KV cache usage (percent) instead of the real one.
+    pub report_kv_usage_pct: Option<u32>,
+    /// `/metrics` reports this many waiting requests.
+    pub report_waiting: Option<u64>,
 }
 
 /// The live fault switches of one engine.

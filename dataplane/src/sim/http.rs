@@ -62,11 +62,30 @@ pub enum LmcacheRole {
     Receiver(Arc<super::lmcache::Receiver>),
 }
 
+/// The vLLM NIXL connector side of an engine, when it plays one.
+#[derive(Debug)]
+pub enum NixlRole {
+    Producer(Arc<super::nixl::Producer>),
+    Consumer,
+}
+
+/// Counts a request as running while it lives.
+struct Running(Arc<AtomicU64>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A simulated engine behind HTTP.
 #[derive(Debug)]
 pub struct SimEngine {
     pub role: Role,
     pub lmcache: Option<LmcacheRole>,
+    pub nixl: Option<NixlRole>,
+    /// Generation requests in progress (vLLM's `num_requests_running`).
+    running: Arc<AtomicU64>,
     pub model: String,
     pub faults: Arc<Faults>,
     /// Time per generated token.
@@ -91,11 +110,55 @@ impl SimEngine {
     pub fn new(
         role: Role,
         lmcache: Option<LmcacheRole>,
+        nixl: Option<NixlRole>,
         model: String,
         faults: Arc<Faults>,
         token_delay: Duration,
     ) -> Arc<Self> {
-        Arc::new(Self { role, lmcache, model, faults, token_delay, next_id: AtomicU64::new(1) })
+        Arc::new(Self {
+            role,
+            lmcache,
+            nixl,
+            running: Arc::default(),
+            model,
+            faults,
+            token_delay,
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// vLLM's Prometheus gauges the gateway reads for `vllm-nixl` admission.
+    fn prometheus(&self) -> Resp {
+        let f = self.faults.get();
+        let (held, total) = match &self.role {
+            Role::Prefill(p) => (p.held_blocks(), 1),
+            Role::Decode(d) => (d.held_blocks(), d.total_blocks()),
+        };
+        let usage =
+            f.report_kv_usage_pct.map_or(f64::from(held) / f64::from(total.max(1)), |p| f64::from(p) / 100.0);
+        let m = &self.model;
+        let text = format!(
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n",
+            self.running.load(Ordering::Relaxed),
+            f.report_waiting.unwrap_or(0),
+        );
+        let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
+        r
+    }
+
+    fn nixl_stats(&self) -> Value {
+        match &self.nixl {
+            Some(NixlRole::Producer(p)) => json!({
+                "engine_id": p.engine_id, "side_channel": p.side.to_string(), "blocks_held": p.held_blocks(),
+                "pending": p.pending(), "read": p.read.load(Ordering::Relaxed), "expired": p.expired.load(Ordering::Relaxed),
+            }),
+            Some(NixlRole::Consumer) => json!({"consumer": true}),
+            None => Value::Null,
+        }
     }
 
     fn lmcache_stats(&self) -> Value {
@@ -162,6 +225,7 @@ impl SimEngine {
                 );
             }
             (&Method::GET, "/sim/stats") => return json_response(200, &self.stats()),
+            (&Method::GET, "/metrics") => return self.prometheus(),
             (&Method::POST, "/sim/faults") => return self.set_faults(req).await,
             (&Method::POST, "/v1/completions") => Endpoint::Completions,
             (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
@@ -218,6 +282,7 @@ impl SimEngine {
     pub fn stats(&self) -> Value {
         let mut v = self.role_stats();
         v["lmcache"] = self.lmcache_stats();
+        v["nixl"] = self.nixl_stats();
         v
     }
 
@@ -262,6 +327,21 @@ impl SimEngine {
         let mut n = req.max_tokens();
         let mut held = Vec::new();
         let mut first_tok = None;
+        self.running.fetch_add(1, Ordering::Relaxed);
+        let running = Running(Arc::clone(&self.running));
+        let mut kv_params = None;
+        match (&self.nixl, req.nixl_params()?) {
+            (Some(NixlRole::Producer(p)), Some(np)) if np.do_remote_decode => {
+                kv_params = Some(p.hold(&ids)?);
+                n = 1;
+            }
+            (Some(NixlRole::Consumer), Some(np)) if np.do_remote_prefill => {
+                if let Role::Decode(d) = &self.role {
+                    super::nixl::pull(&d.geometry(), &ids, &np).await?;
+                }
+            }
+            _ => {}
+        }
         match (&self.role, &req.baton) {
             (Role::Prefill(p), Some(b)) if !b.decoders.is_empty() => {
                 let key = b.key().map_err(SimError::bad)?;
@@ -302,6 +382,10 @@ impl SimEngine {
             if let Some(t) = first_tok {
                 body["kv_transfer_params"] = json!({"first_tok": t});
             }
+            if let Some(p) = kv_params {
+                body["kv_transfer_params"] = p;
+            }
+            drop(running);
             return Ok(json_response(200, &body));
         }
         let include_usage = req.include_usage();
@@ -311,6 +395,7 @@ impl SimEngine {
             // The engine's cache blocks stay held while tokens are produced; a client that leaves
             // ends the task and returns them.
             let _held = held;
+            let _running = running;
             let event = |v: Value| Bytes::from(format!("data: {v}\n\n"));
             for (i, (_, tok)) in output_tokens(&ids, n).into_iter().enumerate() {
                 if !delay.is_zero() {

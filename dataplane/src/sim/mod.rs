@@ -17,6 +17,7 @@ pub mod faults;
 pub mod http;
 pub mod kv;
 pub mod lmcache;
+pub mod nixl;
 pub mod prefill;
 
 use std::fmt;
@@ -31,7 +32,7 @@ use crate::buffer::DEFAULT_QUARANTINE_TTL;
 use crate::geometry::KvGeometry;
 use decode::DecodeEngine;
 use faults::{FaultConfig, Faults};
-use http::{LmcacheRole, Role, SimEngine};
+use http::{LmcacheRole, NixlRole, Role, SimEngine};
 use prefill::{DEFAULT_PRODUCER_HOLD_TTL, PrefillEngine};
 
 /// Which side of a PD pair the engine plays.
@@ -74,6 +75,8 @@ pub struct SimConfig {
     pub faults: FaultConfig,
     /// Also play LMCache's PD backend (decode: receiver; prefill: sender).
     pub lmcache: Option<LmcacheSimConfig>,
+    /// Also play vLLM's NIXL connector (prefill: producer with this abort timeout; decode: consumer).
+    pub nixl: Option<Duration>,
 }
 
 /// The LMCache PD backend settings of a simulated engine (the `pd_*` keys of LMCache's YAML).
@@ -108,6 +111,7 @@ impl SimConfig {
             hold_ttl: DEFAULT_PRODUCER_HOLD_TTL,
             faults: FaultConfig::default(),
             lmcache: None,
+            nixl: None,
         }
     }
 }
@@ -168,7 +172,14 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             .await?,
         ))),
     };
-    let engine = SimEngine::new(role, lmcache, c.model, faults, c.token_delay);
+    let nixl = match (c.nixl, c.role) {
+        (None, _) => None,
+        (Some(abort), SimRole::Prefill) => Some(NixlRole::Producer(Arc::new(
+            nixl::Producer::start(c.geometry, c.dp_host, c.cache_blocks, c.block_size, abort).await?,
+        ))),
+        (Some(_), SimRole::Decode) => Some(NixlRole::Consumer),
+    };
+    let engine = SimEngine::new(role, lmcache, nixl, c.model, faults, c.token_delay);
     let listener = TcpListener::bind(c.listen)
         .await
         .map_err(|e| SimError::internal(format!("bind {}: {e}", c.listen)))?;

@@ -16,13 +16,14 @@ const USAGE: &str = "usage: baton serve --config FILE
        baton check-config FILE
        baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
                   [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
-                  [--handoff native|lmcache]
+                  [--handoff native|lmcache|vllm-nixl]
 
   serve          run the gateway from a TOML configuration (see configs/)
   check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
   demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
                  --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template;
-                 --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels)";
+                 --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels),
+                 --handoff vllm-nixl as vLLM with its NIXL connector (the decoder pulls)";
 
 fn check(file: &str) -> ExitCode {
     match baton_gateway::config::load(std::path::Path::new(file)) {
@@ -45,6 +46,13 @@ fn check(file: &str) -> ExitCode {
                 println!("  lmcache notifications on {a} (first token from prefill: {})", c.first_token);
             }
             for d in &c.decoders {
+                if let Some(n) = &d.nixl {
+                    println!(
+                        "  decode {} at {}: vllm-nixl, up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
+                        d.name, d.http, n.max_in_flight, n.kv_usage_high, n.max_waiting, n.scrape_interval
+                    );
+                    continue;
+                }
                 if let Some(lm) = &d.lmcache {
                     println!(
                         "  decode {} at {}: lmcache, receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
@@ -130,8 +138,8 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
         c.gateway.tokenizer = Some(std::sync::Arc::new(t));
     }
     if let Some(h) = flag(args, "--handoff") {
-        c.handoff =
-            DemoHandoff::parse(&h).ok_or_else(|| format!("--handoff: {h:?} is not native or lmcache"))?;
+        c.handoff = DemoHandoff::parse(&h)
+            .ok_or_else(|| format!("--handoff: {h:?} is not native, lmcache or vllm-nixl"))?;
     }
     if let Some(r) = flag(args, "--routing") {
         c.gateway.routing = Builtin::parse(&r)

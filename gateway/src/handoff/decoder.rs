@@ -20,12 +20,14 @@ use crate::admission::{QueueConfig, SlotQueue};
 type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
 
 /// How a decode engine receives the KV.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum DecodeMode {
     /// baton's data plane: reservations on every rank, readiness events.
     Native,
     /// LMCache's PD backend: the prefiller pushes into the decoder's buffer and notifies the gateway.
     Lmcache(super::lmcache::LmcacheTarget),
+    /// vLLM's NIXL connector: the decoder pulls from the prefiller; admission from its metrics.
+    VllmNixl(super::nixl::NixlTarget),
 }
 
 /// One decode engine.
@@ -40,6 +42,8 @@ pub struct DecoderHandle {
     waiters: Waiters,
     pub queue: SlotQueue,
     pub health: crate::routing::Health,
+    /// `vllm-nixl`: what the decoder's metrics said last.
+    pub nixl_load: Option<Arc<super::nixl::NixlLoad>>,
     _routers: JoinSet<()>,
 }
 
@@ -178,6 +182,7 @@ impl DecoderHandle {
             waiters,
             queue,
             health: crate::routing::Health::default(),
+            nixl_load: None,
             _routers: routers,
         }))
     }
@@ -203,7 +208,37 @@ impl DecoderHandle {
             waiters: Arc::default(),
             queue: SlotQueue::new(capacity, queue),
             health: crate::routing::Health::default(),
+            nixl_load: None,
             _routers: JoinSet::new(),
+        })
+    }
+
+    /// A decoder behind vLLM's NIXL connector: `max_in_flight` slots of one request each, closed
+    /// while its own metrics say it is full (read every `scrape_interval` until this is dropped).
+    pub fn nixl(
+        name: String,
+        http: SocketAddr,
+        target: super::nixl::NixlTarget,
+        queue: QueueConfig,
+    ) -> Arc<Self> {
+        let load = Arc::new(super::nixl::NixlLoad::default());
+        Arc::new_cyclic(|weak| {
+            let mut tasks = JoinSet::new();
+            tasks.spawn(super::nixl::scrape_loop(weak.clone(), target.clone(), Arc::clone(&load)));
+            Self {
+                name,
+                mode: DecodeMode::VllmNixl(target.clone()),
+                http,
+                ranks: Vec::new(),
+                chunk_tokens: 1,
+                fingerprint: 0,
+                controls: Vec::new(),
+                waiters: Arc::default(),
+                queue: SlotQueue::new(target.max_in_flight, queue),
+                health: crate::routing::Health::default(),
+                nixl_load: Some(load),
+                _routers: tasks,
+            }
         })
     }
 

@@ -10,6 +10,7 @@
 
 pub mod decoder;
 pub mod lmcache;
+pub mod nixl;
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -242,6 +243,8 @@ pub struct Native {
     pub drainer: Option<Arc<lmcache::DrainClient>>,
     /// Ask `lmcache` prefillers for the first token (`ret_first_tok`) and send it to the client at once.
     pub first_token: bool,
+    /// `vllm-nixl`: drains sent for requests that ended between their prefill and their decode.
+    pub nixl_drains: Arc<nixl::NixlDrains>,
 }
 
 impl std::fmt::Debug for Native {
@@ -279,6 +282,7 @@ impl Native {
             lmcache: None,
             drainer: None,
             first_token: true,
+            nixl_drains: Arc::default(),
         }
     }
 

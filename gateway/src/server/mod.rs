@@ -386,6 +386,7 @@ impl Gateway {
         match &dec.mode {
             DecodeMode::Native => self.native.run(&prefills, dec, &req, &ids, 0).await,
             DecodeMode::Lmcache(t) => self.native.run_lmcache(&prefills, dec, t, &req, &ids, 0).await,
+            DecodeMode::VllmNixl(_) => self.native.run_nixl(&prefills, dec, &req, 0).await,
         }
     }
 

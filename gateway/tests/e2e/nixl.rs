@@ -1,0 +1,159 @@
+//! The `vllm-nixl` handoff end to end: simulated engines speaking vLLM's NIXL connector fields
+//! (`kv_transfer_params` with `do_remote_decode` / `do_remote_prefill` and the `remote_*` fields
+//! the producer returns), the decoder pulling the KV, admission from the decoder's `/metrics`.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use baton_dataplane::sim::kv::output_text;
+use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::handoff::nixl::NixlTarget;
+use baton_gateway::tokenize::render_chat;
+use serde_json::json;
+use tokio::task::JoinSet;
+
+use super::{answer_text, http, prompt};
+
+async fn nixl_demo(token_delay: Duration, target: NixlTarget) -> Demo {
+    start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        token_delay,
+        handoff: DemoHandoff::VllmNixl,
+        gateway: GatewaySetup { nixl: target, ..GatewaySetup::default() },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+fn fast_scrape() -> NixlTarget {
+    NixlTarget { scrape_interval: Duration::from_millis(20), ..NixlTarget::default() }
+}
+
+/// The producers' blocks (held for remote decodes) and the gateway's slots all come back.
+async fn assert_nixl_clean(d: &Demo, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let slots: u32 = d.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum();
+        let held: u64 =
+            d.engines.iter().map(|e| e.engine.stats()["nixl"]["blocks_held"].as_u64().unwrap_or(0)).sum();
+        if slots == 0 && held == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "not clean after {within:?}: {slots} slots, {held} producer blocks held; drains {:?}; {}",
+            d.gateway.native.nixl_drains,
+            d.engines[0].engine.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Completions and chat, streamed and not: the decoder pulls and verifies every byte, the answer is
+/// the model's, usage is right, and the producer frees its blocks as soon as they are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
+    let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
+    for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
+        let text = prompt(90, 4);
+        let (path, body, ids) = if chat {
+            let ids: Vec<u32> =
+                render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
+            let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": true}});
+            ("/v1/chat/completions", body, ids)
+        } else {
+            let body = json!({"prompt": text, "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": true}});
+            ("/v1/completions", body, text.bytes().map(u32::from).collect())
+        };
+        let (status, b) = http(d.addr, path, Some(&body)).await;
+        let case = format!("chat={chat} stream={stream}");
+        assert_eq!(status, 200, "{case}: {}", String::from_utf8_lossy(&b));
+        let (got, usage) = answer_text(&b, chat, stream);
+        assert_eq!(got, output_text(&ids, 6), "{case}");
+        assert_eq!(usage, Some((ids.len() as u64, 6)), "{case}");
+    }
+    assert_nixl_clean(&d, Duration::from_secs(5)).await;
+    let prefill = d.engines[0].engine.stats();
+    assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
+    assert_eq!(d.gateway.native.nixl_drains.drains.load(Ordering::Relaxed), 0);
+    d.shutdown().await;
+}
+
+/// While the decoder's metrics say its KV cache is full, new requests queue (one at a time gets
+/// through so a gateway never starves itself); once the decoder recovers, they all complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_nixl_admission_follows_the_decoders_metrics() {
+    let d = nixl_demo(Duration::from_millis(10), fast_scrape()).await;
+    let decode = d.decode_addrs()[0];
+    let (s, _) = http(decode, "/sim/faults", Some(&json!({"report_kv_usage_pct": 99}))).await;
+    assert_eq!(s, 200);
+    let dec = &d.gateway.decoders[0];
+    let started = Instant::now();
+    while dec.queue.stats().capacity != 1 {
+        assert!(started.elapsed() < Duration::from_secs(2), "admission never closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut tasks = JoinSet::new();
+    for i in 0..6usize {
+        let addr = d.addr;
+        tasks.spawn(async move {
+            let (s, b) =
+                http(addr, "/v1/completions", Some(&json!({"prompt": prompt(30, i), "max_tokens": 10})))
+                    .await;
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+        });
+    }
+    let mut most_waiting = 0;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let st = dec.queue.stats();
+        assert!(st.in_use <= 1, "admitted {} while the decoder is full", st.in_use);
+        most_waiting = most_waiting.max(st.waiting);
+    }
+    assert!(most_waiting >= 4, "requests did not queue: at most {most_waiting} waiting");
+    let (s, _) = http(decode, "/sim/faults", Some(&json!({}))).await;
+    assert_eq!(s, 200);
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_eq!(dec.queue.stats().capacity, NixlTarget::default().max_in_flight);
+    assert!(dec.nixl_load.as_ref().unwrap().scrapes.load(Ordering::Relaxed) > 0);
+    assert_nixl_clean(&d, Duration::from_secs(5)).await;
+    d.shutdown().await;
+}
+
+/// 200 clients that leave at random points, many right after their prefill: no slot stays held,
+/// and no producer block outlives the gateway's own deadline (the producer's own timeout is 480 s:
+/// only the gateway's drains can free them this fast).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
+    let d = nixl_demo(Duration::from_millis(3), fast_scrape()).await;
+    let mut tasks = JoinSet::new();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for i in 0..200usize {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let tokens = 5 + (x % 180) as usize;
+        let give_up = Duration::from_millis(x % 40);
+        let stream = i % 2 == 0;
+        let addr = d.addr;
+        tasks.spawn(async move {
+            let body = json!({"prompt": prompt(tokens, i), "max_tokens": 20, "stream": stream});
+            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_nixl_clean(&d, Duration::from_secs(10)).await;
+    let drains = &d.gateway.native.nixl_drains;
+    assert_eq!(drains.drain_failures.load(Ordering::Relaxed), 0);
+    eprintln!("{} drains for abandoned requests", drains.drains.load(Ordering::Relaxed));
+    let (s, _) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
+    assert_eq!(s, 200);
+    d.shutdown().await;
+}
