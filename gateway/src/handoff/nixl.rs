@@ -180,6 +180,8 @@ impl Body for Guarded {
 #[derive(Debug, Default)]
 pub struct NixlDrains {
     pub drains: AtomicU64,
+    /// The producer no longer had the blocks (the decode it raced with had read them): nothing held.
+    pub already_free: AtomicU64,
     pub drain_failures: AtomicU64,
 }
 
@@ -225,15 +227,17 @@ async fn drain(
             o.insert("max_completion_tokens".into(), json!(1));
         }
     }
-    let ok = match post_json(&client, decoder, path, &body, timeout).await {
+    let status = match post_json(&client, decoder, path, &body, timeout).await {
         Ok(r) => {
-            let ok = r.status().is_success();
+            let s = r.status().as_u16();
             let _ = r.into_body().collect().await;
-            ok
+            s
         }
-        Err(_) => false,
+        Err(_) => 0,
     };
-    if !ok {
+    if status == 410 {
+        counters.already_free.fetch_add(1, Ordering::Relaxed);
+    } else if !(200..300).contains(&status) {
         counters.drain_failures.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(decoder = %decoder, "drain decode failed; the prefiller keeps the blocks until its own timeout");
     }
