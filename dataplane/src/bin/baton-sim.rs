@@ -14,11 +14,18 @@ use std::time::Duration;
 
 use baton_dataplane::KvGeometry;
 use baton_dataplane::sim::faults::FaultConfig;
-use baton_dataplane::sim::{SimConfig, SimRole, launch, tiny_geometry};
+use baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
+use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
 
 const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--model NAME] [--tp N]
        [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]
-       [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]";
+       [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]
+       [--lmcache] [--lmcache-buffer BYTES] [--lmcache-alloc-ports P,P] [--lmcache-init-ports P,P]
+       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
+
+  --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
+               alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
+  --nixl       also speak vLLM's NIXL connector (producer keeps blocks N seconds unless read)";
 
 fn parse() -> Result<SimConfig, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -79,6 +86,37 @@ fn parse() -> Result<SimConfig, String> {
         "--hold-ttl-ms",
         u64::try_from(c.hold_ttl.as_millis()).unwrap_or(u64::MAX),
     )?);
+    let ports = |name: &str| -> Result<Vec<u16>, String> {
+        get(name).map_or(Ok(Vec::new()), |v| {
+            v.split(',')
+                .map(|p| p.trim().parse().map_err(|_| format!("{name}: not a port list: {v:?}")))
+                .collect()
+        })
+    };
+    if args.iter().any(|a| a.starts_with("--lmcache")) {
+        let proxy = match get("--lmcache-proxy") {
+            Some(p) => Some(p.parse().map_err(|_| format!("--lmcache-proxy: not an address: {p:?}"))?),
+            None => None,
+        };
+        c.lmcache = Some(LmcacheSimConfig {
+            pd_buffer_bytes: num(
+                get("--lmcache-buffer"),
+                "--lmcache-buffer",
+                u64::from(c.pages) * c.geometry.page_bytes_per_rank(),
+            )?,
+            alloc_ports: ports("--lmcache-alloc-ports")?,
+            init_ports: ports("--lmcache-init-ports")?,
+            proxy,
+            async_send: args.iter().any(|a| a == "--lmcache-async"),
+        });
+    }
+    if args.iter().any(|a| a.starts_with("--nixl")) {
+        c.nixl = Some(Duration::from_secs(num(
+            get("--nixl-abort-timeout-s"),
+            "--nixl-abort-timeout-s",
+            DEFAULT_NIXL_ABORT_TIMEOUT.as_secs(),
+        )?));
+    }
     if let Some(f) = get("--faults") {
         c.faults = serde_json::from_str::<FaultConfig>(&f).map_err(|e| format!("--faults: {e}"))?;
     }
