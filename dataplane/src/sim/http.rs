@@ -226,6 +226,7 @@ impl SimEngine {
             }
             (&Method::GET, "/sim/stats") => return json_response(200, &self.stats()),
             (&Method::GET, "/metrics") => return self.prometheus(),
+            (&Method::POST, "/tokenize") => return self.tokenize(req).await,
             (&Method::POST, "/sim/faults") => return self.set_faults(req).await,
             (&Method::POST, "/v1/completions") => Endpoint::Completions,
             (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
@@ -259,6 +260,27 @@ impl SimEngine {
             json_response(503, &json!({"status": "degraded", "reason": "a rank is down"}))
         } else {
             json_response(200, &json!({"status": "ok"}))
+        }
+    }
+
+    /// vLLM's `POST /tokenize`: `{"prompt": ...}` or `{"messages": [...]}` → `{"count", "max_model_len",
+    /// "tokens"}` (LMCache's proxy tokenizes through it).
+    async fn tokenize(&self, req: Request<Incoming>) -> Resp {
+        let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error_response(&SimError::bad(e)),
+        };
+        let parsed: Result<GenRequest, _> = serde_json::from_slice(&body);
+        let ids = match parsed {
+            Ok(r) if r.messages.is_some() => r.token_ids(Endpoint::Chat),
+            Ok(r) => r.token_ids(Endpoint::Completions),
+            Err(e) => Err(format!("invalid request body: {e}")),
+        };
+        match ids {
+            Ok(ids) => {
+                json_response(200, &json!({"count": ids.len(), "max_model_len": 32768, "tokens": ids}))
+            }
+            Err(e) => error_response(&SimError::bad(e)),
         }
     }
 

@@ -102,3 +102,58 @@ async fn libzmq_req_allocates_through_the_rep_server() {
         serde_json::json!({"type": "AllocResponse", "already_sent_indexes": [], "remote_indexes": [5, 15]})
     );
 }
+
+/// The request flow of LMCache's own proxy (a Python replica using pyzmq and msgspec: `/tokenize`,
+/// prefill with `disagg_spec` and `ret_first_tok`, one `ProxyNotif` per decoder rank, decode from the
+/// prompt plus the first token) drives the simulated engines: they speak what LMCache's proxy speaks.
+#[cfg(feature = "sim")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcaches_proxy_flow_drives_the_simulated_engines() {
+    use baton_dataplane::sim::kv::output_text;
+    use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+    let g = tiny_geometry(2).unwrap();
+    let pull = free_port();
+    let mut dc = SimConfig::new(SimRole::Decode, g);
+    dc.lmcache = Some(LmcacheSimConfig {
+        pd_buffer_bytes: 16 * g.page_bytes_per_rank(),
+        ..LmcacheSimConfig::default()
+    });
+    let decode = launch(dc).await.unwrap();
+    let mut pc = SimConfig::new(SimRole::Prefill, g);
+    pc.lmcache = Some(LmcacheSimConfig { proxy: Some(pull), ..LmcacheSimConfig::default() });
+    let prefill = launch(pc).await.unwrap();
+    let ranks = decode.engine.stats()["lmcache"]["ranks"].as_array().unwrap().clone();
+    let ports = |k: &str| {
+        ranks
+            .iter()
+            .map(|r| r[k].as_str().unwrap().rsplit(':').next().unwrap().to_owned())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let prompt = "the proxy from LMCache's examples, replayed against baton-sim";
+    let out = peer(&[
+        "proxy",
+        &pull.to_string(),
+        &format!("http://{}", prefill.addr),
+        &format!("http://{}", decode.addr),
+        "127.0.0.1",
+        &ports("init_addr"),
+        &ports("alloc_addr"),
+        prompt,
+        "5",
+    ])
+    .output()
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    assert_eq!(v["text"], output_text(&ids, 5));
+    let s = decode.engine.stats();
+    for r in s["lmcache"]["ranks"].as_array().unwrap() {
+        assert_eq!((r["used_chunks"].as_u64(), r["recomputed"].as_u64()), (Some(0), Some(0)), "{s}");
+        assert_eq!(r["retrieved_chunks"], ids.len().div_ceil(16) as u64);
+    }
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}

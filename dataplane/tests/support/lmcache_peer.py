@@ -8,10 +8,16 @@ lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache its
   push ADDR REQ_ID [COUNT]   PUSH COUNT ProxyNotif(req_id) messages to tcp://ADDR
   pull ADDR COUNT            bind PULL on tcp://ADDR, print each decoded message as a JSON line
   req ADDR                   send one AllocRequest over REQ, print the decoded AllocResponse
+  proxy PULL PREFILL DECODE HOST INIT_PORTS ALLOC_PORTS PROMPT MAX_TOKENS
+                             one completion the way LMCache's disagg_proxy_server.py makes it
+                             (tokenize, prefill with disagg_spec and ret_first_tok, wait for one
+                             ProxyNotif per decoder rank, decode from prompt + first token); prints
+                             the text as JSON
 """
 
 import json
 import sys
+import urllib.request
 from typing import Union
 
 import msgspec
@@ -41,6 +47,51 @@ class ProxyNotif(PDMsgBase):
 
 PDMsg = Union[AllocRequest, AllocResponse, ProxyNotif]
 TIMEOUT_MS = 10_000
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT_MS / 1000) as r:
+        return json.loads(r.read())
+
+
+def proxy(ctx, pull, prefill, decode, host, init_ports, alloc_ports, prompt, max_tokens) -> None:
+    """The request flow of LMCache's examples/disagg_prefill/disagg_proxy_server.py, with the same
+    request fields, against engines at PREFILL and DECODE (http://IP:PORT)."""
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    s.bind(f"tcp://{pull}")
+    init = [int(p) for p in init_ports.split(",")]
+    alloc = [int(p) for p in alloc_ports.split(",")]
+    tokens = post(f"{prefill}/tokenize", {"prompt": prompt})["tokens"]
+    req_id = "1"
+    req = {
+        "model": "baton-sim",
+        "prompt": tokens,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "ret_first_tok": True,
+            "disagg_spec": {
+                "req_id": req_id,
+                "receiver_host": host,
+                "receiver_init_port": init,
+                "receiver_alloc_port": alloc,
+            },
+        },
+    }
+    out = post(f"{prefill}/v1/completions", req)
+    got = 0
+    while got < len(init):
+        msg = msgspec.msgpack.decode(s.recv(), type=PDMsg)
+        if msg.req_id == req_id:
+            got += 1
+    req["max_tokens"] = int(max_tokens) - 1
+    req["prompt"].append(out["kv_transfer_params"]["first_tok"])
+    req.pop("kv_transfer_params")
+    dec = post(f"{decode}/v1/completions", req)
+    print(json.dumps({"text": out["choices"][0]["text"] + dec["choices"][0]["text"]}), flush=True)
+    s.close()
 
 
 def main() -> None:
@@ -73,6 +124,8 @@ def main() -> None:
         msg = msgspec.msgpack.decode(s.recv(), type=PDMsg)
         print(json.dumps({"type": type(msg).__name__, **msgspec.structs.asdict(msg)}), flush=True)
         s.close()
+    elif mode == "proxy":
+        proxy(ctx, *sys.argv[2:])
     else:
         raise SystemExit(f"unknown mode {mode}")
     ctx.term()
