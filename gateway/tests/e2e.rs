@@ -120,6 +120,56 @@ fn answer_text(body: &[u8], chat: bool, stream: bool) -> (String, Option<(u64, u
     (text, usage)
 }
 
+/// 200 clients that leave at random points (a fixed seed): `tokens(x)` sizes each prompt from the
+/// random draw, each waits at most `x % give_up_ms` ms, every other one streams.
+async fn disconnect_storm(addr: SocketAddr, tokens: fn(u64) -> usize, give_up_ms: u64) {
+    let mut tasks = JoinSet::new();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for i in 0..200usize {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let n = tokens(x);
+        let give_up = Duration::from_millis(x % give_up_ms);
+        let stream = i % 2 == 0;
+        tasks.spawn(async move {
+            let body = json!({"prompt": prompt(n, i), "max_tokens": 20, "stream": stream});
+            // Dropping the request future closes the connection: the client is gone.
+            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+}
+
+/// Completions and chat, streamed and not, each checked for the model's text and exact usage.
+async fn four_shapes(addr: SocketAddr, tokens: usize, max_tokens: u32, case: &str) {
+    for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
+        let text = prompt(tokens, 7);
+        let (path, body, ids) = if chat {
+            let ids: Vec<u32> =
+                render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
+            let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}});
+            ("/v1/chat/completions", body, ids)
+        } else {
+            let body = json!({"prompt": text, "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}});
+            ("/v1/completions", body, text.bytes().map(u32::from).collect())
+        };
+        let (status, b) = http(addr, path, Some(&body)).await;
+        let case = format!("{case} chat={chat} stream={stream}");
+        assert_eq!(status, 200, "{case}: {}", String::from_utf8_lossy(&b));
+        let (got, usage) = answer_text(&b, chat, stream);
+        assert_eq!(got, output_text(&ids, max_tokens), "{case}");
+        assert_eq!(usage, Some((ids.len() as u64, u64::from(max_tokens))), "{case}");
+        if stream && chat {
+            let first = std::str::from_utf8(&b).unwrap().split("\n\n").next().unwrap();
+            let first: Value = serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(first["choices"][0]["delta"]["role"], "assistant", "{case}");
+        }
+    }
+}
+
 /// Starts the deadlock scenario's 300 requests (1 to 60 pages each, completions and chat, streamed
 /// and not) against `addr`; each task checks its tokens and usage, then counts itself in `done`.
 fn deadlock_scenario(addr: SocketAddr, done: &std::sync::Arc<std::sync::atomic::AtomicUsize>) -> JoinSet<()> {
@@ -292,25 +342,7 @@ async fn random_disconnects_leave_nothing_held() {
     })
     .await
     .unwrap();
-    let mut tasks = JoinSet::new();
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    for i in 0..200usize {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let pages = 1 + (x % 12) as usize;
-        let give_up = Duration::from_millis(x % 150);
-        let stream = i % 2 == 0;
-        let addr = d.addr;
-        tasks.spawn(async move {
-            let body = json!({"prompt": prompt(pages * 16 - 3, i), "max_tokens": 20, "stream": stream});
-            // Dropping the request future closes the connection: the client is gone.
-            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
-        });
-    }
-    while let Some(r) = tasks.join_next().await {
-        r.unwrap();
-    }
+    disconnect_storm(d.addr, |x| (1 + (x % 12) as usize) * 16 - 3, 150).await;
     assert_clean(&d).await;
     // And the gateway still serves.
     let (s, _) =

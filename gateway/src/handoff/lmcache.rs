@@ -592,9 +592,7 @@ impl Native {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
             }
             self.metrics.phase("first_token", timing.total());
-            for (phase, d) in &timing.phases {
-                self.metrics.phase(phase, *d);
-            }
+            self.record(&timing);
             tokio::spawn(async move {
                 let mut life = life;
                 let r = ctx.stream(&mut life, &shaper, &tx, include_usage).await;
@@ -618,9 +616,7 @@ impl Native {
         }
         let (text, finish, decoded) = ctx.whole(&mut life).await?;
         timing.mark("decode");
-        for (phase, d) in &timing.phases {
-            self.metrics.phase(phase, *d);
-        }
+        self.record(&timing);
         let body = shaper.full(&format!("{first_text}{text}"), &finish, decoded);
         let mut r = Response::new(
             Full::new(Bytes::from(body.to_string())).map_err(|e| -> BoxError { match e {} }).boxed(),

@@ -364,6 +364,29 @@ impl Native {
         }
     }
 
+    /// An engine's non-200 answer as the client's error; a 5xx counts against the engine.
+    async fn refused(
+        &self,
+        leg: &'static str,
+        name: &str,
+        health: &Health,
+        resp: Response<hyper::body::Incoming>,
+    ) -> GatewayError {
+        let status = resp.status().as_u16();
+        if status >= 500 {
+            self.failed(name, health);
+        }
+        let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        GatewayError::Upstream { leg, message: format!("{status}: {}", short_body(&b)) }
+    }
+
+    /// Records a finished request's phases.
+    fn record(&self, timing: &Timing) {
+        for (phase, d) in &timing.phases {
+            self.metrics.phase(phase, *d);
+        }
+    }
+
     /// Counts a failure against an endpoint (passive health).
     fn failed(&self, name: &str, h: &Health) {
         if h.failure(&self.health) {
@@ -505,15 +528,7 @@ impl Native {
         let (prefill, resp, in_flight) =
             self.send_prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await?;
         if resp.status() != 200 {
-            let status = resp.status().as_u16();
-            if status >= 500 {
-                self.failed(&prefill.name, &prefill.health);
-            }
-            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(GatewayError::Upstream {
-                leg: "prefill",
-                message: format!("{status}: {}", short_body(&b)),
-            });
+            return Err(self.refused("prefill", &prefill.name, &prefill.health, resp).await);
         }
         // The prefill's own answer (one token) is not used; drain it so the connection is reused.
         let _ = resp.into_body().collect().await;
@@ -566,23 +581,13 @@ impl Native {
             GatewayError::Upstream { leg: "decode", message: e.message }
         })?;
         if resp.status() != 200 {
-            let status = resp.status().as_u16();
-            if status >= 500 {
-                self.failed(&dec.name, &dec.health);
-            }
-            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(GatewayError::Upstream {
-                leg: "decode",
-                message: format!("{status}: {}", short_body(&b)),
-            });
+            return Err(self.refused("decode", &dec.name, &dec.health, resp).await);
         }
         dec.health.success();
         life.decoded = true;
         drop(life);
         timing.mark("decode");
-        for (phase, d) in &timing.phases {
-            self.metrics.phase(phase, *d);
-        }
+        self.record(&timing);
         let (mut parts, body) = resp.into_parts();
         if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
             parts.headers.insert("server-timing", v);

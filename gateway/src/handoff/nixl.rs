@@ -388,21 +388,11 @@ impl Native {
         };
         owed.params = None;
         if resp.status() != 200 {
-            let status = resp.status().as_u16();
-            if status >= 500 {
-                self.failed(&dec.name, &dec.health);
-            }
-            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(GatewayError::Upstream {
-                leg: "decode",
-                message: format!("{status}: {}", short_body(&b)),
-            });
+            return Err(self.refused("decode", &dec.name, &dec.health, resp).await);
         }
         dec.health.success();
         timing.mark("decode");
-        for (phase, d) in &timing.phases {
-            self.metrics.phase(phase, *d);
-        }
+        self.record(&timing);
         let (mut parts, inner) = resp.into_parts();
         if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
             parts.headers.insert("server-timing", v);

@@ -9,11 +9,10 @@ use baton_dataplane::sim::faults::FaultConfig;
 use baton_dataplane::sim::kv::output_text;
 use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
 use baton_gateway::handoff::Limits;
-use baton_gateway::tokenize::render_chat;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
-use super::{answer_text, deadlock_scenario, http, prompt};
+use super::{answer_text, deadlock_scenario, disconnect_storm, four_shapes, http, prompt};
 
 async fn lmcache_demo(tp: u32, pages: u32, faults: FaultConfig, setup: GatewaySetup) -> Demo {
     start(DemoConfig {
@@ -64,37 +63,7 @@ async fn lmcache_mode_serves_completions_and_chat_streamed_and_not() {
     for no_first_token in [false, true] {
         let setup = GatewaySetup { no_first_token, ..GatewaySetup::default() };
         let d = lmcache_demo(2, 64, FaultConfig::default(), setup).await;
-        for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
-            let text = prompt(100, 7);
-            let (path, body, ids) = if chat {
-                let ids: Vec<u32> =
-                    render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
-                let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
-                ("/v1/chat/completions", body, ids)
-            } else {
-                let body = json!({"prompt": text, "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
-                ("/v1/completions", body, text.bytes().map(u32::from).collect())
-            };
-            let (status, b) = http(d.addr, path, Some(&body)).await;
-            let case = format!("chat={chat} stream={stream} first_token={}", !no_first_token);
-            assert_eq!(status, 200, "{case}: {}", String::from_utf8_lossy(&b));
-            let (got, usage) = answer_text(&b, chat, stream);
-            assert_eq!(got, output_text(&ids, 5), "{case}");
-            assert_eq!(usage, Some((ids.len() as u64, 5)), "{case}");
-            if stream && chat {
-                let first: Value = serde_json::from_str(
-                    std::str::from_utf8(&b)
-                        .unwrap()
-                        .split("\n\n")
-                        .next()
-                        .unwrap()
-                        .strip_prefix("data: ")
-                        .unwrap(),
-                )
-                .unwrap();
-                assert_eq!(first["choices"][0]["delta"]["role"], "assistant", "{case}");
-            }
-        }
+        four_shapes(d.addr, 100, 5, &format!("first_token={}", !no_first_token)).await;
         // max_tokens 1 with first token: the prefill's token is the whole answer, and the decoder's
         // buffer is still drained.
         let (status, b) =
@@ -227,24 +196,7 @@ async fn lmcache_random_disconnects_leave_nothing_held() {
     })
     .await
     .unwrap();
-    let mut tasks = JoinSet::new();
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    for i in 0..200usize {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let pages = 1 + (x % 12) as usize;
-        let give_up = Duration::from_millis(x % 150);
-        let stream = i % 2 == 0;
-        let addr = d.addr;
-        tasks.spawn(async move {
-            let body = json!({"prompt": prompt(pages * 16 - 3, i), "max_tokens": 20, "stream": stream});
-            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
-        });
-    }
-    while let Some(r) = tasks.join_next().await {
-        r.unwrap();
-    }
+    disconnect_storm(d.addr, |x| (1 + (x % 12) as usize) * 16 - 3, 150).await;
     assert_lmcache_clean(&d, false).await;
     let (s, _) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;

@@ -5,14 +5,12 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use baton_dataplane::sim::kv::output_text;
 use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
 use baton_gateway::handoff::nixl::NixlTarget;
-use baton_gateway::tokenize::render_chat;
 use serde_json::json;
 use tokio::task::JoinSet;
 
-use super::{answer_text, http, prompt};
+use super::{disconnect_storm, four_shapes, http, prompt};
 
 async fn nixl_demo(token_delay: Duration, target: NixlTarget) -> Demo {
     start(DemoConfig {
@@ -56,24 +54,7 @@ async fn assert_nixl_clean(d: &Demo, within: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
     let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
-    for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
-        let text = prompt(90, 4);
-        let (path, body, ids) = if chat {
-            let ids: Vec<u32> =
-                render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
-            let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": true}});
-            ("/v1/chat/completions", body, ids)
-        } else {
-            let body = json!({"prompt": text, "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": true}});
-            ("/v1/completions", body, text.bytes().map(u32::from).collect())
-        };
-        let (status, b) = http(d.addr, path, Some(&body)).await;
-        let case = format!("chat={chat} stream={stream}");
-        assert_eq!(status, 200, "{case}: {}", String::from_utf8_lossy(&b));
-        let (got, usage) = answer_text(&b, chat, stream);
-        assert_eq!(got, output_text(&ids, 6), "{case}");
-        assert_eq!(usage, Some((ids.len() as u64, 6)), "{case}");
-    }
+    four_shapes(d.addr, 90, 6, "vllm-nixl").await;
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     let prefill = d.engines[0].engine.stats();
     assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
@@ -130,24 +111,7 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
     let d = nixl_demo(Duration::from_millis(3), fast_scrape()).await;
-    let mut tasks = JoinSet::new();
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    for i in 0..200usize {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let tokens = 5 + (x % 180) as usize;
-        let give_up = Duration::from_millis(x % 40);
-        let stream = i % 2 == 0;
-        let addr = d.addr;
-        tasks.spawn(async move {
-            let body = json!({"prompt": prompt(tokens, i), "max_tokens": 20, "stream": stream});
-            let _ = tokio::time::timeout(give_up, http(addr, "/v1/completions", Some(&body))).await;
-        });
-    }
-    while let Some(r) = tasks.join_next().await {
-        r.unwrap();
-    }
+    disconnect_storm(d.addr, |x| 5 + (x % 180) as usize, 40).await;
     assert_nixl_clean(&d, Duration::from_secs(10)).await;
     let drains = &d.gateway.native.nixl_drains;
     assert_eq!(drains.drain_failures.load(Ordering::Relaxed), 0);
