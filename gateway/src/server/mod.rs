@@ -304,6 +304,7 @@ impl Gateway {
             })
             .collect();
         crate::telemetry::render_endpoints(&mut text, &endpoints);
+        self.render_handoffs(&mut text);
         let mut r =
             Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
         r.headers_mut()
@@ -390,6 +391,123 @@ impl Gateway {
         }
     }
 
+    /// The `lmcache` and `vllm-nixl` handoffs' own counters and gauges.
+    fn render_handoffs(&self, o: &mut String) {
+        use std::fmt::Write;
+        let n = &self.native;
+        if let Some(hub) = &n.lmcache {
+            let st = &hub.stats;
+            let _ = writeln!(
+                o,
+                "# HELP baton_lmcache_notifications_total LMCache ProxyNotif messages received, by what became of them."
+            );
+            let _ = writeln!(o, "# TYPE baton_lmcache_notifications_total counter");
+            for (outcome, c) in [
+                ("counted", &st.counted),
+                ("duplicate", &st.duplicate),
+                ("unmatched", &st.unmatched),
+                ("malformed", &st.malformed),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "baton_lmcache_notifications_total{{outcome=\"{outcome}\"}} {}",
+                    c.load(Ordering::Relaxed)
+                );
+            }
+            let _ = writeln!(
+                o,
+                "# HELP baton_lmcache_waiting_requests Requests waiting for their prefill ranks' notifications."
+            );
+            let _ = writeln!(o, "# TYPE baton_lmcache_waiting_requests gauge");
+            let _ = writeln!(o, "baton_lmcache_waiting_requests {}", hub.waiting());
+        }
+        let _ = writeln!(
+            o,
+            "# HELP baton_drains_total One-token decodes sent for requests that ended between prefill and decode, by result."
+        );
+        let _ = writeln!(o, "# TYPE baton_drains_total counter");
+        if let Some(d) = &n.drainer {
+            let _ = writeln!(
+                o,
+                "baton_drains_total{{mode=\"lmcache\",result=\"sent\"}} {}",
+                d.drains.load(Ordering::Relaxed)
+            );
+            let _ = writeln!(
+                o,
+                "baton_drains_total{{mode=\"lmcache\",result=\"failed\"}} {}",
+                d.drain_failures.load(Ordering::Relaxed)
+            );
+        }
+        let d = &n.nixl_drains;
+        let _ = writeln!(
+            o,
+            "baton_drains_total{{mode=\"vllm-nixl\",result=\"sent\"}} {}",
+            d.drains.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "baton_drains_total{{mode=\"vllm-nixl\",result=\"already_free\"}} {}",
+            d.already_free.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "baton_drains_total{{mode=\"vllm-nixl\",result=\"failed\"}} {}",
+            d.drain_failures.load(Ordering::Relaxed)
+        );
+        let nixl: Vec<_> =
+            self.decoders.iter().filter_map(|d| d.nixl_load.as_ref().map(|l| (&d.name, l))).collect();
+        if !nixl.is_empty() {
+            let _ = writeln!(
+                o,
+                "# HELP baton_nixl_decoder_kv_usage KV cache usage a vllm-nixl decoder reported last (0..1)."
+            );
+            let _ = writeln!(o, "# TYPE baton_nixl_decoder_kv_usage gauge");
+            for (name, l) in &nixl {
+                let _ = writeln!(
+                    o,
+                    "baton_nixl_decoder_kv_usage{{decoder=\"{name}\"}} {}",
+                    f64::from(l.kv_usage_bp.load(Ordering::Relaxed)) / 10_000.0
+                );
+            }
+            let _ = writeln!(
+                o,
+                "# HELP baton_nixl_decoder_waiting Requests a vllm-nixl decoder reported waiting last."
+            );
+            let _ = writeln!(o, "# TYPE baton_nixl_decoder_waiting gauge");
+            for (name, l) in &nixl {
+                let _ = writeln!(
+                    o,
+                    "baton_nixl_decoder_waiting{{decoder=\"{name}\"}} {}",
+                    l.waiting.load(Ordering::Relaxed)
+                );
+            }
+            let _ = writeln!(
+                o,
+                "# HELP baton_nixl_decoder_admitting 1 while a vllm-nixl decoder's metrics allow new requests."
+            );
+            let _ = writeln!(o, "# TYPE baton_nixl_decoder_admitting gauge");
+            for (name, l) in &nixl {
+                let _ = writeln!(
+                    o,
+                    "baton_nixl_decoder_admitting{{decoder=\"{name}\"}} {}",
+                    u8::from(l.open.load(Ordering::Relaxed))
+                );
+            }
+            let _ = writeln!(
+                o,
+                "# HELP baton_nixl_scrape_failures_total Failed reads of a vllm-nixl decoder's /metrics."
+            );
+            let _ = writeln!(o, "# TYPE baton_nixl_scrape_failures_total counter");
+            for (name, l) in &nixl {
+                let _ = writeln!(
+                    o,
+                    "baton_nixl_scrape_failures_total{{decoder=\"{name}\"}} {}",
+                    l.scrape_failures.load(Ordering::Relaxed)
+                );
+            }
+        }
+    }
+
     /// `/admin/decoders`: per decoder, the admission queue and what the data plane reports.
     pub async fn decoders_view(&self) -> Value {
         let mut out = Vec::new();
@@ -401,8 +519,13 @@ impl Gateway {
                 .into_iter()
                 .map(|r| json!({"rank": r.rank, "pages_total": r.pages_total, "pages_free": r.pages_free}))
                 .collect();
+            let mode = match &d.mode {
+                DecodeMode::Native => "native",
+                DecodeMode::Lmcache(_) => "lmcache",
+                DecodeMode::VllmNixl(_) => "vllm-nixl",
+            };
             out.push(json!({
-                "name": d.name, "http": d.http.to_string(), "capacity_slots": s.capacity, "reserved_slots": s.in_use,
+                "name": d.name, "handoff": mode, "http": d.http.to_string(), "capacity_slots": s.capacity, "reserved_slots": s.in_use,
                 "waiting_requests": s.waiting, "waiting_slots": s.waiting_slots,
                 "oldest_wait_ms": s.oldest_wait.map(|w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX)), "ranks": ranks,
             }));

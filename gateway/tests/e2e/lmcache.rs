@@ -178,6 +178,10 @@ async fn lmcache_duplicate_notifications_do_not_release_a_request_early() {
     let hub = d.gateway.native.lmcache.as_ref().unwrap();
     assert_eq!(hub.stats.duplicate.load(Ordering::Relaxed), 8);
     assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 16);
+    let (_, m) = http(d.addr, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("baton_lmcache_notifications_total{outcome=\"duplicate\"} 8"), "{m}");
+    assert!(m.contains("baton_lmcache_notifications_total{outcome=\"counted\"} 16"), "{m}");
     assert_lmcache_clean(&d, true).await;
     d.shutdown().await;
 }

@@ -94,6 +94,10 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
         most_waiting = most_waiting.max(st.waiting);
     }
     assert!(most_waiting >= 4, "requests did not queue: at most {most_waiting} waiting");
+    let (_, m) = http(d.addr, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("baton_nixl_decoder_admitting{decoder=\"decode-0\"} 0"), "{m}");
+    assert!(m.contains("baton_nixl_decoder_kv_usage{decoder=\"decode-0\"} 0.99"), "{m}");
     let (s, _) = http(decode, "/sim/faults", Some(&json!({}))).await;
     assert_eq!(s, 200);
     while let Some(r) = tasks.join_next().await {
