@@ -363,6 +363,14 @@ impl DecoderHandle {
         out
     }
 
+    /// Slots a prompt of `tokens` takes here: its chunks, or one request for a `vllm-nixl` decoder.
+    pub fn slots_for(&self, tokens: usize) -> u32 {
+        match self.mode {
+            DecodeMode::VllmNixl(_) => 1,
+            _ => u32::try_from(tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX),
+        }
+    }
+
     pub fn rank_count(&self) -> u32 {
         u32::try_from(self.ranks.len()).unwrap_or(u32::MAX)
     }

@@ -462,7 +462,7 @@ impl Native {
             .drainer
             .as_ref()
             .ok_or_else(|| GatewayError::Internal("lmcache drain client missing".into()))?;
-        let chunks = u32::try_from(ids.len().div_ceil(dec.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX);
+        let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
         let slots =
             dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?;

@@ -456,7 +456,7 @@ impl Native {
         ids: &[u32],
         class: u8,
     ) -> Result<Response<RespBody>, GatewayError> {
-        let chunks = u32::try_from(ids.len().div_ceil(dec.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX);
+        let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
         let slots = if self.unprotected {
             self.hold_chunk_by_chunk(dec, chunks).await?;

@@ -83,6 +83,9 @@ pub struct PrefillView {
 #[derive(Clone, Debug, Default)]
 pub struct DecodeView {
     pub healthy: Vec<bool>,
+    /// Slots this request takes on each decoder (its chunk size and handoff decide; `RouteFacts::slots`
+    /// when empty).
+    pub slots_needed: Vec<u32>,
     pub capacity_slots: Vec<u32>,
     pub free_slots: Vec<u32>,
     pub waiting_slots: Vec<u64>,
@@ -149,7 +152,10 @@ impl RoutingPolicy for Builtin {
                 (fewest_in_flight(&c.prefill), healthy_indexes(&d.healthy).min_by_key(|&i| held(i)))
             }
             Self::KvAware => {
-                let fits = |i: &usize| d.capacity_slots.get(*i).is_some_and(|&c| c >= f.slots);
+                let fits = |i: &usize| {
+                    let need = d.slots_needed.get(*i).copied().unwrap_or(f.slots);
+                    d.capacity_slots.get(*i).is_some_and(|&c| c >= need)
+                };
                 let best = healthy_indexes(&d.healthy).filter(fits).min_by_key(|&i| {
                     (
                         d.waiting_slots.get(i).copied().unwrap_or(0),
@@ -337,6 +343,7 @@ mod tests {
             prefill: PrefillView { healthy: vec![true, true, true], in_flight: vec![5, 1, 3] },
             decode: DecodeView {
                 healthy: vec![true, true, true],
+                slots_needed: Vec::new(),
                 capacity_slots: vec![64, 128, 32],
                 free_slots: vec![60, 10, 32],
                 waiting_slots: vec![0, 0, 4],
@@ -375,6 +382,11 @@ mod tests {
         assert_eq!(first(Builtin::KvAware.route(&facts(100, 0), &cands())).decode, 1);
         // 500 slots: nobody can; the largest, whose admission names both numbers.
         assert_eq!(first(Builtin::KvAware.route(&facts(500, 0), &cands())).decode, 1);
+        // Each decoder's own count when given: decoder 2 (a vllm-nixl pool, one slot a request)
+        // fits a prompt the chunk-counted pools cannot, and has the most free.
+        let mut c = cands();
+        c.decode.slots_needed = vec![500, 500, 1];
+        assert_eq!(first(Builtin::KvAware.route(&facts(500, 0), &c)).decode, 2);
     }
 
     #[derive(Debug)]

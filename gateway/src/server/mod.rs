@@ -105,7 +105,7 @@ impl Gateway {
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
-    fn candidates(&self) -> Candidates {
+    fn candidates(&self, tokens: usize) -> Candidates {
         let mut c = Candidates {
             prefill: PrefillView {
                 healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
@@ -116,6 +116,7 @@ impl Gateway {
         for d in &self.decoders {
             let l = d.queue.load();
             c.decode.healthy.push(d.health.healthy());
+            c.decode.slots_needed.push(d.slots_for(tokens));
             c.decode.capacity_slots.push(l.capacity);
             c.decode.free_slots.push(l.capacity.saturating_sub(l.in_use));
             c.decode.waiting_slots.push(l.waiting_slots);
@@ -357,9 +358,8 @@ impl Gateway {
                 limit: self.model.context_length,
             });
         }
-        let need = self.decoders.first().map_or(0, |d| {
-            u32::try_from(ids.len().div_ceil(d.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
-        });
+        // The first decoder's count; each decoder's own is in the candidates.
+        let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -367,7 +367,7 @@ impl Gateway {
             max_tokens: req.fields.max_tokens.or(req.fields.max_completion_tokens),
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
-        let routes = self.router.route(&facts, &self.candidates()).map_err(|e| match e {
+        let routes = self.router.route(&facts, &self.candidates(ids.len())).map_err(|e| match e {
             NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
