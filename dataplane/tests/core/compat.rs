@@ -1,5 +1,5 @@
 //! baton's ZMTP and LMCache msgpack against the real libraries: pyzmq (libzmq 4.3) and msgspec, from
-//! the test venv that `scripts/test` builds (`tests/support/lmcache_peer.py`).
+//! the test venv that `scripts/test` builds (`tests/support/upstream_peer.py`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,7 +22,7 @@ fn python() -> PathBuf {
 
 fn peer(args: &[&str]) -> Command {
     let mut c = Command::new(python());
-    c.arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/lmcache_peer.py"))
+    c.arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/upstream_peer.py"))
         .args(args)
         .kill_on_drop(true);
     c
@@ -154,6 +154,50 @@ async fn lmcaches_proxy_flow_drives_the_simulated_engines() {
         assert_eq!((r["used_chunks"].as_u64(), r["recomputed"].as_u64()), (Some(0), Some(0)), "{s}");
         assert_eq!(r["retrieved_chunks"], ids.len().div_ceil(16) as u64);
     }
+    prefill.shutdown().await;
+    decode.shutdown().await;
+}
+
+/// The request flow of vLLM's NIXL `toy_proxy_server.py` (a Python replica with the same fields)
+/// drives the simulated engines: the prefiller answers the `remote_*` fields, the decoder pulls with
+/// them and the producer's blocks are freed.
+#[cfg(feature = "sim")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_nixl_proxy_flow_drives_the_simulated_engines() {
+    use baton_dataplane::sim::kv::output_text;
+    use baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
+    use baton_dataplane::sim::{SimConfig, SimRole, launch, tiny_geometry};
+    let g = tiny_geometry(2).unwrap();
+    let mut dc = SimConfig::new(SimRole::Decode, g);
+    dc.nixl = Some(DEFAULT_NIXL_ABORT_TIMEOUT);
+    let decode = launch(dc).await.unwrap();
+    let mut pc = SimConfig::new(SimRole::Prefill, g);
+    pc.nixl = Some(DEFAULT_NIXL_ABORT_TIMEOUT);
+    let prefill = launch(pc).await.unwrap();
+    let prompt = "the toy proxy from vLLM's NIXL tests, replayed against baton-sim";
+    let out = peer(&[
+        "nixl-proxy",
+        &format!("http://{}", prefill.addr),
+        &format!("http://{}", decode.addr),
+        prompt,
+        "6",
+    ])
+    .output()
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    assert_eq!(v["text"], output_text(&ids, 6));
+    let p = &v["params"];
+    assert_eq!(
+        (p["do_remote_prefill"].as_bool(), p["do_remote_decode"].as_bool()),
+        (Some(true), Some(false))
+    );
+    assert_eq!(p["remote_block_ids"].as_array().unwrap().len(), ids.len().div_ceil(16), "{p}");
+    assert_eq!(p["tp_size"], 2);
+    let s = prefill.engine.stats();
+    assert_eq!((s["nixl"]["blocks_held"].as_u64(), s["nixl"]["read"].as_u64()), (Some(0), Some(1)), "{s}");
     prefill.shutdown().await;
     decode.shutdown().await;
 }

@@ -1,5 +1,7 @@
-"""A peer that speaks LMCache's PD side channels with the real libraries (pyzmq = libzmq, msgspec),
-so baton's own ZMTP and msgpack code is checked against them, not against itself.
+"""The upstream side, in Python: LMCache's PD side channels with the real libraries (pyzmq =
+libzmq, msgspec), so baton's own ZMTP and msgpack code is checked against them, not against itself;
+and the request flows of LMCache's and vLLM's example proxies, replayed against the simulated
+engines.
 
 The message classes are declared exactly as LMCache declares them in
 lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache itself is not imported
@@ -13,6 +15,10 @@ lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache its
                              (tokenize, prefill with disagg_spec and ret_first_tok, wait for one
                              ProxyNotif per decoder rank, decode from prompt + first token); prints
                              the text as JSON
+  nixl-proxy PREFILL DECODE PROMPT MAX_TOKENS
+                             one completion the way vLLM's NIXL toy_proxy_server.py makes it
+                             (prefill with do_remote_decode, decode with the kv_transfer_params the
+                             prefiller returned); prints the text as JSON
 """
 
 import json
@@ -94,6 +100,28 @@ def proxy(ctx, pull, prefill, decode, host, init_ports, alloc_ports, prompt, max
     s.close()
 
 
+def nixl_proxy(prefill, decode, prompt, max_tokens) -> None:
+    """The request flow of vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py."""
+    req = {"model": "baton-sim", "prompt": prompt, "max_tokens": int(max_tokens)}
+    p = dict(req)
+    p["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    p["stream"] = False
+    p["max_tokens"] = 1
+    out = post(f"{prefill}/v1/completions", p)
+    params = out.get("kv_transfer_params", {})
+    if params:
+        req["kv_transfer_params"] = params
+    dec = post(f"{decode}/v1/completions", req)
+    print(json.dumps({"text": dec["choices"][0]["text"], "params": params}), flush=True)
+
+
 def main() -> None:
     mode, addr = sys.argv[1], sys.argv[2]
     ctx = zmq.Context()
@@ -126,6 +154,8 @@ def main() -> None:
         s.close()
     elif mode == "proxy":
         proxy(ctx, *sys.argv[2:])
+    elif mode == "nixl-proxy":
+        nixl_proxy(*sys.argv[2:])
     else:
         raise SystemExit(f"unknown mode {mode}")
     ctx.term()
