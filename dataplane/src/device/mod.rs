@@ -1,8 +1,9 @@
 //! The device layer: where the PD buffer's bytes live and how KV moves between an engine's paged
 //! cache and a chunk page.
 //!
-//! [`Device`] is implemented by [`cpu::CpuDevice`], the reference used by every CPU test, and by the
-//! CUDA device (its own module, behind a GPU). Kernels take strides and a block table, never a
+//! [`Device`] is implemented by [`cpu::CpuDevice`], the reference used by every CPU test, by
+//! [`shm::ShmDevice`] (host memory shared through a file) and by [`cuda::CudaDevice`] (GPU memory,
+//! compiled everywhere, used where a driver and a GPU are found). Kernels take strides and a block table, never a
 //! hard-coded layout, so NHD (`[block][token][head][dim]`) and HND (`[block][head][token][dim]`)
 //! engine caches and any block size are handled by the same code.
 //!
@@ -10,6 +11,7 @@
 //! may touch a page; the device only moves bytes and checks bounds.
 
 pub mod cpu;
+pub mod cuda;
 pub mod shm;
 
 use std::fmt::Debug;

@@ -6,6 +6,7 @@
 mod common;
 mod compat;
 mod device_cpu;
+mod device_cuda;
 mod failure_classes;
 mod models;
 mod properties;
