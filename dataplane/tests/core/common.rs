@@ -1,6 +1,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_dataplane::device::Device;
 use baton_dataplane::device::cpu::CpuDevice;
 use baton_dataplane::{
     BufferOptions, KvGeometry, ManualClock, PagesReleased, QueueSink, RankBuffer, RankEvent, RankStatus,
@@ -14,10 +15,10 @@ pub(crate) fn tiny() -> KvGeometry {
 
 pub(crate) const QUARANTINE: Duration = Duration::from_secs(2);
 
-pub(crate) struct Rig {
+pub(crate) struct Rig<D: Device = CpuDevice> {
     pub(crate) clock: Arc<ManualClock>,
     pub(crate) sink: Arc<QueueSink>,
-    pub(crate) buf: RankBuffer<CpuDevice>,
+    pub(crate) buf: RankBuffer<D>,
 }
 
 impl Rig {
@@ -26,11 +27,16 @@ impl Rig {
     }
 
     pub(crate) fn with_clock(pages: u32, rank: u32, clock: Arc<ManualClock>) -> Self {
+        Rig::with_device(Arc::new(CpuDevice), pages, rank, clock)
+    }
+}
+
+impl<D: Device> Rig<D> {
+    /// A rank's buffer on `device`.
+    pub(crate) fn with_device(device: Arc<D>, pages: u32, rank: u32, clock: Arc<ManualClock>) -> Self {
         let sink = Arc::new(QueueSink::new());
         let options = BufferOptions { quarantine_ttl: QUARANTINE, max_requests: 1024 };
-        let buf =
-            RankBuffer::new(Arc::new(CpuDevice), tiny(), rank, pages, options, clock.clone(), sink.clone())
-                .unwrap();
+        let buf = RankBuffer::new(device, tiny(), rank, pages, options, clock.clone(), sink.clone()).unwrap();
         Self { clock, sink, buf }
     }
 

@@ -185,3 +185,18 @@ fn ipc_child() {
     remote.write_page(&gpu, &local, 0, 3, page).unwrap();
     assert!(remote.write_page(&gpu, &local, 0, 4, page).is_err(), "page 4 is out of range");
 }
+
+/// The data plane's lifecycle property test (random interleavings of reserve, write, fence,
+/// cancel, expire, consume and shared prefixes on two ranks, every byte read back) once more with
+/// the buffers in GPU memory.
+#[test]
+fn gpu_buffer_lifecycle_properties_hold() {
+    use proptest::test_runner::{Config, TestRunner};
+    let Some(gpu) = gpu() else { return };
+    let mut runner = TestRunner::new(Config { cases: 64, ..Config::default() });
+    runner
+        .run(&proptest::collection::vec(crate::properties::op(), 1..80), |ops| {
+            crate::properties::run(&gpu, ops)
+        })
+        .unwrap();
+}

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_dataplane::device::Device;
 use baton_dataplane::device::cpu::CpuDevice;
 use baton_dataplane::{
     BeginWrite, Clock, Consuming, ManualClock, NotReady, PageAddr, PrefixKey, Ready, Reservation,
@@ -22,7 +23,7 @@ const REQUESTS: u128 = 4;
 const PAGES: u32 = 6;
 
 #[derive(Debug, Clone)]
-enum Op {
+pub(crate) enum Op {
     Reserve {
         req: u128,
         chunks: u32,
@@ -79,7 +80,7 @@ enum Op {
     },
 }
 
-fn op() -> impl Strategy<Value = Op> {
+pub(crate) fn op() -> impl Strategy<Value = Op> {
     let req = 0..REQUESTS;
     let rank = 0..RANKS;
     prop_oneof![
@@ -100,20 +101,18 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-type D = CpuDevice;
-
-enum Guard {
+enum Guard<D: Device> {
     Res(Reservation<D>),
     Ready(Ready<D>),
     Cons(#[allow(dead_code)] Consuming<D>),
 }
 
-struct Req {
+struct Req<D: Device> {
     epoch: u32,
     chunks: u32,
     prefixed: bool,
     lease: Instant,
-    guards: Vec<Option<Guard>>,
+    guards: Vec<Option<Guard<D>>>,
     addrs: Vec<Vec<(u32, PageAddr)>>,
 }
 
@@ -126,14 +125,14 @@ fn content_id(r: u128, prefixed: bool, c: u32) -> u64 {
 const PREFIXES: [PrefixKey; 4] = [PrefixKey(1), PrefixKey(2), PrefixKey(3), PrefixKey(4)];
 
 /// Ready → consuming, reading back and checking every byte of every chunk, owned or shared.
-fn consume(
+fn consume<D: Device>(
     ready: Ready<D>,
     req: u128,
     rank: usize,
     prefixed: bool,
     chunks: u32,
     page_bytes: usize,
-) -> Result<Option<Guard>, TestCaseError> {
+) -> Result<Option<Guard<D>>, TestCaseError> {
     let Ok(c) = ready.consume() else { return Ok(None) };
     for chunk in 0..chunks {
         let mut got = vec![0; page_bytes];
@@ -144,11 +143,13 @@ fn consume(
     Ok(Some(Guard::Cons(c)))
 }
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+/// The lifecycle model run against buffers on `device` (the CPU reference, or a GPU).
+pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let clock = Arc::new(ManualClock::new());
-    let rigs: Vec<Rig> = (0..RANKS).map(|r| Rig::with_clock(PAGES, r as u32, clock.clone())).collect();
+    let rigs: Vec<Rig<D>> =
+        (0..RANKS).map(|r| Rig::with_device(Arc::clone(device), PAGES, r as u32, clock.clone())).collect();
     let page_bytes = rigs[0].buf.page_bytes();
-    let mut reqs: HashMap<u128, Req> = HashMap::new();
+    let mut reqs: HashMap<u128, Req<D>> = HashMap::new();
     let mut epochs: HashMap<u128, u32> = HashMap::new();
     let mut shares: Vec<Vec<SharedChunk<D>>> = (0..RANKS).map(|_| Vec::new()).collect();
     // Terminal statuses and releases seen per (request, epoch, rank).
@@ -157,7 +158,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     // Every (request, epoch, rank) that ever held a reservation.
     let mut reserved_on: Vec<(u128, u32, u32)> = Vec::new();
 
-    let collect = |rigs: &[Rig], terminals: &mut HashMap<_, Vec<_>>, releases: &mut HashMap<_, u32>| {
+    let collect = |rigs: &[Rig<D>], terminals: &mut HashMap<_, Vec<_>>, releases: &mut HashMap<_, u32>| {
         for rig in rigs {
             let (s, r) = rig.drain();
             for s in s {
@@ -365,7 +366,7 @@ proptest! {
 
     #[test]
     fn lifecycle_interleavings_keep_accounting_and_terminate(ops in proptest::collection::vec(op(), 1..80)) {
-        run(ops)?;
+        run(&Arc::new(CpuDevice), ops)?;
     }
 }
 
