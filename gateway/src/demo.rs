@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use baton_dataplane::device::any::DeviceKind;
 use baton_dataplane::sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
 
 use tokio::sync::Notify;
@@ -36,6 +37,8 @@ pub struct DemoConfig {
     pub token_delay: Duration,
     /// How the KV reaches the decoders.
     pub handoff: DemoHandoff,
+    /// Where the simulated engines keep their caches and PD buffers (`cuda`: GPU 0).
+    pub device: baton_dataplane::device::any::DeviceKind,
     /// Fault switches the simulated prefillers start with.
     pub prefill_faults: baton_dataplane::sim::faults::FaultConfig,
     /// `lmcache` mode: prefillers answer before their chunks are written (LMCache's async backend).
@@ -100,6 +103,7 @@ impl Default for DemoConfig {
             chunk_tokens: 16,
             token_delay: Duration::ZERO,
             handoff: DemoHandoff::Native,
+            device: baton_dataplane::device::any::DeviceKind::Cpu,
             prefill_faults: Default::default(),
             lmcache_async_send: false,
             nixl_abort_timeout: baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
@@ -177,6 +181,7 @@ pub async fn start_engines_with(
     let mut prefills = Vec::new();
     for i in 0..c.prefills {
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
+        sc.device = c.device;
         sc.token_delay = c.token_delay;
         sc.faults = c.prefill_faults.clone();
         if c.handoff == DemoHandoff::VllmNixl {
@@ -198,6 +203,7 @@ pub async fn start_engines_with(
     for i in 0..c.decoders {
         let mut sc = SimConfig::new(SimRole::Decode, geometry);
         sc.pages = c.pages;
+        sc.device = c.device;
         sc.token_delay = c.token_delay;
         if c.handoff == DemoHandoff::VllmNixl {
             sc.nixl = Some(c.nixl_abort_timeout);

@@ -1142,3 +1142,33 @@ mod lmcache;
 
 #[path = "e2e/nixl.rs"]
 mod nixl;
+
+/// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
+/// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
+/// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_demo_serves_end_to_end() {
+    use baton_gateway::demo::DeviceKind;
+    if let Some(why) = baton_dataplane::device::cuda::unavailable() {
+        assert!(std::env::var("BATON_REQUIRE_GPU").as_deref() != Ok("1"), "BATON_REQUIRE_GPU=1 but: {why}");
+        eprintln!("SKIP (no GPU): {why}");
+        return;
+    }
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 64,
+        device: DeviceKind::Cuda,
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    four_shapes(d.addr, 200, 6, "cuda").await;
+    let done = std::sync::Arc::default();
+    let mut tasks = deadlock_scenario(d.addr, &done);
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_clean(&d).await;
+    d.shutdown().await;
+}

@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use baton_dataplane::KvGeometry;
+use baton_dataplane::device::any::DeviceKind;
 use baton_dataplane::sim::faults::FaultConfig;
 use baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
 use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
@@ -21,7 +22,7 @@ const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--m
        [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]
        [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]
        [--lmcache] [--lmcache-buffer BYTES] [--lmcache-alloc-ports P,P] [--lmcache-init-ports P,P]
-       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
+       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N] [--device cpu|cuda]
 
   --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
                alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
@@ -116,6 +117,9 @@ fn parse() -> Result<SimConfig, String> {
             "--nixl-abort-timeout-s",
             DEFAULT_NIXL_ABORT_TIMEOUT.as_secs(),
         )?));
+    }
+    if let Some(d) = get("--device") {
+        c.device = DeviceKind::parse(&d).ok_or_else(|| format!("--device: {d:?} is not cpu or cuda"))?;
     }
     if let Some(f) = get("--faults") {
         c.faults = serde_json::from_str::<FaultConfig>(&f).map_err(|e| format!("--faults: {e}"))?;

@@ -65,6 +65,56 @@ impl CpuBuffer {
     }
 }
 
+impl CpuDevice {
+    /// [`Device::gather`] over references (for devices that wrap this one).
+    pub fn gather_refs(
+        &self,
+        cache: &[&CpuTensor],
+        span: &KvSpan<'_>,
+        chunk: &ChunkLayout,
+        dst: &CpuBuffer,
+        page: u32,
+    ) -> Result<(), DeviceError> {
+        let layers: Vec<_> = cache.iter().map(|t| t.0.read().unwrap_or_else(|e| e.into_inner())).collect();
+        let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
+        check_span(chunk, cache.len(), &sizes, span)?;
+        let mut out = dst.page(page)?.write().unwrap_or_else(|e| e.into_inner());
+        range(0, chunk.page_bytes(), out.len())?;
+        let n = chunk.head_bytes();
+        for_each_element(chunk, span, |layer, c, e| {
+            let src = layers.get(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
+            let r = range(c, n, out.len())?;
+            out[r].copy_from_slice(&src[range(e, n, src.len())?]);
+            Ok(())
+        })
+    }
+
+    /// [`Device::scatter`] over references.
+    pub fn scatter_refs(
+        &self,
+        src: &CpuBuffer,
+        page: u32,
+        chunk: &ChunkLayout,
+        cache: &[&CpuTensor],
+        span: &KvSpan<'_>,
+    ) -> Result<(), DeviceError> {
+        let mut layers: Vec<_> =
+            cache.iter().map(|t| t.0.write().unwrap_or_else(|e| e.into_inner())).collect();
+        let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
+        check_span(chunk, cache.len(), &sizes, span)?;
+        let input = src.page(page)?.read().unwrap_or_else(|e| e.into_inner());
+        range(0, chunk.page_bytes(), input.len())?;
+        let n = chunk.head_bytes();
+        for_each_element(chunk, span, |layer, c, e| {
+            let dst =
+                layers.get_mut(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
+            let r = range(e, n, dst.len())?;
+            dst[r].copy_from_slice(&input[range(c, n, input.len())?]);
+            Ok(())
+        })
+    }
+}
+
 impl Device for CpuDevice {
     type Buffer = CpuBuffer;
     type Tensor = CpuTensor;
@@ -125,18 +175,7 @@ impl Device for CpuDevice {
         dst: &CpuBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        let layers: Vec<_> = cache.iter().map(|t| t.0.read().unwrap_or_else(|e| e.into_inner())).collect();
-        let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
-        check_span(chunk, cache.len(), &sizes, span)?;
-        let mut out = dst.page(page)?.write().unwrap_or_else(|e| e.into_inner());
-        range(0, chunk.page_bytes(), out.len())?;
-        let n = chunk.head_bytes();
-        for_each_element(chunk, span, |layer, c, e| {
-            let src = layers.get(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
-            let r = range(c, n, out.len())?;
-            out[r].copy_from_slice(&src[range(e, n, src.len())?]);
-            Ok(())
-        })
+        self.gather_refs(&cache.iter().collect::<Vec<_>>(), span, chunk, dst, page)
     }
 
     fn scatter(
@@ -147,20 +186,7 @@ impl Device for CpuDevice {
         cache: &[CpuTensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
-        let mut layers: Vec<_> =
-            cache.iter().map(|t| t.0.write().unwrap_or_else(|e| e.into_inner())).collect();
-        let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
-        check_span(chunk, cache.len(), &sizes, span)?;
-        let input = src.page(page)?.read().unwrap_or_else(|e| e.into_inner());
-        range(0, chunk.page_bytes(), input.len())?;
-        let n = chunk.head_bytes();
-        for_each_element(chunk, span, |layer, c, e| {
-            let dst =
-                layers.get_mut(layer).ok_or_else(|| DeviceError::Layout(format!("no layer {layer}")))?;
-            let r = range(e, n, dst.len())?;
-            dst[r].copy_from_slice(&input[range(c, n, input.len())?]);
-            Ok(())
-        })
+        self.scatter_refs(src, page, chunk, &cache.iter().collect::<Vec<_>>(), span)
     }
 
     fn record_event(&self) -> Result<CpuEvent, DeviceError> {

@@ -267,7 +267,7 @@ impl CudaDevice {
         dst: &CudaBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        self.copy(true, cache, span, chunk, dst, page)
+        self.copy(true, &cache.iter().collect::<Vec<_>>(), span, chunk, dst, page)
     }
 
     /// Queues a scatter without waiting for it (benchmarks); [`Device::scatter`] waits.
@@ -279,7 +279,7 @@ impl CudaDevice {
         cache: &[CudaTensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
-        self.copy(false, cache, span, chunk, src, page)
+        self.copy(false, &cache.iter().collect::<Vec<_>>(), span, chunk, src, page)
     }
 
     /// Queues a device-to-device copy of `bytes` from `src` page `from` to `dst` page `to` (the
@@ -307,7 +307,7 @@ impl CudaDevice {
 
     /// The unit width every address of this copy allows.
     fn width(
-        cache: &[CudaTensor],
+        cache: &[&CudaTensor],
         span: &KvSpan<'_>,
         chunk: &ChunkLayout,
         run_bytes: usize,
@@ -326,16 +326,17 @@ impl CudaDevice {
             .unwrap_or(1)
     }
 
-    fn copy(
+    /// Queues a gather (`gather`) or scatter over layer tensors given by reference.
+    pub fn copy(
         &self,
         gather: bool,
-        cache: &[CudaTensor],
+        cache: &[&CudaTensor],
         span: &KvSpan<'_>,
         chunk: &ChunkLayout,
         buf: &CudaBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        let sizes: Vec<usize> = cache.iter().map(CudaTensor::len).collect();
+        let sizes: Vec<usize> = cache.iter().map(|t| t.len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let page_ptr = buf.page_ptr(page)?;
         range(0, chunk.page_bytes(), buf.page_bytes)?;

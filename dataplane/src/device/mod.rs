@@ -10,6 +10,7 @@
 //! This layer never interprets requests, pages' owners or generations: the buffer above it decides who
 //! may touch a page; the device only moves bytes and checks bounds.
 
+pub mod any;
 pub mod cpu;
 pub mod cuda;
 pub mod shm;

@@ -16,18 +16,18 @@ use super::faults::{Faults, FaultySink};
 use super::kv::{prefix_hashes, verify_chunk};
 use crate::buffer::{BufferOptions, NotReady, RankBuffer};
 use crate::clock::SystemClock;
-use crate::device::cpu::{CpuDevice, CpuTensor};
+use crate::device::any::{AnyDevice, AnyTensor};
 use crate::device::{CacheLayout, Device, KvSpan};
 use crate::geometry::KvGeometry;
 use crate::ids::RequestKey;
 use crate::transport::{RankServer, ServerHandle};
 
 pub struct DecodeRank {
-    pub server: Arc<RankServer<CpuDevice>>,
+    pub server: Arc<RankServer<AnyDevice>>,
     pub addr: SocketAddr,
     handle: tokio::sync::Mutex<Option<ServerHandle>>,
     sink: Arc<FaultySink>,
-    cache: Vec<CpuTensor>,
+    cache: Vec<AnyTensor>,
     layout: CacheLayout,
     pool: Arc<BlockPool>,
 }
@@ -56,15 +56,19 @@ impl std::fmt::Debug for DecodeEngine {
 
 impl DecodeEngine {
     /// Starts one data-plane server per rank on `host` (ephemeral ports).
-    pub async fn start(c: &super::SimConfig, faults: Arc<Faults>) -> Result<Arc<Self>, SimError> {
+    pub async fn start(
+        c: &super::SimConfig,
+        device: &AnyDevice,
+        faults: Arc<Faults>,
+    ) -> Result<Arc<Self>, SimError> {
         let (geometry, pages, cache_blocks, block_size, host, base_port) =
             (c.geometry, c.pages, c.cache_blocks, c.block_size, c.dp_host, c.dp_base_port);
         let options = BufferOptions { quarantine_ttl: c.quarantine_ttl, ..BufferOptions::default() };
-        let device = Arc::new(CpuDevice);
+        let device = Arc::new(device.clone());
         let cl = geometry.chunk_layout();
         let mut ranks = Vec::new();
         for r in 0..geometry.tp_size {
-            let (bsink, tx) = RankServer::<CpuDevice>::sink();
+            let (bsink, tx) = RankServer::<AnyDevice>::sink();
             let sink = Arc::new(FaultySink {
                 rank: r,
                 inner: bsink,

@@ -77,6 +77,8 @@ pub struct SimConfig {
     pub lmcache: Option<LmcacheSimConfig>,
     /// Also play vLLM's NIXL connector (prefill: producer with this abort timeout; decode: consumer).
     pub nixl: Option<Duration>,
+    /// Where the engine's cache and PD buffer live (`cuda`: GPU 0).
+    pub device: crate::device::any::DeviceKind,
 }
 
 /// The LMCache PD backend settings of a simulated engine (the `pd_*` keys of LMCache's YAML).
@@ -112,6 +114,7 @@ impl SimConfig {
             faults: FaultConfig::default(),
             lmcache: None,
             nixl: None,
+            device: crate::device::any::DeviceKind::Cpu,
         }
     }
 }
@@ -138,8 +141,10 @@ impl Running {
 pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
     let faults = Arc::new(Faults::default());
     faults.set(c.faults.clone());
+    let device = c.device.open().map_err(|e| SimError::internal(format!("device {:?}: {e}", c.device)))?;
     let role = match c.role {
         SimRole::Prefill => Role::Prefill(PrefillEngine::new(
+            &device,
             c.geometry,
             c.cache_blocks,
             c.block_size,
@@ -147,7 +152,7 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             c.hold_ttl,
         )?),
         SimRole::Decode => {
-            let d = DecodeEngine::start(&c, Arc::clone(&faults)).await?;
+            let d = DecodeEngine::start(&c, &device, Arc::clone(&faults)).await?;
             d.apply_faults().await;
             Role::Decode(d)
         }

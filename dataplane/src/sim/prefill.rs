@@ -18,7 +18,7 @@ use super::api::DecoderTarget;
 use super::blocks::BlockPool;
 use super::faults::Faults;
 use super::kv::{prefix_hashes, write_kv};
-use crate::device::cpu::{CpuDevice, CpuTensor};
+use crate::device::any::{AnyDevice, AnyTensor};
 use crate::device::{CacheLayout, Device, KvSpan};
 use crate::geometry::KvGeometry;
 use crate::ids::{PageAddr, RequestKey};
@@ -52,7 +52,7 @@ impl Drop for FenceOnDrop {
 }
 
 struct Rank {
-    cache: Vec<CpuTensor>,
+    cache: Vec<AnyTensor>,
     layout: CacheLayout,
     pool: Arc<BlockPool>,
 }
@@ -67,7 +67,7 @@ pub struct PrefillReport {
 /// A prefill engine with `tp_size` ranks (from the geometry), each with its own paged cache.
 pub struct PrefillEngine {
     geometry: KvGeometry,
-    device: Arc<CpuDevice>,
+    device: Arc<AnyDevice>,
     ranks: Vec<Rank>,
     producers: Mutex<HashMap<(SocketAddr, u32), Vec<ProducerClient>>>,
     faults: Arc<Faults>,
@@ -85,13 +85,14 @@ impl std::fmt::Debug for PrefillEngine {
 
 impl PrefillEngine {
     pub fn new(
+        device: &AnyDevice,
         geometry: KvGeometry,
         cache_blocks: u32,
         block_size: u32,
         faults: Arc<Faults>,
         hold_ttl: Duration,
     ) -> Result<Arc<Self>, SimError> {
-        let device = Arc::new(CpuDevice);
+        let device = Arc::new(device.clone());
         let cl = geometry.chunk_layout();
         let ranks = (0..geometry.tp_size)
             .map(|_| {

@@ -16,14 +16,15 @@ const USAGE: &str = "usage: baton serve --config FILE
        baton check-config FILE
        baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
                   [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
-                  [--handoff native|lmcache|vllm-nixl]
+                  [--handoff native|lmcache|vllm-nixl] [--device cpu|cuda]
 
   serve          run the gateway from a TOML configuration (see configs/)
   check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
   demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
                  --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template;
                  --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels),
-                 --handoff vllm-nixl as vLLM with its NIXL connector (the decoder pulls)";
+                 --handoff vllm-nixl as vLLM with its NIXL connector (the decoder pulls);
+                 --device cuda keeps the engines' caches and PD buffers on GPU 0 (gather/scatter kernels)";
 
 fn check(file: &str) -> ExitCode {
     match baton_gateway::config::load(std::path::Path::new(file)) {
@@ -140,6 +141,10 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
     if let Some(h) = flag(args, "--handoff") {
         c.handoff = DemoHandoff::parse(&h)
             .ok_or_else(|| format!("--handoff: {h:?} is not native, lmcache or vllm-nixl"))?;
+    }
+    if let Some(d) = flag(args, "--device") {
+        c.device = baton_gateway::demo::DeviceKind::parse(&d)
+            .ok_or_else(|| format!("--device: {d:?} is not cpu or cuda"))?;
     }
     if let Some(r) = flag(args, "--routing") {
         c.gateway.routing = Builtin::parse(&r)
