@@ -300,10 +300,7 @@ pub async fn start_gateway(
     native.health = setup.health;
     native.unprotected = setup.unprotected;
     native.first_token = !setup.no_first_token;
-    if let Some(hub) = setup.lmcache {
-        native.drainer = Some(crate::handoff::lmcache::DrainClient::new(&native));
-        native.lmcache = Some(hub);
-    }
+    native.lmcache = setup.lmcache;
     let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http);
     let _health = gateway.start_health_checks();
     let tls = setup.tls;

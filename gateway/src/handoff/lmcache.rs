@@ -30,16 +30,20 @@ use baton_dataplane::compat::lmcache::PdMsg;
 use baton_dataplane::compat::zmtp::{DEFAULT_MAX_MESSAGE, DEFAULT_MAX_PEERS, PullServer, Pulled};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::Response;
 use hyper::body::{Body, Frame};
-use hyper::{Request, Response};
 use serde_json::{Value, json};
 use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
 use super::decoder::DecoderHandle;
-use super::{BoxError, Native, Prefiller, RespBody, Timing, admission_error, short_body};
+use super::{
+    BoxError, Drains, HttpClient, Native, Prefiller, RespBody, Timing, admission_error, count_failure,
+    post_json, send_drain, short_body,
+};
 use crate::admission::SlotGuard;
 use crate::api::{Endpoint, GatewayError, GenRequest};
+use crate::routing::HealthConfig;
 
 /// Where a decoder's LMCache PD backend listens (`pd_peer_host`, `pd_peer_init_port`,
 /// `pd_peer_alloc_port` of its LMCache YAML), one port of each per TP rank.
@@ -231,40 +235,17 @@ struct Life {
 }
 
 /// The one-token decode that makes the decoder retrieve (and free) what a prefiller wrote.
-#[derive(Clone)]
 struct Drain {
-    native: Arc<DrainClient>,
+    client: HttpClient,
     http: SocketAddr,
-    body: Value,
+    /// The request as a completion over the prompt's ids, shared with the prefill; the drain body is
+    /// built from it only when a drain is sent.
+    base: Arc<Value>,
+    upstream_timeout: Duration,
     /// Longest wait for the notifications while the prefill has not answered yet (it is never
     /// aborted): its own deadline plus the notification wait.
     ready_timeout: Duration,
-}
-
-/// What a drain needs from the handoff, owned (it outlives the request).
-pub struct DrainClient {
-    client:
-        hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
-    upstream_timeout: Duration,
-    pub drains: AtomicU64,
-    pub drain_failures: AtomicU64,
-}
-
-impl std::fmt::Debug for DrainClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DrainClient").field("drains", &self.drains).finish()
-    }
-}
-
-impl DrainClient {
-    pub fn new(native: &Native) -> Arc<Self> {
-        Arc::new(Self {
-            client: native.client.clone(),
-            upstream_timeout: native.limits.upstream_timeout,
-            drains: AtomicU64::new(0),
-            drain_failures: AtomicU64::new(0),
-        })
-    }
+    counters: Arc<Drains>,
 }
 
 impl Drop for Life {
@@ -272,8 +253,6 @@ impl Drop for Life {
         let (slots, expect, drain) = (self.slots.take(), self.expect.take(), self.drain.take());
         let notify_deadline = self.notify_deadline;
         if self.dispatched || !self.sent {
-            drop(expect);
-            drop(slots);
             return;
         }
         let Some(d) = drain else { return };
@@ -284,23 +263,14 @@ impl Drop for Life {
             if let Some(mut e) = expect {
                 let _ = e.wait(notify_deadline.unwrap_or_else(|| Instant::now() + d.ready_timeout)).await;
             }
-            d.native.drains.fetch_add(1, Ordering::Relaxed);
-            let ok = async {
-                let req = Request::post(format!("http://{}/v1/completions", d.http))
-                    .header(hyper::header::CONTENT_TYPE, "application/json")
-                    .body(Full::new(Bytes::from(d.body.to_string())))
-                    .ok()?;
-                let resp =
-                    tokio::time::timeout(d.native.upstream_timeout, d.native.client.request(req)).await.ok()?.ok()?;
-                let ok = resp.status().is_success();
-                let _ = resp.into_body().collect().await;
-                Some(ok)
+            let mut body = (*d.base).clone();
+            set_max_tokens(&mut body, Some(1));
+            if let Some(o) = body.as_object_mut() {
+                o.insert("stream".into(), json!(false));
+                o.remove("stream_options");
             }
-            .await;
-            if ok != Some(true) {
-                d.native.drain_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(decoder = %d.http, "drain decode failed; the decoder's buffer may keep the request's chunks");
-            }
+            send_drain(&d.client, d.http, "/v1/completions", &body, d.upstream_timeout, &d.counters).await;
+            // The slots go back only now: the decoder has retrieved (freed) the chunks.
             drop(slots);
         });
     }
@@ -458,10 +428,6 @@ impl Native {
                 "lmcache decoder without a notification listener ([lmcache] notify_listen)".into(),
             )
         })?;
-        let drainer = self
-            .drainer
-            .as_ref()
-            .ok_or_else(|| GatewayError::Internal("lmcache drain client missing".into()))?;
         let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
         let slots =
@@ -477,7 +443,8 @@ impl Native {
             notify_deadline: None,
         };
         let first_token = self.first_token;
-        let mut prefill_body = completion_body(req, ids);
+        let base = Arc::new(completion_body(req, ids));
+        let mut prefill_body = (*base).clone();
         set_max_tokens(&mut prefill_body, Some(1));
         if let Some(o) = prefill_body.as_object_mut() {
             o.insert("stream".into(), json!(false));
@@ -493,17 +460,13 @@ impl Native {
                 }),
             );
         }
-        let mut drain_body = completion_body(req, ids);
-        set_max_tokens(&mut drain_body, Some(1));
-        if let Some(o) = drain_body.as_object_mut() {
-            o.insert("stream".into(), json!(false));
-            o.remove("stream_options");
-        }
         life.drain = Some(Drain {
-            native: Arc::clone(drainer),
+            client: self.client.clone(),
             http: dec.http,
-            body: drain_body,
+            base: Arc::clone(&base),
+            upstream_timeout: self.limits.upstream_timeout,
             ready_timeout: self.limits.upstream_timeout + self.limits.ready_timeout,
+            counters: Arc::clone(&self.lmcache_drains),
         });
 
         let (prefill, resp, in_flight) =
@@ -553,7 +516,8 @@ impl Native {
             decode_ids.push(t);
         }
         let remaining = client_max.map(|n| n.saturating_sub(extra));
-        let mut decode_body = completion_body(req, &decode_ids);
+        let mut decode_body = (*base).clone();
+        decode_body["prompt"] = json!(decode_ids);
         set_max_tokens(&mut decode_body, remaining.map(|n| n.max(1)));
         if let Some(o) = decode_body.as_object_mut() {
             o.insert("stream".into(), json!(req.fields.stream));
@@ -574,12 +538,13 @@ impl Native {
         let include_usage = req.fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
         let finished_early = remaining == Some(0);
         let ctx = DecodeCtx {
-            native_client: Arc::clone(drainer),
-            http: dec.http,
+            client: self.client.clone(),
+            dec: Arc::clone(dec),
+            health: self.health,
             decode_body,
+            upstream_timeout: self.limits.upstream_timeout,
             ready_timeout: self.limits.ready_timeout,
             finished_early,
-            decoder: dec.name.clone(),
         };
 
         if req.fields.stream {
@@ -632,13 +597,14 @@ impl Native {
 
 /// The decode leg of one request.
 struct DecodeCtx {
-    native_client: Arc<DrainClient>,
-    http: SocketAddr,
+    client: HttpClient,
+    dec: Arc<DecoderHandle>,
+    health: HealthConfig,
     decode_body: Value,
+    upstream_timeout: Duration,
     ready_timeout: Duration,
     /// The prefill's first token was all the client asked for: the decode only drains.
     finished_early: bool,
-    decoder: String,
 }
 
 impl DecodeCtx {
@@ -647,37 +613,44 @@ impl DecodeCtx {
     async fn dispatch(&self, life: &mut Life) -> Result<Response<hyper::body::Incoming>, GatewayError> {
         if let Some(e) = life.expect.as_mut() {
             let need = e.need();
-            e.wait(Instant::now() + self.ready_timeout).await.map_err(|got| {
+            let deadline = life.notify_deadline.unwrap_or_else(|| Instant::now() + self.ready_timeout);
+            e.wait(deadline).await.map_err(|got| {
                 GatewayError::KvTransfer(format!(
                     "{got} of {need} prefill ranks reported the kv for decoder {} within {:?}",
-                    self.decoder, self.ready_timeout
+                    self.dec.name, self.ready_timeout
                 ))
             })?;
         }
-        let req = Request::post(format!("http://{}/v1/completions", self.http))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(self.decode_body.to_string())))
-            .map_err(|e| GatewayError::Internal(e.to_string()))?;
-        let resp =
-            tokio::time::timeout(self.native_client.upstream_timeout, self.native_client.client.request(req))
-                .await
-                .map_err(|_| GatewayError::Upstream {
-                    leg: "decode",
-                    message: format!("no answer within {:?}", self.native_client.upstream_timeout),
-                })?
-                .map_err(|e| GatewayError::Upstream { leg: "decode", message: e.to_string() })?;
+        let dec = &self.dec;
+        let resp = post_json(
+            &self.client,
+            dec.http,
+            "/v1/completions",
+            &self.decode_body,
+            self.upstream_timeout,
+            false,
+        )
+        .await
+        .map_err(|e| {
+            count_failure(&self.health, &dec.name, &dec.health);
+            GatewayError::Upstream { leg: "decode", message: e.message }
+        })?;
         // The decoder has the request: it retrieves the KV whatever the status, so no drain is owed.
         life.dispatched = true;
         life.expect = None;
         life.slots = None;
         if resp.status() != 200 {
             let status = resp.status().as_u16();
+            if status >= 500 {
+                count_failure(&self.health, &dec.name, &dec.health);
+            }
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
             return Err(GatewayError::Upstream {
                 leg: "decode",
                 message: format!("{status}: {}", short_body(&b)),
             });
         }
+        dec.health.success();
         Ok(resp)
     }
 

@@ -51,6 +51,116 @@ const RESERVE_BACKOFF: Duration = Duration::from_millis(2);
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RespBody = BoxBody<Bytes, BoxError>;
+/// The gateway's client to the engines.
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// POSTs `body` as JSON within `timeout`. `detach`: the call runs to its end even if the caller
+/// stops waiting (a client that leaves does not abort an engine mid-transfer).
+pub(crate) async fn post_json(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+    detach: bool,
+) -> Result<Response<hyper::body::Incoming>, PostError> {
+    let req = Request::post(format!("http://{addr}{path}"))
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
+    let call = tokio::time::timeout(timeout, client.request(req));
+    let answer = if detach {
+        tokio::spawn(call)
+            .await
+            .map_err(|e| PostError { message: format!("upstream call task: {e}"), unsent: false })?
+    } else {
+        call.await
+    };
+    match answer {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
+        Err(_) => Err(PostError { message: format!("no answer within {timeout:?}"), unsent: false }),
+    }
+}
+
+/// Counters of the one-token *drain* decodes sent for requests that ended between their prefill and
+/// their decode, so the engines free what the prefill left them (`lmcache` and `vllm-nixl`).
+#[derive(Debug, Default)]
+pub struct Drains {
+    pub sent: AtomicU64,
+    /// The engine no longer held anything (a decode it raced with had taken it): nothing left.
+    pub already_free: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// Sends a drain decode and drops its answer.
+pub(crate) async fn send_drain(
+    client: &HttpClient,
+    decoder: SocketAddr,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+    counters: &Drains,
+) {
+    counters.sent.fetch_add(1, Ordering::Relaxed);
+    let status = match post_json(client, decoder, path, body, timeout, false).await {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            let _ = r.into_body().collect().await;
+            s
+        }
+        Err(_) => 0,
+    };
+    if status == 410 {
+        counters.already_free.fetch_add(1, Ordering::Relaxed);
+    } else if !(200..300).contains(&status) {
+        counters.failed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(decoder = %decoder, status, "drain decode failed; the engines keep what the request left until their own timeouts");
+    }
+}
+
+/// Counts a failure against an endpoint (passive health).
+pub(crate) fn count_failure(cfg: &HealthConfig, name: &str, h: &Health) {
+    if h.failure(cfg) {
+        tracing::warn!(endpoint = name, "ejected after consecutive failures");
+    }
+}
+
+/// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even be
+/// connected to (it never saw the request, so another may take it). `sent` is set while the request
+/// may have reached an engine.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
+    client: &HttpClient,
+    timeout: Duration,
+    health: &HealthConfig,
+    prefills: &'a [P],
+    path: &str,
+    body: &Value,
+    sent: &mut bool,
+    detach: bool,
+) -> Result<(&'a Prefiller, Response<hyper::body::Incoming>, crate::routing::InFlight<'a>), GatewayError> {
+    for (attempt, prefill) in prefills.iter().map(std::borrow::Borrow::borrow).enumerate() {
+        *sent = true;
+        let in_flight = prefill.health.start();
+        match post_json(client, prefill.http, path, body, timeout, detach).await {
+            Ok(resp) => return Ok((prefill, resp, in_flight)),
+            Err(e) => {
+                count_failure(health, &prefill.name, &prefill.health);
+                *sent = !e.unsent;
+                if !e.unsent || attempt + 1 >= prefills.len() {
+                    return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
+                }
+                tracing::debug!(
+                    prefill = prefill.name,
+                    error = e.message,
+                    "prefill unreachable, trying the next"
+                );
+            }
+        }
+    }
+    Err(GatewayError::NoEndpoint("prefill"))
+}
 
 /// Timing limits of the handoff.
 #[derive(Clone, Copy, Debug)]
@@ -221,7 +331,7 @@ impl Drop for ChunkHolds {
 
 /// An upstream call that got no response.
 #[derive(Debug)]
-struct PostError {
+pub(crate) struct PostError {
     message: String,
     /// The request never left (no connection): the engine cannot have seen it.
     unsent: bool,
@@ -229,7 +339,7 @@ struct PostError {
 
 /// The native handoff.
 pub struct Native {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: HttpClient,
     pub limits: Limits,
     pub health: HealthConfig,
     /// TEST ONLY: the protections off, to show what they prevent. No admission, and decoder pages
@@ -240,11 +350,12 @@ pub struct Native {
     pub metrics: std::sync::Arc<crate::telemetry::Metrics>,
     /// The `lmcache` mode's notification listener (when a decoder uses that mode).
     pub lmcache: Option<Arc<lmcache::Notifications>>,
-    pub drainer: Option<Arc<lmcache::DrainClient>>,
+    /// `lmcache`: drains sent so decoders free PD-buffer chunks of requests that never decoded.
+    pub lmcache_drains: Arc<Drains>,
     /// Ask `lmcache` prefillers for the first token (`ret_first_tok`) and send it to the client at once.
     pub first_token: bool,
     /// `vllm-nixl`: drains sent for requests that ended between their prefill and their decode.
-    pub nixl_drains: Arc<nixl::NixlDrains>,
+    pub nixl_drains: Arc<Drains>,
 }
 
 impl std::fmt::Debug for Native {
@@ -280,7 +391,7 @@ impl Native {
             keys: KeyGen::default(),
             metrics: Default::default(),
             lmcache: None,
-            drainer: None,
+            lmcache_drains: Arc::default(),
             first_token: true,
             nixl_drains: Arc::default(),
         }
@@ -291,50 +402,23 @@ impl Native {
         let hub = lmcache::Notifications::bind(addr).await?;
         let at = hub.addr;
         self.lmcache = Some(hub);
-        self.drainer = Some(lmcache::DrainClient::new(self));
         Ok(at)
     }
 
-    /// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even be
-    /// connected to (it never saw the request, so another may take it). `sent` is set while the
-    /// request may have reached an engine.
+    /// [`prefill_in_turn`] with this handoff's client, deadline and health settings.
     async fn send_prefill<'a>(
         &self,
-        prefills: &[&'a Prefiller],
+        prefills: &'a [&'a Prefiller],
         path: &str,
         body: &Value,
         sent: &mut bool,
         detach: bool,
     ) -> Result<(&'a Prefiller, Response<hyper::body::Incoming>, crate::routing::InFlight<'a>), GatewayError>
     {
-        let mut attempt = 0;
-        loop {
-            let Some(prefill) = prefills.get(attempt).copied() else {
-                return Err(GatewayError::NoEndpoint("prefill"));
-            };
-            attempt += 1;
-            *sent = true;
-            let in_flight = prefill.health.start();
-            match self.post(prefill.http, path, body, detach).await {
-                Ok(resp) => return Ok((prefill, resp, in_flight)),
-                Err(e) => {
-                    self.failed(&prefill.name, &prefill.health);
-                    *sent = !e.unsent;
-                    if !e.unsent || attempt >= prefills.len() {
-                        return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
-                    }
-                    tracing::debug!(
-                        prefill = prefill.name,
-                        error = e.message,
-                        "prefill unreachable, trying the next"
-                    );
-                }
-            }
-        }
+        let timeout = self.limits.upstream_timeout;
+        prefill_in_turn(&self.client, timeout, &self.health, prefills, path, body, sent, detach).await
     }
 
-    /// POSTs `body`. `detach`: the call runs to its end even if the caller stops waiting (a client
-    /// that leaves does not abort an engine mid-transfer).
     async fn post(
         &self,
         addr: SocketAddr,
@@ -342,26 +426,7 @@ impl Native {
         body: &Value,
         detach: bool,
     ) -> Result<Response<hyper::body::Incoming>, PostError> {
-        let req = Request::post(format!("http://{addr}{path}"))
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
-        let call = tokio::time::timeout(self.limits.upstream_timeout, self.client.request(req));
-        let answer = if detach {
-            tokio::spawn(call)
-                .await
-                .map_err(|e| PostError { message: format!("upstream call task: {e}"), unsent: false })?
-        } else {
-            call.await
-        };
-        match answer {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
-            Err(_) => Err(PostError {
-                message: format!("no answer within {:?}", self.limits.upstream_timeout),
-                unsent: false,
-            }),
-        }
+        post_json(&self.client, addr, path, body, self.limits.upstream_timeout, detach).await
     }
 
     /// An engine's non-200 answer as the client's error; a 5xx counts against the engine.
@@ -389,9 +454,7 @@ impl Native {
 
     /// Counts a failure against an endpoint (passive health).
     fn failed(&self, name: &str, h: &Health) {
-        if h.failure(&self.health) {
-            tracing::warn!(endpoint = name, "ejected after consecutive failures");
-        }
+        count_failure(&self.health, name, h);
     }
 
     /// `GET /health` answered 200 within `timeout`.

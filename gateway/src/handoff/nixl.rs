@@ -33,7 +33,10 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::DecoderHandle;
-use super::{BoxError, Native, PostError, Prefiller, RespBody, Timing, admission_error, short_body};
+use super::{
+    BoxError, Drains, HttpClient, Native, Prefiller, RespBody, Timing, admission_error, count_failure,
+    prefill_in_turn, send_drain, short_body,
+};
 use crate::admission::SlotGuard;
 use crate::api::{GatewayError, GenRequest};
 use crate::routing::HealthConfig;
@@ -176,48 +179,18 @@ impl Body for Guarded {
     }
 }
 
-/// Counters of the abandoned-request drains.
-#[derive(Debug, Default)]
-pub struct NixlDrains {
-    pub drains: AtomicU64,
-    /// The producer no longer had the blocks (the decode it raced with had read them): nothing held.
-    pub already_free: AtomicU64,
-    pub drain_failures: AtomicU64,
-}
-
-type Client =
-    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
-
-async fn post_json(
-    client: &Client,
-    addr: SocketAddr,
-    path: &str,
-    body: &Value,
-    timeout: Duration,
-) -> Result<Response<Incoming>, PostError> {
-    let req = Request::post(format!("http://{addr}{path}"))
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
-    match tokio::time::timeout(timeout, client.request(req)).await {
-        Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
-        Err(_) => Err(PostError { message: format!("no answer within {timeout:?}"), unsent: false }),
-    }
-}
-
 /// Sends the decode with `params` and one token, drops the answer: the decoder pulls the blocks
 /// and the producer frees them.
 async fn drain(
-    client: Client,
+    client: HttpClient,
     decoder: SocketAddr,
     path: &'static str,
-    mut body: Value,
+    request: Arc<Value>,
     params: Value,
     timeout: Duration,
-    counters: Arc<NixlDrains>,
+    counters: Arc<Drains>,
 ) {
-    counters.drains.fetch_add(1, Ordering::Relaxed);
+    let mut body = (*request).clone();
     if let Some(o) = body.as_object_mut() {
         o.insert("kv_transfer_params".into(), params);
         o.insert("stream".into(), json!(false));
@@ -227,43 +200,30 @@ async fn drain(
             o.insert("max_completion_tokens".into(), json!(1));
         }
     }
-    let status = match post_json(&client, decoder, path, &body, timeout).await {
-        Ok(r) => {
-            let s = r.status().as_u16();
-            let _ = r.into_body().collect().await;
-            s
-        }
-        Err(_) => 0,
-    };
-    if status == 410 {
-        counters.already_free.fetch_add(1, Ordering::Relaxed);
-    } else if !(200..300).contains(&status) {
-        counters.drain_failures.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(decoder = %decoder, "drain decode failed; the prefiller keeps the blocks until its own timeout");
-    }
+    send_drain(&client, decoder, path, &body, timeout, &counters).await;
 }
 
 /// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
 struct Owed {
-    client: Client,
+    client: HttpClient,
     decoder: SocketAddr,
     path: &'static str,
-    body: Value,
+    /// The client's request, shared: a drain body is built from it only when one is sent.
+    request: Arc<Value>,
     params: Option<Value>,
     timeout: Duration,
-    counters: Arc<NixlDrains>,
+    counters: Arc<Drains>,
 }
 
 impl Drop for Owed {
     fn drop(&mut self) {
         let Some(params) = self.params.take() else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let body = std::mem::take(&mut self.body);
         rt.spawn(drain(
             self.client.clone(),
             self.decoder,
             self.path,
-            body,
+            Arc::clone(&self.request),
             params,
             self.timeout,
             Arc::clone(&self.counters),
@@ -293,7 +253,7 @@ impl Drop for PrefillWait<'_> {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
         rx.close();
-        if let Ok(Ok((_, params))) = rx.try_recv() {
+        if let Ok(Ok(params)) = rx.try_recv() {
             // Dropping the `Owed` with these params (at the end of the request) drains them.
             self.owed.params = Some(params);
         }
@@ -301,7 +261,7 @@ impl Drop for PrefillWait<'_> {
 }
 
 /// The prefill's outcome, delivered to the waiting request (or drained if it has left).
-type PrefillResult = Result<(usize, Value), GatewayError>;
+type PrefillResult = Result<Value, GatewayError>;
 
 impl Native {
     /// Runs one request through the `vllm-nixl` handoff.
@@ -316,7 +276,8 @@ impl Native {
         let slot = dec.queue.acquire(1, class, self.limits.queue_timeout).await.map_err(admission_error)?;
         timing.mark("queue");
         let path = req.endpoint.path();
-        let mut prefill_body = Value::Object(req.raw.clone());
+        let request = Arc::new(Value::Object(req.raw.clone()));
+        let mut prefill_body = (*request).clone();
         if let Some(o) = prefill_body.as_object_mut() {
             o.insert(
                 "kv_transfer_params".into(),
@@ -333,48 +294,41 @@ impl Native {
             o.remove("min_tokens");
             o.remove("min_completion_tokens");
         }
-        // The prefill runs in its own task: if the client leaves, its answer still arrives and the
-        // blocks it names are drained instead of waiting out the producer's timeout.
-        let (tx, rx) = oneshot::channel::<PrefillResult>();
-        let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
-        let (client, timeout, health) = (self.client.clone(), self.limits.upstream_timeout, self.health);
-        let drain_body = Value::Object(req.raw.clone());
-        let (decoder, counters) = (dec.http, Arc::clone(&self.nixl_drains));
-        tokio::spawn(async move {
-            let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
-            if let Err(Ok((_, params))) = tx.send(r) {
-                drain(client, decoder, path, drain_body, params, timeout, counters).await;
-            }
-        });
-        // If this request is dropped after the answer was sent but before it was read, the wait's
-        // `Drop` drains it; if before it was sent, the task does.
-        let mut wait = Owed {
-            client: self.client.clone(),
-            decoder: dec.http,
-            path,
-            body: Value::Object(req.raw.clone()),
-            params: None,
-            timeout,
-            counters: Arc::clone(&self.nixl_drains),
-        };
-        let answer = PrefillWait { rx: Some(rx), owed: &mut wait }.recv().await;
-        let (_, params) = answer?;
-        timing.mark("prefill");
-
-        let mut body = Value::Object(req.raw.clone());
-        if let Some(o) = body.as_object_mut() {
-            o.insert("kv_transfer_params".into(), params.clone());
-        }
-        // Until the decoder has the request, the producer's blocks are ours to free.
+        let timeout = self.limits.upstream_timeout;
+        // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
+        // the params drains them when dropped.
         let mut owed = Owed {
             client: self.client.clone(),
             decoder: dec.http,
             path,
-            body: Value::Object(req.raw.clone()),
-            params: Some(params),
+            request: Arc::clone(&request),
+            params: None,
             timeout,
             counters: Arc::clone(&self.nixl_drains),
         };
+        // The prefill runs in its own task: if the client leaves, its answer still arrives and the
+        // blocks it names are drained instead of waiting out the producer's timeout. Dropped after
+        // the answer was sent but before it was read, the wait hands it to `owed`; before it was
+        // sent, the task drains it.
+        let (tx, rx) = oneshot::channel::<PrefillResult>();
+        let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
+        let (client, health) = (self.client.clone(), self.health);
+        let (decoder, counters, task_request) =
+            (dec.http, Arc::clone(&self.nixl_drains), Arc::clone(&request));
+        tokio::spawn(async move {
+            let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
+            if let Err(Ok(params)) = tx.send(r) {
+                drain(client, decoder, path, task_request, params, timeout, counters).await;
+            }
+        });
+        let params = PrefillWait { rx: Some(rx), owed: &mut owed }.recv().await?;
+        timing.mark("prefill");
+
+        let mut body = (*request).clone();
+        if let Some(o) = body.as_object_mut() {
+            o.insert("kv_transfer_params".into(), params.clone());
+        }
+        owed.params = Some(params);
         let resp = match self.post(dec.http, path, &body, false).await {
             Ok(r) => r,
             Err(e) => {
@@ -404,53 +358,40 @@ impl Native {
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
 async fn prefill_task(
-    client: &Client,
+    client: &HttpClient,
     order: &[Prefiller],
     path: &str,
     body: &Value,
     timeout: Duration,
     health: &HealthConfig,
 ) -> PrefillResult {
-    for (i, p) in order.iter().enumerate() {
-        let in_flight = p.health.start();
-        let resp = match post_json(client, p.http, path, body, timeout).await {
-            Ok(r) => r,
-            Err(e) => {
-                p.health.failure(health);
-                if e.unsent && i + 1 < order.len() {
-                    continue;
-                }
-                return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
-            }
-        };
-        let status = resp.status().as_u16();
-        let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-        drop(in_flight);
-        if status != 200 {
-            if status >= 500 {
-                p.health.failure(health);
-            }
-            return Err(GatewayError::Upstream {
-                leg: "prefill",
-                message: format!("{status}: {}", short_body(&b)),
-            });
+    let mut sent = false;
+    let (p, resp, in_flight) =
+        prefill_in_turn(client, timeout, health, order, path, body, &mut sent, false).await?;
+    let status = resp.status().as_u16();
+    let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    drop(in_flight);
+    if status != 200 {
+        if status >= 500 {
+            count_failure(health, &p.name, &p.health);
         }
-        p.health.success();
-        let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
+        return Err(GatewayError::Upstream {
             leg: "prefill",
-            message: format!("answer is not JSON: {e}"),
-        })?;
-        let params =
-            v.get("kv_transfer_params").filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).cloned();
-        return match params {
-            Some(params) => Ok((i, params)),
-            None => Err(GatewayError::Upstream {
-                leg: "prefill",
-                message: "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?".into(),
-            }),
-        };
+            message: format!("{status}: {}", short_body(&b)),
+        });
     }
-    Err(GatewayError::NoEndpoint("prefill"))
+    p.health.success();
+    let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
+        leg: "prefill",
+        message: format!("answer is not JSON: {e}"),
+    })?;
+    v.get("kv_transfer_params").filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).cloned().ok_or_else(
+        || GatewayError::Upstream {
+            leg: "prefill",
+            message: "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
+                .into(),
+        },
+    )
 }
 
 #[cfg(test)]

@@ -426,34 +426,15 @@ impl Gateway {
             "# HELP baton_drains_total One-token decodes sent for requests that ended between prefill and decode, by result."
         );
         let _ = writeln!(o, "# TYPE baton_drains_total counter");
-        if let Some(d) = &n.drainer {
-            let _ = writeln!(
-                o,
-                "baton_drains_total{{mode=\"lmcache\",result=\"sent\"}} {}",
-                d.drains.load(Ordering::Relaxed)
-            );
-            let _ = writeln!(
-                o,
-                "baton_drains_total{{mode=\"lmcache\",result=\"failed\"}} {}",
-                d.drain_failures.load(Ordering::Relaxed)
-            );
+        for (mode, d) in [("lmcache", &n.lmcache_drains), ("vllm-nixl", &n.nixl_drains)] {
+            for (result, c) in [("sent", &d.sent), ("already_free", &d.already_free), ("failed", &d.failed)] {
+                let _ = writeln!(
+                    o,
+                    "baton_drains_total{{mode=\"{mode}\",result=\"{result}\"}} {}",
+                    c.load(Ordering::Relaxed)
+                );
+            }
         }
-        let d = &n.nixl_drains;
-        let _ = writeln!(
-            o,
-            "baton_drains_total{{mode=\"vllm-nixl\",result=\"sent\"}} {}",
-            d.drains.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "baton_drains_total{{mode=\"vllm-nixl\",result=\"already_free\"}} {}",
-            d.already_free.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            o,
-            "baton_drains_total{{mode=\"vllm-nixl\",result=\"failed\"}} {}",
-            d.drain_failures.load(Ordering::Relaxed)
-        );
         let nixl: Vec<_> =
             self.decoders.iter().filter_map(|d| d.nixl_load.as_ref().map(|l| (&d.name, l))).collect();
         if !nixl.is_empty() {

@@ -129,9 +129,9 @@ async fn lmcache_missing_notification_fails_by_its_deadline_and_frees_the_slots(
         );
     }
     assert_lmcache_clean(&d, false).await;
-    let drainer = d.gateway.native.drainer.as_ref().unwrap();
-    assert_eq!(drainer.drains.load(Ordering::Relaxed), 2);
-    assert_eq!(drainer.drain_failures.load(Ordering::Relaxed), 0);
+    let drainer = &d.gateway.native.lmcache_drains;
+    assert_eq!(drainer.sent.load(Ordering::Relaxed), 2);
+    assert_eq!(drainer.failed.load(Ordering::Relaxed), 0);
     d.shutdown().await;
 }
 

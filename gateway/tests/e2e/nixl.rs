@@ -58,7 +58,7 @@ async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     let prefill = d.engines[0].engine.stats();
     assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
-    assert_eq!(d.gateway.native.nixl_drains.drains.load(Ordering::Relaxed), 0);
+    assert_eq!(d.gateway.native.nixl_drains.sent.load(Ordering::Relaxed), 0);
     d.shutdown().await;
 }
 
@@ -118,8 +118,8 @@ async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
     disconnect_storm(d.addr, |x| 5 + (x % 180) as usize, 40).await;
     assert_nixl_clean(&d, Duration::from_secs(10)).await;
     let drains = &d.gateway.native.nixl_drains;
-    assert_eq!(drains.drain_failures.load(Ordering::Relaxed), 0);
-    eprintln!("{} drains for abandoned requests", drains.drains.load(Ordering::Relaxed));
+    assert_eq!(drains.failed.load(Ordering::Relaxed), 0);
+    eprintln!("{} drains for abandoned requests", drains.sent.load(Ordering::Relaxed));
     let (s, _) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
     assert_eq!(s, 200);
