@@ -67,15 +67,16 @@ impl CpuBuffer {
 
 impl CpuDevice {
     /// [`Device::gather`] over references (for devices that wrap this one).
-    pub fn gather_refs(
+    pub fn gather_refs<T: std::borrow::Borrow<CpuTensor>>(
         &self,
-        cache: &[&CpuTensor],
+        cache: &[T],
         span: &KvSpan<'_>,
         chunk: &ChunkLayout,
         dst: &CpuBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        let layers: Vec<_> = cache.iter().map(|t| t.0.read().unwrap_or_else(|e| e.into_inner())).collect();
+        let layers: Vec<_> =
+            cache.iter().map(|t| t.borrow().0.read().unwrap_or_else(|e| e.into_inner())).collect();
         let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let mut out = dst.page(page)?.write().unwrap_or_else(|e| e.into_inner());
@@ -90,16 +91,16 @@ impl CpuDevice {
     }
 
     /// [`Device::scatter`] over references.
-    pub fn scatter_refs(
+    pub fn scatter_refs<T: std::borrow::Borrow<CpuTensor>>(
         &self,
         src: &CpuBuffer,
         page: u32,
         chunk: &ChunkLayout,
-        cache: &[&CpuTensor],
+        cache: &[T],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
         let mut layers: Vec<_> =
-            cache.iter().map(|t| t.0.write().unwrap_or_else(|e| e.into_inner())).collect();
+            cache.iter().map(|t| t.borrow().0.write().unwrap_or_else(|e| e.into_inner())).collect();
         let sizes: Vec<usize> = layers.iter().map(|l| l.len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let input = src.page(page)?.read().unwrap_or_else(|e| e.into_inner());
@@ -175,7 +176,7 @@ impl Device for CpuDevice {
         dst: &CpuBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        self.gather_refs(&cache.iter().collect::<Vec<_>>(), span, chunk, dst, page)
+        self.gather_refs(cache, span, chunk, dst, page)
     }
 
     fn scatter(
@@ -186,7 +187,7 @@ impl Device for CpuDevice {
         cache: &[CpuTensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
-        self.scatter_refs(src, page, chunk, &cache.iter().collect::<Vec<_>>(), span)
+        self.scatter_refs(src, page, chunk, cache, span)
     }
 
     fn record_event(&self) -> Result<CpuEvent, DeviceError> {

@@ -18,6 +18,7 @@
 
 #![allow(unsafe_code)]
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -267,7 +268,7 @@ impl CudaDevice {
         dst: &CudaBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        self.copy(true, &cache.iter().collect::<Vec<_>>(), span, chunk, dst, page)
+        self.copy(true, cache, span, chunk, dst, page)
     }
 
     /// Queues a scatter without waiting for it (benchmarks); [`Device::scatter`] waits.
@@ -279,7 +280,7 @@ impl CudaDevice {
         cache: &[CudaTensor],
         span: &KvSpan<'_>,
     ) -> Result<(), DeviceError> {
-        self.copy(false, &cache.iter().collect::<Vec<_>>(), span, chunk, src, page)
+        self.copy(false, cache, span, chunk, src, page)
     }
 
     /// Queues a device-to-device copy of `bytes` from `src` page `from` to `dst` page `to` (the
@@ -306,8 +307,8 @@ impl CudaDevice {
     }
 
     /// The unit width every address of this copy allows.
-    fn width(
-        cache: &[&CudaTensor],
+    fn width<T: Borrow<CudaTensor>>(
+        cache: &[T],
         span: &KvSpan<'_>,
         chunk: &ChunkLayout,
         run_bytes: usize,
@@ -321,22 +322,22 @@ impl CudaDevice {
                     .iter()
                     .all(|x| x.is_multiple_of(w))
                     && page.is_multiple_of(w as u64)
-                    && cache.iter().all(|t| t.mem.ptr.is_multiple_of(w as u64))
+                    && cache.iter().all(|t| t.borrow().mem.ptr.is_multiple_of(w as u64))
             })
             .unwrap_or(1)
     }
 
     /// Queues a gather (`gather`) or scatter over layer tensors given by reference.
-    pub fn copy(
+    pub fn copy<T: Borrow<CudaTensor>>(
         &self,
         gather: bool,
-        cache: &[&CudaTensor],
+        cache: &[T],
         span: &KvSpan<'_>,
         chunk: &ChunkLayout,
         buf: &CudaBuffer,
         page: u32,
     ) -> Result<(), DeviceError> {
-        let sizes: Vec<usize> = cache.iter().map(|t| t.len()).collect();
+        let sizes: Vec<usize> = cache.iter().map(|t| t.borrow().len()).collect();
         check_span(chunk, cache.len(), &sizes, span)?;
         let page_ptr = buf.page_ptr(page)?;
         range(0, chunk.page_bytes(), buf.page_bytes)?;
@@ -353,7 +354,7 @@ impl CudaDevice {
         let table = span.block_table.get(..=last / l.block_size as usize).unwrap_or(span.block_table);
         let mut args: Vec<u8> = Vec::with_capacity(cache.len() * 8 + table.len() * 4);
         for t in cache {
-            args.extend_from_slice(&t.mem.ptr.to_le_bytes());
+            args.extend_from_slice(&t.borrow().mem.ptr.to_le_bytes());
         }
         let table_at = args.len();
         for b in table {
