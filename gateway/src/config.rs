@@ -58,7 +58,7 @@ pub enum HandoffMode {
 }
 
 /// `[decode.nixl]`: admission of a `vllm-nixl` decoder from its own metrics.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NixlPool {
     /// Requests in flight when its metrics allow (default [`crate::handoff::nixl::DEFAULT_MAX_IN_FLIGHT`]).
@@ -495,7 +495,7 @@ impl Config {
                             "handoff = \"vllm-nixl\" takes [decode.nixl] only (no dataplane, lmcache or max_slots)",
                         ));
                     }
-                    let n = d.nixl.as_ref().map_or_else(NixlPool::default, |n| NixlPool { ..*n });
+                    let n = d.nixl.unwrap_or_default();
                     if n.max_in_flight == 0 {
                         return Err(err(format!("{f}.nixl.max_in_flight"), "must be greater than 0"));
                     }
@@ -637,21 +637,26 @@ fn check_lmcache(
             y
         }
     };
-    let receiver_host = pool
-        .receiver_host
-        .clone()
-        .or(yaml.pd_peer_host)
-        .ok_or_else(|| err(format!("{f}.receiver_host"), "needed (or pd_peer_host in its YAML)"))?;
-    let init_ports = pool
-        .init_ports
-        .clone()
-        .or(yaml.pd_peer_init_port.map(Ports::list))
-        .ok_or_else(|| err(format!("{f}.init_ports"), "needed (or pd_peer_init_port in its YAML)"))?;
-    let alloc_ports = pool
-        .alloc_ports
-        .clone()
-        .or(yaml.pd_peer_alloc_port.map(Ports::list))
-        .ok_or_else(|| err(format!("{f}.alloc_ports"), "needed (or pd_peer_alloc_port in its YAML)"))?;
+    // The TOML's value wins over the YAML's; one of them must be there.
+    fn pick<T>(f: &str, toml: Option<T>, yaml: Option<T>, field: &str, key: &str) -> Result<T, ConfigError> {
+        toml.or(yaml).ok_or_else(|| err(format!("{f}.{field}"), format!("needed (or {key} in its YAML)")))
+    }
+    let receiver_host =
+        pick(f, pool.receiver_host.clone(), yaml.pd_peer_host, "receiver_host", "pd_peer_host")?;
+    let init_ports = pick(
+        f,
+        pool.init_ports.clone(),
+        yaml.pd_peer_init_port.map(Ports::list),
+        "init_ports",
+        "pd_peer_init_port",
+    )?;
+    let alloc_ports = pick(
+        f,
+        pool.alloc_ports.clone(),
+        yaml.pd_peer_alloc_port.map(Ports::list),
+        "alloc_ports",
+        "pd_peer_alloc_port",
+    )?;
     if alloc_ports.is_empty() || alloc_ports.len() != init_ports.len() {
         return Err(err(
             format!("{f}.alloc_ports"),
@@ -662,10 +667,8 @@ fn check_lmcache(
             ),
         ));
     }
-    let pd_buffer_size = pool
-        .pd_buffer_size
-        .or(yaml.pd_buffer_size)
-        .ok_or_else(|| err(format!("{f}.pd_buffer_size"), "needed (or pd_buffer_size in its YAML)"))?;
+    let pd_buffer_size =
+        pick(f, pool.pd_buffer_size, yaml.pd_buffer_size, "pd_buffer_size", "pd_buffer_size")?;
     let chunk_size = pool.chunk_size.or(yaml.chunk_size).unwrap_or(model_chunk);
     if chunk_size == 0 {
         return Err(err(format!("{f}.chunk_size"), "must be greater than 0"));
