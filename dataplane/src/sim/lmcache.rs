@@ -167,52 +167,45 @@ async fn allocate(store: Arc<Mutex<Store>>, stats: Arc<ReceiverStats>, req: Allo
 }
 
 async fn serve_init(listener: TcpListener, store: Arc<Mutex<Store>>, stats: Arc<ReceiverStats>, max: usize) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let _ = stream.set_nodelay(true);
-                let (store, stats) = (Arc::clone(&store), Arc::clone(&stats));
-                conns.spawn(async move {
-                    let mut io = BufReader::new(stream);
-                    loop {
-                        let Ok(idx) = io.read_u32_le().await else { return };
-                        let Ok(klen) = io.read_u16_le().await else { return };
-                        let mut key = vec![0u8; usize::from(klen)];
-                        if io.read_exact(&mut key).await.is_err() {
-                            return;
+    super::serve_each(listener, move |stream| {
+        let (store, stats) = (Arc::clone(&store), Arc::clone(&stats));
+        async move {
+            let mut io = BufReader::new(stream);
+            loop {
+                let Ok(idx) = io.read_u32_le().await else { return };
+                let Ok(klen) = io.read_u16_le().await else { return };
+                let mut key = vec![0u8; usize::from(klen)];
+                if io.read_exact(&mut key).await.is_err() {
+                    return;
+                }
+                let Ok(len) = io.read_u32_le().await else { return };
+                if len as usize > max {
+                    return;
+                }
+                let mut data = vec![0u8; len as usize];
+                if io.read_exact(&mut data).await.is_err() {
+                    return;
+                }
+                let stored = {
+                    let mut s = lock(&store);
+                    match s.objs.get_mut(&idx) {
+                        Some(o) if o.key.as_bytes() == key.as_slice() => {
+                            o.data = Some(data);
+                            true
                         }
-                        let Ok(len) = io.read_u32_le().await else { return };
-                        if len as usize > max {
-                            return;
-                        }
-                        let mut data = vec![0u8; len as usize];
-                        if io.read_exact(&mut data).await.is_err() {
-                            return;
-                        }
-                        let stored = {
-                            let mut s = lock(&store);
-                            match s.objs.get_mut(&idx) {
-                                Some(o) if o.key.as_bytes() == key.as_slice() => {
-                                    o.data = Some(data);
-                                    true
-                                }
-                                _ => false,
-                            }
-                        };
-                        if !stored {
-                            stats.late_writes.fetch_add(1, Ordering::Relaxed);
-                        }
-                        if io.get_mut().write_all(&[u8::from(stored)]).await.is_err() {
-                            return;
-                        }
+                        _ => false,
                     }
-                });
+                };
+                if !stored {
+                    stats.late_writes.fetch_add(1, Ordering::Relaxed);
+                }
+                if io.get_mut().write_all(&[u8::from(stored)]).await.is_err() {
+                    return;
+                }
             }
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
-    }
+    })
+    .await;
 }
 
 /// The decoder side: one [`ReceiverRank`] per TP rank.

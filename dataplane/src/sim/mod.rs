@@ -54,6 +54,26 @@ pub fn tiny_geometry(tp_size: u32) -> Result<KvGeometry, crate::geometry::Geomet
     KvGeometry::new(2, 2, 16, 2, 16, tp_size)
 }
 
+/// Accepts connections on `listener` until the calling task ends, serving each on its own task
+/// (the side channels of the LMCache and NIXL protocols).
+pub(crate) async fn serve_each<F, Fut>(listener: TcpListener, serve: F)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                conns.spawn(serve(stream));
+            }
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
 /// Everything a simulated engine needs to start.
 #[derive(Clone, Debug)]
 pub struct SimConfig {

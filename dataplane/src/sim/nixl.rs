@@ -24,7 +24,6 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
 
 use super::SimError;
 use super::blocks::{BlockPool, Blocks};
@@ -174,59 +173,58 @@ async fn serve_side(
     g: KvGeometry,
     read: Arc<AtomicU64>,
 ) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let _ = stream.set_nodelay(true);
-                let (pending, read) = (Arc::clone(&pending), Arc::clone(&read));
-                conns.spawn(async move {
-                    let mut io = BufReader::new(stream);
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        match io.read_line(&mut line).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) => {}
-                        }
-                        let mut parts = line.split_whitespace();
-                        let reply: Vec<u8> = match (parts.next(), parts.next(), parts.next()) {
-                            (Some("READ"), Some(id), Some(rank)) => {
-                                let ids = lock(&pending).get(id).map(|t| Arc::clone(&t.ids));
-                                match (ids, rank.parse::<u32>()) {
-                                    (Some(ids), Ok(rank)) if rank < g.tp_size => {
-                                        let hashes = prefix_hashes(&ids);
-                                        let chunks = ids.len().div_ceil(g.chunk_tokens.max(1) as usize);
-                                        let mut out = Vec::new();
-                                        for c in 0..chunks {
-                                            out.extend(chunk_page(&g, rank, &hashes, u32::try_from(c).unwrap_or(u32::MAX)));
-                                        }
-                                        let mut v = u32::try_from(out.len()).unwrap_or(UNKNOWN).to_le_bytes().to_vec();
-                                        v.extend(out);
-                                        v
-                                    }
-                                    _ => UNKNOWN.to_le_bytes().to_vec(),
+    super::serve_each(listener, move |stream| {
+        let (pending, read) = (Arc::clone(&pending), Arc::clone(&read));
+        async move {
+            let mut io = BufReader::new(stream);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match io.read_line(&mut line).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                let mut parts = line.split_whitespace();
+                let reply: Vec<u8> = match (parts.next(), parts.next(), parts.next()) {
+                    (Some("READ"), Some(id), Some(rank)) => {
+                        let ids = lock(&pending).get(id).map(|t| Arc::clone(&t.ids));
+                        match (ids, rank.parse::<u32>()) {
+                            (Some(ids), Ok(rank)) if rank < g.tp_size => {
+                                let hashes = prefix_hashes(&ids);
+                                let chunks = ids.len().div_ceil(g.chunk_tokens.max(1) as usize);
+                                let mut out = Vec::new();
+                                for c in 0..chunks {
+                                    out.extend(chunk_page(
+                                        &g,
+                                        rank,
+                                        &hashes,
+                                        u32::try_from(c).unwrap_or(u32::MAX),
+                                    ));
                                 }
+                                let mut v =
+                                    u32::try_from(out.len()).unwrap_or(UNKNOWN).to_le_bytes().to_vec();
+                                v.extend(out);
+                                v
                             }
-                            (Some("DONE"), Some(id), None) => {
-                                let found = lock(&pending).remove(id).is_some();
-                                if found {
-                                    read.fetch_add(1, Ordering::Relaxed);
-                                }
-                                vec![u8::from(found)]
-                            }
-                            _ => return,
-                        };
-                        if io.get_mut().write_all(&reply).await.is_err() {
-                            return;
+                            _ => UNKNOWN.to_le_bytes().to_vec(),
                         }
                     }
-                });
+                    (Some("DONE"), Some(id), None) => {
+                        let found = lock(&pending).remove(id).is_some();
+                        if found {
+                            read.fetch_add(1, Ordering::Relaxed);
+                        }
+                        vec![u8::from(found)]
+                    }
+                    _ => return,
+                };
+                if io.get_mut().write_all(&reply).await.is_err() {
+                    return;
+                }
             }
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
-    }
+    })
+    .await;
 }
 
 /// The consumer side: pulls a request's KV from its producer, checks every byte and tells the
