@@ -24,6 +24,8 @@ use crate::server::tls::FrontTls;
 use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
+pub mod plugins;
+
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
 
@@ -42,6 +44,9 @@ pub struct Config {
     pub telemetry: Telemetry,
     /// The `lmcache` handoff's gateway side (needed when a decode pool uses it).
     pub lmcache: Option<LmcacheGateway>,
+    /// Admission and routing policy plugins.
+    #[serde(default)]
+    pub plugins: plugins::Plugins,
 }
 
 /// How the KV reaches a decode pool.
@@ -226,6 +231,8 @@ pub struct Admission {
     pub ready_timeout_ms: u64,
     /// Longest an upstream leg may take to answer, ms (default [`DEFAULT_UPSTREAM_TIMEOUT`]).
     pub upstream_timeout_ms: u64,
+    /// API key → tenant name, for policy plugins (a key not listed is its own tenant).
+    pub tenants: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -276,6 +283,7 @@ impl Default for Admission {
             lease_ms: ms(DEFAULT_LEASE),
             ready_timeout_ms: ms(DEFAULT_READY_TIMEOUT),
             upstream_timeout_ms: ms(DEFAULT_UPSTREAM_TIMEOUT),
+            tenants: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -341,6 +349,8 @@ pub struct Checked {
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
+    pub plugins: Option<plugins::CheckedPlugins>,
+    pub tenants: std::collections::BTreeMap<String, String>,
 }
 
 /// `http://host:port` → the socket address.
@@ -605,6 +615,8 @@ impl Config {
             log,
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
+            plugins: self.plugins.check(base)?,
+            tenants: a.tenants.clone(),
         })
     }
 }

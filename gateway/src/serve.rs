@@ -21,11 +21,15 @@ pub struct Serving {
     stop: Vec<Arc<Notify>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     health: tokio::task::JoinHandle<()>,
+    watcher: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Serving {
     pub async fn shutdown(self) {
         self.health.abort();
+        if let Some(w) = &self.watcher {
+            w.abort();
+        }
         for s in &self.stop {
             s.notify_one();
         }
@@ -78,8 +82,13 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         let at = native.listen_lmcache(addr).await?;
         tracing::info!(%at, "listening for LMCache prefill notifications");
     }
+    let plugins = match &c.plugins {
+        Some(p) => Some(crate::policy::Plugins::start(p, c.tenants.clone())?),
+        None => None,
+    };
+    let watcher = plugins.as_ref().map(crate::policy::Plugins::spawn_watcher);
     let gateway =
-        Gateway::new(model, prefills, decoders, native, Router::new(c.routing), HttpTimeouts::default());
+        Gateway::new(model, prefills, decoders, native, Router::new(c.routing), HttpTimeouts::default(), plugins);
     let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
     for (addr, tls) in c.listeners {
@@ -89,5 +98,5 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&s))));
         stop.push(s);
     }
-    Ok(Serving { addrs, gateway, stop, tasks, health: health_task })
+    Ok(Serving { addrs, gateway, stop, tasks, health: health_task, watcher })
 }

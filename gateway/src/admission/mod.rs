@@ -31,6 +31,21 @@ pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Weight of a priority class nobody configured.
 pub const DEFAULT_WEIGHT: f64 = 1.0;
 
+/// How a request enters a queue: its priority class and, when a policy set one, its own longest
+/// wait (never longer than the gateway's queue timeout).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ticket {
+    pub class: u8,
+    pub max_wait: Option<Duration>,
+}
+
+impl Ticket {
+    /// The wait to use, given the gateway's queue timeout.
+    pub fn wait(&self, queue_timeout: Duration) -> Duration {
+        self.max_wait.map_or(queue_timeout, |w| w.min(queue_timeout))
+    }
+}
+
 /// Why a request was not admitted.
 #[derive(Debug, Error, PartialEq, Clone)]
 pub enum AdmissionError {
@@ -324,6 +339,11 @@ impl SlotQueue {
     pub fn load(&self) -> QueueLoad {
         let s = lock(&self.state);
         QueueLoad { capacity: s.capacity, in_use: s.in_use, waiting_slots: s.waiting_slots }
+    }
+
+    /// Requests waiting, in constant time.
+    pub fn waiting(&self) -> u32 {
+        u32::try_from(lock(&self.state).waiting).unwrap_or(u32::MAX)
     }
 
     /// A snapshot (walks the waiters; for admin endpoints and metrics, not per request). A query.

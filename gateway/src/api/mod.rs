@@ -30,6 +30,8 @@ impl Endpoint {
 pub enum Origin {
     Client,
     Upstream,
+    /// A policy plugin's decision (its status, its message).
+    Plugin,
     Internal,
 }
 
@@ -66,6 +68,9 @@ pub enum GatewayError {
     NotFound(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// Refused by the admission plugin, with the plugin's status (400-599) and message.
+    #[error("{message}")]
+    PolicyRejected { status: u16, message: String, retry_after: Option<u32> },
 }
 
 impl GatewayError {
@@ -80,6 +85,7 @@ impl GatewayError {
             Self::Upstream { .. } | Self::KvTransfer(_) => 502,
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
             Self::Internal(_) => 500,
+            Self::PolicyRejected { status, .. } => *status,
         }
     }
 
@@ -100,10 +106,14 @@ impl GatewayError {
             Self::KvTransfer(_) => "kv_transfer_failed",
             Self::NotFound(_) => "not_found",
             Self::Internal(_) => "internal_error",
+            Self::PolicyRejected { .. } => "rejected_by_policy",
         }
     }
 
     pub fn origin(&self) -> Origin {
+        if matches!(self, Self::PolicyRejected { .. }) {
+            return Origin::Plugin;
+        }
         match self.status() {
             500 => Origin::Internal,
             502 | 503 if !matches!(self, Self::QueueTimeout(_) | Self::NoEndpoint(_)) => Origin::Upstream,
@@ -117,6 +127,7 @@ impl GatewayError {
         match self {
             Self::QueueFull(_) => Some(1),
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => Some(2),
+            Self::PolicyRejected { retry_after, .. } => retry_after.map(u64::from),
             _ => None,
         }
     }
@@ -125,7 +136,8 @@ impl GatewayError {
     pub fn body(&self) -> Value {
         let kind = match self.origin() {
             Origin::Client => "invalid_request_error",
-            Origin::Upstream | Origin::Internal => "server_error",
+            Origin::Plugin if self.status() < 500 => "invalid_request_error",
+            Origin::Plugin | Origin::Upstream | Origin::Internal => "server_error",
         };
         let param = match self {
             Self::Invalid { field, .. } => json!(field),

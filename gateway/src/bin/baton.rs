@@ -1,6 +1,6 @@
 //! `baton`: the PD gateway.
 //!
-//! `baton serve --config FILE`, `baton check-config FILE`, `baton demo`.
+//! `baton serve --config FILE`, `baton check-config FILE`, `baton plugin check FILE.wasm`, `baton demo`.
 
 #![allow(clippy::print_stdout)]
 
@@ -14,12 +14,15 @@ use baton_gateway::tokenize::Tokenizer;
 
 const USAGE: &str = "usage: baton serve --config FILE
        baton check-config FILE
+       baton plugin check FILE.wasm [--config TABLE.toml]
        baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
                   [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
                   [--handoff native|lmcache|vllm-nixl] [--device cpu|cuda]
 
   serve          run the gateway from a TOML configuration (see configs/)
   check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
+  plugin check   which policy world (admission or routing) a component implements, and whether it
+                 accepts the config table in TABLE.toml (as [plugins.*.config] would pass it; default {})
   demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
                  --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template;
                  --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels),
@@ -159,6 +162,39 @@ fn parse(args: &[String]) -> Result<DemoConfig, String> {
     Ok(c)
 }
 
+fn plugin_check(args: &[String]) -> ExitCode {
+    let Some(file) = args.get(2).filter(|a| !a.starts_with("--")) else {
+        eprintln!("baton plugin check: FILE.wasm is required\n{USAGE}");
+        return ExitCode::from(2);
+    };
+    let config = match flag(args, "--config") {
+        None => "{}".to_owned(),
+        Some(f) => match std::fs::read_to_string(&f)
+            .map_err(|e| e.to_string())
+            .and_then(|t| toml::from_str::<toml::Table>(&t).map_err(|e| e.to_string()))
+            .and_then(|t| serde_json::to_string(&t).map_err(|e| e.to_string()))
+        {
+            Ok(j) => j,
+            Err(e) => {
+                eprintln!("baton plugin check: --config {f}: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    match baton_gateway::policy::check_component(std::path::Path::new(file), &config) {
+        Ok(r) => {
+            println!("{file}: implements baton:policy/{}@0.1.0", r.world.name());
+            println!("  sha256 {} ({} bytes, compiled in {:?})", r.sha256, r.bytes, r.compile);
+            println!("  config accepted: {config}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{file}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -173,6 +209,7 @@ async fn main() -> ExitCode {
                 }
             };
         }
+        Some("plugin") if args.get(1).map(String::as_str) == Some("check") => return plugin_check(&args),
         Some("serve") => {
             return match flag(&args, "--config") {
                 Some(f) => serve(&f).await,

@@ -421,7 +421,7 @@ impl Native {
         target: &LmcacheTarget,
         req: &GenRequest,
         ids: &[u32],
-        class: u8,
+        ticket: crate::admission::Ticket,
     ) -> Result<Response<RespBody>, GatewayError> {
         let hub = self.lmcache.as_ref().ok_or_else(|| {
             GatewayError::Internal(
@@ -431,7 +431,7 @@ impl Native {
         let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
         let slots =
-            dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?;
+            dec.queue.acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout)).await.map_err(admission_error)?;
         timing.mark("queue");
         let req_id = format!("baton-{:032x}", self.keys.next().request.0);
         let mut life = Life {

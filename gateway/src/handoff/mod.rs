@@ -517,7 +517,7 @@ impl Native {
         dec: &Arc<DecoderHandle>,
         req: &GenRequest,
         ids: &[u32],
-        class: u8,
+        ticket: crate::admission::Ticket,
     ) -> Result<Response<RespBody>, GatewayError> {
         let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
@@ -525,7 +525,7 @@ impl Native {
             self.hold_chunk_by_chunk(dec, chunks).await?;
             None
         } else {
-            Some(dec.queue.acquire(chunks, class, self.limits.queue_timeout).await.map_err(admission_error)?)
+            Some(dec.queue.acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout)).await.map_err(admission_error)?)
         };
         timing.mark("queue");
         let key = self.keys.next();

@@ -203,19 +203,32 @@ impl Router {
 
     /// The pairs to try, best first (never empty), or which pool has no healthy endpoint.
     pub fn route(&self, f: &RouteFacts<'_>, c: &Candidates) -> Result<Vec<Route>, NoRoute> {
+        let decided = self.policy.as_ref().map(|p| p.route(f, c));
+        self.route_decided(decided, f, c, |_| {})
+    }
+
+    /// Checks a decision made elsewhere (a plugin's; `None`: it made none) against the candidates:
+    /// a valid one is used, an invalid one is counted, reported to `invalid` and replaced by the
+    /// built-in policy's.
+    pub fn route_decided(
+        &self,
+        decided: Option<Decision>,
+        f: &RouteFacts<'_>,
+        c: &Candidates,
+        invalid: impl FnOnce(&str),
+    ) -> Result<Vec<Route>, NoRoute> {
         if !c.prefill.healthy.contains(&true) {
             return Err(NoRoute::Prefill);
         }
         if !c.decode.healthy.contains(&true) {
             return Err(NoRoute::Decode);
         }
-        if let Some(p) = &self.policy
-            && let Decision::Route(routes) = p.route(f, c)
-        {
+        if let Some(Decision::Route(routes)) = decided {
             if !routes.is_empty() && routes.iter().all(|r| Self::valid(r, c)) {
                 return Ok(routes);
             }
             self.invalid.fetch_add(1, Ordering::Relaxed);
+            invalid(&format!("route {routes:?} names no healthy endpoint pair"));
         }
         match self.builtin.route(f, c) {
             Decision::Route(r) if !r.is_empty() && r.iter().all(|r| Self::valid(r, c)) => Ok(r),

@@ -3,6 +3,7 @@
 
 pub mod idle;
 pub mod tls;
+pub mod usage;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -25,6 +26,9 @@ use tokio::task::JoinSet;
 use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, Origin};
 use crate::handoff::decoder::{DecodeMode, DecoderHandle};
 use crate::handoff::{BoxError, Native, Prefiller, RespBody};
+use crate::admission::Ticket;
+use crate::policy::{Admit, Plugins, QueueState};
+use usage::{Completion, UsageBody};
 use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 
@@ -70,6 +74,8 @@ pub struct Gateway {
     pub native: Native,
     pub router: Router,
     pub http: HttpTimeouts,
+    /// Admission and routing plugins, when configured.
+    pub plugins: Option<Arc<Plugins>>,
     seq: AtomicU64,
 }
 
@@ -100,8 +106,9 @@ impl Gateway {
         native: Native,
         router: Router,
         http: HttpTimeouts,
+        plugins: Option<Arc<Plugins>>,
     ) -> Arc<Self> {
-        Arc::new(Self { model, prefills, decoders, native, router, http, seq: AtomicU64::new(0) })
+        Arc::new(Self { model, prefills, decoders, native, router, http, plugins, seq: AtomicU64::new(0) })
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
@@ -253,6 +260,10 @@ impl Gateway {
                 return full(if ready { 200 } else { 503 }, &json!({"ready": ready}));
             }
             (&Method::GET, "/admin/decoders") => return full(200, &self.decoders_view().await),
+            (&Method::GET, "/admin/plugins") => {
+                return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
+            }
+            (&Method::POST, "/admin/plugins/reload") => return self.reload_plugins().await,
             (&Method::GET, "/metrics") => return self.metrics(),
             _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
         };
@@ -306,6 +317,9 @@ impl Gateway {
             .collect();
         crate::telemetry::render_endpoints(&mut text, &endpoints);
         self.render_handoffs(&mut text);
+        if let Some(p) = &self.plugins {
+            p.render(&mut text);
+        }
         let mut r =
             Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
         r.headers_mut()
@@ -323,9 +337,11 @@ impl Gateway {
         {
             return Err(GatewayError::ContentType);
         }
+        let (parts, body) = req.into_parts();
+        let headers = parts.headers;
         let body = tokio::time::timeout(
             self.http.body_read,
-            Limited::new(req.into_body(), MAX_BODY_BYTES).collect(),
+            Limited::new(body, MAX_BODY_BYTES).collect(),
         )
         .await
         .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
@@ -339,7 +355,7 @@ impl Gateway {
         }
         if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
             let ids = self.model.tokenizer.token_ids(&req)?;
-            return self.dispatch(req, ids).await;
+            return self.dispatch(req, ids, &headers).await;
         }
         let tok = Arc::clone(&self.model.tokenizer);
         let (req, ids) = tokio::task::spawn_blocking(move || {
@@ -348,10 +364,15 @@ impl Gateway {
         })
         .await
         .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))?;
-        self.dispatch(req, ids?).await
+        self.dispatch(req, ids?, &headers).await
     }
 
-    async fn dispatch(&self, req: GenRequest, ids: Vec<u32>) -> Result<Response<RespBody>, GatewayError> {
+    async fn dispatch(
+        &self,
+        req: GenRequest,
+        ids: Vec<u32>,
+        headers: &hyper::HeaderMap,
+    ) -> Result<Response<RespBody>, GatewayError> {
         if ids.len() as u64 > self.model.context_length {
             return Err(GatewayError::ContextLength {
                 tokens: ids.len() as u64,
@@ -360,14 +381,47 @@ impl Gateway {
         }
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
+        let max_tokens = req.fields.max_tokens.or(req.fields.max_completion_tokens);
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
             slots: need,
-            max_tokens: req.fields.max_tokens.or(req.fields.max_completion_tokens),
+            max_tokens,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
-        let routes = self.router.route(&facts, &self.candidates(ids.len())).map_err(|e| match e {
+        let plugins = self.plugins.as_ref();
+        let preq = plugins.map(|p| {
+            let ep = match req.endpoint {
+                Endpoint::Completions => "completions",
+                Endpoint::Chat => "chat",
+            };
+            Arc::new(p.request(&self.model.name, ep, headers, &ids, need, max_tokens))
+        });
+        // Admission: the plugin's decision, or the built-in one (class 0, the gateway's wait).
+        let mut ticket = Ticket::default();
+        let mut owed = None;
+        if let (Some(p), Some(preq)) = (plugins.and_then(|p| p.admission.as_ref()), &preq) {
+            match p.admit(Arc::clone(preq), self.queue_state()).await {
+                Some(Admit::Reject { status, message, retry_after_s }) => {
+                    return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
+                }
+                Some(Admit::Queue { class, max_wait }) => {
+                    ticket = Ticket { class, max_wait };
+                    owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
+                }
+                None => {}
+            }
+        }
+        let cands = self.candidates(ids.len());
+        let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
+            (Some(p), Some(preq)) => {
+                let in_flight: Vec<u32> = self.decoders.iter().map(|d| d.health.in_flight()).collect();
+                let decision = p.route(Arc::clone(preq), &cands, &in_flight).await;
+                self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why))
+            }
+            _ => self.router.route(&facts, &cands),
+        };
+        let routes = routed.map_err(|e| match e {
             NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
@@ -384,11 +438,56 @@ impl Gateway {
         }
         let prefills: Vec<&Prefiller> = order.iter().filter_map(|&i| self.prefills.get(i)).collect();
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        match &dec.mode {
-            DecodeMode::Native => self.native.run(&prefills, dec, &req, &ids, 0).await,
-            DecodeMode::Lmcache(t) => self.native.run_lmcache(&prefills, dec, t, &req, &ids, 0).await,
-            DecodeMode::VllmNixl(_) => self.native.run_nixl(&prefills, dec, &req, 0).await,
+        let r = match &dec.mode {
+            DecodeMode::Native => self.native.run(&prefills, dec, &req, &ids, ticket).await,
+            DecodeMode::Lmcache(t) => self.native.run_lmcache(&prefills, dec, t, &req, &ids, ticket).await,
+            DecodeMode::VllmNixl(_) => self.native.run_nixl(&prefills, dec, &req, ticket).await,
+        };
+        match (r, owed) {
+            (Ok(resp), Some(mut c)) => {
+                c.status = resp.status().as_u16();
+                Ok(resp.map(|b| UsageBody { inner: b, completion: c, tail: Vec::new() }.boxed()))
+            }
+            (Err(e), Some(mut c)) => {
+                c.status = e.status();
+                Err(e)
+            }
+            (r, None) => r,
         }
+    }
+
+    /// Every decoder's admission queue, summed, for the admission plugin.
+    fn queue_state(&self) -> QueueState {
+        let mut q = QueueState { capacity_slots: 0, free_slots: 0, waiting_requests: 0, waiting_slots: 0 };
+        for d in &self.decoders {
+            let l = d.queue.load();
+            q.capacity_slots = q.capacity_slots.saturating_add(l.capacity);
+            q.free_slots = q.free_slots.saturating_add(l.capacity.saturating_sub(l.in_use));
+            q.waiting_slots = q.waiting_slots.saturating_add(u32::try_from(l.waiting_slots).unwrap_or(u32::MAX));
+        }
+        q.waiting_requests = self.decoders.iter().map(|d| d.queue.waiting()).fold(0u32, u32::saturating_add);
+        q
+    }
+
+    /// `POST /admin/plugins/reload`: every plugin from its file; 200 when all loaded, else 422 with
+    /// each error (the plugins that failed keep their old version).
+    async fn reload_plugins(&self) -> Response<RespBody> {
+        let Some(p) = self.plugins.clone() else {
+            return full(404, &json!({"error": {"message": "no plugins configured", "type": "invalid_request_error", "param": null, "code": "not_found"}}));
+        };
+        let results = match tokio::task::spawn_blocking(move || p.reload()).await {
+            Ok(r) => r,
+            Err(e) => return error_response(&GatewayError::Internal(format!("reload task: {e}"))),
+        };
+        let ok = results.iter().all(Result::is_ok);
+        let list: Vec<Value> = results
+            .into_iter()
+            .map(|r| match r {
+                Ok(i) => json!({"name": i.name, "world": i.world, "sha256": i.sha256, "version": i.version}),
+                Err(e) => json!({"error": e.to_string()}),
+            })
+            .collect();
+        full(if ok { 200 } else { 422 }, &json!({"reloaded": ok, "plugins": list}))
     }
 
     /// The `lmcache` and `vllm-nixl` handoffs' own counters and gauges.

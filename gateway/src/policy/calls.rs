@@ -1,0 +1,145 @@
+//! The typed calls of each world, with the checks on what a plugin answers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::worlds::admission::exports::baton::policy::admission_policy as wa;
+use super::worlds::routing::exports::baton::policy::routing_policy as wr;
+use super::{AdmissionWorld, Direct, Fault, Plugin, RoutingWorld};
+use crate::routing::{Candidates, Decision, Route};
+
+pub use super::worlds::admission::baton::policy::types::{Header, Request as PolicyRequest};
+pub use wa::{QueueState, Usage};
+
+/// A loaded admission plugin.
+pub type AdmissionPlugin = Plugin<AdmissionWorld>;
+/// A loaded routing plugin.
+pub type RoutingPlugin = Plugin<RoutingWorld>;
+
+/// Longest rejection message passed to a client (bytes); longer ones are cut.
+pub const MAX_MESSAGE_BYTES: usize = 512;
+
+/// An admission decision, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Into the queue, in this class, waiting at most `max_wait` (the gateway's timeout when `None`).
+    Queue { class: u8, max_wait: Option<Duration> },
+    Reject { status: u16, message: String, retry_after_s: Option<u32> },
+}
+
+/// Checks a plugin's admission answer; `Err` names what was out of range.
+fn check_admit(d: wa::Decision) -> Result<Admit, String> {
+    Ok(match d {
+        wa::Decision::Admit(class) => Admit::Queue { class, max_wait: None },
+        wa::Decision::Queue(q) => {
+            Admit::Queue { class: q.priority, max_wait: Some(Duration::from_millis(q.max_wait_ms.into())) }
+        }
+        wa::Decision::Reject(r) => {
+            if !(400..=599).contains(&r.status) {
+                return Err(format!("reject status {} is outside 400-599", r.status));
+            }
+            let mut end = r.message.len().min(MAX_MESSAGE_BYTES);
+            while !r.message.is_char_boundary(end) {
+                end -= 1;
+            }
+            let message = r.message.get(..end).unwrap_or("").to_owned();
+            Admit::Reject { status: r.status, message, retry_after_s: r.retry_after_s }
+        }
+    })
+}
+
+fn to_decision(d: wr::Decision) -> Decision {
+    match d {
+        wr::Decision::UseDefault => Decision::Default,
+        wr::Decision::Pairs(p) => Decision::Route(
+            p.into_iter()
+                .map(|r| Route {
+                    prefill: usize::try_from(r.prefill).unwrap_or(usize::MAX),
+                    decode: usize::try_from(r.decode).unwrap_or(usize::MAX),
+                })
+                .collect(),
+        ),
+    }
+}
+
+fn u32s<T: Copy + TryInto<u32>>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|&x| x.try_into().unwrap_or(u32::MAX)).collect()
+}
+
+/// The candidate lists in the WIT's shape.
+pub fn views(c: &Candidates, decode_in_flight: &[u32]) -> (wr::PrefillView, wr::DecodeView) {
+    (
+        wr::PrefillView { healthy: c.prefill.healthy.clone(), in_flight: c.prefill.in_flight.clone() },
+        wr::DecodeView {
+            healthy: c.decode.healthy.clone(),
+            slots_needed: c.decode.slots_needed.clone(),
+            capacity_slots: c.decode.capacity_slots.clone(),
+            free_slots: c.decode.free_slots.clone(),
+            waiting_slots: u32s(&c.decode.waiting_slots),
+            in_flight: decode_in_flight.to_vec(),
+        },
+    )
+}
+
+impl Plugin<AdmissionWorld> {
+    /// The plugin's decision, or `None` when the built-in decides.
+    pub async fn admit(self: &Arc<Self>, req: Arc<PolicyRequest>, q: QueueState) -> Option<Admit> {
+        let d = self.call(move |b, s| b.baton_policy_admission_policy().call_admit(s, &req, q)).await?;
+        self.checked(d)
+    }
+
+    fn checked(&self, d: wa::Decision) -> Option<Admit> {
+        match check_admit(d) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                self.fault(&self.version(), Fault::Invalid, &e);
+                None
+            }
+        }
+    }
+
+    /// Tells the plugin a request it admitted has ended; never waits (dropped when the plugin is
+    /// busy or off, and counted as such).
+    pub fn complete(self: &Arc<Self>, req: Arc<PolicyRequest>, usage: Usage) {
+        let v = self.version();
+        if v.disabled.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let me = Arc::clone(self);
+        self.send(Box::new(move |live| {
+            me.run(&v, live, |b, s| b.baton_policy_admission_policy().call_on_complete(s, &req, usage));
+        }));
+    }
+}
+
+impl Direct<AdmissionWorld> {
+    pub fn admit(&mut self, req: &PolicyRequest, q: QueueState) -> Option<Admit> {
+        let d = self.run(|b, s| b.baton_policy_admission_policy().call_admit(s, req, q))?;
+        self.plugin.checked(d)
+    }
+
+    pub fn complete(&mut self, req: &PolicyRequest, usage: Usage) -> Option<()> {
+        self.run(|b, s| b.baton_policy_admission_policy().call_on_complete(s, req, usage))
+    }
+}
+
+impl Plugin<RoutingWorld> {
+    /// The plugin's decision (not yet checked against the candidates: the router does that and
+    /// reports an invalid one back with [`Plugin::invalid`]), or `None` when the built-in decides.
+    pub async fn route(
+        self: &Arc<Self>,
+        req: Arc<PolicyRequest>,
+        c: &Candidates,
+        decode_in_flight: &[u32],
+    ) -> Option<Decision> {
+        let (p, d) = views(c, decode_in_flight);
+        let r = self.call(move |b, s| b.baton_policy_routing_policy().call_route(s, &req, &p, &d)).await?;
+        Some(to_decision(r))
+    }
+}
+
+impl Direct<RoutingWorld> {
+    pub fn route(&mut self, req: &PolicyRequest, p: &wr::PrefillView, d: &wr::DecodeView) -> Option<Decision> {
+        self.run(|b, s| b.baton_policy_routing_policy().call_route(s, req, p, d)).map(to_decision)
+    }
+}

@@ -1,0 +1,197 @@
+//! The gateway's plugins as configured: both worlds, the facts they are given, reload (admin call
+//! and file watcher) and their metrics.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use hyper::HeaderMap;
+use serde_json::{Value, json};
+
+use super::{AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World};
+use crate::config::plugins::CheckedPlugins;
+
+/// Tokens hashed into `prefix-hash`: one chunk, the unit a decoder caches by.
+pub const PREFIX_TOKENS: usize = 256;
+
+/// 32-bit FNV-1a over the first [`PREFIX_TOKENS`] token ids.
+pub fn prefix_hash(ids: &[u32]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for id in ids.iter().take(PREFIX_TOKENS) {
+        for b in id.to_le_bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+    }
+    h
+}
+
+/// The admission and routing plugins of one gateway.
+#[derive(Debug)]
+pub struct Plugins {
+    pub host: Arc<Host>,
+    pub admission: Option<Arc<AdmissionPlugin>>,
+    pub routing: Option<Arc<RoutingPlugin>>,
+    headers: Vec<String>,
+    tenants: BTreeMap<String, String>,
+    watch_interval: std::time::Duration,
+}
+
+impl Plugins {
+    /// Compiles, checks and starts every configured plugin; any error refuses the start.
+    pub fn start(c: &CheckedPlugins, tenants: BTreeMap<String, String>) -> Result<Arc<Self>, String> {
+        let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
+        let admission =
+            c.admission.clone().map(|s| AdmissionPlugin::load(&host, s)).transpose().map_err(|e| e.to_string())?;
+        let routing =
+            c.routing.clone().map(|s| RoutingPlugin::load(&host, s)).transpose().map_err(|e| e.to_string())?;
+        for info in admission.iter().map(|p| p.info()).chain(routing.iter().map(|p| p.info())) {
+            tracing::info!(plugin = info.name, world = info.world, sha256 = info.sha256, "plugin loaded");
+        }
+        Ok(Arc::new(Self {
+            host,
+            admission,
+            routing,
+            headers: c.headers.clone(),
+            tenants,
+            watch_interval: c.watch_interval,
+        }))
+    }
+
+    /// The facts plugins are given about a request.
+    pub fn request(
+        &self,
+        model: &str,
+        endpoint: &str,
+        headers: &HeaderMap,
+        ids: &[u32],
+        slots: u32,
+        max_tokens: Option<u32>,
+    ) -> PolicyRequest {
+        let key = headers
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .unwrap_or("");
+        let tenant = self.tenants.get(key).cloned().unwrap_or_else(|| key.chars().take(128).collect());
+        let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect());
+        PolicyRequest {
+            model: model.to_owned(),
+            endpoint: endpoint.to_owned(),
+            tenant,
+            prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            slots,
+            max_tokens: max_tokens.unwrap_or(0),
+            priority: text("x-priority"),
+            prefix_hash: prefix_hash(ids),
+            headers: self
+                .headers
+                .iter()
+                .filter_map(|n| text(n).map(|value| super::calls::Header { name: n.clone(), value }))
+                .collect(),
+        }
+    }
+
+    /// Reloads every plugin from its file (the admin call); each keeps its old version on error.
+    pub fn reload(&self) -> Vec<Result<PluginInfo, LoadError>> {
+        let mut out = Vec::new();
+        if let Some(p) = &self.admission {
+            out.push(p.reload(None));
+        }
+        if let Some(p) = &self.routing {
+            out.push(p.reload(None));
+        }
+        out
+    }
+
+    /// Reloads watched plugins whose file changed, every `watch_interval`, until `self` is dropped.
+    pub fn spawn_watcher(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let every = self.watch_interval;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(me) = weak.upgrade() else { return };
+                // Compiling is slow: off the request threads.
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Some(p) = me.admission.as_ref().filter(|p| p.spec().watch) {
+                        p.reload_if_changed();
+                    }
+                    if let Some(p) = me.routing.as_ref().filter(|p| p.spec().watch) {
+                        p.reload_if_changed();
+                    }
+                })
+                .await;
+            }
+        })
+    }
+
+    /// `GET /admin/plugins`.
+    pub fn view(&self) -> Value {
+        let (hits, misses) = self.host.cache_counts();
+        let mut list = Vec::new();
+        if let Some(p) = &self.admission {
+            list.push(view_of(p));
+        }
+        if let Some(p) = &self.routing {
+            list.push(view_of(p));
+        }
+        json!({"plugins": list, "compile_cache": {"hits": hits, "misses": misses}})
+    }
+
+    /// Prometheus lines.
+    pub fn render(&self, o: &mut String) {
+        let _ = writeln!(o, "# TYPE baton_plugin_calls_total counter");
+        let _ = writeln!(o, "# TYPE baton_plugin_call_seconds_sum counter");
+        let _ = writeln!(o, "# TYPE baton_plugin_faults_total counter");
+        let _ = writeln!(o, "# TYPE baton_plugin_builtin_decisions_total counter");
+        let _ = writeln!(o, "# TYPE baton_plugin_reloads_total counter");
+        let _ = writeln!(o, "# TYPE baton_plugin_disabled gauge");
+        if let Some(p) = &self.admission {
+            render_one(o, p);
+        }
+        if let Some(p) = &self.routing {
+            render_one(o, p);
+        }
+    }
+}
+
+fn view_of<W: World>(p: &Plugin<W>) -> Value {
+    let i = p.info();
+    let s = &p.stats;
+    let faults: serde_json::Map<String, Value> =
+        Fault::ALL.iter().map(|&f| (f.name().to_owned(), json!(s.fault_count(f)))).collect();
+    json!({
+        "name": i.name, "world": i.world, "path": i.path, "sha256": i.sha256, "version": i.version,
+        "disabled": i.disabled, "calls": s.calls.load(Ordering::Relaxed), "faults": faults,
+        "busy": s.busy.load(Ordering::Relaxed), "skipped_while_disabled": s.disabled_skips.load(Ordering::Relaxed),
+        "reloads": s.reloads.load(Ordering::Relaxed), "reload_failures": s.reload_failures.load(Ordering::Relaxed),
+    })
+}
+
+fn render_one<W: World>(o: &mut String, p: &Plugin<W>) {
+    let i = p.info();
+    let s = &p.stats;
+    let l = format!("plugin=\"{}\",world=\"{}\"", i.name, i.world);
+    let _ = writeln!(o, "baton_plugin_calls_total{{{l}}} {}", s.calls.load(Ordering::Relaxed));
+    let _ = writeln!(o, "baton_plugin_call_seconds_sum{{{l}}} {:.6}", s.call_us.load(Ordering::Relaxed) as f64 / 1e6);
+    for f in Fault::ALL {
+        let _ = writeln!(o, "baton_plugin_faults_total{{{l},kind=\"{}\"}} {}", f.name(), s.fault_count(f));
+    }
+    let _ = writeln!(o, "baton_plugin_builtin_decisions_total{{{l},reason=\"busy\"}} {}", s.busy.load(Ordering::Relaxed));
+    let _ = writeln!(
+        o,
+        "baton_plugin_builtin_decisions_total{{{l},reason=\"disabled\"}} {}",
+        s.disabled_skips.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(o, "baton_plugin_reloads_total{{{l},result=\"ok\"}} {}", s.reloads.load(Ordering::Relaxed));
+    let _ = writeln!(
+        o,
+        "baton_plugin_reloads_total{{{l},result=\"refused\"}} {}",
+        s.reload_failures.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(o, "baton_plugin_disabled{{{l}}} {}", u8::from(i.disabled));
+}

@@ -1,0 +1,189 @@
+//! The two WIT worlds (`wit/policy.wit`) bound with wasmtime's `bindgen!` (sync), the host
+//! functions plugins import, and what the gateway needs of each world to run it generically.
+
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{Store, StoreLimits};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::Shared;
+
+#[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+pub mod admission {
+    wasmtime::component::bindgen!({ world: "admission", path: "../wit" });
+}
+
+#[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+pub mod routing {
+    wasmtime::component::bindgen!({
+        world: "routing",
+        path: "../wit",
+        with: {
+            "baton:policy/host": super::admission::baton::policy::host,
+            "baton:policy/types": super::admission::baton::policy::types,
+        },
+    });
+}
+
+use admission::baton::policy::host::{self as wit_host, BucketState, Level};
+
+/// What every store holds: WASI (no files, no network), the memory limit, the plugin's shared part.
+pub struct Ctx {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    pub(super) limits: StoreLimits,
+    pub(super) shared: std::sync::Arc<Shared>,
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx").field("plugin", &self.shared.name).finish()
+    }
+}
+
+impl Ctx {
+    pub(super) fn new(shared: std::sync::Arc<Shared>, limits: StoreLimits) -> Self {
+        // No preopened directories, no environment, no arguments, stdio to nowhere, no sockets.
+        let wasi = WasiCtx::builder().allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false).build();
+        Self { wasi, table: ResourceTable::new(), limits, shared }
+    }
+}
+
+impl WasiView for Ctx {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+/// Longest log line kept from a plugin (bytes).
+pub const MAX_LOG_BYTES: usize = 1024;
+
+impl wit_host::Host for Ctx {
+    fn log(&mut self, level: Level, message: String) {
+        if !self.shared.log_allowed() {
+            return;
+        }
+        let mut end = message.len().min(MAX_LOG_BYTES);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        let (plugin, msg) = (&self.shared.name, message.get(..end).unwrap_or(""));
+        match level {
+            Level::Debug => tracing::debug!(plugin, "{msg}"),
+            Level::Info => tracing::info!(plugin, "{msg}"),
+            Level::Warn => tracing::warn!(plugin, "{msg}"),
+            Level::Error => tracing::error!(plugin, "{msg}"),
+        }
+    }
+
+    fn now_us(&mut self) -> u64 {
+        self.shared.state.clock().now_us()
+    }
+
+    fn config(&mut self) -> String {
+        self.shared.config_json.clone()
+    }
+
+    fn counter_add(&mut self, key: String, delta: i32, ttl_ms: u32) -> i32 {
+        self.shared.state.counter_add(&key, delta, ttl_ms)
+    }
+
+    fn bucket_take(&mut self, key: String, capacity: u32, refill_per_min: u32, amount: u32) -> BucketState {
+        let t = self.shared.state.bucket_take(&key, capacity, refill_per_min, amount);
+        BucketState { taken: t.taken, remaining: t.remaining, retry_after_ms: t.retry_after_ms }
+    }
+
+    fn bucket_give(&mut self, key: String, amount: u32) {
+        self.shared.state.bucket_give(&key, amount);
+    }
+}
+
+impl admission::baton::policy::types::Host for Ctx {}
+
+/// Which world a component implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorldKind {
+    Admission,
+    Routing,
+}
+
+impl WorldKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Admission => "admission",
+            Self::Routing => "routing",
+        }
+    }
+}
+
+/// A world the host can run: how to link, pre-instantiate, instantiate and validate.
+pub trait World: Send + Sync + 'static {
+    type Pre: Send + Sync + 'static;
+    type Bindings: Send + 'static;
+    const KIND: WorldKind;
+    fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>>;
+    fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre>;
+    fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings>;
+    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>>;
+}
+
+fn base_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
+    let mut l = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut l)?;
+    Ok(l)
+}
+
+/// The `admission` world.
+#[derive(Debug)]
+pub struct AdmissionWorld;
+
+impl World for AdmissionWorld {
+    type Pre = admission::AdmissionPre<Ctx>;
+    type Bindings = admission::Admission;
+    const KIND: WorldKind = WorldKind::Admission;
+
+    fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
+        let mut l = base_linker(engine)?;
+        admission::Admission::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
+        Ok(l)
+    }
+
+    fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
+        admission::AdmissionPre::new(linker.instantiate_pre(c)?)
+    }
+
+    fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
+        pre.instantiate(store)
+    }
+
+    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>> {
+        b.baton_policy_admission_policy().call_validate_config(store, config)
+    }
+}
+
+/// The `routing` world.
+#[derive(Debug)]
+pub struct RoutingWorld;
+
+impl World for RoutingWorld {
+    type Pre = routing::RoutingPre<Ctx>;
+    type Bindings = routing::Routing;
+    const KIND: WorldKind = WorldKind::Routing;
+
+    fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
+        let mut l = base_linker(engine)?;
+        routing::Routing::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
+        Ok(l)
+    }
+
+    fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
+        routing::RoutingPre::new(linker.instantiate_pre(c)?)
+    }
+
+    fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
+        pre.instantiate(store)
+    }
+
+    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>> {
+        b.baton_policy_routing_policy().call_validate_config(store, config)
+    }
+}
