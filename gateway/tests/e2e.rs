@@ -1143,6 +1143,9 @@ mod lmcache;
 #[path = "e2e/nixl.rs"]
 mod nixl;
 
+#[path = "e2e/plugins.rs"]
+mod plugins;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -39,6 +39,10 @@ pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A connection with no request in flight and no traffic for this long is closed.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Response header naming the prefill and decode endpoints a request was routed to (the prefiller
+/// first in line: a fallback may have served the prefill).
+pub const ROUTE_HEADER: &str = "x-baton-route";
+
 /// The front door's time limits.
 #[derive(Clone, Copy, Debug)]
 pub struct HttpTimeouts {
@@ -112,7 +116,7 @@ impl Gateway {
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
-    fn candidates(&self, tokens: usize) -> Candidates {
+    pub fn candidates(&self, tokens: usize) -> Candidates {
         let mut c = Candidates {
             prefill: PrefillView {
                 healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
@@ -438,11 +442,16 @@ impl Gateway {
         }
         let prefills: Vec<&Prefiller> = order.iter().filter_map(|&i| self.prefills.get(i)).collect();
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        let r = match &dec.mode {
+        let mut r = match &dec.mode {
             DecodeMode::Native => self.native.run(&prefills, dec, &req, &ids, ticket).await,
             DecodeMode::Lmcache(t) => self.native.run_lmcache(&prefills, dec, t, &req, &ids, ticket).await,
             DecodeMode::VllmNixl(_) => self.native.run_nixl(&prefills, dec, &req, ticket).await,
         };
+        if let (Ok(resp), Some(p)) = (&mut r, prefills.first())
+            && let Ok(v) = header::HeaderValue::from_str(&format!("prefill={}, decode={}", p.name, dec.name))
+        {
+            resp.headers_mut().insert(ROUTE_HEADER, v);
+        }
         match (r, owed) {
             (Ok(resp), Some(mut c)) => {
                 c.status = resp.status().as_u16();

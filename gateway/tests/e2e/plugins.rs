@@ -1,0 +1,315 @@
+//! Policy plugins through `baton serve`: the example plugins (built by `scripts/build-plugins`)
+//! deciding admission and routing, the sandbox under faults, hot reload under load.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use baton_dataplane::sim::{SimConfig, SimRole, Running, launch, tiny_geometry};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+fn plugin(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/plugins").join(format!("{name}.wasm"));
+    assert!(p.is_file(), "{} is missing: run scripts/build-plugins (scripts/test does)", p.display());
+    p
+}
+
+struct Setup {
+    serving: baton_gateway::serve::Serving,
+    _sims: Vec<Running>,
+    dir: PathBuf,
+}
+
+impl Setup {
+    fn addr(&self) -> SocketAddr {
+        self.serving.addrs[0]
+    }
+
+    async fn stop(self) {
+        self.serving.shutdown().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One prefiller and two decoders (`d0`, `d1`) behind `baton serve`, with `plugins` appended to the
+/// TOML (plugin paths relative to the config's directory, where the components are copied).
+async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
+    let g = tiny_geometry(1).unwrap();
+    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    let mut decoders = String::new();
+    let mut sims = vec![];
+    for i in 0..2 {
+        let d = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
+        let ranks: Vec<String> = d.engine.stats()["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
+            .collect();
+        decoders += &format!(
+            "[[decode]]\nname = \"d{i}\"\nurl = \"http://{}\"\ndataplane = [{}]\n\n",
+            d.addr,
+            ranks.join(", ")
+        );
+        sims.push(d);
+    }
+    let dir = std::env::temp_dir().join(format!("baton-plugins-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (from, to) in files {
+        std::fs::copy(plugin(from), dir.join(to)).unwrap();
+    }
+    let text = format!(
+        r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[[prefill]]
+name = "p"
+url = "http://{}"
+
+{decoders}
+[admission.tenants]
+"sk-alice" = "alice"
+"sk-bob" = "bob"
+"sk-loop" = "loop"
+"sk-grow" = "grow"
+"sk-trap" = "trap"
+"sk-bad" = "bad-status"
+
+[plugins]
+cache_dir = "{cache}"
+{plugins}
+"#,
+        prefill.addr,
+        cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/plugin-cache-tests").display(),
+    );
+    sims.push(prefill);
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    Setup { serving, _sims: sims, dir }
+}
+
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+async fn post(addr: SocketAddr, path: &str, key: Option<&str>, body: &Value) -> Answer {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let mut req = Request::post(path).header("host", addr.to_string()).header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let res = send.send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await.unwrap();
+    let (status, headers) = (res.status().as_u16(), res.headers().clone());
+    Answer { status, headers, body: res.into_body().collect().await.unwrap().to_bytes() }
+}
+
+async fn get(addr: SocketAddr, path: &str) -> String {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let req = Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap();
+    let res = send.send_request(req).await.unwrap();
+    String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+fn metric(text: &str, line: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line))
+        .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_plugin_rejects_a_tenant_over_budget_with_its_status_and_message() {
+    let s = serve(
+        "budget",
+        r#"[plugins.admission]
+path = "token_budget.wasm"
+[plugins.admission.config]
+tokens_per_minute = 200
+default_max_tokens = 16
+"#,
+        &[("token_budget", "token_budget.wasm")],
+    )
+    .await;
+    let body = json!({"prompt": "a few words to count", "max_tokens": 60});
+    let mut admitted = 0;
+    let refused = loop {
+        let a = post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await;
+        if a.status != 200 {
+            break a;
+        }
+        admitted += 1;
+        assert!(admitted < 10, "the budget never ran out");
+    };
+    assert!(admitted >= 1, "the first request fits the budget");
+    assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
+    let v: Value = serde_json::from_slice(&refused.body).unwrap();
+    assert_eq!(v["error"]["code"], "rejected_by_policy");
+    assert_eq!(v["error"]["message"], "tenant alice is over its budget of 200 tokens per minute");
+    let retry: u64 = refused.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry), "retry-after {retry}");
+    // Another tenant has its own budget.
+    assert_eq!(post(s.addr(), "/v1/completions", Some("sk-bob"), &body).await.status, 200);
+    // Streamed too, and a prompt bigger than any budget is a 400 from the plugin.
+    let big = json!({"prompt": "word ".repeat(300), "max_tokens": 1});
+    let a = post(s.addr(), "/v1/completions", Some("sk-bob"), &big).await;
+    assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(&a.body));
+    let m = get(s.addr(), "/metrics").await;
+    assert_eq!(metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"), 0.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_plugin_choice_is_the_endpoint_that_served() {
+    let s = serve(
+        "route",
+        "[plugins.routing]\npath = \"prefix_affinity.wasm\"\n",
+        &[("prefix_affinity", "prefix_affinity.wasm")],
+    )
+    .await;
+    let gw = &s.serving.gateway;
+    let plugins = gw.plugins.as_ref().unwrap();
+    let mut direct = plugins.routing.as_ref().unwrap().direct();
+    let mut served = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let body = json!({"prompt": format!("prefix number {i} and then some more words"), "max_tokens": 2});
+        // What the plugin picks for this prompt on idle decoders, asked directly.
+        let req = baton_gateway::api::GenRequest::parse(baton_gateway::api::Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let ids = gw.model.tokenizer.token_ids(&req).unwrap();
+        let facts = plugins.request("baton-sim", "completions", &hyper::HeaderMap::new(), &ids, 1, Some(2));
+        let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(ids.len()), &[0, 0]);
+        let want = match direct.route(&facts, &p, &d) {
+            Some(baton_gateway::routing::Decision::Route(r)) => format!("d{}", r[0].decode),
+            other => panic!("{other:?}"),
+        };
+        for _ in 0..2 {
+            let a = post(s.addr(), "/v1/completions", None, &body).await;
+            assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+            let route = a.headers[baton_gateway::server::ROUTE_HEADER].to_str().unwrap().to_owned();
+            assert_eq!(route, format!("prefill=p, decode={want}"), "prompt {i}");
+            served.insert(want.clone());
+        }
+    }
+    assert_eq!(served.len(), 2, "prefixes spread over both decoders");
+    let m = get(s.addr(), "/metrics").await;
+    assert!(metric(&m, "baton_plugin_calls_total{plugin=\"routing\",world=\"routing\"}") >= 24.0);
+    assert_eq!(gw.router.invalid.load(Ordering::Relaxed), 0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_fall_back_to_the_builtin_and_the_gateway_keeps_answering() {
+    let s = serve(
+        "faults",
+        r#"[plugins.admission]
+path = "faulty.wasm"
+deadline_us = 20000
+memory_mib = 16
+max_faults = 100
+"#,
+        &[("faulty", "faulty.wasm")],
+    )
+    .await;
+    let body = json!({"prompt": "anything", "max_tokens": 2});
+    let m0 = get(s.addr(), "/metrics").await;
+    let faults = |m: &str, kind: &str| {
+        metric(m, &format!("baton_plugin_faults_total{{plugin=\"admission\",world=\"admission\",kind=\"{kind}\"}}"))
+    };
+    for (key, kind) in [("sk-loop", "deadline"), ("sk-grow", "memory"), ("sk-trap", "trap"), ("sk-bad", "invalid")] {
+        let before = faults(&get(s.addr(), "/metrics").await, kind);
+        let t = std::time::Instant::now();
+        let a = post(s.addr(), "/v1/completions", Some(key), &body).await;
+        assert_eq!(a.status, 200, "{key}: the built-in admitted it: {}", String::from_utf8_lossy(&a.body));
+        assert!(t.elapsed() < Duration::from_secs(2), "{key} took {:?}", t.elapsed());
+        assert_eq!(faults(&get(s.addr(), "/metrics").await, kind), before + 1.0, "{key}");
+        // Still answering, with the plugin back in charge.
+        assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
+    }
+    assert_eq!(faults(&m0, "deadline"), 0.0);
+    let v: Value = serde_json::from_str(&get(s.addr(), "/admin/plugins").await).unwrap();
+    assert_eq!(v["plugins"][0]["disabled"], false);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_hot_reloads_under_load_fail_no_request() {
+    let s = serve(
+        "reload",
+        r#"watch_interval_ms = 20
+[plugins.admission]
+path = "policy.wasm"
+[plugins.admission.config]
+tokens_per_minute = 100000000
+"#,
+        &[("token_budget", "policy.wasm"), ("token_budget", "a.wasm"), ("faulty", "b.wasm")],
+    )
+    .await;
+    let addr = s.addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut clients = tokio::task::JoinSet::new();
+    for c in 0..4 {
+        let (stop, ok, failed) = (Arc::clone(&stop), Arc::clone(&ok), Arc::clone(&failed));
+        clients.spawn(async move {
+            let mut i = 0u64;
+            // Bounded: stops when told, or after 20 000 requests per client.
+            while !stop.load(Ordering::Relaxed) && i < 20_000 {
+                let body = json!({"prompt": format!("client {c} request {i}"), "max_tokens": 2});
+                let a = post(addr, "/v1/completions", Some("sk-alice"), &body).await;
+                if a.status == 200 { ok.fetch_add(1, Ordering::Relaxed) } else { failed.fetch_add(1, Ordering::Relaxed) };
+                i += 1;
+            }
+        });
+    }
+    let plugin = Arc::clone(s.serving.gateway.plugins.as_ref().unwrap().admission.as_ref().unwrap());
+    for n in 0..50u64 {
+        let before = plugin.info().version;
+        if n % 2 == 0 {
+            let a = post(addr, "/admin/plugins/reload", None, &json!({})).await;
+            assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+        } else {
+            // A new file moved into place (atomically, as a deploy would), alternating between two
+            // different components of the same world; the watcher picks it up.
+            let from = if n % 4 == 1 { "b.wasm" } else { "a.wasm" };
+            std::fs::copy(s.dir.join(from), s.dir.join("next.wasm")).unwrap();
+            std::fs::rename(s.dir.join("next.wasm"), s.dir.join("policy.wasm")).unwrap();
+        }
+        let t = std::time::Instant::now();
+        while plugin.info().version == before {
+            assert!(t.elapsed() < Duration::from_secs(10), "reload {n} never happened");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    while clients.join_next().await.is_some() {}
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    assert_eq!(failed, 0, "{failed} of {} requests failed", ok + failed);
+    assert!(ok >= 50, "only {ok} requests during the reloads");
+    assert!(plugin.stats.reloads.load(Ordering::Relaxed) >= 50);
+    assert_eq!(plugin.stats.total_faults(), 0);
+    s.stop().await;
+}
