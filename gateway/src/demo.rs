@@ -301,7 +301,8 @@ pub async fn start_gateway(
     native.unprotected = setup.unprotected;
     native.first_token = !setup.no_first_token;
     native.lmcache = setup.lmcache;
-    let gateway = Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http, None);
+    let gateway =
+        Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http, None);
     let _health = gateway.start_health_checks();
     let tls = setup.tls;
     let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;

@@ -87,8 +87,15 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         None => None,
     };
     let watcher = plugins.as_ref().map(crate::policy::Plugins::spawn_watcher);
-    let gateway =
-        Gateway::new(model, prefills, decoders, native, Router::new(c.routing), HttpTimeouts::default(), plugins);
+    let gateway = Gateway::new(
+        model,
+        prefills,
+        decoders,
+        native,
+        Router::new(c.routing),
+        HttpTimeouts::default(),
+        plugins,
+    );
     let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
     for (addr, tls) in c.listeners {

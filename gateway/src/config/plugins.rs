@@ -8,8 +8,8 @@ use serde::Deserialize;
 use super::{ConfigError, err};
 #[allow(unused_imports)] // named in the field docs
 use crate::policy::{
-    DEFAULT_CALL_DEADLINE, DEFAULT_INSTANTIATE_DEADLINE, DEFAULT_MAX_FAULTS, DEFAULT_MEMORY_MIB, DEFAULT_QUEUE,
-    DEFAULT_THREADS, DEFAULT_WATCH_INTERVAL, MAX_MEMORY_MIB, MAX_THREADS, Spec,
+    DEFAULT_CALL_DEADLINE, DEFAULT_INSTANTIATE_DEADLINE, DEFAULT_MAX_FAULTS, DEFAULT_MEMORY_MIB,
+    DEFAULT_QUEUE, DEFAULT_THREADS, DEFAULT_WATCH_INTERVAL, MAX_MEMORY_MIB, MAX_THREADS, Spec,
 };
 
 /// Where compiled plugins are kept when `cache_dir` is not set (relative to the config file).
@@ -53,6 +53,9 @@ pub struct Plugin {
     pub max_faults: Option<u32>,
     /// Reload when the file changes (default true).
     pub watch: Option<bool>,
+    /// Call on the request's thread with a pooled instance instead of the plugin's threads
+    /// (default false): for plugins compiled ahead of time (Rust), not interpreted ones.
+    pub inline: Option<bool>,
     /// The plugin's own table, handed to it as JSON.
     pub config: Option<toml::Table>,
 }
@@ -88,7 +91,10 @@ impl Plugin {
         }
         if let Some(ms) = self.instantiate_deadline_ms {
             if !(1..=60_000).contains(&ms) {
-                return Err(err(format!("{field}.instantiate_deadline_ms"), format!("{ms} is outside 1-60000")));
+                return Err(err(
+                    format!("{field}.instantiate_deadline_ms"),
+                    format!("{ms} is outside 1-60000"),
+                ));
             }
             s.instantiate_deadline = Duration::from_millis(ms);
         }
@@ -117,6 +123,7 @@ impl Plugin {
             s.max_faults = f;
         }
         s.watch = self.watch.unwrap_or(true);
+        s.inline = self.inline.unwrap_or(false);
         s.config_json = serde_json::to_string(self.config.as_ref().unwrap_or(&toml::Table::new()))
             .map_err(|e| err(format!("{field}.config"), e.to_string()))?;
         Ok(s)
@@ -129,10 +136,14 @@ impl Plugins {
             return Ok(None);
         }
         if self.headers.len() > MAX_PLUGIN_HEADERS {
-            return Err(err("plugins.headers", format!("{} names, at most {MAX_PLUGIN_HEADERS}", self.headers.len())));
+            return Err(err(
+                "plugins.headers",
+                format!("{} names, at most {MAX_PLUGIN_HEADERS}", self.headers.len()),
+            ));
         }
         for h in &self.headers {
-            if h.is_empty() || h.bytes().any(|b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')) {
+            if h.is_empty() || h.bytes().any(|b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+            {
                 return Err(err("plugins.headers", format!("{h:?} is not a lower-case header name")));
             }
         }
@@ -145,8 +156,16 @@ impl Plugins {
             cache_dir: if cache.is_absolute() { cache } else { base.join(cache) },
             watch_interval: interval,
             headers: self.headers.clone(),
-            admission: self.admission.as_ref().map(|p| p.check("plugins.admission", "admission", base)).transpose()?,
-            routing: self.routing.as_ref().map(|p| p.check("plugins.routing", "routing", base)).transpose()?,
+            admission: self
+                .admission
+                .as_ref()
+                .map(|p| p.check("plugins.admission", "admission", base))
+                .transpose()?,
+            routing: self
+                .routing
+                .as_ref()
+                .map(|p| p.check("plugins.routing", "routing", base))
+                .transpose()?,
         }))
     }
 }

@@ -430,8 +430,11 @@ impl Native {
         })?;
         let chunks = dec.slots_for(ids.len());
         let mut timing = Timing::start();
-        let slots =
-            dec.queue.acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout)).await.map_err(admission_error)?;
+        let slots = dec
+            .queue
+            .acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout))
+            .await
+            .map_err(admission_error)?;
         timing.mark("queue");
         let req_id = format!("baton-{:032x}", self.keys.next().request.0);
         let mut life = Life {

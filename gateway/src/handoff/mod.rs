@@ -525,7 +525,12 @@ impl Native {
             self.hold_chunk_by_chunk(dec, chunks).await?;
             None
         } else {
-            Some(dec.queue.acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout)).await.map_err(admission_error)?)
+            Some(
+                dec.queue
+                    .acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout))
+                    .await
+                    .map_err(admission_error)?,
+            )
         };
         timing.mark("queue");
         let key = self.keys.next();

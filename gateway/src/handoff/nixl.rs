@@ -273,7 +273,11 @@ impl Native {
         ticket: crate::admission::Ticket,
     ) -> Result<Response<RespBody>, GatewayError> {
         let mut timing = Timing::start();
-        let slot = dec.queue.acquire(1, ticket.class, ticket.wait(self.limits.queue_timeout)).await.map_err(admission_error)?;
+        let slot = dec
+            .queue
+            .acquire(1, ticket.class, ticket.wait(self.limits.queue_timeout))
+            .await
+            .map_err(admission_error)?;
         timing.mark("queue");
         let path = req.endpoint.path();
         let request = Arc::new(Value::Object(req.raw.clone()));

@@ -23,8 +23,15 @@ pub const MAX_MESSAGE_BYTES: usize = 512;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Admit {
     /// Into the queue, in this class, waiting at most `max_wait` (the gateway's timeout when `None`).
-    Queue { class: u8, max_wait: Option<Duration> },
-    Reject { status: u16, message: String, retry_after_s: Option<u32> },
+    Queue {
+        class: u8,
+        max_wait: Option<Duration>,
+    },
+    Reject {
+        status: u16,
+        message: String,
+        retry_after_s: Option<u32>,
+    },
 }
 
 /// Checks a plugin's admission answer; `Err` names what was out of range.
@@ -98,11 +105,15 @@ impl Plugin<AdmissionWorld> {
         }
     }
 
-    /// Tells the plugin a request it admitted has ended; never waits (dropped when the plugin is
-    /// busy or off, and counted as such).
+    /// Tells the plugin a request it admitted has ended: on the plugin's threads without waiting
+    /// (dropped when it is busy or off, and counted), or inline.
     pub fn complete(self: &Arc<Self>, req: Arc<PolicyRequest>, usage: Usage) {
         let v = self.version();
         if v.disabled.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if v.spec.inline {
+            self.call_inline(&v, |b, s| b.baton_policy_admission_policy().call_on_complete(s, &req, usage));
             return;
         }
         let me = Arc::clone(self);
@@ -139,7 +150,12 @@ impl Plugin<RoutingWorld> {
 }
 
 impl Direct<RoutingWorld> {
-    pub fn route(&mut self, req: &PolicyRequest, p: &wr::PrefillView, d: &wr::DecodeView) -> Option<Decision> {
+    pub fn route(
+        &mut self,
+        req: &PolicyRequest,
+        p: &wr::PrefillView,
+        d: &wr::DecodeView,
+    ) -> Option<Decision> {
         self.run(|b, s| b.baton_policy_routing_policy().call_route(s, req, p, d)).map(to_decision)
     }
 }

@@ -30,8 +30,8 @@ use wasmtime::component::Component;
 use wasmtime::{Cache, CacheConfig, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 
 pub use state::{Clock, SharedState};
-pub use worlds::{AdmissionWorld, RoutingWorld, World, WorldKind};
 use worlds::Ctx;
+pub use worlds::{AdmissionWorld, RoutingWorld, World, WorldKind};
 
 /// Longest a call may run: a policy decision that takes longer costs more than it can save.
 pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_millis(5);
@@ -53,6 +53,8 @@ pub const DEFAULT_MAX_FAULTS: u32 = 5;
 pub const EPOCH_TICK: Duration = Duration::from_micros(250);
 /// Plugin log lines allowed per second; the rest are dropped (and counted).
 pub const LOG_LINES_PER_SEC: u64 = 100;
+/// Idle instances kept for inline calls (one per request thread is enough; more are dropped).
+pub const MAX_IDLE_INSTANCES: usize = 64;
 /// How often a watched plugin file is checked for changes.
 pub const DEFAULT_WATCH_INTERVAL: Duration = Duration::from_secs(1);
 /// Largest component accepted (bytes).
@@ -76,6 +78,10 @@ pub struct Spec {
     pub max_faults: u32,
     /// Reload when the file changes.
     pub watch: bool,
+    /// Call on the request's own thread (with a pooled instance) instead of the plugin's threads:
+    /// no hand-off, but a slow call holds a request thread for up to `deadline`. For plugins
+    /// compiled ahead of time (Rust, C, Go); interpreted ones belong on the pool.
+    pub inline: bool,
 }
 
 impl Spec {
@@ -92,6 +98,7 @@ impl Spec {
             queue: DEFAULT_QUEUE,
             max_faults: DEFAULT_MAX_FAULTS,
             watch: false,
+            inline: false,
         }
     }
 }
@@ -241,7 +248,8 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 5] = [Fault::Trap, Fault::Deadline, Fault::Memory, Fault::Instantiate, Fault::Invalid];
+    pub const ALL: [Fault; 5] =
+        [Fault::Trap, Fault::Deadline, Fault::Memory, Fault::Instantiate, Fault::Invalid];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -315,6 +323,8 @@ pub struct Plugin<W: World> {
     state: Arc<SharedState>,
     current: RwLock<Arc<Version<W>>>,
     tx: Mutex<Option<SyncSender<Job<W>>>>,
+    /// Instances for inline calls, taken and returned around each call.
+    idle: Mutex<Vec<Live<W>>>,
     next_id: AtomicU64,
     pub stats: Arc<Stats>,
     /// (len, mtime) of the file last loaded, for the watcher.
@@ -392,6 +402,7 @@ impl<W: World> Plugin<W> {
             state,
             current: RwLock::new(Arc::new(version)),
             tx: Mutex::new(Some(tx)),
+            idle: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(2),
             stats: Arc::new(Stats::default()),
             seen: Mutex::new(stamp),
@@ -419,8 +430,12 @@ impl<W: World> Plugin<W> {
         {
             return Err(LoadError::Pin { name, path, actual: sha, pinned: pin.clone() });
         }
-        let comp_err =
-            |e: wasmtime::Error| LoadError::Component { name: name.clone(), path: path.clone(), world: W::KIND.name(), error: format!("{e:#}") };
+        let comp_err = |e: wasmtime::Error| LoadError::Component {
+            name: name.clone(),
+            path: path.clone(),
+            world: W::KIND.name(),
+            error: format!("{e:#}"),
+        };
         let component = Component::new(&host.engine, &bytes).map_err(comp_err)?;
         let pre = W::pre(linker, &component).map_err(comp_err)?;
         let shared = Arc::new(Shared {
@@ -431,11 +446,19 @@ impl<W: World> Plugin<W> {
             log_lines: AtomicU64::new(0),
             logs_dropped: AtomicU64::new(0),
         });
-        let v = Version { id, sha256: sha, pre, shared, spec, in_a_row: AtomicU32::new(0), disabled: AtomicBool::new(false) };
+        let v = Version {
+            id,
+            sha256: sha,
+            pre,
+            shared,
+            spec,
+            in_a_row: AtomicU32::new(0),
+            disabled: AtomicBool::new(false),
+        };
         // A version serves only once one instance of it came up and accepted its config.
-        let mut live = Self::instantiate(host, &v).map_err(|e| LoadError::Instantiate { name: name.clone(), error: format!("{e:#}") })?;
-        live.store
-            .set_epoch_deadline(ticks(v.spec.instantiate_deadline));
+        let mut live = Self::instantiate(host, &v)
+            .map_err(|e| LoadError::Instantiate { name: name.clone(), error: format!("{e:#}") })?;
+        live.store.set_epoch_deadline(ticks(v.spec.instantiate_deadline));
         match W::validate(&live.bindings, &mut live.store, &v.spec.config_json) {
             Ok(Ok(())) => Ok(v),
             Ok(Err(error)) => Err(LoadError::Config { name, error }),
@@ -500,9 +523,17 @@ impl<W: World> Plugin<W> {
                 if let Ok(mut s) = self.seen.lock() {
                     *s = stamp;
                 }
+                if let Ok(mut idle) = self.idle.lock() {
+                    idle.clear();
+                }
                 self.stats.reloads.fetch_add(1, Ordering::Relaxed);
                 let info = self.info();
-                tracing::info!(plugin = info.name, sha256 = info.sha256, version = info.version, "plugin loaded");
+                tracing::info!(
+                    plugin = info.name,
+                    sha256 = info.sha256,
+                    version = info.version,
+                    "plugin loaded"
+                );
                 Ok(info)
             }
             Err(e) => {
@@ -532,7 +563,12 @@ impl<W: World> Plugin<W> {
             c.fetch_add(1, Ordering::Relaxed);
         }
         let n = v.in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
-        tracing::warn!(plugin = v.spec.name, fault = kind.name(), detail, "plugin fault; the built-in policy decides");
+        tracing::warn!(
+            plugin = v.spec.name,
+            fault = kind.name(),
+            detail,
+            "plugin fault; the built-in policy decides"
+        );
         if n >= v.spec.max_faults.max(1) && !v.disabled.swap(true, Ordering::Relaxed) {
             tracing::error!(plugin = v.spec.name, faults = n, "plugin switched off until reload");
         }
@@ -588,6 +624,15 @@ impl<W: World> Plugin<W> {
             return None;
         }
         let started = Instant::now();
+        if v.spec.inline {
+            let r = self.call_inline(&v, f);
+            self.stats.calls.fetch_add(1, Ordering::Relaxed);
+            self.stats.call_us.fetch_add(
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+            return r;
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let me = Arc::clone(self);
         let wait = v.spec.instantiate_deadline + v.spec.deadline + Duration::from_millis(100);
@@ -603,6 +648,33 @@ impl<W: World> Plugin<W> {
             .call_us
             .fetch_add(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
         r
+    }
+
+    /// One call on this thread with an idle instance (or a new one), returned afterwards unless it
+    /// faulted or belongs to an older version. A host panic inside the call (a WASI shim not
+    /// meant for a runtime thread) is caught and counted as a trap.
+    fn call_inline<R>(
+        &self,
+        v: &Version<W>,
+        f: impl FnOnce(&W::Bindings, &mut Store<Ctx>) -> wasmtime::Result<R>,
+    ) -> Option<R> {
+        let mut live = self.idle.lock().ok().and_then(|mut i| i.pop());
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(v, &mut live, f)));
+        match r {
+            Ok(r) => {
+                if let Some(l) = live.filter(|l| l.version == v.id)
+                    && let Ok(mut idle) = self.idle.lock()
+                    && idle.len() < MAX_IDLE_INSTANCES
+                {
+                    idle.push(l);
+                }
+                r
+            }
+            Err(_) => {
+                self.fault(v, Fault::Trap, "host panic during the call; instance discarded");
+                None
+            }
+        }
     }
 
     fn send(&self, job: Job<W>) -> bool {
@@ -651,8 +723,8 @@ impl<W: World> Direct<W> {
 
 pub mod calls;
 pub mod runtime;
+pub use calls::{AdmissionPlugin, Admit, PolicyRequest, QueueState, RoutingPlugin, Usage};
 pub use runtime::Plugins;
-pub use calls::{Admit, AdmissionPlugin, PolicyRequest, QueueState, RoutingPlugin, Usage};
 
 #[cfg(test)]
 mod tests;

@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use hyper::HeaderMap;
 use serde_json::{Value, json};
 
-use super::{AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World};
+use super::{
+    AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World,
+};
 use crate::config::plugins::CheckedPlugins;
 
 /// Tokens hashed into `prefix-hash`: one chunk, the unit a decoder caches by.
@@ -41,10 +43,18 @@ impl Plugins {
     /// Compiles, checks and starts every configured plugin; any error refuses the start.
     pub fn start(c: &CheckedPlugins, tenants: BTreeMap<String, String>) -> Result<Arc<Self>, String> {
         let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
-        let admission =
-            c.admission.clone().map(|s| AdmissionPlugin::load(&host, s)).transpose().map_err(|e| e.to_string())?;
-        let routing =
-            c.routing.clone().map(|s| RoutingPlugin::load(&host, s)).transpose().map_err(|e| e.to_string())?;
+        let admission = c
+            .admission
+            .clone()
+            .map(|s| AdmissionPlugin::load(&host, s))
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        let routing = c
+            .routing
+            .clone()
+            .map(|s| RoutingPlugin::load(&host, s))
+            .transpose()
+            .map_err(|e| e.to_string())?;
         for info in admission.iter().map(|p| p.info()).chain(routing.iter().map(|p| p.info())) {
             tracing::info!(plugin = info.name, world = info.world, sha256 = info.sha256, "plugin loaded");
         }
@@ -75,7 +85,9 @@ impl Plugins {
             .map(str::trim)
             .unwrap_or("");
         let tenant = self.tenants.get(key).cloned().unwrap_or_else(|| key.chars().take(128).collect());
-        let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect());
+        let text = |name: &str| {
+            headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect())
+        };
         PolicyRequest {
             model: model.to_owned(),
             endpoint: endpoint.to_owned(),
@@ -177,17 +189,26 @@ fn render_one<W: World>(o: &mut String, p: &Plugin<W>) {
     let s = &p.stats;
     let l = format!("plugin=\"{}\",world=\"{}\"", i.name, i.world);
     let _ = writeln!(o, "baton_plugin_calls_total{{{l}}} {}", s.calls.load(Ordering::Relaxed));
-    let _ = writeln!(o, "baton_plugin_call_seconds_sum{{{l}}} {:.6}", s.call_us.load(Ordering::Relaxed) as f64 / 1e6);
+    let _ = writeln!(
+        o,
+        "baton_plugin_call_seconds_sum{{{l}}} {:.6}",
+        s.call_us.load(Ordering::Relaxed) as f64 / 1e6
+    );
     for f in Fault::ALL {
         let _ = writeln!(o, "baton_plugin_faults_total{{{l},kind=\"{}\"}} {}", f.name(), s.fault_count(f));
     }
-    let _ = writeln!(o, "baton_plugin_builtin_decisions_total{{{l},reason=\"busy\"}} {}", s.busy.load(Ordering::Relaxed));
+    let _ = writeln!(
+        o,
+        "baton_plugin_builtin_decisions_total{{{l},reason=\"busy\"}} {}",
+        s.busy.load(Ordering::Relaxed)
+    );
     let _ = writeln!(
         o,
         "baton_plugin_builtin_decisions_total{{{l},reason=\"disabled\"}} {}",
         s.disabled_skips.load(Ordering::Relaxed)
     );
-    let _ = writeln!(o, "baton_plugin_reloads_total{{{l},result=\"ok\"}} {}", s.reloads.load(Ordering::Relaxed));
+    let _ =
+        writeln!(o, "baton_plugin_reloads_total{{{l},result=\"ok\"}} {}", s.reloads.load(Ordering::Relaxed));
     let _ = writeln!(
         o,
         "baton_plugin_reloads_total{{{l},result=\"refused\"}} {}",

@@ -126,7 +126,8 @@ impl SharedState {
         if key.len() > MAX_KEY_BYTES || !Self::room(&mut g, now) {
             return 0;
         }
-        g.counters.insert(key.to_owned(), Counter { value: delta, expires_us: now.saturating_add(ttl * 1000) });
+        g.counters
+            .insert(key.to_owned(), Counter { value: delta, expires_us: now.saturating_add(ttl * 1000) });
         delta
     }
 
@@ -184,9 +185,15 @@ mod tests {
     #[test]
     fn bucket_takes_refills_and_names_the_wait() {
         let (t, s) = manual();
-        assert_eq!(s.bucket_take("a", 600, 600, 500), Take { taken: true, remaining: 100, retry_after_ms: 0 });
+        assert_eq!(
+            s.bucket_take("a", 600, 600, 500),
+            Take { taken: true, remaining: 100, retry_after_ms: 0 }
+        );
         // 200 needed, 100 held: 100 more at 10 a second is 10 s.
-        assert_eq!(s.bucket_take("a", 600, 600, 200), Take { taken: false, remaining: 100, retry_after_ms: 10_000 });
+        assert_eq!(
+            s.bucket_take("a", 600, 600, 200),
+            Take { taken: false, remaining: 100, retry_after_ms: 10_000 }
+        );
         t.store(10_000_000, Ordering::Relaxed);
         assert!(s.bucket_take("a", 600, 600, 200).taken);
         s.bucket_give("a", 10_000);

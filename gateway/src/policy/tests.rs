@@ -99,12 +99,15 @@ fn the_three_example_admission_plugins_decide_alike() {
 fn a_config_the_plugin_refuses_refuses_the_plugin_in_every_language() {
     let (_t, host) = manual_host();
     for name in ["token_budget", "token_budget_js", "token_budget_py"] {
-        for bad in [r#"{"tokens_per_minute": 0}"#, r#"{"nope": 1}"#, r#"{"tenants": {"a": {"priority": 9}}}"#] {
+        for bad in [r#"{"tokens_per_minute": 0}"#, r#"{"nope": 1}"#, r#"{"tenants": {"a": {"priority": 9}}}"#]
+        {
             let mut spec = Spec::new(name, plugin_path(name));
             spec.config_json = bad.into();
             spec.memory_mib = 256;
             match AdmissionPlugin::load(&host, spec) {
-                Err(LoadError::Config { error, .. }) => assert!(error.contains("token-budget config"), "{error}"),
+                Err(LoadError::Config { error, .. }) => {
+                    assert!(error.contains("token-budget config"), "{error}")
+                }
                 other => panic!("{name} with {bad}: {other:?}"),
             }
         }
@@ -241,6 +244,29 @@ fn prefix_affinity_keeps_a_prefix_on_one_decoder_and_spills_to_the_freest() {
     let mut full = roomy.clone();
     full.decode.free_slots[home] = 1;
     let freest = if home == 3 { 2 } else { 3 };
-    assert_eq!(pick(5, &full), vec![Route { prefill: 1, decode: freest }, Route { prefill: 1, decode: home }]);
+    assert_eq!(
+        pick(5, &full),
+        vec![Route { prefill: 1, decode: freest }, Route { prefill: 1, decode: home }]
+    );
     let _ = AtomicU64::new(0);
+}
+
+/// Blocking WASI calls trap (wasmtime-wasi's sync shims would panic on a runtime thread), so an
+/// inline call on a request thread is safe; and any host panic would be caught as a trap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_io_traps_inline_on_a_runtime_thread() {
+    let host = Host::new(None, Clock::monotonic()).unwrap();
+    let mut spec = Spec::new("faulty", plugin_path("faulty"));
+    spec.inline = true;
+    let p = AdmissionPlugin::load(&host, spec).unwrap();
+    assert_eq!(p.admit(Arc::new(req("print", 1, 1, 1, None)), queue(1)).await, None);
+    assert_eq!(p.stats.fault_count(Fault::Trap), 1);
+    assert_eq!(
+        p.admit(Arc::new(req("ok", 1, 1, 1, None)), queue(1)).await,
+        Some(Admit::Queue { class: 3, max_wait: None })
+    );
+    // The same on the plugin's own threads.
+    let p = faulty(&host, 5);
+    assert_eq!(p.admit(Arc::new(req("print", 1, 1, 1, None)), queue(1)).await, None);
+    assert_eq!(p.stats.fault_count(Fault::Trap), 1);
 }

@@ -123,12 +123,45 @@ pub trait World: Send + Sync + 'static {
     fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>>;
     fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre>;
     fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings>;
-    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>>;
+    fn validate(
+        b: &Self::Bindings,
+        store: &mut Store<Ctx>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(), String>>;
 }
+
+/// WASI functions whose sync shims block on a Tokio runtime (wasmtime-wasi's `in_tokio`, which
+/// panics on a runtime thread): here they trap instead, so a plugin can run on a request thread.
+/// Policy plugins get no blocking I/O; they log through `host.log`.
+const BLOCKING_WASI: [(&str, &[&str]); 3] = [
+    ("wasi:io/poll@0.2.12", &["poll", "[method]pollable.ready", "[method]pollable.block"]),
+    (
+        "wasi:io/streams@0.2.12",
+        &[
+            "[method]output-stream.blocking-write-and-flush",
+            "[method]output-stream.blocking-write-zeroes-and-flush",
+            "[method]output-stream.blocking-flush",
+            "[method]output-stream.blocking-splice",
+            "[method]input-stream.blocking-read",
+            "[method]input-stream.blocking-skip",
+        ],
+    ),
+    ("wasi:sockets/udp-create-socket@0.2.12", &["create-udp-socket"]),
+];
 
 fn base_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
     let mut l = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut l)?;
+    l.allow_shadowing(true);
+    for (iface, funcs) in BLOCKING_WASI {
+        let mut i = l.instance(iface)?;
+        for &f in funcs {
+            i.func_new(f, move |_, _, _, _| {
+                Err(wasmtime::format_err!("{f}: blocking I/O is not available to policy plugins"))
+            })?;
+        }
+    }
+    l.allow_shadowing(false);
     Ok(l)
 }
 
@@ -155,7 +188,11 @@ impl World for AdmissionWorld {
         pre.instantiate(store)
     }
 
-    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>> {
+    fn validate(
+        b: &Self::Bindings,
+        store: &mut Store<Ctx>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(), String>> {
         b.baton_policy_admission_policy().call_validate_config(store, config)
     }
 }
@@ -183,7 +220,11 @@ impl World for RoutingWorld {
         pre.instantiate(store)
     }
 
-    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> wasmtime::Result<Result<(), String>> {
+    fn validate(
+        b: &Self::Bindings,
+        store: &mut Store<Ctx>,
+        config: &str,
+    ) -> wasmtime::Result<Result<(), String>> {
         b.baton_policy_routing_policy().call_validate_config(store, config)
     }
 }

@@ -23,14 +23,14 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
+use crate::admission::Ticket;
 use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, Origin};
 use crate::handoff::decoder::{DecodeMode, DecoderHandle};
 use crate::handoff::{BoxError, Native, Prefiller, RespBody};
-use crate::admission::Ticket;
 use crate::policy::{Admit, Plugins, QueueState};
-use usage::{Completion, UsageBody};
 use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
+use usage::{Completion, UsageBody};
 
 /// How long a client may take to send its request headers (hyper enforces it only with a timer).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -343,14 +343,11 @@ impl Gateway {
         }
         let (parts, body) = req.into_parts();
         let headers = parts.headers;
-        let body = tokio::time::timeout(
-            self.http.body_read,
-            Limited::new(body, MAX_BODY_BYTES).collect(),
-        )
-        .await
-        .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
-        .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
-        .to_bytes();
+        let body = tokio::time::timeout(self.http.body_read, Limited::new(body, MAX_BODY_BYTES).collect())
+            .await
+            .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
+            .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
+            .to_bytes();
         let req = GenRequest::parse(ep, &body)?;
         if let Some(m) = req.model()
             && m != self.model.name
@@ -472,7 +469,8 @@ impl Gateway {
             let l = d.queue.load();
             q.capacity_slots = q.capacity_slots.saturating_add(l.capacity);
             q.free_slots = q.free_slots.saturating_add(l.capacity.saturating_sub(l.in_use));
-            q.waiting_slots = q.waiting_slots.saturating_add(u32::try_from(l.waiting_slots).unwrap_or(u32::MAX));
+            q.waiting_slots =
+                q.waiting_slots.saturating_add(u32::try_from(l.waiting_slots).unwrap_or(u32::MAX));
         }
         q.waiting_requests = self.decoders.iter().map(|d| d.queue.waiting()).fold(0u32, u32::saturating_add);
         q
@@ -482,7 +480,10 @@ impl Gateway {
     /// each error (the plugins that failed keep their old version).
     async fn reload_plugins(&self) -> Response<RespBody> {
         let Some(p) = self.plugins.clone() else {
-            return full(404, &json!({"error": {"message": "no plugins configured", "type": "invalid_request_error", "param": null, "code": "not_found"}}));
+            return full(
+                404,
+                &json!({"error": {"message": "no plugins configured", "type": "invalid_request_error", "param": null, "code": "not_found"}}),
+            );
         };
         let results = match tokio::task::spawn_blocking(move || p.reload()).await {
             Ok(r) => r,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use baton_dataplane::sim::{SimConfig, SimRole, Running, launch, tiny_geometry};
+use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -90,6 +90,7 @@ url = "http://{}"
 "sk-grow" = "grow"
 "sk-trap" = "trap"
 "sk-bad" = "bad-status"
+"sk-print" = "print"
 
 [plugins]
 cache_dir = "{cache}"
@@ -115,7 +116,8 @@ async fn post(addr: SocketAddr, path: &str, key: Option<&str>, body: &Value) -> 
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
     tokio::spawn(conn);
-    let mut req = Request::post(path).header("host", addr.to_string()).header("content-type", "application/json");
+    let mut req =
+        Request::post(path).header("host", addr.to_string()).header("content-type", "application/json");
     if let Some(k) = key {
         req = req.header("authorization", format!("Bearer {k}"));
     }
@@ -179,7 +181,10 @@ default_max_tokens = 16
     let a = post(s.addr(), "/v1/completions", Some("sk-bob"), &big).await;
     assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(&a.body));
     let m = get(s.addr(), "/metrics").await;
-    assert_eq!(metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"), 0.0);
+    assert_eq!(
+        metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"),
+        0.0
+    );
     s.stop().await;
 }
 
@@ -187,7 +192,7 @@ default_max_tokens = 16
 async fn routing_plugin_choice_is_the_endpoint_that_served() {
     let s = serve(
         "route",
-        "[plugins.routing]\npath = \"prefix_affinity.wasm\"\n",
+        "[plugins.routing]\npath = \"prefix_affinity.wasm\"\ninline = true\n",
         &[("prefix_affinity", "prefix_affinity.wasm")],
     )
     .await;
@@ -198,7 +203,11 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
     for i in 0..12 {
         let body = json!({"prompt": format!("prefix number {i} and then some more words"), "max_tokens": 2});
         // What the plugin picks for this prompt on idle decoders, asked directly.
-        let req = baton_gateway::api::GenRequest::parse(baton_gateway::api::Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let req = baton_gateway::api::GenRequest::parse(
+            baton_gateway::api::Endpoint::Completions,
+            body.to_string().as_bytes(),
+        )
+        .unwrap();
         let ids = gw.model.tokenizer.token_ids(&req).unwrap();
         let facts = plugins.request("baton-sim", "completions", &hyper::HeaderMap::new(), &ids, 1, Some(2));
         let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(ids.len()), &[0, 0]);
@@ -227,6 +236,7 @@ async fn faults_fall_back_to_the_builtin_and_the_gateway_keeps_answering() {
         "faults",
         r#"[plugins.admission]
 path = "faulty.wasm"
+inline = true
 deadline_us = 20000
 memory_mib = 16
 max_faults = 100
@@ -237,9 +247,14 @@ max_faults = 100
     let body = json!({"prompt": "anything", "max_tokens": 2});
     let m0 = get(s.addr(), "/metrics").await;
     let faults = |m: &str, kind: &str| {
-        metric(m, &format!("baton_plugin_faults_total{{plugin=\"admission\",world=\"admission\",kind=\"{kind}\"}}"))
+        metric(
+            m,
+            &format!("baton_plugin_faults_total{{plugin=\"admission\",world=\"admission\",kind=\"{kind}\"}}"),
+        )
     };
-    for (key, kind) in [("sk-loop", "deadline"), ("sk-grow", "memory"), ("sk-trap", "trap"), ("sk-bad", "invalid")] {
+    for (key, kind) in
+        [("sk-loop", "deadline"), ("sk-grow", "memory"), ("sk-trap", "trap"), ("sk-bad", "invalid")]
+    {
         let before = faults(&get(s.addr(), "/metrics").await, kind);
         let t = std::time::Instant::now();
         let a = post(s.addr(), "/v1/completions", Some(key), &body).await;
@@ -280,7 +295,11 @@ tokens_per_minute = 100000000
             while !stop.load(Ordering::Relaxed) && i < 20_000 {
                 let body = json!({"prompt": format!("client {c} request {i}"), "max_tokens": 2});
                 let a = post(addr, "/v1/completions", Some("sk-alice"), &body).await;
-                if a.status == 200 { ok.fetch_add(1, Ordering::Relaxed) } else { failed.fetch_add(1, Ordering::Relaxed) };
+                if a.status == 200 {
+                    ok.fetch_add(1, Ordering::Relaxed)
+                } else {
+                    failed.fetch_add(1, Ordering::Relaxed)
+                };
                 i += 1;
             }
         });

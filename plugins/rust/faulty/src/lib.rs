@@ -1,6 +1,6 @@
 //! A misbehaving admission policy for the gateway's sandbox tests: the request's tenant picks the
 //! fault. `loop` spins forever, `grow` allocates until memory runs out, `trap` hits `unreachable`,
-//! `bad-status` rejects with HTTP status 42; anyone else is admitted in class 3. A config with
+//! `bad-status` rejects with HTTP status 42, `print` writes to stderr (blocking I/O); anyone else is admitted in class 3. A config with
 //! `"refuse"` in it is refused.
 
 wit_bindgen::generate!({ world: "admission", path: "../../../wit" });
@@ -31,7 +31,13 @@ impl Guest for Policy {
                 }
             }
             "trap" => std::process::abort(),
-            "bad-status" => Decision::Reject(Rejection { status: 42, message: "bad".into(), retry_after_s: None }),
+            "print" => {
+                eprintln!("policy plugins have no stderr");
+                Decision::Admit(3)
+            }
+            "bad-status" => {
+                Decision::Reject(Rejection { status: 42, message: "bad".into(), retry_after_s: None })
+            }
             _ => Decision::Admit(3),
         }
     }

@@ -57,9 +57,7 @@ impl Guest for Policy {
     }
 
     fn route(req: Request, p: PrefillView, d: DecodeView) -> Decision {
-        let prefill = (0..p.healthy.len())
-            .filter(|&i| p.healthy[i])
-            .min_by_key(|&i| at(&p.in_flight, i));
+        let prefill = (0..p.healthy.len()).filter(|&i| p.healthy[i]).min_by_key(|&i| at(&p.in_flight, i));
         let fits = |i: &usize| d.healthy[*i] && at(&d.slots_needed, *i) <= at(&d.capacity_slots, *i);
         let candidates: Vec<usize> = (0..d.healthy.len()).filter(fits).collect();
         let (Some(prefill), false) = (prefill, candidates.is_empty()) else {
@@ -72,7 +70,8 @@ impl Guest for Policy {
             .copied()
             .min_by_key(|&i| (at(&d.waiting_slots, i), u32::MAX - at(&d.free_slots, i), i));
         let roomy = |i: usize| {
-            at(&d.waiting_slots, i) == 0 && at(&d.free_slots, i) >= at(&d.slots_needed, i).saturating_add(min_free())
+            at(&d.waiting_slots, i) == 0
+                && at(&d.free_slots, i) >= at(&d.slots_needed, i).saturating_add(min_free())
         };
         let mut order: Vec<usize> = Vec::with_capacity(2);
         for i in [affine.filter(|&i| roomy(i)), freest, affine].into_iter().flatten() {

@@ -33,7 +33,12 @@ struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Self { tokens_per_minute: 60_000, default_max_tokens: 256, low_priority_max_wait_ms: 2_000, tenants: HashMap::new() }
+        Self {
+            tokens_per_minute: 60_000,
+            default_max_tokens: 256,
+            low_priority_max_wait_ms: 2_000,
+            tenants: HashMap::new(),
+        }
     }
 }
 
