@@ -648,13 +648,25 @@ mod configs {
             std::fs::copy(tok.join(f), dir.join("tokenizers/llama-3.1").join(f))
                 .unwrap_or_else(|e| panic!("{f}: {e} (run scripts/fetch-tokenizers)"));
         }
+        // The example plugins where the plugin example names them.
+        std::fs::create_dir_all(dir.join("plugins")).unwrap();
+        for p in ["token_budget", "prefix_affinity"] {
+            let from = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../.cache/plugins/{p}.wasm"));
+            std::fs::copy(&from, dir.join(format!("plugins/{p}.wasm")))
+                .unwrap_or_else(|e| panic!("{}: {e} (run scripts/build-plugins)", from.display()));
+        }
         let mut checked = 0;
         for f in std::fs::read_dir(&src).unwrap() {
             let f = f.unwrap().path();
             if f.extension().is_some_and(|e| e == "toml") {
                 let copy = dir.join(f.file_name().unwrap());
                 std::fs::copy(&f, &copy).unwrap();
-                baton_gateway::config::load(&copy).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+                let c = baton_gateway::config::load(&copy).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+                // Plugins are compiled and their config tables validated by the plugins themselves.
+                if let Some(p) = &c.plugins {
+                    baton_gateway::policy::Plugins::start(p, c.tenants.clone())
+                        .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+                }
                 checked += 1;
             }
         }
