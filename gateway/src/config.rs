@@ -351,6 +351,8 @@ pub struct Checked {
     pub first_token: bool,
     pub plugins: Option<plugins::CheckedPlugins>,
     pub tenants: std::collections::BTreeMap<String, String>,
+    /// The file it was loaded from (plugin reloads re-read their tables from it).
+    pub source: Option<PathBuf>,
 }
 
 /// `http://host:port` → the socket address.
@@ -617,6 +619,7 @@ impl Config {
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,
             tenants: a.tenants.clone(),
+            source: None,
         })
     }
 }
@@ -712,7 +715,9 @@ fn check_lmcache(
 pub fn load(file: &Path) -> Result<Checked, ConfigError> {
     let text = std::fs::read_to_string(file).map_err(|e| err(file.display().to_string(), e.to_string()))?;
     let base = file.parent().unwrap_or(Path::new("."));
-    Config::parse(&text)?.check(base)
+    let mut c = Config::parse(&text)?.check(base)?;
+    c.source = Some(file.to_path_buf());
+    Ok(c)
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         tracing::info!(%at, "listening for LMCache prefill notifications");
     }
     let plugins = match &c.plugins {
-        Some(p) => Some(crate::policy::Plugins::start(p, c.tenants.clone())?),
+        Some(p) => Some(crate::policy::Plugins::start(p, c.tenants.clone(), c.source.clone())?),
         None => None,
     };
     let watcher = plugins.as_ref().map(crate::policy::Plugins::spawn_watcher);

@@ -664,7 +664,7 @@ mod configs {
                 let c = baton_gateway::config::load(&copy).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
                 // Plugins are compiled and their config tables validated by the plugins themselves.
                 if let Some(p) = &c.plugins {
-                    baton_gateway::policy::Plugins::start(p, c.tenants.clone())
+                    baton_gateway::policy::Plugins::start(p, c.tenants.clone(), None)
                         .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
                 }
                 checked += 1;

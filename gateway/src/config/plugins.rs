@@ -76,7 +76,14 @@ impl Plugin {
         if !path.is_file() {
             return Err(err(format!("{field}.path"), format!("{} is not a file", path.display())));
         }
-        let mut s = Spec::new(self.name.clone().unwrap_or_else(|| default_name.to_owned()), path);
+        let name = self.name.clone().unwrap_or_else(|| default_name.to_owned());
+        if name.is_empty()
+            || name.len() > 64
+            || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(err(format!("{field}.name"), format!("{name:?} must be 1-64 of [A-Za-z0-9_-]")));
+        }
+        let mut s = Spec::new(name, path);
         if let Some(h) = &self.sha256 {
             if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(err(format!("{field}.sha256"), format!("{h:?} is not 64 hex digits")));

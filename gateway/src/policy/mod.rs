@@ -741,7 +741,8 @@ pub struct CheckReport {
 /// Which world a component implements and whether it accepts `config_json`: compiled, linked,
 /// instantiated and asked to `validate-config`, as the gateway would at start.
 pub fn check_component(path: &Path, config_json: &str) -> Result<CheckReport, String> {
-    let host = Host::new(None, Clock::monotonic())?;
+    // A cache of its own, so the load below reuses the compile that found the world.
+    let host = Host::new(Some(&std::env::temp_dir().join("baton-plugin-check")), Clock::monotonic())?;
     let bytes = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
     let started = Instant::now();
     let world = host.world_of(&bytes)?;

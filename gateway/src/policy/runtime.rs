@@ -35,13 +35,19 @@ pub struct Plugins {
     pub admission: Option<Arc<AdmissionPlugin>>,
     pub routing: Option<Arc<RoutingPlugin>>,
     headers: Vec<String>,
-    tenants: BTreeMap<String, String>,
+    tenants: std::sync::RwLock<BTreeMap<String, String>>,
     watch_interval: std::time::Duration,
+    /// The gateway TOML, re-read by [`Plugins::reload`] for the plugins' tables and the tenants.
+    source: Option<std::path::PathBuf>,
 }
 
 impl Plugins {
     /// Compiles, checks and starts every configured plugin; any error refuses the start.
-    pub fn start(c: &CheckedPlugins, tenants: BTreeMap<String, String>) -> Result<Arc<Self>, String> {
+    pub fn start(
+        c: &CheckedPlugins,
+        tenants: BTreeMap<String, String>,
+        source: Option<std::path::PathBuf>,
+    ) -> Result<Arc<Self>, String> {
         let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
         let admission = c
             .admission
@@ -63,8 +69,9 @@ impl Plugins {
             admission,
             routing,
             headers: c.headers.clone(),
-            tenants,
+            tenants: std::sync::RwLock::new(tenants),
             watch_interval: c.watch_interval,
+            source,
         }))
     }
 
@@ -84,7 +91,12 @@ impl Plugins {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim)
             .unwrap_or("");
-        let tenant = self.tenants.get(key).cloned().unwrap_or_else(|| key.chars().take(128).collect());
+        let tenant = self
+            .tenants
+            .read()
+            .ok()
+            .and_then(|t| t.get(key).cloned())
+            .unwrap_or_else(|| key.chars().take(128).collect());
         let text = |name: &str| {
             headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect())
         };
@@ -105,16 +117,39 @@ impl Plugins {
         }
     }
 
-    /// Reloads every plugin from its file (the admin call); each keeps its old version on error.
-    pub fn reload(&self) -> Vec<Result<PluginInfo, LoadError>> {
+    /// Reloads every plugin from its file (the admin call), with its table from the gateway TOML
+    /// read again (and `[admission.tenants]`); each plugin keeps its old version on error. A TOML
+    /// that no longer checks refuses the whole reload. Which plugins exist, their threads and the
+    /// compile cache stay as started.
+    pub fn reload(&self) -> Result<Vec<Result<PluginInfo, LoadError>>, String> {
+        let (mut adm, mut rt) = (None, None);
+        if let Some(src) = &self.source {
+            let c = crate::config::load(src).map_err(|e| format!("{}: {e}", src.display()))?;
+            let p = c.plugins.unwrap_or_else(|| CheckedPlugins {
+                cache_dir: Default::default(),
+                watch_interval: self.watch_interval,
+                headers: Vec::new(),
+                admission: None,
+                routing: None,
+            });
+            if p.admission.is_some() != self.admission.is_some()
+                || p.routing.is_some() != self.routing.is_some()
+            {
+                return Err("adding or removing a plugin needs a restart".into());
+            }
+            (adm, rt) = (p.admission, p.routing);
+            if let Ok(mut t) = self.tenants.write() {
+                *t = c.tenants;
+            }
+        }
         let mut out = Vec::new();
         if let Some(p) = &self.admission {
-            out.push(p.reload(None));
+            out.push(p.reload(adm));
         }
         if let Some(p) = &self.routing {
-            out.push(p.reload(None));
+            out.push(p.reload(rt));
         }
-        out
+        Ok(out)
     }
 
     /// Reloads watched plugins whose file changed, every `watch_interval`, until `self` is dropped.

@@ -145,7 +145,11 @@ impl SharedState {
             at_us: now,
         });
         b.refill(now);
-        // A reloaded plugin may change the budget: the new one applies from now on.
+        // A reloaded plugin may change the budget: a raise is granted at once (as if the bucket had
+        // always been that large), a cut caps what is left.
+        if capacity > b.capacity {
+            b.tokens += f64::from(capacity - b.capacity);
+        }
         b.capacity = capacity;
         b.refill_per_min = refill_per_min;
         b.tokens = b.tokens.min(f64::from(capacity));
@@ -199,6 +203,9 @@ mod tests {
         s.bucket_give("a", 10_000);
         assert_eq!(s.bucket_take("a", 600, 600, 0).remaining, 600, "never above capacity");
         assert_eq!(s.bucket_take("a", 600, 600, 601).retry_after_ms, 0, "never fits");
+        assert!(s.bucket_take("a", 600, 600, 600).taken);
+        assert_eq!(s.bucket_take("a", 1000, 600, 0).remaining, 400, "a raise is granted at once");
+        assert_eq!(s.bucket_take("a", 100, 600, 0).remaining, 100, "a cut caps what is left");
     }
 
     #[test]

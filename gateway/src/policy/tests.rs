@@ -270,3 +270,15 @@ async fn blocking_io_traps_inline_on_a_runtime_thread() {
     assert_eq!(p.admit(Arc::new(req("print", 1, 1, 1, None)), queue(1)).await, None);
     assert_eq!(p.stats.fault_count(Fault::Trap), 1);
 }
+
+#[test]
+fn plugin_check_names_the_world_and_refuses_what_the_gateway_would() {
+    let a = check_component(&plugin_path("token_budget"), r#"{"tokens_per_minute": 5}"#).unwrap();
+    assert_eq!(a.world, WorldKind::Admission);
+    assert_eq!(a.sha256, sha256_hex(&std::fs::read(plugin_path("token_budget")).unwrap()));
+    assert_eq!(check_component(&plugin_path("prefix_affinity"), "{}").unwrap().world, WorldKind::Routing);
+    let e = check_component(&plugin_path("token_budget"), r#"{"tokens_per_minute": 0}"#).unwrap_err();
+    assert!(e.contains("tokens_per_minute must be above 0"), "{e}");
+    let e = check_component(&Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"), "{}").unwrap_err();
+    assert!(e.contains("not a component"), "{e}");
+}

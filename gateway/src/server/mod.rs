@@ -486,7 +486,8 @@ impl Gateway {
             );
         };
         let results = match tokio::task::spawn_blocking(move || p.reload()).await {
-            Ok(r) => r,
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return full(422, &json!({"reloaded": false, "error": e})),
             Err(e) => return error_response(&GatewayError::Internal(format!("reload task: {e}"))),
         };
         let ok = results.iter().all(Result::is_ok);

@@ -176,7 +176,12 @@ default_max_tokens = 16
     assert!((1..=60).contains(&retry), "retry-after {retry}");
     // Another tenant has its own budget.
     assert_eq!(post(s.addr(), "/v1/completions", Some("sk-bob"), &body).await.status, 200);
-    // Streamed too, and a prompt bigger than any budget is a 400 from the plugin.
+    // Streamed answers are admitted the same way.
+    let streamed = json!({"prompt": "a few words to count", "max_tokens": 4, "stream": true});
+    let a = post(s.addr(), "/v1/completions", Some("sk-bob"), &streamed).await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    assert!(String::from_utf8_lossy(&a.body).contains("data: [DONE]"));
+    // A prompt bigger than any budget is a 400 from the plugin.
     let big = json!({"prompt": "word ".repeat(300), "max_tokens": 1});
     let a = post(s.addr(), "/v1/completions", Some("sk-bob"), &big).await;
     assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(&a.body));
@@ -185,6 +190,19 @@ default_max_tokens = 16
         metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"),
         0.0
     );
+    // The operator raises the budget in the TOML and reloads: the plugin gets its new table.
+    let file = s.dir.join("baton.toml");
+    let toml = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, toml.replace("tokens_per_minute = 200", "tokens_per_minute = 100000")).unwrap();
+    let r = post(s.addr(), "/admin/plugins/reload", None, &json!({})).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
+    // A table the plugin refuses is refused; the version before keeps serving.
+    std::fs::write(&file, toml.replace("tokens_per_minute = 200", "tokens_per_minute = 0")).unwrap();
+    let r = post(s.addr(), "/admin/plugins/reload", None, &json!({})).await;
+    assert_eq!(r.status, 422, "{}", String::from_utf8_lossy(&r.body));
+    assert!(String::from_utf8_lossy(&r.body).contains("tokens_per_minute must be above 0"));
+    assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
     s.stop().await;
 }
 
