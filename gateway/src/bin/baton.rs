@@ -184,7 +184,10 @@ fn plugin_check(args: &[String]) -> ExitCode {
     match baton_gateway::policy::check_component(std::path::Path::new(file), &config) {
         Ok(r) => {
             println!("{file}: implements baton:policy/{}@0.1.0", r.world.name());
-            println!("  sha256 {} ({} bytes, compiled or read from the cache in {:?})", r.sha256, r.bytes, r.compile);
+            println!(
+                "  sha256 {} ({} bytes, compiled or read from the cache in {:?})",
+                r.sha256, r.bytes, r.compile
+            );
             println!("  config accepted: {config}");
             ExitCode::SUCCESS
         }
