@@ -63,6 +63,7 @@ fn candidates(i: usize) -> Candidates {
         prefill: PrefillView {
             healthy: vec![true; n],
             in_flight: (0..n).map(|k| ((k + i) % 7) as u32).collect(),
+            latency_us: (0..n).map(|k| 40_000 + ((k * 13 + i) % 97) as u32 * 100).collect(),
         },
         decode: DecodeView {
             healthy: (0..n).map(|k| k != 5).collect(),
@@ -70,6 +71,7 @@ fn candidates(i: usize) -> Candidates {
             capacity_slots: vec![512; n],
             free_slots: (0..n).map(|k| ((k * 37 + i) % 512) as u32).collect(),
             waiting_slots: (0..n).map(|k| ((k + i) % 3) as u64).collect(),
+            in_flight: (0..n).map(|k| ((k * 5 + i) % 11) as u32).collect(),
         },
     }
 }
@@ -163,7 +165,7 @@ fn main() {
         }
     }
 
-    let v: Vec<_> = cands.iter().map(|c| views(c, &[0; ENDPOINTS])).collect();
+    let v: Vec<_> = cands.iter().map(views).collect();
     let routing = |inline: bool| {
         let mut s = Spec::new("prefix_affinity", plugin("prefix_affinity"));
         s.deadline = Duration::from_millis(50);
@@ -180,12 +182,9 @@ fn main() {
         let p = routing(inline);
         let us = rt.block_on(async {
             let mut out = Vec::with_capacity(n);
-            let in_flight = [0u32; ENDPOINTS];
             for i in 0..warm + n {
                 let t = Instant::now();
-                std::hint::black_box(
-                    p.route(Arc::clone(&reqs[i % 64]), &cands[i % 64], &in_flight).await.unwrap(),
-                );
+                std::hint::black_box(p.route(Arc::clone(&reqs[i % 64]), &cands[i % 64]).await.unwrap());
                 if i >= warm {
                     out.push(t.elapsed().as_secs_f64() * 1e6);
                 }

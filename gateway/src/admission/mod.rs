@@ -85,6 +85,8 @@ pub struct QueueLoad {
     pub capacity: u32,
     pub in_use: u32,
     pub waiting_slots: u64,
+    /// Requests holding slots (admitted, not yet released).
+    pub holders: u32,
 }
 
 /// A snapshot of a queue.
@@ -124,6 +126,8 @@ struct State {
     waiting: usize,
     /// Slots the waiters need, kept up to date so routing can read it without walking the queue.
     waiting_slots: u64,
+    /// Guards outstanding.
+    holders: u32,
     accounting_errors: u64,
 }
 
@@ -194,6 +198,7 @@ fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotG
         let Some(w) = class.queue.pop_front() else { break };
         s.vtime = w.start;
         s.in_use += w.slots;
+        s.holders += 1;
         s.waiting -= 1;
         s.waiting_slots -= u64::from(w.slots);
         out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots }));
@@ -215,6 +220,7 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         let grants = {
             let mut s = lock(&self.state);
+            s.holders = s.holders.saturating_sub(1);
             match s.in_use.checked_sub(self.slots) {
                 Some(v) => s.in_use = v,
                 None => s.accounting_errors += 1,
@@ -262,6 +268,7 @@ impl SlotQueue {
             next_id: 0,
             waiting: 0,
             waiting_slots: 0,
+            holders: 0,
             accounting_errors: 0,
         };
         Self { state: Arc::new(Mutex::new(state)) }
@@ -282,6 +289,7 @@ impl SlotQueue {
             }
             if s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.capacity) {
                 s.in_use += slots;
+                s.holders += 1;
                 return Ok(SlotGuard { state: Arc::clone(&self.state), slots });
             }
             if s.waiting >= s.config.max_queue {
@@ -338,7 +346,12 @@ impl SlotQueue {
     /// What routing needs, in constant time: `(capacity, slots in use, slots waited for)`.
     pub fn load(&self) -> QueueLoad {
         let s = lock(&self.state);
-        QueueLoad { capacity: s.capacity, in_use: s.in_use, waiting_slots: s.waiting_slots }
+        QueueLoad {
+            capacity: s.capacity,
+            in_use: s.in_use,
+            waiting_slots: s.waiting_slots,
+            holders: s.holders,
+        }
     }
 
     /// Requests waiting, in constant time.

@@ -216,3 +216,18 @@ proptest! {
         run_random(capacity, reqs)?;
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn load_counts_the_requests_holding_slots() {
+    let q = SlotQueue::new(10, QueueConfig::default());
+    let a = q.acquire(3, 0, LONG).await.unwrap();
+    let b = q.acquire(7, 0, LONG).await.unwrap();
+    let c = spawn_acquire(&q, 2, 0, LONG);
+    tokio::task::yield_now().await;
+    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2 });
+    drop(a);
+    let c = c.await.unwrap().unwrap();
+    assert_eq!(q.load().holders, 2, "the waiter took the freed room");
+    drop((b, c));
+    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0 });
+}

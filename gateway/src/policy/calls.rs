@@ -74,16 +74,20 @@ fn u32s<T: Copy + TryInto<u32>>(v: &[T]) -> Vec<u32> {
 }
 
 /// The candidate lists in the WIT's shape.
-pub fn views(c: &Candidates, decode_in_flight: &[u32]) -> (wr::PrefillView, wr::DecodeView) {
+pub fn views(c: &Candidates) -> (wr::PrefillView, wr::DecodeView) {
     (
-        wr::PrefillView { healthy: c.prefill.healthy.clone(), in_flight: c.prefill.in_flight.clone() },
+        wr::PrefillView {
+            healthy: c.prefill.healthy.clone(),
+            in_flight: c.prefill.in_flight.clone(),
+            latency_us: c.prefill.latency_us.clone(),
+        },
         wr::DecodeView {
             healthy: c.decode.healthy.clone(),
             slots_needed: c.decode.slots_needed.clone(),
             capacity_slots: c.decode.capacity_slots.clone(),
             free_slots: c.decode.free_slots.clone(),
             waiting_slots: u32s(&c.decode.waiting_slots),
-            in_flight: decode_in_flight.to_vec(),
+            in_flight: c.decode.in_flight.clone(),
         },
     )
 }
@@ -137,13 +141,8 @@ impl Direct<AdmissionWorld> {
 impl Plugin<RoutingWorld> {
     /// The plugin's decision (not yet checked against the candidates: the router does that and
     /// reports an invalid one back with [`Plugin::invalid`]), or `None` when the built-in decides.
-    pub async fn route(
-        self: &Arc<Self>,
-        req: Arc<PolicyRequest>,
-        c: &Candidates,
-        decode_in_flight: &[u32],
-    ) -> Option<Decision> {
-        let (p, d) = views(c, decode_in_flight);
+    pub async fn route(self: &Arc<Self>, req: Arc<PolicyRequest>, c: &Candidates) -> Option<Decision> {
+        let (p, d) = views(c);
         let r = self.call(move |b, s| b.baton_policy_routing_policy().call_route(s, &req, &p, &d)).await?;
         Some(to_decision(r))
     }

@@ -205,13 +205,14 @@ fn compiled_components_come_from_the_disk_cache_the_second_time() {
 fn cands(free: Vec<u32>, waiting: Vec<u64>) -> Candidates {
     let n = free.len();
     Candidates {
-        prefill: PrefillView { healthy: vec![true, true], in_flight: vec![3, 1] },
+        prefill: PrefillView { healthy: vec![true, true], in_flight: vec![3, 1], latency_us: vec![900, 800] },
         decode: DecodeView {
             healthy: vec![true; n],
             slots_needed: vec![2; n],
             capacity_slots: vec![64; n],
             free_slots: free,
             waiting_slots: waiting,
+            in_flight: vec![0; n],
         },
     }
 }
@@ -224,7 +225,7 @@ fn prefix_affinity_keeps_a_prefix_on_one_decoder_and_spills_to_the_freest() {
     let mut pick = |prefix: u32, c: &Candidates| {
         let mut r = req("t", 10, 1, 2, None);
         r.prefix_hash = prefix;
-        let (pv, dv) = views(c, &[0; 4]);
+        let (pv, dv) = views(c);
         match d.route(&r, &pv, &dv) {
             Some(Decision::Route(routes)) => routes,
             other => panic!("{other:?}"),

@@ -165,66 +165,48 @@ fn base_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
     Ok(l)
 }
 
-/// The `admission` world.
-#[derive(Debug)]
-pub struct AdmissionWorld;
+/// A [`World`] for one `bindgen!` module: the two worlds differ only in their names.
+macro_rules! world {
+    ($(#[$doc:meta])* $name:ident, $kind:ident, $module:ident, $bindings:ident, $pre:ident, $export:ident) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name;
 
-impl World for AdmissionWorld {
-    type Pre = admission::AdmissionPre<Ctx>;
-    type Bindings = admission::Admission;
-    const KIND: WorldKind = WorldKind::Admission;
+        impl World for $name {
+            type Pre = $module::$pre<Ctx>;
+            type Bindings = $module::$bindings;
+            const KIND: WorldKind = WorldKind::$kind;
 
-    fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
-        let mut l = base_linker(engine)?;
-        admission::Admission::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
-        Ok(l)
-    }
+            fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
+                let mut l = base_linker(engine)?;
+                $module::$bindings::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
+                Ok(l)
+            }
 
-    fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
-        admission::AdmissionPre::new(linker.instantiate_pre(c)?)
-    }
+            fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
+                $module::$pre::new(linker.instantiate_pre(c)?)
+            }
 
-    fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
-        pre.instantiate(store)
-    }
+            fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
+                pre.instantiate(store)
+            }
 
-    fn validate(
-        b: &Self::Bindings,
-        store: &mut Store<Ctx>,
-        config: &str,
-    ) -> wasmtime::Result<Result<(), String>> {
-        b.baton_policy_admission_policy().call_validate_config(store, config)
-    }
+            fn validate(
+                b: &Self::Bindings,
+                store: &mut Store<Ctx>,
+                config: &str,
+            ) -> wasmtime::Result<Result<(), String>> {
+                b.$export().call_validate_config(store, config)
+            }
+        }
+    };
 }
 
-/// The `routing` world.
-#[derive(Debug)]
-pub struct RoutingWorld;
-
-impl World for RoutingWorld {
-    type Pre = routing::RoutingPre<Ctx>;
-    type Bindings = routing::Routing;
-    const KIND: WorldKind = WorldKind::Routing;
-
-    fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
-        let mut l = base_linker(engine)?;
-        routing::Routing::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
-        Ok(l)
-    }
-
-    fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
-        routing::RoutingPre::new(linker.instantiate_pre(c)?)
-    }
-
-    fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
-        pre.instantiate(store)
-    }
-
-    fn validate(
-        b: &Self::Bindings,
-        store: &mut Store<Ctx>,
-        config: &str,
-    ) -> wasmtime::Result<Result<(), String>> {
-        b.baton_policy_routing_policy().call_validate_config(store, config)
-    }
-}
+world!(
+    /// The `admission` world.
+    AdmissionWorld, Admission, admission, Admission, AdmissionPre, baton_policy_admission_policy
+);
+world!(
+    /// The `routing` world.
+    RoutingWorld, Routing, routing, Routing, RoutingPre, baton_policy_routing_policy
+);

@@ -77,6 +77,8 @@ pub struct RouteFacts<'a> {
 pub struct PrefillView {
     pub healthy: Vec<bool>,
     pub in_flight: Vec<u32>,
+    /// Moving average of the prefill leg, µs (0 before the first request).
+    pub latency_us: Vec<u32>,
 }
 
 /// Decode candidates, one list per metric.
@@ -89,6 +91,8 @@ pub struct DecodeView {
     pub capacity_slots: Vec<u32>,
     pub free_slots: Vec<u32>,
     pub waiting_slots: Vec<u64>,
+    /// Requests holding slots on the decoder (admitted, not yet released).
+    pub in_flight: Vec<u32>,
 }
 
 /// Every candidate.
@@ -268,6 +272,8 @@ pub struct Health {
     /// The last active check failed.
     check_down: AtomicBool,
     in_flight: AtomicU32,
+    /// Moving average (1/8 weight) of how long requests stayed in flight, µs.
+    latency_us: AtomicU32,
     /// Ejections so far (a metric).
     pub ejected_total: AtomicU64,
 }
@@ -281,18 +287,29 @@ impl Default for Health {
             ejected_until: AtomicU64::new(0),
             check_down: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
+            latency_us: AtomicU32::new(0),
             ejected_total: AtomicU64::new(0),
         }
     }
 }
 
-/// Counts a request in flight on an endpoint until dropped.
+/// Counts a request in flight on an endpoint until dropped, and then its time into the endpoint's
+/// moving average.
 #[derive(Debug)]
-pub struct InFlight<'a>(&'a Health);
+pub struct InFlight<'a> {
+    health: &'a Health,
+    since: Instant,
+}
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let h = self.health;
+        h.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let took = u32::try_from(self.since.elapsed().as_micros()).unwrap_or(u32::MAX);
+        // Racing updates may lose a sample; an average does not need them all.
+        let old = h.latency_us.load(Ordering::Relaxed);
+        let new = if old == 0 { took } else { old - old / 8 + took / 8 };
+        h.latency_us.store(new.max(1), Ordering::Relaxed);
     }
 }
 
@@ -313,7 +330,12 @@ impl Health {
 
     pub fn start(&self) -> InFlight<'_> {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self)
+        InFlight { health: self, since: Instant::now() }
+    }
+
+    /// Moving average of the time requests stayed in flight, µs (0 before the first).
+    pub fn latency_us(&self) -> u32 {
+        self.latency_us.load(Ordering::Relaxed)
     }
 
     /// A request succeeded on the endpoint.
@@ -353,13 +375,18 @@ mod tests {
 
     fn cands() -> Candidates {
         Candidates {
-            prefill: PrefillView { healthy: vec![true, true, true], in_flight: vec![5, 1, 3] },
+            prefill: PrefillView {
+                healthy: vec![true, true, true],
+                in_flight: vec![5, 1, 3],
+                latency_us: vec![0; 3],
+            },
             decode: DecodeView {
                 healthy: vec![true, true, true],
                 slots_needed: Vec::new(),
                 capacity_slots: vec![64, 128, 32],
                 free_slots: vec![60, 10, 32],
                 waiting_slots: vec![0, 0, 4],
+                in_flight: vec![0; 3],
             },
         }
     }
@@ -461,9 +488,12 @@ mod tests {
         assert!(!h.healthy());
         h.checked(true);
         assert!(h.healthy());
+        assert_eq!(h.latency_us(), 0, "no request yet");
         let g = h.start();
         assert_eq!(h.in_flight(), 1);
+        std::thread::sleep(Duration::from_millis(2));
         drop(g);
         assert_eq!(h.in_flight(), 0);
+        assert!(h.latency_us() >= 2000, "the first request sets the average: {}", h.latency_us());
     }
 }

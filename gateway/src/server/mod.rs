@@ -121,6 +121,7 @@ impl Gateway {
             prefill: PrefillView {
                 healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
                 in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
+                latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
             },
             decode: DecodeView::default(),
         };
@@ -131,6 +132,7 @@ impl Gateway {
             c.decode.capacity_slots.push(l.capacity);
             c.decode.free_slots.push(l.capacity.saturating_sub(l.in_use));
             c.decode.waiting_slots.push(l.waiting_slots);
+            c.decode.in_flight.push(l.holders);
         }
         c
     }
@@ -416,8 +418,7 @@ impl Gateway {
         let cands = self.candidates(ids.len());
         let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
             (Some(p), Some(preq)) => {
-                let in_flight: Vec<u32> = self.decoders.iter().map(|d| d.health.in_flight()).collect();
-                let decision = p.route(Arc::clone(preq), &cands, &in_flight).await;
+                let decision = p.route(Arc::clone(preq), &cands).await;
                 self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why))
             }
             _ => self.router.route(&facts, &cands),
