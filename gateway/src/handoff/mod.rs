@@ -533,7 +533,7 @@ impl Native {
             )
         };
         timing.mark("queue");
-        let key = self.keys.next();
+        let mut key = self.keys.next();
         let mut life = Lifecycle {
             dec: Arc::clone(dec),
             key,
@@ -557,6 +557,13 @@ impl Native {
             match dec.reserve(key, chunks, self.limits.lease, &[]).await {
                 Ok(Some(a)) => break a,
                 Ok(None) if Instant::now() < give_up => {
+                    // The ranks that had reserved this attempt were cancelled and report the key
+                    // as cancelled, possibly after the next attempt succeeded: the next attempt is
+                    // a new epoch of the request, so no report of this one can reach it.
+                    dec.forget(key);
+                    key = RequestKey::new(key.request, key.epoch.wrapping_add(1));
+                    life.key = key;
+                    life.rx = Some(dec.listen(key));
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                 }
