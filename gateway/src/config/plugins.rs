@@ -39,17 +39,17 @@ pub struct Plugin {
     pub name: Option<String>,
     /// Pin: the component's sha256 (hex); any other file is refused.
     pub sha256: Option<String>,
-    /// Longest call, µs (default [`DEFAULT_CALL_DEADLINE`]).
+    /// Longest call, µs (default [`crate::policy::DEFAULT_CALL_DEADLINE`]).
     pub deadline_us: Option<u64>,
-    /// Longest instantiation, ms (default [`DEFAULT_INSTANTIATE_DEADLINE`]).
+    /// Longest instantiation, ms (default [`crate::policy::DEFAULT_INSTANTIATE_DEADLINE`]).
     pub instantiate_deadline_ms: Option<u64>,
-    /// Linear memory per instance, MiB (default [`DEFAULT_MEMORY_MIB`], at most [`MAX_MEMORY_MIB`]).
+    /// Linear memory per instance, MiB (default [`crate::policy::DEFAULT_MEMORY_MIB`], at most [`MAX_MEMORY_MIB`]).
     pub memory_mib: Option<u32>,
-    /// Threads, one instance each (default [`DEFAULT_THREADS`], at most [`MAX_THREADS`]).
+    /// Threads, one instance each (default [`crate::policy::DEFAULT_THREADS`], at most [`MAX_THREADS`]).
     pub threads: Option<usize>,
-    /// Calls waiting for a thread before the built-in decides (default [`DEFAULT_QUEUE`]).
+    /// Calls waiting for a thread before the built-in decides (default [`crate::policy::DEFAULT_QUEUE`]).
     pub queue: Option<usize>,
-    /// Faults in a row that switch the plugin off until reload (default [`DEFAULT_MAX_FAULTS`]).
+    /// Faults in a row that switch the plugin off until reload (default [`crate::policy::DEFAULT_MAX_FAULTS`]).
     pub max_faults: Option<u32>,
     /// Reload when the file changes (default true).
     pub watch: Option<bool>,

@@ -125,19 +125,10 @@ impl Plugins {
         let (mut adm, mut rt) = (None, None);
         if let Some(src) = &self.source {
             let c = crate::config::load(src).map_err(|e| format!("{}: {e}", src.display()))?;
-            let p = c.plugins.unwrap_or_else(|| CheckedPlugins {
-                cache_dir: Default::default(),
-                watch_interval: self.watch_interval,
-                headers: Vec::new(),
-                admission: None,
-                routing: None,
-            });
-            if p.admission.is_some() != self.admission.is_some()
-                || p.routing.is_some() != self.routing.is_some()
-            {
+            (adm, rt) = c.plugins.map_or((None, None), |p| (p.admission, p.routing));
+            if adm.is_some() != self.admission.is_some() || rt.is_some() != self.routing.is_some() {
                 return Err("adding or removing a plugin needs a restart".into());
             }
-            (adm, rt) = (p.admission, p.routing);
             if let Ok(mut t) = self.tenants.write() {
                 *t = c.tenants;
             }

@@ -249,7 +249,6 @@ fn prefix_affinity_keeps_a_prefix_on_one_decoder_and_spills_to_the_freest() {
         pick(5, &full),
         vec![Route { prefill: 1, decode: freest }, Route { prefill: 1, decode: home }]
     );
-    let _ = AtomicU64::new(0);
 }
 
 /// Blocking WASI calls trap (wasmtime-wasi's sync shims would panic on a runtime thread), so an

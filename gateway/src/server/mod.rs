@@ -453,7 +453,7 @@ impl Gateway {
         match (r, owed) {
             (Ok(resp), Some(mut c)) => {
                 c.status = resp.status().as_u16();
-                Ok(resp.map(|b| UsageBody { inner: b, completion: c, tail: Vec::new() }.boxed()))
+                Ok(resp.map(|b| UsageBody { inner: b, completion: c }.boxed()))
             }
             (Err(e), Some(mut c)) => {
                 c.status = e.status();
