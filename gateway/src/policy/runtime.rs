@@ -2,7 +2,6 @@
 //! and file watcher) and their metrics.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -13,6 +12,7 @@ use super::{
     AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World,
 };
 use crate::config::plugins::CheckedPlugins;
+use crate::telemetry::family;
 
 /// Tokens hashed into `prefix-hash`: one chunk, the unit a decoder caches by.
 pub const PREFIX_TOKENS: usize = 256;
@@ -182,19 +182,62 @@ impl Plugins {
 
     /// Prometheus lines.
     pub fn render(&self, o: &mut String) {
-        let _ = writeln!(o, "# TYPE baton_plugin_calls_total counter");
-        let _ = writeln!(o, "# TYPE baton_plugin_call_seconds_sum counter");
-        let _ = writeln!(o, "# TYPE baton_plugin_faults_total counter");
-        let _ = writeln!(o, "# TYPE baton_plugin_builtin_decisions_total counter");
-        let _ = writeln!(o, "# TYPE baton_plugin_reloads_total counter");
-        let _ = writeln!(o, "# TYPE baton_plugin_disabled gauge");
+        let mut rows: Vec<Row> = Vec::new();
         if let Some(p) = &self.admission {
-            render_one(o, p);
+            rows.extend(rows_of(p));
         }
         if let Some(p) = &self.routing {
-            render_one(o, p);
+            rows.extend(rows_of(p));
+        }
+        for (name, kind, help) in FAMILIES {
+            let samples = rows.iter().filter(|r| r.0 == name).map(|r| (r.1.clone(), r.2.clone()));
+            family(o, name, kind, help, samples);
         }
     }
+}
+
+/// `(family, labels, value)`.
+type Row = (&'static str, String, String);
+
+const FAMILIES: [(&str, &str, &str); 6] = [
+    ("baton_plugin_calls_total", "counter", "Calls made to a policy plugin."),
+    ("baton_plugin_call_seconds_sum", "counter", "Time spent in plugin calls, queue wait included."),
+    ("baton_plugin_faults_total", "counter", "Plugin faults by kind; each made the built-in policy decide."),
+    (
+        "baton_plugin_builtin_decisions_total",
+        "counter",
+        "Decisions left to the built-in policy because the plugin was busy or switched off.",
+    ),
+    ("baton_plugin_reloads_total", "counter", "Plugin reloads by result."),
+    ("baton_plugin_disabled", "gauge", "1 while a plugin is switched off after repeated faults."),
+];
+
+fn rows_of<W: World>(p: &Plugin<W>) -> Vec<Row> {
+    let i = p.info();
+    let s = &p.stats;
+    let l = format!("plugin=\"{}\",world=\"{}\"", i.name, i.world);
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed).to_string();
+    let mut rows = vec![
+        ("baton_plugin_calls_total", l.clone(), n(&s.calls)),
+        (
+            "baton_plugin_call_seconds_sum",
+            l.clone(),
+            format!("{:.6}", s.call_us.load(Ordering::Relaxed) as f64 / 1e6),
+        ),
+        ("baton_plugin_builtin_decisions_total", format!("{l},reason=\"busy\""), n(&s.busy)),
+        ("baton_plugin_builtin_decisions_total", format!("{l},reason=\"disabled\""), n(&s.disabled_skips)),
+        ("baton_plugin_reloads_total", format!("{l},result=\"ok\""), n(&s.reloads)),
+        ("baton_plugin_reloads_total", format!("{l},result=\"refused\""), n(&s.reload_failures)),
+        ("baton_plugin_disabled", l.clone(), u8::from(i.disabled).to_string()),
+    ];
+    for f in Fault::ALL {
+        rows.push((
+            "baton_plugin_faults_total",
+            format!("{l},kind=\"{}\"", f.name()),
+            s.fault_count(f).to_string(),
+        ));
+    }
+    rows
 }
 
 fn view_of<W: World>(p: &Plugin<W>) -> Value {
@@ -208,37 +251,4 @@ fn view_of<W: World>(p: &Plugin<W>) -> Value {
         "busy": s.busy.load(Ordering::Relaxed), "skipped_while_disabled": s.disabled_skips.load(Ordering::Relaxed),
         "reloads": s.reloads.load(Ordering::Relaxed), "reload_failures": s.reload_failures.load(Ordering::Relaxed),
     })
-}
-
-fn render_one<W: World>(o: &mut String, p: &Plugin<W>) {
-    let i = p.info();
-    let s = &p.stats;
-    let l = format!("plugin=\"{}\",world=\"{}\"", i.name, i.world);
-    let _ = writeln!(o, "baton_plugin_calls_total{{{l}}} {}", s.calls.load(Ordering::Relaxed));
-    let _ = writeln!(
-        o,
-        "baton_plugin_call_seconds_sum{{{l}}} {:.6}",
-        s.call_us.load(Ordering::Relaxed) as f64 / 1e6
-    );
-    for f in Fault::ALL {
-        let _ = writeln!(o, "baton_plugin_faults_total{{{l},kind=\"{}\"}} {}", f.name(), s.fault_count(f));
-    }
-    let _ = writeln!(
-        o,
-        "baton_plugin_builtin_decisions_total{{{l},reason=\"busy\"}} {}",
-        s.busy.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(
-        o,
-        "baton_plugin_builtin_decisions_total{{{l},reason=\"disabled\"}} {}",
-        s.disabled_skips.load(Ordering::Relaxed)
-    );
-    let _ =
-        writeln!(o, "baton_plugin_reloads_total{{{l},result=\"ok\"}} {}", s.reloads.load(Ordering::Relaxed));
-    let _ = writeln!(
-        o,
-        "baton_plugin_reloads_total{{{l},result=\"refused\"}} {}",
-        s.reload_failures.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(o, "baton_plugin_disabled{{{l}}} {}", u8::from(i.disabled));
 }

@@ -504,99 +504,78 @@ impl Gateway {
 
     /// The `lmcache` and `vllm-nixl` handoffs' own counters and gauges.
     fn render_handoffs(&self, o: &mut String) {
-        use std::fmt::Write;
+        use crate::telemetry::family;
         let n = &self.native;
         if let Some(hub) = &n.lmcache {
             let st = &hub.stats;
-            let _ = writeln!(
-                o,
-                "# HELP baton_lmcache_notifications_total LMCache ProxyNotif messages received, by what became of them."
-            );
-            let _ = writeln!(o, "# TYPE baton_lmcache_notifications_total counter");
-            for (outcome, c) in [
+            let outcomes = [
                 ("counted", &st.counted),
                 ("duplicate", &st.duplicate),
                 ("unmatched", &st.unmatched),
                 ("malformed", &st.malformed),
-            ] {
-                let _ = writeln!(
-                    o,
-                    "baton_lmcache_notifications_total{{outcome=\"{outcome}\"}} {}",
-                    c.load(Ordering::Relaxed)
-                );
-            }
-            let _ = writeln!(
+            ];
+            family(
                 o,
-                "# HELP baton_lmcache_waiting_requests Requests waiting for their prefill ranks' notifications."
+                "baton_lmcache_notifications_total",
+                "counter",
+                "LMCache ProxyNotif messages received, by what became of them.",
+                outcomes.map(|(k, c)| (format!("outcome=\"{k}\""), c.load(Ordering::Relaxed))),
             );
-            let _ = writeln!(o, "# TYPE baton_lmcache_waiting_requests gauge");
-            let _ = writeln!(o, "baton_lmcache_waiting_requests {}", hub.waiting());
+            family(
+                o,
+                "baton_lmcache_waiting_requests",
+                "gauge",
+                "Requests waiting for their prefill ranks' notifications.",
+                [(String::new(), hub.waiting())],
+            );
         }
-        let _ = writeln!(
-            o,
-            "# HELP baton_drains_total One-token decodes sent for requests that ended between prefill and decode, by result."
+        let drains = [("lmcache", &n.lmcache_drains), ("vllm-nixl", &n.nixl_drains)].into_iter().flat_map(
+            |(mode, d)| {
+                [("sent", &d.sent), ("already_free", &d.already_free), ("failed", &d.failed)]
+                    .map(|(r, c)| (format!("mode=\"{mode}\",result=\"{r}\""), c.load(Ordering::Relaxed)))
+            },
         );
-        let _ = writeln!(o, "# TYPE baton_drains_total counter");
-        for (mode, d) in [("lmcache", &n.lmcache_drains), ("vllm-nixl", &n.nixl_drains)] {
-            for (result, c) in [("sent", &d.sent), ("already_free", &d.already_free), ("failed", &d.failed)] {
-                let _ = writeln!(
-                    o,
-                    "baton_drains_total{{mode=\"{mode}\",result=\"{result}\"}} {}",
-                    c.load(Ordering::Relaxed)
-                );
-            }
-        }
+        family(
+            o,
+            "baton_drains_total",
+            "counter",
+            "One-token decodes sent for requests that ended between prefill and decode, by result.",
+            drains,
+        );
         let nixl: Vec<_> =
             self.decoders.iter().filter_map(|d| d.nixl_load.as_ref().map(|l| (&d.name, l))).collect();
-        if !nixl.is_empty() {
-            let _ = writeln!(
-                o,
-                "# HELP baton_nixl_decoder_kv_usage KV cache usage a vllm-nixl decoder reported last (0..1)."
-            );
-            let _ = writeln!(o, "# TYPE baton_nixl_decoder_kv_usage gauge");
-            for (name, l) in &nixl {
-                let _ = writeln!(
-                    o,
-                    "baton_nixl_decoder_kv_usage{{decoder=\"{name}\"}} {}",
-                    f64::from(l.kv_usage_bp.load(Ordering::Relaxed)) / 10_000.0
-                );
-            }
-            let _ = writeln!(
-                o,
-                "# HELP baton_nixl_decoder_waiting Requests a vllm-nixl decoder reported waiting last."
-            );
-            let _ = writeln!(o, "# TYPE baton_nixl_decoder_waiting gauge");
-            for (name, l) in &nixl {
-                let _ = writeln!(
-                    o,
-                    "baton_nixl_decoder_waiting{{decoder=\"{name}\"}} {}",
-                    l.waiting.load(Ordering::Relaxed)
-                );
-            }
-            let _ = writeln!(
-                o,
-                "# HELP baton_nixl_decoder_admitting 1 while a vllm-nixl decoder's metrics allow new requests."
-            );
-            let _ = writeln!(o, "# TYPE baton_nixl_decoder_admitting gauge");
-            for (name, l) in &nixl {
-                let _ = writeln!(
-                    o,
-                    "baton_nixl_decoder_admitting{{decoder=\"{name}\"}} {}",
-                    u8::from(l.open.load(Ordering::Relaxed))
-                );
-            }
-            let _ = writeln!(
-                o,
-                "# HELP baton_nixl_scrape_failures_total Failed reads of a vllm-nixl decoder's /metrics."
-            );
-            let _ = writeln!(o, "# TYPE baton_nixl_scrape_failures_total counter");
-            for (name, l) in &nixl {
-                let _ = writeln!(
-                    o,
-                    "baton_nixl_scrape_failures_total{{decoder=\"{name}\"}} {}",
-                    l.scrape_failures.load(Ordering::Relaxed)
-                );
-            }
+        if nixl.is_empty() {
+            return;
+        }
+        type Family<'a> = (&'a str, &'a str, &'a str, &'a dyn Fn(&crate::handoff::nixl::NixlLoad) -> f64);
+        let families: [Family<'_>; 4] = [
+            (
+                "baton_nixl_decoder_kv_usage",
+                "gauge",
+                "KV cache usage a vllm-nixl decoder reported last (0..1).",
+                &|l| f64::from(l.kv_usage_bp.load(Ordering::Relaxed)) / 10_000.0,
+            ),
+            (
+                "baton_nixl_decoder_waiting",
+                "gauge",
+                "Requests a vllm-nixl decoder reported waiting last.",
+                &|l| l.waiting.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "baton_nixl_decoder_admitting",
+                "gauge",
+                "1 while a vllm-nixl decoder's metrics allow new requests.",
+                &|l| f64::from(u8::from(l.open.load(Ordering::Relaxed))),
+            ),
+            (
+                "baton_nixl_scrape_failures_total",
+                "counter",
+                "Failed reads of a vllm-nixl decoder's /metrics.",
+                &|l| l.scrape_failures.load(Ordering::Relaxed) as f64,
+            ),
+        ];
+        for (name, kind, help, get) in families {
+            family(o, name, kind, help, nixl.iter().map(|(d, l)| (format!("decoder=\"{d}\""), get(l))));
         }
     }
 

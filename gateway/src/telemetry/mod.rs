@@ -152,6 +152,26 @@ pub struct EndpointHealth {
     pub ejections: u64,
 }
 
+/// Appends one metric family to a scrape: its HELP and TYPE lines, then one sample per
+/// `(labels, value)` (labels as `k="v",…` without braces; empty for none).
+pub fn family<V: std::fmt::Display>(
+    o: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (String, V)>,
+) {
+    let _ = writeln!(o, "# HELP {name} {help}");
+    let _ = writeln!(o, "# TYPE {name} {kind}");
+    for (labels, v) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(o, "{name} {v}");
+        } else {
+            let _ = writeln!(o, "{name}{{{labels}}} {v}");
+        }
+    }
+}
+
 /// Appends the per-endpoint health series to a rendered scrape.
 pub fn render_endpoints(o: &mut String, endpoints: &[EndpointHealth]) {
     type Series = (&'static str, &'static str, &'static str, fn(&EndpointHealth) -> f64);
@@ -172,11 +192,9 @@ pub fn render_endpoints(o: &mut String, endpoints: &[EndpointHealth]) {
         }),
     ];
     for (metric, kind, help, get) in series {
-        let _ = writeln!(o, "# HELP {metric} {help}");
-        let _ = writeln!(o, "# TYPE {metric} {kind}");
-        for e in endpoints {
-            let _ = writeln!(o, "{metric}{{pool=\"{}\",endpoint=\"{}\"}} {}", e.pool, e.name, get(e));
-        }
+        let samples =
+            endpoints.iter().map(|e| (format!("pool=\"{}\",endpoint=\"{}\"", e.pool, e.name), get(e)));
+        family(o, metric, kind, help, samples);
     }
 }
 
