@@ -39,9 +39,9 @@ pub struct Plugin {
     pub name: Option<String>,
     /// Pin: the component's sha256 (hex); any other file is refused.
     pub sha256: Option<String>,
-    /// Longest call, µs (default [`crate::policy::DEFAULT_CALL_DEADLINE`]).
+    /// CPU time a call may use, µs (see [`crate::policy::budget`]) (default [`crate::policy::DEFAULT_CALL_DEADLINE`]).
     pub deadline_us: Option<u64>,
-    /// Longest instantiation, ms (default [`crate::policy::DEFAULT_INSTANTIATE_DEADLINE`]).
+    /// CPU time an instantiation may use, ms (default [`crate::policy::DEFAULT_INSTANTIATE_DEADLINE`]).
     pub instantiate_deadline_ms: Option<u64>,
     /// Linear memory per instance, MiB (default [`crate::policy::DEFAULT_MEMORY_MIB`], at most [`MAX_MEMORY_MIB`]).
     pub memory_mib: Option<u32>,

@@ -4,9 +4,10 @@
 //! - One [`wasmtime::Engine`] for every plugin, with the pooling allocator and epoch interruption; a
 //!   component is compiled once and kept on disk (wasmtime's cache, keyed by the component's bytes
 //!   and the engine's settings), then pre-linked once per version ([`World::Pre`]).
-//! - Calls run on the plugin's own bounded pool of threads, never on the request threads: each
-//!   thread keeps one instance of the current version. Every call is bounded by an epoch deadline
-//!   and a memory limit; instantiation has its own, larger deadline. No files, no network.
+//! - Calls run on the plugin's own bounded pool of threads, each keeping one instance of the
+//!   current version, or (`inline`) on the request's thread with an instance from an idle pool. Every call is bounded by a deadline in CPU
+//!   time, checked at epoch ticks ([`budget`]), and a memory limit; instantiation has its own,
+//!   larger deadline. No files, no network.
 //! - A trap, a deadline, a failed instantiation or an invalid answer is a *fault*: the built-in
 //!   policy decides that request, the fault is counted and logged, the instance is discarded. After
 //!   `max_faults` faults in a row the plugin is switched off until it is reloaded. A full call queue
@@ -16,6 +17,7 @@
 //!
 //! This module never decides for a request itself: callers get `None` and apply the built-in.
 
+pub mod budget;
 pub mod state;
 pub mod worlds;
 
@@ -33,9 +35,9 @@ pub use state::{Clock, SharedState};
 use worlds::Ctx;
 pub use worlds::{AdmissionWorld, RoutingWorld, World, WorldKind};
 
-/// Longest a call may run: a policy decision that takes longer costs more than it can save.
+/// CPU time a call may use: a policy decision that takes longer costs more than it can save.
 pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_millis(5);
-/// Longest an instantiation may run (interpreted languages initialise their runtime then).
+/// CPU time an instantiation may use (interpreted languages initialise their runtime then).
 pub const DEFAULT_INSTANTIATE_DEADLINE: Duration = Duration::from_secs(2);
 /// Linear memory one instance may use: the example plugins need under 40 MiB (Python the most).
 pub const DEFAULT_MEMORY_MIB: u32 = 64;
@@ -203,9 +205,10 @@ impl Host {
     }
 }
 
-fn ticks(d: Duration) -> u64 {
-    let t = EPOCH_TICK.as_micros().max(1);
-    u64::try_from(d.as_micros().div_ceil(t)).unwrap_or(u64::MAX).saturating_add(1)
+/// Starts a call's CPU budget (see [`budget`]).
+fn arm(store: &mut Store<Ctx>, cpu: Duration) {
+    store.data_mut().budget = budget::Budget::new(cpu);
+    store.set_epoch_deadline(budget::Budget::FIRST_TICKS);
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -458,7 +461,7 @@ impl<W: World> Plugin<W> {
         // A version serves only once one instance of it came up and accepted its config.
         let mut live = Self::instantiate(host, &v)
             .map_err(|e| LoadError::Instantiate { name: name.clone(), error: format!("{e:#}") })?;
-        live.store.set_epoch_deadline(ticks(v.spec.instantiate_deadline));
+        arm(&mut live.store, v.spec.instantiate_deadline);
         match W::validate(&live.bindings, &mut live.store, &v.spec.config_json) {
             Ok(Ok(())) => Ok(v),
             Ok(Err(error)) => Err(LoadError::Config { name, error }),
@@ -473,8 +476,8 @@ impl<W: World> Plugin<W> {
             .build();
         let mut store = Store::new(&host.engine, Ctx::new(Arc::clone(&v.shared), limits));
         store.limiter(|c| &mut c.limits);
-        store.epoch_deadline_trap();
-        store.set_epoch_deadline(ticks(v.spec.instantiate_deadline));
+        store.epoch_deadline_callback(|mut cx| Ok(cx.data_mut().budget.check()));
+        arm(&mut store, v.spec.instantiate_deadline);
         let bindings = W::instantiate(&v.pre, &mut store)?;
         Ok(Live { version: v.id, store, bindings })
     }
@@ -598,7 +601,7 @@ impl<W: World> Plugin<W> {
             }
         }
         let l = live.as_mut()?;
-        l.store.set_epoch_deadline(ticks(v.spec.deadline));
+        arm(&mut l.store, v.spec.deadline);
         match f(&l.bindings, &mut l.store) {
             Ok(r) => {
                 v.in_a_row.store(0, Ordering::Relaxed);
@@ -635,7 +638,9 @@ impl<W: World> Plugin<W> {
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let me = Arc::clone(self);
-        let wait = v.spec.instantiate_deadline + v.spec.deadline + Duration::from_millis(100);
+        let wait = budget::wall_cap(v.spec.instantiate_deadline)
+            + budget::wall_cap(v.spec.deadline)
+            + Duration::from_millis(100);
         let job: Job<W> = Box::new(move |live| {
             let _ = tx.send(me.run(&v, live, f));
         });

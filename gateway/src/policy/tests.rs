@@ -131,7 +131,9 @@ fn an_infinite_loop_is_cut_at_the_deadline() {
     assert_eq!(d.admit(&req("loop", 1, 1, 1, None), queue(1)), None);
     let took = t.elapsed();
     assert!(took < Duration::from_millis(500), "cut after {took:?}");
-    assert!(took >= Duration::from_millis(20), "not before the deadline: {took:?}");
+    // The budget is CPU time; up to two ticks before the first check are estimated, not measured.
+    let least = Duration::from_millis(20) - EPOCH_TICK * 2;
+    assert!(took >= least, "not before the deadline: {took:?}");
     assert_eq!(p.stats.fault_count(Fault::Deadline), 1);
     // The instance was discarded; a fresh one answers.
     assert_eq!(d.admit(&req("ok", 1, 1, 1, None), queue(1)), Some(Admit::Queue { class: 3, max_wait: None }));

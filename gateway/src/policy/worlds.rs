@@ -32,6 +32,8 @@ pub struct Ctx {
     table: ResourceTable,
     pub(super) limits: StoreLimits,
     pub(super) shared: std::sync::Arc<Shared>,
+    /// The running call's CPU budget, checked at each epoch deadline.
+    pub(super) budget: super::budget::Budget,
 }
 
 impl std::fmt::Debug for Ctx {
@@ -44,7 +46,13 @@ impl Ctx {
     pub(super) fn new(shared: std::sync::Arc<Shared>, limits: StoreLimits) -> Self {
         // No preopened directories, no environment, no arguments, stdio to nowhere, no sockets.
         let wasi = WasiCtx::builder().allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false).build();
-        Self { wasi, table: ResourceTable::new(), limits, shared }
+        Self {
+            wasi,
+            table: ResourceTable::new(),
+            limits,
+            shared,
+            budget: super::budget::Budget::new(std::time::Duration::ZERO),
+        }
     }
 }
 
