@@ -40,6 +40,17 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// A simulated decoder's data-plane rank addresses, as the inside of a TOML list.
+fn toml_ranks(sim: &baton_dataplane::sim::Running) -> String {
+    let ranks: Vec<String> = sim.engine.stats()["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
+        .collect();
+    ranks.join(", ")
+}
+
 async fn demo(tp: u32, pages: u32) -> Demo {
     start(DemoConfig { listen: "127.0.0.1:0".parse().unwrap(), tp, pages, ..DemoConfig::default() })
         .await
@@ -651,9 +662,7 @@ mod configs {
         // The example plugins where the plugin example names them.
         std::fs::create_dir_all(dir.join("plugins")).unwrap();
         for p in ["token_budget", "prefix_affinity"] {
-            let from = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../.cache/plugins/{p}.wasm"));
-            std::fs::copy(&from, dir.join(format!("plugins/{p}.wasm")))
-                .unwrap_or_else(|e| panic!("{}: {e} (run scripts/build-plugins)", from.display()));
+            std::fs::copy(super::plugins::plugin(p), dir.join(format!("plugins/{p}.wasm"))).unwrap();
         }
         let mut checked = 0;
         for f in std::fs::read_dir(&src).unwrap() {
@@ -681,13 +690,6 @@ mod configs {
         let g = tiny_geometry(2).unwrap();
         let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
         let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-        let stats = decode.engine.stats();
-        let ranks: Vec<String> = stats["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
-            .collect();
         let text = format!(
             r#"
 [[listeners]]
@@ -712,7 +714,7 @@ max_slots = 20
 "#,
             prefill.addr,
             decode.addr,
-            ranks.join(", ")
+            super::toml_ranks(&decode)
         );
         let dir = tempdir("serve");
         let file = dir.join("baton.toml");

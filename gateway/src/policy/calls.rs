@@ -45,10 +45,7 @@ fn check_admit(d: wa::Decision) -> Result<Admit, String> {
             if !(400..=599).contains(&r.status) {
                 return Err(format!("reject status {} is outside 400-599", r.status));
             }
-            let mut end = r.message.len().min(MAX_MESSAGE_BYTES);
-            while !r.message.is_char_boundary(end) {
-                end -= 1;
-            }
+            let end = r.message.floor_char_boundary(MAX_MESSAGE_BYTES);
             let message = r.message.get(..end).unwrap_or("").to_owned();
             Admit::Reject { status: r.status, message, retry_after_s: r.retry_after_s }
         }
@@ -156,5 +153,30 @@ impl Direct<RoutingWorld> {
         d: &wr::DecodeView,
     ) -> Option<Decision> {
         self.run(|b, s| b.baton_policy_routing_policy().call_route(s, req, p, d)).map(to_decision)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reject(status: u16, message: String) -> wa::Decision {
+        wa::Decision::Reject(wa::Rejection { status, message, retry_after_s: Some(3) })
+    }
+
+    #[test]
+    fn a_long_rejection_message_is_cut_at_a_character_boundary() {
+        // 3-byte characters: 512 bytes fall inside the 171st, so 170 are kept (510 bytes).
+        let a = check_admit(reject(429, "€".repeat(300)));
+        assert_eq!(a, Ok(Admit::Reject { status: 429, message: "€".repeat(170), retry_after_s: Some(3) }));
+        let short = check_admit(reject(503, "later".into()));
+        assert_eq!(short, Ok(Admit::Reject { status: 503, message: "later".into(), retry_after_s: Some(3) }));
+    }
+
+    #[test]
+    fn a_status_outside_the_client_and_server_errors_is_refused() {
+        assert!(check_admit(reject(42, "bad".into())).is_err());
+        assert!(check_admit(reject(302, "bad".into())).is_err());
+        assert!(check_admit(reject(600, "bad".into())).is_err());
     }
 }

@@ -70,10 +70,7 @@ impl wit_host::Host for Ctx {
         if !self.shared.log_allowed() {
             return;
         }
-        let mut end = message.len().min(MAX_LOG_BYTES);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
+        let end = message.floor_char_boundary(MAX_LOG_BYTES);
         let (plugin, msg) = (&self.shared.name, message.get(..end).unwrap_or(""));
         match level {
             Level::Debug => tracing::debug!(plugin, "{msg}"),

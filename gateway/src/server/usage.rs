@@ -125,8 +125,7 @@ impl Body for UsageBody {
         if let Poll::Ready(Some(Ok(f))) = &polled
             && let Some(d) = f.data_ref()
         {
-            let d = d.clone();
-            self.completion.counting.scan(&d);
+            self.completion.counting.scan(d);
         }
         polled
     }

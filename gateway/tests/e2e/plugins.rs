@@ -15,7 +15,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
-fn plugin(name: &str) -> PathBuf {
+pub(super) fn plugin(name: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/plugins").join(format!("{name}.wasm"));
     assert!(p.is_file(), "{} is missing: run scripts/build-plugins (scripts/test does)", p.display());
     p
@@ -47,16 +47,10 @@ async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
     let mut sims = vec![];
     for i in 0..2 {
         let d = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-        let ranks: Vec<String> = d.engine.stats()["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
-            .collect();
         decoders += &format!(
             "[[decode]]\nname = \"d{i}\"\nurl = \"http://{}\"\ndataplane = [{}]\n\n",
             d.addr,
-            ranks.join(", ")
+            super::toml_ranks(&d)
         );
         sims.push(d);
     }
