@@ -13,6 +13,7 @@
 pub mod buffer;
 pub mod clock;
 pub mod compat;
+pub mod contract;
 pub mod device;
 pub mod events;
 pub mod geometry;

@@ -10,12 +10,16 @@ use baton_dataplane::sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch
 
 use tokio::sync::Notify;
 
-use crate::admission::QueueConfig;
-use crate::handoff::decoder::DecoderHandle;
-use crate::handoff::lmcache::{LmcacheTarget, Notifications};
-use crate::handoff::{Limits, Native, Prefiller};
+use crate::admission::{QueueConfig, SlotQueue};
+use crate::handoff::decoder::Decoder;
+use crate::handoff::lmcache::{Lmcache, LmcacheTarget, Notifications};
+use crate::handoff::native::Native;
+use crate::handoff::nixl::Nixl;
+use crate::handoff::scrape::LoadTarget;
+use crate::handoff::{Handoff, Limits, Prefiller, Shared};
+use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
-use crate::server::{Gateway, HttpTimeouts, ModelInfo};
+use crate::server::HttpTimeouts;
 use crate::tokenize::Tokenizer;
 
 /// The demo's listen address by default.
@@ -89,7 +93,7 @@ pub struct GatewaySetup {
     pub lmcache: Option<Arc<Notifications>>,
     pub no_first_token: bool,
     /// `vllm-nixl` mode: the decoders' admission settings.
-    pub nixl: crate::handoff::nixl::NixlTarget,
+    pub nixl: LoadTarget,
 }
 
 impl Default for DemoConfig {
@@ -117,6 +121,8 @@ impl Default for DemoConfig {
 pub struct Demo {
     pub addr: SocketAddr,
     pub gateway: Arc<Gateway>,
+    /// The `lmcache` notification listener, in that mode.
+    pub lmcache: Option<Arc<Notifications>>,
     pub engines: Vec<Running>,
     stop: Arc<Notify>,
     task: tokio::task::JoinHandle<()>,
@@ -257,52 +263,46 @@ pub async fn start_gateway(
     listen: SocketAddr,
     setup: GatewaySetup,
 ) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
+    let shared = Shared::new(setup.limits, setup.health);
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
-        if e.nixl {
-            decoders.push(DecoderHandle::nixl(
-                name.clone(),
-                *http,
-                setup.nixl.clone(),
-                QueueConfig::default(),
-            ));
-            continue;
-        }
-        if let Some((target, capacity)) = e.lmcache.get(i) {
-            decoders.push(DecoderHandle::lmcache(
-                name.clone(),
-                *http,
+        let queue = SlotQueue::new(0, QueueConfig::default());
+        let handoff: Box<dyn Handoff> = if e.nixl {
+            Box::new(Nixl::new(Arc::clone(&shared), *http, setup.nixl.clone(), &queue))
+        } else if let Some((target, capacity)) = e.lmcache.get(i) {
+            let hub =
+                setup.lmcache.clone().ok_or("lmcache engines need the gateway's notification listener")?;
+            queue.resize(*capacity);
+            Box::new(Lmcache::new(
+                Arc::clone(&shared),
+                hub,
                 target.clone(),
-                *capacity,
                 e.chunk_tokens,
-                QueueConfig::default(),
-            ));
-            continue;
-        }
-        let d = DecoderHandle::connect(
-            name.clone(),
-            *http,
-            ranks.clone(),
-            e.fingerprint,
-            e.chunk_tokens,
-            None,
-            QueueConfig::default(),
-        )
-        .await
-        .map_err(|err| format!("{name}: {err}"))?;
-        decoders.push(d);
+                !setup.no_first_token,
+            ))
+        } else {
+            let mut n = Native::connect(
+                Arc::clone(&shared),
+                name.clone(),
+                ranks.clone(),
+                e.fingerprint,
+                e.chunk_tokens,
+                None,
+                queue.clone(),
+            )
+            .await
+            .map_err(|err| format!("{name}: {err}"))?;
+            n.unprotected = setup.unprotected;
+            Box::new(n)
+        };
+        decoders.push(Arc::new(Decoder::new(name.clone(), *http, queue, handoff)));
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
     let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http)).collect();
-    let mut native = Native::new(setup.limits);
-    native.health = setup.health;
-    native.unprotected = setup.unprotected;
-    native.first_token = !setup.no_first_token;
-    native.lmcache = setup.lmcache;
     let gateway =
-        Gateway::new(model, prefills, decoders, native, Router::new(setup.routing), setup.http, None);
+        Gateway::new(model, prefills, decoders, shared, Router::new(setup.routing), setup.http, None);
     let _health = gateway.start_health_checks();
     let tls = setup.tls;
     let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;
@@ -323,6 +323,7 @@ pub async fn start(mut c: DemoConfig) -> Result<Demo, String> {
         proxy = Some(h.addr);
     }
     let engines = start_engines_with(&c, proxy).await?;
+    let lmcache = c.gateway.lmcache.clone();
     let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.gateway).await?;
-    Ok(Demo { addr, gateway, engines: engines.running, stop, task })
+    Ok(Demo { addr, gateway, lmcache, engines: engines.running, stop, task })
 }

@@ -8,6 +8,7 @@ pub mod api;
 pub mod config;
 pub mod demo;
 pub mod handoff;
+pub mod pipeline;
 pub mod policy;
 pub mod routing;
 pub mod serve;

@@ -7,17 +7,20 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 
 use crate::admission::QueueConfig;
-use crate::config::Checked;
-use crate::handoff::decoder::DecoderHandle;
-use crate::handoff::{Native, Prefiller};
+use crate::config::{Checked, StartContext, StartError};
+use crate::handoff::lmcache::Notifications;
+use crate::handoff::{Prefiller, Shared};
+use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::Router;
-use crate::server::{Gateway, HttpTimeouts, ModelInfo};
+use crate::server::HttpTimeouts;
 
 /// A serving gateway.
 #[derive(Debug)]
 pub struct Serving {
     pub addrs: Vec<SocketAddr>,
     pub gateway: Arc<Gateway>,
+    /// The `lmcache` notification listener, when a pool uses the mode.
+    pub lmcache: Option<Arc<Notifications>>,
     stop: Vec<Arc<Notify>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     health: tokio::task::JoinHandle<()>,
@@ -40,32 +43,25 @@ impl Serving {
 }
 
 /// Connects and binds everything the configuration names.
-pub async fn start(c: Checked) -> Result<Serving, String> {
+pub async fn start(c: Checked) -> Result<Serving, StartError> {
+    let shared = Shared::new(c.limits, c.health);
+    let lmcache = match c.lmcache_listen {
+        Some(addr) => {
+            let hub = Notifications::bind(addr).await.map_err(StartError::Lmcache)?;
+            tracing::info!(at = %hub.addr, "listening for LMCache prefill notifications");
+            Some(hub)
+        }
+        None => None,
+    };
+    let ctx = StartContext {
+        shared: Arc::clone(&shared),
+        queue: QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() },
+        lmcache: lmcache.clone(),
+        first_token: c.first_token,
+    };
     let mut decoders = Vec::new();
     for d in c.decoders {
-        let queue = QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() };
-        if let Some(t) = d.nixl {
-            decoders.push(DecoderHandle::nixl(d.name, d.http, t, queue));
-            continue;
-        }
-        if let Some(lm) = d.lmcache {
-            let capacity = d.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity));
-            decoders.push(DecoderHandle::lmcache(d.name, d.http, lm.target, capacity, lm.chunk_size, queue));
-            continue;
-        }
-        let (g, name) = (d.geometry, d.name);
-        let d = DecoderHandle::connect(
-            name.clone(),
-            d.http,
-            d.ranks,
-            g.fingerprint(),
-            g.chunk_tokens,
-            d.max_slots,
-            queue,
-        )
-        .await
-        .map_err(|e| format!("decoder {name}: data plane: {e}"))?;
-        decoders.push(d);
+        decoders.push(d.start(&ctx).await?);
     }
     let prefills = c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
     if !c.tokenizer.is_exact() {
@@ -75,15 +71,11 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         );
     }
     let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
-    let mut native = Native::new(c.limits);
-    native.health = c.health;
-    native.first_token = c.first_token;
-    if let Some(addr) = c.lmcache_listen {
-        let at = native.listen_lmcache(addr).await?;
-        tracing::info!(%at, "listening for LMCache prefill notifications");
-    }
     let plugins = match &c.plugins {
-        Some(p) => Some(crate::policy::Plugins::start(p, c.tenants.clone(), c.source.clone())?),
+        Some(p) => Some(
+            crate::policy::Plugins::start(p, c.tenants.clone(), c.source.clone().map(reread))
+                .map_err(StartError::Plugins)?,
+        ),
         None => None,
     };
     let watcher = plugins.as_ref().map(crate::policy::Plugins::spawn_watcher);
@@ -91,7 +83,7 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
         model,
         prefills,
         decoders,
-        native,
+        shared,
         Router::new(c.routing),
         HttpTimeouts::default(),
         plugins,
@@ -99,11 +91,20 @@ pub async fn start(c: Checked) -> Result<Serving, String> {
     let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
     for (addr, tls) in c.listeners {
-        let listener = crate::server::bind(addr).await.map_err(|e| format!("listen on {addr}: {e}"))?;
-        addrs.push(listener.local_addr().map_err(|e| e.to_string())?);
+        let listener =
+            crate::server::bind(addr).await.map_err(|source| StartError::Listen { addr, source })?;
+        addrs.push(listener.local_addr().map_err(|source| StartError::Listen { addr, source })?);
         let s = Arc::new(Notify::new());
         tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&s))));
         stop.push(s);
     }
-    Ok(Serving { addrs, gateway, stop, tasks, health: health_task, watcher })
+    Ok(Serving { addrs, gateway, lmcache, stop, tasks, health: health_task, watcher })
+}
+
+/// Reads `file` again for a plugin reload: its plugins and tenants, checked.
+fn reread(file: std::path::PathBuf) -> crate::policy::Reread {
+    crate::policy::Reread(Box::new(move || {
+        let c = crate::config::load(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        Ok((c.plugins, c.tenants))
+    }))
 }

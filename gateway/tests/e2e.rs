@@ -781,8 +781,8 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     use baton_dataplane::{
         BufferOptions, RankBuffer, RankEvent, RequestId, RequestKey, SystemClock, TerminalState,
     };
-    use baton_gateway::admission::QueueConfig;
-    use baton_gateway::handoff::decoder::DecoderHandle;
+    use baton_gateway::admission::{QueueConfig, SlotQueue};
+    use baton_gateway::handoff::native::ranks::Ranks;
 
     let g = baton_dataplane::sim::tiny_geometry(1).unwrap();
     let rank = |pages: u32| {
@@ -804,18 +804,12 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     let addr = listener.local_addr().unwrap();
     let h = first.start(listener).unwrap();
     let http: SocketAddr = "127.0.0.1:9".parse().unwrap(); // not used by this test
-    let dec = DecoderHandle::connect(
-        "d".into(),
-        http,
-        vec![addr],
-        g.fingerprint(),
-        g.chunk_tokens,
-        None,
-        QueueConfig::default(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(dec.queue.stats().capacity, 8);
+    let _ = http;
+    let queue = SlotQueue::new(0, QueueConfig::default());
+    let dec = Ranks::connect("d".into(), vec![addr], g.fingerprint(), g.chunk_tokens, None, queue.clone())
+        .await
+        .unwrap();
+    assert_eq!(queue.stats().capacity, 8);
 
     // The rank restarts with 12 pages on the same port.
     h.shutdown().await;
@@ -832,8 +826,8 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
         }
     };
     let h2 = second.start(listener).unwrap();
-    while dec.queue.stats().capacity != 12 {
-        assert!(started.elapsed() < Duration::from_secs(10), "capacity not re-read: {:?}", dec.queue.stats());
+    while queue.stats().capacity != 12 {
+        assert!(started.elapsed() < Duration::from_secs(10), "capacity not re-read: {:?}", queue.stats());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 

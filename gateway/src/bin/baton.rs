@@ -50,38 +50,7 @@ fn check(file: &str) -> ExitCode {
                 println!("  lmcache notifications on {a} (first token from prefill: {})", c.first_token);
             }
             for d in &c.decoders {
-                if let Some(n) = &d.nixl {
-                    println!(
-                        "  decode {} at {}: vllm-nixl, up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
-                        d.name, d.http, n.max_in_flight, n.kv_usage_high, n.max_waiting, n.scrape_interval
-                    );
-                    continue;
-                }
-                if let Some(lm) = &d.lmcache {
-                    println!(
-                        "  decode {} at {}: lmcache, receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
-                        d.name,
-                        d.http,
-                        lm.target.receiver_host,
-                        lm.target.init_ports,
-                        lm.target.alloc_ports,
-                        lm.capacity,
-                        lm.pd_buffer_size,
-                        lm.chunk_size,
-                        d.geometry.kv_bytes_per_token(),
-                        lm.target.alloc_ports.len()
-                    );
-                    continue;
-                }
-                println!(
-                    "  decode {} at {}: TP {}, {} KV bytes per token, page {} bytes per rank{}",
-                    d.name,
-                    d.http,
-                    d.ranks.len(),
-                    d.geometry.kv_bytes_per_token(),
-                    d.geometry.page_bytes_per_rank(),
-                    d.max_slots.map_or(String::new(), |m| format!(", at most {m} slots"))
-                );
+                println!("  decode {} at {}: {}", d.name, d.http, d.mode.describe());
             }
             ExitCode::SUCCESS
         }

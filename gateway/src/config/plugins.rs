@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{ConfigError, err};
+pub use crate::policy::CheckedPlugins;
 #[allow(unused_imports)] // named in the field docs
 use crate::policy::{
     DEFAULT_CALL_DEADLINE, DEFAULT_INSTANTIATE_DEADLINE, DEFAULT_MAX_FAULTS, DEFAULT_MEMORY_MIB,
@@ -58,16 +59,6 @@ pub struct Plugin {
     pub inline: Option<bool>,
     /// The plugin's own table, handed to it as JSON.
     pub config: Option<toml::Table>,
-}
-
-/// `[plugins]`, checked.
-#[derive(Debug, Clone)]
-pub struct CheckedPlugins {
-    pub cache_dir: PathBuf,
-    pub watch_interval: Duration,
-    pub headers: Vec<String>,
-    pub admission: Option<Spec>,
-    pub routing: Option<Spec>,
 }
 
 impl Plugin {

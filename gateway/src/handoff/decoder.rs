@@ -1,377 +1,111 @@
-//! A decode engine as the gateway sees it: its HTTP address, its ranks' data-plane control
-//! connections, one event subscription per rank routed to the requests waiting on them (reconnected
-//! when it breaks), and the admission queue sized by the buffer the ranks report, at start and on
-//! every reconnect (never typed by hand).
+//! A decode engine as the gateway sees it: the part every handoff mode shares (its name and HTTP
+//! address, its admission queue, its health) and the mode that moves the KV to it, a [`Handoff`]
+//! behind a box. This registry names no mode.
 
-use std::collections::HashMap;
+use std::any::Any;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::Arc;
 
-use baton_dataplane::transport::{ControlClient, EventStream, TransportError};
-use baton_dataplane::wire::RefusalCode;
-use baton_dataplane::{PageAddr, PrefixKey, RankEvent, RequestKey};
-use tokio::sync::mpsc;
-use tokio::task::JoinSet;
+use hyper::Response;
+use serde_json::Value;
 
-use crate::admission::{QueueConfig, SlotQueue};
+use super::shared::{RespBody, Shared, admission_error};
+use crate::admission::{SlotGuard, SlotQueue, Ticket};
+use crate::api::{GatewayError, GenRequest};
+use crate::routing::Health;
+use crate::telemetry::{Families, Timing};
 
-type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
-
-/// How a decode engine receives the KV.
-#[derive(Clone, Debug, PartialEq)]
-pub enum DecodeMode {
-    /// baton's data plane: reservations on every rank, readiness events.
-    Native,
-    /// LMCache's PD backend: the prefiller pushes into the decoder's buffer and notifies the gateway.
-    Lmcache(super::lmcache::LmcacheTarget),
-    /// vLLM's NIXL connector: the decoder pulls from the prefiller; admission from its metrics.
-    VllmNixl(super::nixl::NixlTarget),
-}
+/// A boxed future: the trait's methods are called through `dyn Handoff`.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// One decode engine.
-pub struct DecoderHandle {
+#[derive(Debug)]
+pub struct Decoder {
     pub name: String,
-    pub mode: DecodeMode,
     pub http: SocketAddr,
-    pub ranks: Vec<SocketAddr>,
-    pub chunk_tokens: u32,
-    fingerprint: u64,
-    controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
-    waiters: Waiters,
+    /// Admission in slots; the mode sizes it (pages the data plane reports, chunks of an LMCache
+    /// buffer, requests in flight) and may resize it while serving.
     pub queue: SlotQueue,
-    pub health: crate::routing::Health,
-    /// `vllm-nixl`: what the decoder's metrics said last.
-    pub nixl_load: Option<Arc<super::nixl::NixlLoad>>,
-    _routers: JoinSet<()>,
+    pub health: Health,
+    pub handoff: Box<dyn Handoff>,
 }
 
-impl std::fmt::Debug for DecoderHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecoderHandle").field("name", &self.name).field("ranks", &self.ranks).finish()
-    }
-}
-
-/// The decoder's slots: the smallest rank's buffer, lowered by `max_slots` (0 with no ranks).
-fn capacity(caps: &[AtomicU32], max_slots: Option<u32>) -> u32 {
-    let c = caps.iter().map(|c| c.load(Ordering::Relaxed)).min().unwrap_or(0);
-    max_slots.map_or(c, |m| m.min(c))
-}
-
-/// First and longest pause before reconnecting a rank's event feed.
-const RECONNECT_MIN: Duration = Duration::from_millis(50);
-const RECONNECT_MAX: Duration = Duration::from_secs(2);
-
-/// One rank's event feed: routes events to the requests waiting on them and, when the feed ends
-/// (the rank restarted, the network broke), reconnects and re-reads the rank's buffer size.
-struct RankFeed {
-    rank: usize,
-    addr: SocketAddr,
-    fingerprint: u64,
-    waiters: Waiters,
-    queue: SlotQueue,
-    caps: Arc<Vec<AtomicU32>>,
-    max_slots: Option<u32>,
-}
-
-impl RankFeed {
-    async fn run(self, mut feed: EventStream) {
-        let r32 = u32::try_from(self.rank).unwrap_or(u32::MAX);
-        loop {
-            while let Ok(Some(e)) = feed.next().await {
-                let key = match e {
-                    RankEvent::Status(s) => s.key(),
-                    RankEvent::Released(r) => r.key,
-                };
-                let tx = self.waiters.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-                if let Some(tx) = tx {
-                    let _ = tx.send(e);
-                }
-            }
-            // Requests waiting on this rank now run into their deadlines; new ones are served once
-            // the feed is back.
-            let mut backoff = RECONNECT_MIN;
-            feed = loop {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                let Ok(mut c) = ControlClient::connect(self.addr, self.fingerprint, r32).await else {
-                    continue;
-                };
-                let Ok(info) = c.info().await else { continue };
-                let Ok(f) = EventStream::connect(self.addr, self.fingerprint, r32).await else { continue };
-                if let Some(cap) = self.caps.get(self.rank) {
-                    cap.store(info.pages_total, Ordering::Relaxed);
-                }
-                self.queue.resize(capacity(&self.caps, self.max_slots));
-                break f;
-            };
-        }
-    }
-}
-
-/// A control call.
-#[derive(Clone, Copy)]
-enum Op<'a> {
-    Reserve { key: RequestKey, chunks: u32, lease: Duration, prefixes: &'a [PrefixKey] },
-    Cancel { key: RequestKey, unsent: bool },
-    Info,
-}
-
-enum OpOut {
-    Reserved(Vec<(u32, PageAddr)>),
-    Done,
-    Info(baton_dataplane::transport::RankInfo),
-}
-
-/// What a decoder's ranks say about their buffers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RankView {
-    pub rank: u32,
-    pub pages_total: u32,
-    pub pages_free: u32,
-}
-
-impl DecoderHandle {
-    /// Connects to every rank, reads the buffer size and subscribes to events. `max_slots` may only
-    /// lower the capacity the ranks report.
-    pub async fn connect(
-        name: String,
-        http: SocketAddr,
-        ranks: Vec<SocketAddr>,
-        fingerprint: u64,
-        chunk_tokens: u32,
-        max_slots: Option<u32>,
-        queue: QueueConfig,
-    ) -> Result<Arc<Self>, TransportError> {
-        let waiters: Waiters = Arc::default();
-        let mut controls = Vec::new();
-        let mut feeds = Vec::new();
-        let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
-        for (r, addr) in ranks.iter().enumerate() {
-            let r32 = u32::try_from(r).unwrap_or(u32::MAX);
-            let mut c = ControlClient::connect(*addr, fingerprint, r32).await?;
-            if let Some(cap) = caps.get(r) {
-                cap.store(c.info().await?.pages_total, Ordering::Relaxed);
-            }
-            controls.push(tokio::sync::Mutex::new(vec![c]));
-            feeds.push(EventStream::connect(*addr, fingerprint, r32).await?);
-        }
-        let queue = SlotQueue::new(capacity(&caps, max_slots), queue);
-        let mut routers = JoinSet::new();
-        for (r, feed) in feeds.into_iter().enumerate() {
-            let rank = RankFeed {
-                rank: r,
-                addr: ranks.get(r).copied().ok_or(TransportError::Closed)?,
-                fingerprint,
-                waiters: Arc::clone(&waiters),
-                queue: queue.clone(),
-                caps: Arc::clone(&caps),
-                max_slots,
-            };
-            routers.spawn(rank.run(feed));
-        }
-        Ok(Arc::new(Self {
-            name,
-            mode: DecodeMode::Native,
-            http,
-            ranks,
-            chunk_tokens,
-            fingerprint,
-            controls,
-            waiters,
-            queue,
-            health: crate::routing::Health::default(),
-            nixl_load: None,
-            _routers: routers,
-        }))
+impl Decoder {
+    pub fn new(name: String, http: SocketAddr, queue: SlotQueue, handoff: Box<dyn Handoff>) -> Self {
+        Self { name, http, queue, health: Health::default(), handoff }
     }
 
-    /// A decoder behind LMCache's PD backend: `capacity` slots (from its buffer size, chunk size and
-    /// the model's KV bytes per token), no data-plane connections.
-    pub fn lmcache(
-        name: String,
-        http: SocketAddr,
-        target: super::lmcache::LmcacheTarget,
-        capacity: u32,
-        chunk_tokens: u32,
-        queue: QueueConfig,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            name,
-            mode: DecodeMode::Lmcache(target),
-            http,
-            ranks: Vec::new(),
-            chunk_tokens,
-            fingerprint: 0,
-            controls: Vec::new(),
-            waiters: Arc::default(),
-            queue: SlotQueue::new(capacity, queue),
-            health: crate::routing::Health::default(),
-            nixl_load: None,
-            _routers: JoinSet::new(),
-        })
-    }
-
-    /// A decoder behind vLLM's NIXL connector: `max_in_flight` slots of one request each, closed
-    /// while its own metrics say it is full (read every `scrape_interval` until this is dropped).
-    pub fn nixl(
-        name: String,
-        http: SocketAddr,
-        target: super::nixl::NixlTarget,
-        queue: QueueConfig,
-    ) -> Arc<Self> {
-        let load = Arc::new(super::nixl::NixlLoad::default());
-        Arc::new_cyclic(|weak| {
-            let mut tasks = JoinSet::new();
-            tasks.spawn(super::nixl::scrape_loop(weak.clone(), target.clone(), Arc::clone(&load)));
-            Self {
-                name,
-                mode: DecodeMode::VllmNixl(target.clone()),
-                http,
-                ranks: Vec::new(),
-                chunk_tokens: 1,
-                fingerprint: 0,
-                controls: Vec::new(),
-                waiters: Arc::default(),
-                queue: SlotQueue::new(target.max_in_flight, queue),
-                health: crate::routing::Health::default(),
-                nixl_load: Some(load),
-                _routers: tasks,
-            }
-        })
-    }
-
-    /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
-    async fn control(&self, rank: usize) -> Result<(ControlClient, bool), TransportError> {
-        let pooled = match self.controls.get(rank) {
-            Some(m) => m.lock().await.pop(),
-            None => None,
-        };
-        match pooled {
-            Some(c) => Ok((c, true)),
-            None => {
-                let addr = self.ranks.get(rank).copied().ok_or(TransportError::Closed)?;
-                Ok((
-                    ControlClient::connect(addr, self.fingerprint, u32::try_from(rank).unwrap_or(u32::MAX))
-                        .await?,
-                    false,
-                ))
-            }
-        }
-    }
-
-    async fn give_back(&self, rank: usize, c: ControlClient) {
-        if let Some(m) = self.controls.get(rank) {
-            m.lock().await.push(c);
-        }
-    }
-
-    /// Runs one control call on `rank`. A pooled connection that fails with a transport error (the
-    /// rank restarted, the connection died while idle) is dropped and the call made once more on a
-    /// fresh one; refusals are answers, not failures.
-    async fn call(&self, rank: usize, op: Op<'_>) -> Result<OpOut, TransportError> {
-        let mut retried = false;
-        loop {
-            let (mut c, pooled) = self.control(rank).await?;
-            let res = match op {
-                Op::Reserve { key, chunks, lease, prefixes } => {
-                    c.reserve(key, chunks, lease, prefixes).await.map(OpOut::Reserved)
-                }
-                Op::Cancel { key, unsent } => {
-                    if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await }
-                        .map(|()| OpOut::Done)
-                }
-                Op::Info => c.info().await.map(OpOut::Info),
-            };
-            match res {
-                Ok(_) | Err(TransportError::Refused { .. }) => {
-                    self.give_back(rank, c).await;
-                    return res;
-                }
-                Err(_) if pooled && !retried => retried = true,
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Reserves on every rank or none. `Ok(None)`: some rank has no room right now (another gateway
-    /// replica holds pages); the caller retries.
-    pub async fn reserve(
-        &self,
-        key: RequestKey,
-        chunks: u32,
-        lease: Duration,
-        prefixes: &[PrefixKey],
-    ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
-        let mut got = Vec::with_capacity(self.ranks.len());
-        for r in 0..self.ranks.len() {
-            match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
-                Ok(OpOut::Reserved(addrs)) => got.push(addrs),
-                Ok(_) => {
-                    return Err(TransportError::Unexpected("reserve answered with something else".into()));
-                }
-                Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
-                    // All or none: what the ranks before gave goes back at once. Only those: a rank
-                    // that cancels a key it never reserved refuses that key from then on, and the
-                    // caller retries with this one. Rank `r` said no, so it holds nothing.
-                    self.cancel_ranks(key, true, 0..r).await;
-                    return Ok(None);
-                }
-                Err(e) => {
-                    // Rank `r` may have reserved before the call broke: cancel there too (the key
-                    // is not retried).
-                    self.cancel_ranks(key, true, 0..=r).await;
-                    return Err(e);
-                }
-            }
-        }
-        Ok(Some(got))
-    }
-
-    /// Cancels on every rank (idempotent; a rank that cannot be reached is skipped: its lease ends
-    /// the reservation). `unsent`: no prefiller ever had the addresses.
-    pub async fn cancel(&self, key: RequestKey, unsent: bool) {
-        self.cancel_ranks(key, unsent, 0..self.ranks.len()).await;
-    }
-
-    async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
-        for r in ranks {
-            let _ = self.call(r, Op::Cancel { key, unsent }).await;
-        }
-    }
-
-    /// Routes the events of `key` to the returned receiver until [`DecoderHandle::forget`].
-    pub fn listen(&self, key: RequestKey) -> mpsc::UnboundedReceiver<RankEvent> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.waiters.lock().unwrap_or_else(|e| e.into_inner()).insert(key, tx);
-        rx
-    }
-
-    pub fn forget(&self, key: RequestKey) {
-        self.waiters.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-    }
-
-    /// What every rank reports now.
-    pub async fn ranks_view(&self) -> Vec<RankView> {
-        let mut out = Vec::new();
-        for r in 0..self.ranks.len() {
-            if let Ok(OpOut::Info(i)) = self.call(r, Op::Info).await {
-                out.push(RankView { rank: i.rank, pages_total: i.pages_total, pages_free: i.pages_free });
-            }
-        }
-        out
-    }
-
-    /// Slots a prompt of `tokens` takes here: its chunks, or one request for a `vllm-nixl` decoder.
+    /// Slots a prompt of `tokens` takes here.
     pub fn slots_for(&self, tokens: usize) -> u32 {
-        match self.mode {
-            DecodeMode::VllmNixl(_) => 1,
-            _ => u32::try_from(tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX),
-        }
+        self.handoff.slots_for(tokens)
     }
 
-    pub fn rank_count(&self) -> u32 {
-        u32::try_from(self.ranks.len()).unwrap_or(u32::MAX)
+    /// The handoff mode's name.
+    pub fn mode(&self) -> &'static str {
+        self.handoff.mode()
     }
+
+    /// The mode's own state, when it is `T`.
+    pub fn handoff_as<T: Handoff>(&self) -> Option<&T> {
+        self.handoff.as_any().downcast_ref::<T>()
+    }
+}
+
+/// One request's passage through a handoff, as the driver hands it over: admitted (its slots, when
+/// the mode's admission gives any), routed, counted.
+#[derive(Debug)]
+pub struct Leg<'a> {
+    pub dec: &'a Arc<Decoder>,
+    /// The prefillers in the order to try (the first is the routed one).
+    pub prefills: &'a [&'a super::shared::Prefiller],
+    pub req: &'a GenRequest,
+    /// The prompt's token ids, as the gateway counted them.
+    pub ids: &'a [u32],
+    /// The admission slots; the mode keeps them until the decoder no longer needs room for the
+    /// request (dropping them returns them).
+    pub slots: Option<SlotGuard>,
+    /// The phases so far; the mode marks its own.
+    pub timing: &'a mut Timing,
+}
+
+/// A handoff mode: the strategy the driver runs a request through once it is admitted and routed.
+pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
+    /// The mode's name, as the configuration spells it (`handoff = "…"`); a metric label.
+    fn mode(&self) -> &'static str;
+
+    /// What every mode shares.
+    fn shared(&self) -> &Shared;
+
+    /// Slots a prompt of `prompt_tokens` takes on this decoder.
+    fn slots_for(&self, prompt_tokens: usize) -> u32;
+
+    /// Takes the request's room on the decoder: by default `need` slots of the decoder's queue
+    /// (FIFO within the ticket's class, with its deadline).
+    fn admit<'a>(
+        &'a self,
+        dec: &'a Decoder,
+        need: u32,
+        ticket: Ticket,
+    ) -> BoxFuture<'a, Result<Option<SlotGuard>, GatewayError>> {
+        let wait = ticket.wait(self.shared().limits.queue_timeout);
+        Box::pin(async move {
+            dec.queue.acquire(need, ticket.class, wait).await.map(Some).map_err(admission_error)
+        })
+    }
+
+    /// Runs the legs: prefill, wait for the KV, decode; the decoder's answer (streamed or whole).
+    fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>>;
+
+    /// What `/admin/decoders` shows of this decoder beyond the common part.
+    fn view(&self) -> BoxFuture<'_, Value> {
+        Box::pin(async { Value::Null })
+    }
+
+    /// The mode's own series for `/metrics` (labelled with `decoder`).
+    fn metrics(&self, _decoder: &str, _out: &mut Families) {}
+
+    /// For tests and tools that need a mode's own state.
+    fn as_any(&self) -> &dyn Any;
 }

@@ -18,138 +18,62 @@
 //! them at once. The prefill call itself runs to its end even if the client leaves, so its answer
 //! (and the blocks it names) is never lost.
 
+use std::any::Any;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
+use hyper::Response;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::{Request, Response};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
-use super::decoder::DecoderHandle;
-use super::{
-    BoxError, Drains, HttpClient, Native, Prefiller, RespBody, Timing, admission_error, count_failure,
-    prefill_in_turn, send_drain, short_body,
+use super::decoder::{BoxFuture, Handoff, Leg};
+use super::scrape::{self, AbortOnDrop, Gauges, Load, LoadTarget};
+use super::shared::{
+    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, count_failure, prefill_in_turn, send_drain,
+    short_body,
 };
-use crate::admission::SlotGuard;
-use crate::api::{GatewayError, GenRequest};
+use crate::admission::{SlotGuard, SlotQueue};
+use crate::api::GatewayError;
 use crate::routing::HealthConfig;
+use crate::telemetry::{Families, Phase};
 
-/// Requests in flight on one decoder when its metrics allow more.
-pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
-/// KV cache usage (0..1) from which no new request is admitted.
-pub const DEFAULT_KV_USAGE_HIGH: f64 = 0.95;
-/// Requests waiting in the decoder's own scheduler from which no new request is admitted.
-pub const DEFAULT_MAX_WAITING: u64 = 8;
-/// How often the decoder's metrics are read.
-pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(200);
+/// The mode's name in the configuration.
+pub const MODE: &str = "vllm-nixl";
 
-/// A `vllm-nixl` decoder's admission settings.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NixlTarget {
-    pub max_in_flight: u32,
-    pub kv_usage_high: f64,
-    pub max_waiting: u64,
-    pub scrape_interval: Duration,
+/// vLLM's gauges: KV cache usage (`kv_cache_usage_perc` since 0.10, `gpu_cache_usage_perc`
+/// before) and requests waiting in its scheduler.
+pub const VLLM_GAUGES: Gauges = Gauges {
+    usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    waiting: "vllm:num_requests_waiting",
+};
+
+/// A `vllm-nixl` decoder.
+#[derive(Debug)]
+pub struct Nixl {
+    shared: Arc<Shared>,
+    http: SocketAddr,
+    pub target: LoadTarget,
+    /// What the decoder's metrics said last.
+    pub load: Arc<Load>,
+    /// Drains sent for requests that ended between their prefill and their decode.
+    pub drains: Arc<Drains>,
+    _scrape: AbortOnDrop,
 }
 
-impl Default for NixlTarget {
-    fn default() -> Self {
-        Self {
-            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
-            kv_usage_high: DEFAULT_KV_USAGE_HIGH,
-            max_waiting: DEFAULT_MAX_WAITING,
-            scrape_interval: DEFAULT_SCRAPE_INTERVAL,
-        }
-    }
-}
-
-/// What the last scrape of a decoder's metrics said.
-#[derive(Debug, Default)]
-pub struct NixlLoad {
-    /// KV cache usage in hundredths of a percent.
-    pub kv_usage_bp: AtomicU32,
-    pub waiting: AtomicU64,
-    pub open: AtomicBool,
-    pub scrapes: AtomicU64,
-    pub scrape_failures: AtomicU64,
-}
-
-/// Sums a gauge over its label sets in Prometheus text (`name{...} value` or `name value`).
-pub fn gauge(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(name) else { continue };
-        if !(rest.starts_with('{') || rest.starts_with(' ')) {
-            continue;
-        }
-        let value = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = value {
-            found = Some(found.unwrap_or(0.0) + v);
-        }
-    }
-    found
-}
-
-/// Reads the decoder's metrics every `interval` and opens or closes its admission.
-pub(crate) async fn scrape_loop(
-    dec: std::sync::Weak<DecoderHandle>,
-    target: NixlTarget,
-    load: Arc<NixlLoad>,
-) {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let mut tick = tokio::time::interval(target.scrape_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(dec) = dec.upgrade() else { return };
-        let Ok(req) = Request::get(format!("http://{}/metrics", dec.http)).body(Full::new(Bytes::new()))
-        else {
-            return;
-        };
-        let text = async {
-            let r = tokio::time::timeout(
-                target.scrape_interval.max(Duration::from_millis(500)),
-                client.request(req),
-            )
-            .await
-            .ok()?
-            .ok()?;
-            if r.status() != 200 {
-                return None;
-            }
-            let b = r.into_body().collect().await.ok()?.to_bytes();
-            Some(String::from_utf8_lossy(&b).into_owned())
-        }
-        .await;
-        load.scrapes.fetch_add(1, Ordering::Relaxed);
-        let Some(text) = text else {
-            // Unknown state: keep the last decision; health checks deal with a dead decoder.
-            load.scrape_failures.fetch_add(1, Ordering::Relaxed);
-            continue;
-        };
-        let usage =
-            gauge(&text, "vllm:kv_cache_usage_perc").or_else(|| gauge(&text, "vllm:gpu_cache_usage_perc"));
-        let waiting = gauge(&text, "vllm:num_requests_waiting").unwrap_or(0.0);
-        let usage = usage.unwrap_or(0.0);
-        let open = usage < target.kv_usage_high && waiting < target.max_waiting as f64;
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        load.kv_usage_bp.store((usage * 10_000.0).clamp(0.0, 1e9) as u32, Ordering::Relaxed);
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        load.waiting.store(waiting.max(0.0) as u64, Ordering::Relaxed);
-        load.open.store(open, Ordering::Relaxed);
-        let l = dec.queue.load();
-        let cap = if open { target.max_in_flight } else { l.capacity.min(l.in_use).max(1) };
-        if cap != l.capacity {
-            dec.queue.resize(cap);
-        }
+impl Nixl {
+    /// A decoder at `http`: `target.max_in_flight` slots of one request each in `queue`, closed while
+    /// its own metrics say it is full (read every `scrape_interval` until this is dropped).
+    pub fn new(shared: Arc<Shared>, http: SocketAddr, target: LoadTarget, queue: &SlotQueue) -> Self {
+        queue.resize(target.max_in_flight);
+        let load = Arc::new(Load::default());
+        let scrape = scrape::spawn(http, target.clone(), VLLM_GAUGES, queue.clone(), Arc::clone(&load));
+        Self { shared, http, target, load, drains: Arc::default(), _scrape: scrape }
     }
 }
 
@@ -263,22 +187,9 @@ impl Drop for PrefillWait<'_> {
 /// The prefill's outcome, delivered to the waiting request (or drained if it has left).
 type PrefillResult = Result<Value, GatewayError>;
 
-impl Native {
-    /// Runs one request through the `vllm-nixl` handoff.
-    pub async fn run_nixl(
-        &self,
-        prefills: &[&Prefiller],
-        dec: &Arc<DecoderHandle>,
-        req: &GenRequest,
-        ticket: crate::admission::Ticket,
-    ) -> Result<Response<RespBody>, GatewayError> {
-        let mut timing = Timing::start();
-        let slot = dec
-            .queue
-            .acquire(1, ticket.class, ticket.wait(self.limits.queue_timeout))
-            .await
-            .map_err(admission_error)?;
-        timing.mark("queue");
+impl Nixl {
+    async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
+        let Leg { dec, prefills, req, slots, timing, .. } = leg;
         let path = req.endpoint.path();
         let request = Arc::new(Value::Object(req.raw.clone()));
         let mut prefill_body = (*request).clone();
@@ -298,17 +209,17 @@ impl Native {
             o.remove("min_tokens");
             o.remove("min_completion_tokens");
         }
-        let timeout = self.limits.upstream_timeout;
+        let timeout = self.shared.limits.upstream_timeout;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
         // the params drains them when dropped.
         let mut owed = Owed {
-            client: self.client.clone(),
-            decoder: dec.http,
+            client: self.shared.client.clone(),
+            decoder: self.http,
             path,
             request: Arc::clone(&request),
             params: None,
             timeout,
-            counters: Arc::clone(&self.nixl_drains),
+            counters: Arc::clone(&self.drains),
         };
         // The prefill runs in its own task: if the client leaves, its answer still arrives and the
         // blocks it names are drained instead of waiting out the producer's timeout. Dropped after
@@ -316,9 +227,8 @@ impl Native {
         // sent, the task drains it.
         let (tx, rx) = oneshot::channel::<PrefillResult>();
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
-        let (client, health) = (self.client.clone(), self.health);
-        let (decoder, counters, task_request) =
-            (dec.http, Arc::clone(&self.nixl_drains), Arc::clone(&request));
+        let (client, health) = (self.shared.client.clone(), self.shared.health);
+        let (decoder, counters, task_request) = (self.http, Arc::clone(&self.drains), Arc::clone(&request));
         tokio::spawn(async move {
             let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
             if let Err(Ok(params)) = tx.send(r) {
@@ -326,17 +236,17 @@ impl Native {
             }
         });
         let params = PrefillWait { rx: Some(rx), owed: &mut owed }.recv().await?;
-        timing.mark("prefill");
+        timing.mark(Phase::Prefill);
 
         let mut body = (*request).clone();
         if let Some(o) = body.as_object_mut() {
             o.insert("kv_transfer_params".into(), params.clone());
         }
         owed.params = Some(params);
-        let resp = match self.post(dec.http, path, &body, false).await {
+        let resp = match self.shared.post(self.http, path, &body).await {
             Ok(r) => r,
             Err(e) => {
-                self.failed(&dec.name, &dec.health);
+                self.shared.failed(&dec.name, &dec.health);
                 if !e.unsent {
                     // It may have reached the decoder, which then pulls (or times out) itself.
                     owed.params = None;
@@ -346,16 +256,43 @@ impl Native {
         };
         owed.params = None;
         if resp.status() != 200 {
-            return Err(self.refused("decode", &dec.name, &dec.health, resp).await);
+            return Err(self.shared.refused("decode", &dec.name, &dec.health, resp).await);
         }
         dec.health.success();
-        timing.mark("decode");
-        self.record(&timing);
-        let (mut parts, inner) = resp.into_parts();
-        if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
-            parts.headers.insert("server-timing", v);
-        }
-        Ok(Response::from_parts(parts, Guarded { inner, _slot: Some(slot) }.boxed()))
+        timing.mark(Phase::Decode);
+        Ok(resp.map(|inner| Guarded { inner, _slot: slots }.boxed()))
+    }
+}
+
+impl Handoff for Nixl {
+    fn mode(&self) -> &'static str {
+        MODE
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// One slot per request: the decoder's own scheduler owns its KV cache.
+    fn slots_for(&self, _prompt_tokens: usize) -> u32 {
+        1
+    }
+
+    fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
+        Box::pin(self.exchange(leg))
+    }
+
+    fn view(&self) -> BoxFuture<'_, Value> {
+        Box::pin(async move { json!({"max_in_flight": self.target.max_in_flight}) })
+    }
+
+    fn metrics(&self, decoder: &str, out: &mut Families) {
+        self.load.metrics(decoder, MODE, out);
+        self.drains.metrics(decoder, MODE, out);
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
@@ -396,21 +333,4 @@ async fn prefill_task(
                 .into(),
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gauges_sum_over_label_sets_and_ignore_longer_names() {
-        let text = "# TYPE vllm:num_requests_waiting gauge\n\
-                    vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3.0\n\
-                    vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 2\n\
-                    vllm:num_requests_waiting_total 99\n\
-                    vllm:kv_cache_usage_perc 0.5\n";
-        assert_eq!(gauge(text, "vllm:num_requests_waiting"), Some(5.0));
-        assert_eq!(gauge(text, "vllm:kv_cache_usage_perc"), Some(0.5));
-        assert_eq!(gauge(text, "vllm:gpu_cache_usage_perc"), None);
-    }
 }

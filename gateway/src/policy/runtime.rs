@@ -11,8 +11,29 @@ use serde_json::{Value, json};
 use super::{
     AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World,
 };
-use crate::config::plugins::CheckedPlugins;
 use crate::telemetry::family;
+
+/// `[plugins]`, checked.
+#[derive(Debug, Clone)]
+pub struct CheckedPlugins {
+    pub cache_dir: std::path::PathBuf,
+    pub watch_interval: std::time::Duration,
+    pub headers: Vec<String>,
+    pub admission: Option<super::Spec>,
+    pub routing: Option<super::Spec>,
+}
+
+/// What a reload reads again from the configuration: the plugins and the tenants.
+pub type Reloaded = (Option<CheckedPlugins>, BTreeMap<String, String>);
+
+/// Reads the plugins' part of the configuration again (for a reload); given by whoever loaded it.
+pub struct Reread(pub Box<dyn Fn() -> Result<Reloaded, String> + Send + Sync>);
+
+impl std::fmt::Debug for Reread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reread")
+    }
+}
 
 /// Tokens hashed into `prefix-hash`: one chunk, the unit a decoder caches by.
 pub const PREFIX_TOKENS: usize = 256;
@@ -37,8 +58,8 @@ pub struct Plugins {
     headers: Vec<String>,
     tenants: std::sync::RwLock<BTreeMap<String, String>>,
     watch_interval: std::time::Duration,
-    /// The gateway TOML, re-read by [`Plugins::reload`] for the plugins' tables and the tenants.
-    source: Option<std::path::PathBuf>,
+    /// Re-reads the gateway TOML for [`Plugins::reload`]: the plugins' tables and the tenants.
+    source: Option<Reread>,
 }
 
 impl Plugins {
@@ -46,7 +67,7 @@ impl Plugins {
     pub fn start(
         c: &CheckedPlugins,
         tenants: BTreeMap<String, String>,
-        source: Option<std::path::PathBuf>,
+        source: Option<Reread>,
     ) -> Result<Arc<Self>, String> {
         let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
         let admission = c
@@ -123,14 +144,14 @@ impl Plugins {
     /// compile cache stay as started.
     pub fn reload(&self) -> Result<Vec<Result<PluginInfo, LoadError>>, String> {
         let (mut adm, mut rt) = (None, None);
-        if let Some(src) = &self.source {
-            let c = crate::config::load(src).map_err(|e| format!("{}: {e}", src.display()))?;
-            (adm, rt) = c.plugins.map_or((None, None), |p| (p.admission, p.routing));
+        if let Some(reread) = &self.source {
+            let (plugins, tenants) = (reread.0)()?;
+            (adm, rt) = plugins.map_or((None, None), |p| (p.admission, p.routing));
             if adm.is_some() != self.admission.is_some() || rt.is_some() != self.routing.is_some() {
                 return Err("adding or removing a plugin needs a restart".into());
             }
             if let Ok(mut t) = self.tenants.write() {
-                *t = c.tenants;
+                *t = tenants;
             }
         }
         let mut out = Vec::new();

@@ -6,14 +6,105 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
 
 /// Histogram bounds in seconds: 100 µs to 60 s.
 const BUCKETS: [f64; 16] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
 
-/// The phases of a request, in order.
-pub const PHASES: [&str; 6] = ["queue", "reserve", "prefill", "kv_ready", "decode", "total"];
+/// The phases of a request. Metrics are indexed by it, so a phase a handoff marks always has its
+/// series (no string that a list could lack).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Waiting for the decoder's admission slots.
+    Queue,
+    /// Pages reserved on every decoder rank (native).
+    Reserve,
+    /// The prefill leg, to its answer.
+    Prefill,
+    /// From the prefill's answer until every decoder rank holds the KV.
+    KvReady,
+    /// The decode leg, to its response headers.
+    Decode,
+    /// To the first streamed token sent to the client (a handoff that streams before its decode).
+    FirstToken,
+    /// The whole request, to its response headers.
+    Total,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 7] = [
+        Self::Queue,
+        Self::Reserve,
+        Self::Prefill,
+        Self::KvReady,
+        Self::Decode,
+        Self::FirstToken,
+        Self::Total,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queue => "queue",
+            Self::Reserve => "reserve",
+            Self::Prefill => "prefill",
+            Self::KvReady => "kv_ready",
+            Self::Decode => "decode",
+            Self::FirstToken => "first_token",
+            Self::Total => "total",
+        }
+    }
+}
+
+/// Per-phase durations of one request, in the order they were marked; sent back as a
+/// `Server-Timing` header and recorded in the metrics.
+#[derive(Debug)]
+pub struct Timing {
+    last: Instant,
+    phases: SmallVec<[(Phase, Duration); 8]>,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self::start()
+    }
+}
+
+impl Timing {
+    pub fn start() -> Self {
+        Self { last: Instant::now(), phases: SmallVec::new() }
+    }
+
+    /// Ends `phase` now: its duration is the time since the previous mark.
+    pub fn mark(&mut self, phase: Phase) {
+        let now = Instant::now();
+        self.phases.push((phase, now - self.last));
+        self.last = now;
+    }
+
+    /// Records a phase that ran beside the others (a leg sent concurrently).
+    pub fn record(&mut self, phase: Phase, d: Duration) {
+        self.phases.push((phase, d));
+    }
+
+    pub fn phases(&self) -> &[(Phase, Duration)] {
+        &self.phases
+    }
+
+    /// The `Server-Timing` header value (milliseconds).
+    pub fn header(&self) -> String {
+        let mut s = String::with_capacity(self.phases.len() * 24);
+        for (i, (p, d)) in self.phases.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            let _ = write!(s, "{};dur={:.3}", p.as_str(), d.as_secs_f64() * 1e3);
+        }
+        s
+    }
+}
 
 #[derive(Debug, Default)]
 struct Histogram {
@@ -37,7 +128,7 @@ impl Histogram {
 /// The gateway's metrics.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    phases: [Histogram; PHASES.len()],
+    phases: [Histogram; Phase::ALL.len()],
     /// Requests answered, by HTTP status (a closed set: the statuses the gateway produces).
     by_status: Mutex<BTreeMap<u16, u64>>,
 }
@@ -54,12 +145,17 @@ pub struct DecoderGauges {
 }
 
 impl Metrics {
-    /// Records a phase duration; unknown phase names are ignored.
-    pub fn phase(&self, name: &str, d: Duration) {
-        if let Some(i) = PHASES.iter().position(|p| *p == name)
-            && let Some(h) = self.phases.get(i)
-        {
+    /// Records a phase duration.
+    pub fn phase(&self, phase: Phase, d: Duration) {
+        if let Some(h) = self.phases.get(phase as usize) {
             h.observe(d);
+        }
+    }
+
+    /// Records every phase of a request.
+    pub fn record(&self, timing: &Timing) {
+        for (p, d) in timing.phases() {
+            self.phase(*p, *d);
         }
     }
 
@@ -72,7 +168,7 @@ impl Metrics {
         let mut o = String::new();
         let _ = writeln!(o, "# HELP baton_phase_seconds Time spent in each phase of a request.");
         let _ = writeln!(o, "# TYPE baton_phase_seconds histogram");
-        for (name, h) in PHASES.iter().zip(&self.phases) {
+        for (name, h) in Phase::ALL.iter().map(|p| p.as_str()).zip(&self.phases) {
             let mut cumulative = 0;
             for (b, bound) in h.buckets.iter().zip(BUCKETS) {
                 cumulative += b.load(Ordering::Relaxed);
@@ -125,9 +221,8 @@ mod tests {
     #[test]
     fn histogram_buckets_are_cumulative_and_counts_add_up() {
         let m = Metrics::default();
-        m.phase("queue", Duration::from_micros(50));
-        m.phase("queue", Duration::from_millis(3));
-        m.phase("nonsense", Duration::from_secs(1));
+        m.phase(Phase::Queue, Duration::from_micros(50));
+        m.phase(Phase::Queue, Duration::from_millis(3));
         m.answered(200);
         m.answered(200);
         m.answered(413);
@@ -248,5 +343,44 @@ impl LogConfig {
             LogFormat::Text => b.try_init(),
             LogFormat::Json => b.json().flatten_event(true).try_init(),
         };
+    }
+}
+
+/// Metric families gathered at scrape time from many sources (each decoder's handoff); a sample
+/// reported by several of them (a counter they share) is written once.
+#[derive(Debug, Default)]
+pub struct Families {
+    map: BTreeMap<&'static str, Family>,
+}
+
+#[derive(Debug)]
+struct Family {
+    kind: &'static str,
+    help: &'static str,
+    samples: BTreeMap<String, f64>,
+}
+
+impl Families {
+    /// One sample (`labels` as `k="v",…` without braces; empty for none).
+    pub fn add(
+        &mut self,
+        name: &'static str,
+        kind: &'static str,
+        help: &'static str,
+        labels: String,
+        v: f64,
+    ) {
+        self.map
+            .entry(name)
+            .or_insert_with(|| Family { kind, help, samples: BTreeMap::new() })
+            .samples
+            .insert(labels, v);
+    }
+
+    /// Appends every family.
+    pub fn render(&self, o: &mut String) {
+        for (name, f) in &self.map {
+            family(o, name, f.kind, f.help, f.samples.iter().map(|(l, v)| (l.clone(), *v)));
+        }
     }
 }

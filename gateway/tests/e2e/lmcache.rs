@@ -9,6 +9,7 @@ use baton_dataplane::sim::faults::FaultConfig;
 use baton_dataplane::sim::kv::output_text;
 use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
 use baton_gateway::handoff::Limits;
+use baton_gateway::handoff::lmcache::Lmcache;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
@@ -91,7 +92,7 @@ async fn lmcache_deadlock_scenario_completes_and_leaves_no_slot_held() {
     assert_eq!(done.load(Ordering::Relaxed), 300);
     assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
     assert_lmcache_clean(&d, true).await;
-    let hub = d.gateway.native.lmcache.as_ref().unwrap();
+    let hub = d.lmcache.as_ref().unwrap();
     assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 600, "one notification per rank per request");
     assert_eq!(hub.waiting(), 0);
     d.shutdown().await;
@@ -129,7 +130,7 @@ async fn lmcache_missing_notification_fails_by_its_deadline_and_frees_the_slots(
         );
     }
     assert_lmcache_clean(&d, false).await;
-    let drainer = &d.gateway.native.lmcache_drains;
+    let drainer = &d.gateway.decoders[0].handoff_as::<Lmcache>().unwrap().drains;
     assert_eq!(drainer.sent.load(Ordering::Relaxed), 2);
     assert_eq!(drainer.failed.load(Ordering::Relaxed), 0);
     d.shutdown().await;
@@ -175,7 +176,7 @@ async fn lmcache_duplicate_notifications_do_not_release_a_request_early() {
     while let Some(r) = tasks.join_next().await {
         r.unwrap();
     }
-    let hub = d.gateway.native.lmcache.as_ref().unwrap();
+    let hub = d.lmcache.as_ref().unwrap();
     assert_eq!(hub.stats.duplicate.load(Ordering::Relaxed), 8);
     assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 16);
     let (_, m) = http(d.addr, "/metrics", None).await;
@@ -264,9 +265,12 @@ health_check_interval_ms = 50
     );
     std::fs::write(dir.join("gw.toml"), toml).unwrap();
     let checked = baton_gateway::config::load(&dir.join("gw.toml")).unwrap();
-    assert_eq!(checked.decoders[0].lmcache.as_ref().unwrap().capacity, 32);
+    let baton_gateway::config::CheckedMode::Lmcache { lmcache, .. } = &checked.decoders[0].mode else {
+        panic!("an lmcache pool")
+    };
+    assert_eq!(lmcache.capacity, 32);
     let serving = baton_gateway::serve::start(checked).await.unwrap();
-    let hub = serving.gateway.native.lmcache.as_ref().unwrap().addr;
+    let hub = serving.lmcache.as_ref().unwrap().addr;
     let mut pc = SimConfig::new(SimRole::Prefill, g);
     pc.listen = prefill_at;
     pc.lmcache = Some(LmcacheSimConfig { proxy: Some(hub), ..LmcacheSimConfig::default() });

@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
-use baton_gateway::handoff::nixl::NixlTarget;
+use baton_gateway::handoff::nixl::Nixl;
+use baton_gateway::handoff::scrape::LoadTarget as NixlTarget;
 use serde_json::json;
 use tokio::task::JoinSet;
 
@@ -42,7 +43,7 @@ async fn assert_nixl_clean(d: &Demo, within: Duration) {
         assert!(
             start.elapsed() < within,
             "not clean after {within:?}: {slots} slots, {held} producer blocks held; drains {:?}; {}",
-            d.gateway.native.nixl_drains,
+            nixl(d).drains,
             d.engines[0].engine.stats()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -58,7 +59,7 @@ async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     let prefill = d.engines[0].engine.stats();
     assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
-    assert_eq!(d.gateway.native.nixl_drains.sent.load(Ordering::Relaxed), 0);
+    assert_eq!(nixl(&d).drains.sent.load(Ordering::Relaxed), 0);
     d.shutdown().await;
 }
 
@@ -96,15 +97,18 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
     assert!(most_waiting >= 4, "requests did not queue: at most {most_waiting} waiting");
     let (_, m) = http(d.addr, "/metrics", None).await;
     let m = String::from_utf8_lossy(&m);
-    assert!(m.contains("baton_nixl_decoder_admitting{decoder=\"decode-0\"} 0"), "{m}");
-    assert!(m.contains("baton_nixl_decoder_kv_usage{decoder=\"decode-0\"} 0.99"), "{m}");
+    assert!(m.contains("baton_decoder_admitting{decoder=\"decode-0\",mode=\"vllm-nixl\"} 0"), "{m}");
+    assert!(
+        m.contains("baton_decoder_reported_kv_usage{decoder=\"decode-0\",mode=\"vllm-nixl\"} 0.99"),
+        "{m}"
+    );
     let (s, _) = http(decode, "/sim/faults", Some(&json!({}))).await;
     assert_eq!(s, 200);
     while let Some(r) = tasks.join_next().await {
         r.unwrap();
     }
     assert_eq!(dec.queue.stats().capacity, NixlTarget::default().max_in_flight);
-    assert!(dec.nixl_load.as_ref().unwrap().scrapes.load(Ordering::Relaxed) > 0);
+    assert!(dec.handoff_as::<Nixl>().unwrap().load.scrapes.load(Ordering::Relaxed) > 0);
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     d.shutdown().await;
 }
@@ -117,11 +121,16 @@ async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
     let d = nixl_demo(Duration::from_millis(3), fast_scrape()).await;
     disconnect_storm(d.addr, |x| 5 + (x % 180) as usize, 40).await;
     assert_nixl_clean(&d, Duration::from_secs(10)).await;
-    let drains = &d.gateway.native.nixl_drains;
+    let drains = &nixl(&d).drains;
     assert_eq!(drains.failed.load(Ordering::Relaxed), 0);
     eprintln!("{} drains for abandoned requests", drains.sent.load(Ordering::Relaxed));
     let (s, _) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
     assert_eq!(s, 200);
     d.shutdown().await;
+}
+
+/// The first decoder's `vllm-nixl` state.
+fn nixl(d: &Demo) -> &Nixl {
+    d.gateway.decoders[0].handoff_as::<Nixl>().expect("a vllm-nixl decoder")
 }

@@ -230,7 +230,7 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         for _ in 0..2 {
             let a = post(s.addr(), "/v1/completions", None, &body).await;
             assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
-            let route = a.headers[baton_gateway::server::ROUTE_HEADER].to_str().unwrap().to_owned();
+            let route = a.headers[baton_gateway::pipeline::ROUTE_HEADER].to_str().unwrap().to_owned();
             assert_eq!(route, format!("prefill=p, decode={want}"), "prompt {i}");
             served.insert(want.clone());
         }

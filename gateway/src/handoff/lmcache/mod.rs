@@ -18,32 +18,31 @@
 //! notifications and then sends a one-token *drain* decode so the decoder retrieves, and so frees,
 //! what was written; the slots come back after it. LMCache frees buffer objects only on retrieval.
 
-use std::collections::HashMap;
+pub mod notify;
+mod shape;
+
+use std::any::Any;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_dataplane::compat::lmcache::PdMsg;
-use baton_dataplane::compat::zmtp::{DEFAULT_MAX_MESSAGE, DEFAULT_MAX_PEERS, PullServer, Pulled};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Response;
-use hyper::body::{Body, Frame};
 use serde_json::{Value, json};
-use smallvec::SmallVec;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
-use super::decoder::DecoderHandle;
-use super::{
-    BoxError, Drains, HttpClient, Native, Prefiller, RespBody, Timing, admission_error, count_failure,
-    post_json, send_drain, short_body,
-};
+use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
+use super::shared::{BoxError, Drains, HttpClient, RespBody, Shared, count_failure, post_json, send_drain};
 use crate::admission::SlotGuard;
 use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::routing::HealthConfig;
+use crate::telemetry::{Families, Metrics, Phase, Timing};
+pub use notify::{Expect, Notifications, NotifyStats};
+use shape::{ChannelBody, Shaper, SseSplitter, now_secs, sse};
+
+/// The mode's name in the configuration.
+pub const MODE: &str = "lmcache";
 
 /// Where a decoder's LMCache PD backend listens (`pd_peer_host`, `pd_peer_init_port`,
 /// `pd_peer_alloc_port` of its LMCache YAML), one port of each per TP rank.
@@ -52,6 +51,33 @@ pub struct LmcacheTarget {
     pub receiver_host: String,
     pub init_ports: Vec<u16>,
     pub alloc_ports: Vec<u16>,
+}
+
+/// An `lmcache` decoder.
+#[derive(Debug)]
+pub struct Lmcache {
+    shared: Arc<Shared>,
+    /// The gateway's notification listener (one for every `lmcache` decoder).
+    pub hub: Arc<Notifications>,
+    pub target: LmcacheTarget,
+    /// LMCache's chunk size in tokens: a slot is one chunk of the decoder's PD buffer.
+    pub chunk_tokens: u32,
+    /// Ask prefillers for the first token (`ret_first_tok`) and send it to the client at once.
+    pub first_token: bool,
+    /// Drains sent so the decoder frees PD-buffer chunks of requests that never decoded.
+    pub drains: Arc<Drains>,
+}
+
+impl Lmcache {
+    pub fn new(
+        shared: Arc<Shared>,
+        hub: Arc<Notifications>,
+        target: LmcacheTarget,
+        chunk_tokens: u32,
+        first_token: bool,
+    ) -> Self {
+        Self { shared, hub, target, chunk_tokens, first_token, drains: Arc::default() }
+    }
 }
 
 /// Request fields the prefill leg may not carry over from a chat request (it goes to completions).
@@ -71,155 +97,6 @@ const CHAT_ONLY: [&str; 14] = [
     "continue_final_message",
     "documents",
 ];
-
-/// Counters of the notification listener.
-#[derive(Debug, Default)]
-pub struct NotifyStats {
-    /// A rank's first notification for a request being waited for.
-    pub counted: AtomicU64,
-    /// A second notification from the same connection for the same request (ignored).
-    pub duplicate: AtomicU64,
-    /// For no request being waited for (late, after its deadline, or not ours).
-    pub unmatched: AtomicU64,
-    /// Not a `ProxyNotif`.
-    pub malformed: AtomicU64,
-}
-
-struct Pending {
-    need: usize,
-    peers: SmallVec<[u64; 8]>,
-    done: Option<oneshot::Sender<()>>,
-}
-
-/// The PULL socket LMCache prefillers notify (`pd_proxy_host:pd_proxy_port` in their YAML), and the
-/// requests waiting on it.
-#[derive(Debug)]
-pub struct Notifications {
-    pub addr: SocketAddr,
-    pub stats: NotifyStats,
-    pending: Mutex<HashMap<String, Pending>>,
-    server: PullServer,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for Pending {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("need", &self.need).field("peers", &self.peers.len()).finish()
-    }
-}
-
-impl Drop for Notifications {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Notifications {
-    /// Binds the PULL socket on `addr`.
-    pub async fn bind(addr: SocketAddr) -> Result<Arc<Self>, String> {
-        let (tx, mut rx) = mpsc::channel::<Pulled>(4096);
-        let server = PullServer::bind(addr, tx, DEFAULT_MAX_PEERS, DEFAULT_MAX_MESSAGE)
-            .await
-            .map_err(|e| format!("lmcache notifications on {addr}: {e}"))?;
-        Ok(Arc::new_cyclic(|weak: &Weak<Self>| {
-            let weak = weak.clone();
-            let task = tokio::spawn(async move {
-                while let Some(p) = rx.recv().await {
-                    let Some(this) = weak.upgrade() else { return };
-                    this.observe(&p);
-                }
-            });
-            Self { addr: server.addr, stats: NotifyStats::default(), pending: Mutex::default(), server, task }
-        }))
-    }
-
-    fn observe(&self, p: &Pulled) {
-        let id = match p.frames.as_slice() {
-            [one] => match PdMsg::decode(one) {
-                Ok(PdMsg::ProxyNotif(n)) => n.req_id,
-                _ => {
-                    self.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-            },
-            _ => {
-                self.stats.malformed.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-        };
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(e) = pending.get_mut(&id) else {
-            self.stats.unmatched.fetch_add(1, Ordering::Relaxed);
-            return;
-        };
-        if e.peers.contains(&p.peer) {
-            self.stats.duplicate.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        e.peers.push(p.peer);
-        self.stats.counted.fetch_add(1, Ordering::Relaxed);
-        if e.peers.len() >= e.need
-            && let Some(tx) = e.done.take()
-        {
-            let _ = tx.send(());
-        }
-    }
-
-    /// Starts waiting for `need` notifications of `req_id` (before the prefill is sent, so none is
-    /// missed). The registration ends when the returned value is dropped.
-    pub fn expect(self: &Arc<Self>, req_id: String, need: usize) -> Expect {
-        let (tx, rx) = oneshot::channel();
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        pending.insert(req_id.clone(), Pending { need, peers: SmallVec::new(), done: Some(tx) });
-        Expect { hub: Arc::clone(self), req_id, rx: Some(rx), need }
-    }
-
-    /// Requests being waited for now.
-    pub fn waiting(&self) -> usize {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn listener_stats(&self) -> &baton_dataplane::compat::zmtp::ListenerStats {
-        &self.server.stats
-    }
-}
-
-/// One request's wait for its notifications.
-#[derive(Debug)]
-pub struct Expect {
-    hub: Arc<Notifications>,
-    req_id: String,
-    rx: Option<oneshot::Receiver<()>>,
-    need: usize,
-}
-
-impl Drop for Expect {
-    fn drop(&mut self) {
-        self.hub.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.req_id);
-    }
-}
-
-impl Expect {
-    /// Waits until every rank notified or `deadline`; `Err(got)` with how many did by then.
-    pub async fn wait(&mut self, deadline: Instant) -> Result<(), usize> {
-        let Some(rx) = self.rx.as_mut() else { return Ok(()) };
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, rx).await {
-            Ok(Ok(())) => {
-                self.rx = None;
-                Ok(())
-            }
-            _ => {
-                let pending = self.hub.pending.lock().unwrap_or_else(|e| e.into_inner());
-                Err(pending.get(&self.req_id).map_or(0, |p| p.peers.len()))
-            }
-        }
-    }
-
-    pub fn need(&self) -> usize {
-        self.need
-    }
-}
 
 /// What a request holds until its decode is dispatched; released in `Drop` on every path.
 struct Life {
@@ -283,112 +160,6 @@ struct PrefillOut {
     model: Value,
 }
 
-/// Streams a channel as a response body.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-/// Splits an SSE byte stream into `data:` payloads.
-#[derive(Default)]
-struct SseSplitter {
-    buf: Vec<u8>,
-}
-
-impl SseSplitter {
-    fn push(&mut self, bytes: &[u8], out: &mut Vec<String>) {
-        self.buf.extend_from_slice(bytes);
-        while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
-            for line in String::from_utf8_lossy(&event).lines() {
-                if let Some(d) = line.strip_prefix("data:") {
-                    out.push(d.trim_start().to_owned());
-                }
-            }
-        }
-    }
-}
-
-fn now_secs() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-/// Shapes the answer for the client's endpoint.
-struct Shaper {
-    ep: Endpoint,
-    id: String,
-    model: Value,
-    created: u64,
-    prompt_tokens: usize,
-    /// Tokens the client got from the prefill (the first token).
-    extra: u32,
-}
-
-impl Shaper {
-    fn chunk(&self, text: &str, finish: &Value) -> Value {
-        match self.ep {
-            Endpoint::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-            }),
-            Endpoint::Chat => json!({
-                "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}],
-            }),
-        }
-    }
-
-    fn role_chunk(&self) -> Value {
-        json!({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
-        })
-    }
-
-    fn usage(&self, decoded: u64) -> Value {
-        let completion = decoded + u64::from(self.extra);
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-               "total_tokens": self.prompt_tokens as u64 + completion})
-    }
-
-    fn usage_chunk(&self, decoded: u64) -> Value {
-        let object = match self.ep {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-               "choices": [], "usage": self.usage(decoded)})
-    }
-
-    fn full(&self, text: &str, finish: &Value, decoded: u64) -> Value {
-        match self.ep {
-            Endpoint::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-                "usage": self.usage(decoded),
-            }),
-            Endpoint::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-                "usage": self.usage(decoded),
-            }),
-        }
-    }
-}
-
-fn sse(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
-}
-
 /// The client's request as a `/v1/completions` body over token ids (chat-only fields dropped).
 fn completion_body(req: &GenRequest, ids: &[u32]) -> Value {
     let mut o = req.raw.clone();
@@ -412,34 +183,14 @@ fn set_max_tokens(body: &mut Value, n: Option<u32>) {
     }
 }
 
-impl Native {
-    /// Runs one request through the `lmcache` handoff.
-    pub async fn run_lmcache(
-        &self,
-        prefills: &[&Prefiller],
-        dec: &Arc<DecoderHandle>,
-        target: &LmcacheTarget,
-        req: &GenRequest,
-        ids: &[u32],
-        ticket: crate::admission::Ticket,
-    ) -> Result<Response<RespBody>, GatewayError> {
-        let hub = self.lmcache.as_ref().ok_or_else(|| {
-            GatewayError::Internal(
-                "lmcache decoder without a notification listener ([lmcache] notify_listen)".into(),
-            )
-        })?;
-        let chunks = dec.slots_for(ids.len());
-        let mut timing = Timing::start();
-        let slots = dec
-            .queue
-            .acquire(chunks, ticket.class, ticket.wait(self.limits.queue_timeout))
-            .await
-            .map_err(admission_error)?;
-        timing.mark("queue");
-        let req_id = format!("baton-{:032x}", self.keys.next().request.0);
+impl Lmcache {
+    async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
+        let Leg { dec, prefills, req, ids, slots, timing } = leg;
+        let (shared, target) = (&*self.shared, &self.target);
+        let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
         let mut life = Life {
-            slots: Some(slots),
-            expect: Some(hub.expect(req_id.clone(), target.alloc_ports.len())),
+            slots,
+            expect: Some(self.hub.expect(req_id.clone(), target.alloc_ports.len())),
             sent: false,
             dispatched: false,
             drain: None,
@@ -464,27 +215,21 @@ impl Native {
             );
         }
         life.drain = Some(Drain {
-            client: self.client.clone(),
+            client: shared.client.clone(),
             http: dec.http,
             base: Arc::clone(&base),
-            upstream_timeout: self.limits.upstream_timeout,
-            ready_timeout: self.limits.upstream_timeout + self.limits.ready_timeout,
-            counters: Arc::clone(&self.lmcache_drains),
+            upstream_timeout: shared.limits.upstream_timeout,
+            ready_timeout: shared.limits.upstream_timeout + shared.limits.ready_timeout,
+            counters: Arc::clone(&self.drains),
         });
 
         let (prefill, resp, in_flight) =
-            self.send_prefill(prefills, "/v1/completions", &prefill_body, &mut life.sent, true).await?;
-        life.notify_deadline = Some(Instant::now() + self.limits.ready_timeout);
+            shared.prefill(prefills, "/v1/completions", &prefill_body, &mut life.sent, true).await?;
+        life.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
         let status = resp.status().as_u16();
         let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
         if status != 200 {
-            if status >= 500 {
-                self.failed(&prefill.name, &prefill.health);
-            }
-            return Err(GatewayError::Upstream {
-                leg: "prefill",
-                message: format!("{status}: {}", short_body(&bytes)),
-            });
+            return Err(shared.refusal("prefill", &prefill.name, &prefill.health, status, &bytes));
         }
         prefill.health.success();
         drop(in_flight);
@@ -509,7 +254,7 @@ impl Native {
                 "prefill answered without kv_transfer_params.first_tok; decoding from the prompt"
             );
         }
-        timing.mark("prefill");
+        timing.mark(Phase::Prefill);
 
         // The decode leg: the prompt plus the first token, one token fewer to generate.
         let client_max = req.fields.max_completion_tokens.or(req.fields.max_tokens);
@@ -541,13 +286,14 @@ impl Native {
         let include_usage = req.fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
         let finished_early = remaining == Some(0);
         let ctx = DecodeCtx {
-            client: self.client.clone(),
+            client: shared.client.clone(),
             dec: Arc::clone(dec),
-            health: self.health,
+            health: shared.health,
             decode_body,
-            upstream_timeout: self.limits.upstream_timeout,
-            ready_timeout: self.limits.ready_timeout,
+            upstream_timeout: shared.limits.upstream_timeout,
+            ready_timeout: shared.limits.ready_timeout,
             finished_early,
+            metrics: Arc::clone(&shared.metrics),
         };
 
         if req.fields.stream {
@@ -559,8 +305,7 @@ impl Native {
             if !first_text.is_empty() {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
             }
-            self.metrics.phase("first_token", timing.total());
-            self.record(&timing);
+            timing.mark(Phase::FirstToken);
             tokio::spawn(async move {
                 let mut life = life;
                 let r = ctx.stream(&mut life, &shaper, &tx, include_usage).await;
@@ -577,43 +322,77 @@ impl Native {
             );
             r.headers_mut()
                 .insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
-            if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
-                r.headers_mut().insert("server-timing", v);
-            }
             return Ok(r);
         }
-        let (text, finish, decoded) = ctx.whole(&mut life).await?;
-        timing.mark("decode");
-        self.record(&timing);
+        let (text, finish, decoded) = ctx.whole(&mut life, timing).await?;
+        timing.mark(Phase::Decode);
         let body = shaper.full(&format!("{first_text}{text}"), &finish, decoded);
         let mut r = Response::new(
             Full::new(Bytes::from(body.to_string())).map_err(|e| -> BoxError { match e {} }).boxed(),
         );
         r.headers_mut()
             .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
-        if let Ok(v) = hyper::header::HeaderValue::from_str(&timing.header()) {
-            r.headers_mut().insert("server-timing", v);
-        }
         Ok(r)
+    }
+}
+
+impl Handoff for Lmcache {
+    fn mode(&self) -> &'static str {
+        MODE
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    fn slots_for(&self, prompt_tokens: usize) -> u32 {
+        u32::try_from(prompt_tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
+    }
+
+    fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
+        Box::pin(self.exchange(leg))
+    }
+
+    fn view(&self) -> BoxFuture<'_, Value> {
+        Box::pin(async move {
+            let t = &self.target;
+            json!({"receiver_host": t.receiver_host, "init_ports": t.init_ports, "alloc_ports": t.alloc_ports,
+                   "chunk_tokens": self.chunk_tokens, "notifications": self.hub.addr.to_string()})
+        })
+    }
+
+    fn metrics(&self, decoder: &str, out: &mut Families) {
+        self.hub.metrics(out);
+        self.drains.metrics(decoder, MODE, out);
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
 /// The decode leg of one request.
 struct DecodeCtx {
     client: HttpClient,
-    dec: Arc<DecoderHandle>,
+    dec: Arc<Decoder>,
     health: HealthConfig,
     decode_body: Value,
     upstream_timeout: Duration,
     ready_timeout: Duration,
     /// The prefill's first token was all the client asked for: the decode only drains.
     finished_early: bool,
+    /// A streamed answer's later phases (the KV wait, the decode) end after the response started.
+    metrics: Arc<Metrics>,
 }
 
 impl DecodeCtx {
     /// Waits for every rank's notification, then sends the decode; the slots go back once the decoder
     /// has taken it.
-    async fn dispatch(&self, life: &mut Life) -> Result<Response<hyper::body::Incoming>, GatewayError> {
+    async fn dispatch(
+        &self,
+        life: &mut Life,
+        timing: &mut Timing,
+    ) -> Result<Response<hyper::body::Incoming>, GatewayError> {
         if let Some(e) = life.expect.as_mut() {
             let need = e.need();
             let deadline = life.notify_deadline.unwrap_or_else(|| Instant::now() + self.ready_timeout);
@@ -624,6 +403,7 @@ impl DecodeCtx {
                 ))
             })?;
         }
+        timing.mark(Phase::KvReady);
         let dec = &self.dec;
         let resp = post_json(
             &self.client,
@@ -650,7 +430,7 @@ impl DecodeCtx {
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
             return Err(GatewayError::Upstream {
                 leg: "decode",
-                message: format!("{status}: {}", short_body(&b)),
+                message: format!("{status}: {}", super::shared::short_body(&b)),
             });
         }
         dec.health.success();
@@ -658,8 +438,12 @@ impl DecodeCtx {
     }
 
     /// Non-streaming: the decoder's text, finish reason and completion tokens.
-    async fn whole(&self, life: &mut Life) -> Result<(String, Value, u64), GatewayError> {
-        let resp = self.dispatch(life).await?;
+    async fn whole(
+        &self,
+        life: &mut Life,
+        timing: &mut Timing,
+    ) -> Result<(String, Value, u64), GatewayError> {
+        let resp = self.dispatch(life, timing).await?;
         let b = resp
             .into_body()
             .collect()
@@ -687,7 +471,11 @@ impl DecodeCtx {
         tx: &mpsc::Sender<Bytes>,
         include_usage: bool,
     ) -> Result<(), GatewayError> {
-        let resp = self.dispatch(life).await?;
+        // The response started at the first token: the KV wait and the decode are timed from there.
+        let mut timing = Timing::start();
+        let resp = self.dispatch(life, &mut timing).await?;
+        timing.mark(Phase::Decode);
+        self.metrics.record(&timing);
         let mut body = resp.into_body();
         let mut split = SseSplitter::default();
         let mut events = Vec::new();
@@ -725,22 +513,5 @@ impl DecodeCtx {
             let _ = tx.send(sse(&shaper.usage_chunk(decoded))).await;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sse_splitter_handles_events_split_anywhere() {
-        let stream = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n";
-        for cut in 0..stream.len() {
-            let mut s = SseSplitter::default();
-            let mut out = Vec::new();
-            s.push(&stream[..cut], &mut out);
-            s.push(&stream[cut..], &mut out);
-            assert_eq!(out, vec!["{\"a\":1}", "{\"b\":2}", "[DONE]"], "cut at {cut}");
-        }
     }
 }

@@ -24,7 +24,12 @@ use crate::server::tls::FrontTls;
 use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
+pub mod decode;
+mod lmcache;
 pub mod plugins;
+
+pub use decode::{CheckedDecoder, CheckedMode, DecodePool, LoadPool, PoolMode, StartContext, StartError};
+pub use lmcache::{CheckedLmcache, LmcachePool};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
@@ -49,45 +54,6 @@ pub struct Config {
     pub plugins: plugins::Plugins,
 }
 
-/// How the KV reaches a decode pool.
-#[derive(Debug, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
-#[serde(rename_all = "kebab-case")]
-pub enum HandoffMode {
-    /// baton's data plane (`dataplane` addresses).
-    #[default]
-    Native,
-    /// vLLM with LMCache's PD backend (`[decode.lmcache]`).
-    Lmcache,
-    /// vLLM's NIXL connector (`[decode.nixl]` optional).
-    VllmNixl,
-}
-
-/// `[decode.nixl]`: admission of a `vllm-nixl` decoder from its own metrics.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct NixlPool {
-    /// Requests in flight when its metrics allow (default [`crate::handoff::nixl::DEFAULT_MAX_IN_FLIGHT`]).
-    pub max_in_flight: u32,
-    /// KV cache usage (0..1) that closes admission (default [`crate::handoff::nixl::DEFAULT_KV_USAGE_HIGH`]).
-    pub kv_usage_high: f64,
-    /// Waiting requests that close admission (default [`crate::handoff::nixl::DEFAULT_MAX_WAITING`]).
-    pub max_waiting: u64,
-    /// How often `/metrics` is read, ms (default [`crate::handoff::nixl::DEFAULT_SCRAPE_INTERVAL`]).
-    pub scrape_interval_ms: u64,
-}
-
-impl Default for NixlPool {
-    fn default() -> Self {
-        let t = crate::handoff::nixl::NixlTarget::default();
-        Self {
-            max_in_flight: t.max_in_flight,
-            kv_usage_high: t.kv_usage_high,
-            max_waiting: t.max_waiting,
-            scrape_interval_ms: ms(t.scrape_interval),
-        }
-    }
-}
-
 /// `[lmcache]`: where LMCache prefillers notify the gateway.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -102,54 +68,6 @@ pub struct LmcacheGateway {
 
 fn yes() -> bool {
     true
-}
-
-/// `[decode.lmcache]`: a decoder's LMCache PD backend. Values given here win over its YAML.
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct LmcachePool {
-    /// The decoder's LMCache YAML (`pd_peer_host`, `pd_peer_init_port`, `pd_peer_alloc_port`,
-    /// `pd_buffer_size`, `chunk_size` are read from it).
-    pub config: Option<PathBuf>,
-    pub receiver_host: Option<String>,
-    pub init_ports: Option<Vec<u16>>,
-    pub alloc_ports: Option<Vec<u16>>,
-    /// PD buffer bytes per decoder rank.
-    pub pd_buffer_size: Option<u64>,
-    /// LMCache's chunk size in tokens (default `model.chunk_tokens`).
-    pub chunk_size: Option<u32>,
-}
-
-/// The keys of an LMCache YAML the gateway reads (the rest are LMCache's business).
-#[derive(Debug, Deserialize, Default)]
-struct LmcacheYaml {
-    chunk_size: Option<u32>,
-    #[serde(alias = "nixl_buffer_size")]
-    pd_buffer_size: Option<u64>,
-    #[serde(alias = "nixl_role")]
-    pd_role: Option<String>,
-    #[serde(alias = "nixl_peer_host")]
-    pd_peer_host: Option<String>,
-    #[serde(alias = "nixl_peer_init_port")]
-    pd_peer_init_port: Option<Ports>,
-    #[serde(alias = "nixl_peer_alloc_port")]
-    pd_peer_alloc_port: Option<Ports>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum Ports {
-    One(u16),
-    Many(Vec<u16>),
-}
-
-impl Ports {
-    fn list(self) -> Vec<u16> {
-        match self {
-            Self::One(p) => vec![p],
-            Self::Many(v) => v,
-        }
-    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -197,25 +115,6 @@ pub struct Endpoint {
     pub name: String,
     /// `http://host:port`
     pub url: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DecodePool {
-    pub name: String,
-    pub url: String,
-    /// `native` (default) or `lmcache`.
-    #[serde(default)]
-    pub handoff: HandoffMode,
-    /// Native: data-plane address of each rank, in rank order; their count is the TP size.
-    #[serde(default)]
-    pub dataplane: Vec<SocketAddr>,
-    /// Lowers the slots the data plane reports (never raises them).
-    pub max_slots: Option<u32>,
-    /// `lmcache`: the decoder's PD backend.
-    pub lmcache: Option<LmcachePool>,
-    /// `vllm-nixl`: admission settings.
-    pub nixl: Option<NixlPool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -271,7 +170,7 @@ pub struct Telemetry {
     pub log_level: Option<String>,
 }
 
-fn ms(d: Duration) -> u64 {
+pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -288,48 +187,28 @@ impl Default for Admission {
     }
 }
 
-/// A refused configuration: which field, and why.
+/// A refused configuration: which field, and why; where the parser found it, when it did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     pub field: String,
     pub reason: String,
+    /// Line and column (1-based) of the offending text, for errors the TOML parser reports.
+    pub at: Option<(usize, usize)>,
 }
 
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.field, self.reason)
+        match self.at {
+            Some((line, col)) => write!(f, "line {line}, column {col}: {}: {}", self.field, self.reason),
+            None => write!(f, "{}: {}", self.field, self.reason),
+        }
     }
 }
 
 impl std::error::Error for ConfigError {}
 
 fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError { field: field.into(), reason: reason.into() }
-}
-
-/// A decode pool, checked.
-#[derive(Debug, Clone)]
-pub struct CheckedDecoder {
-    pub name: String,
-    pub http: SocketAddr,
-    pub ranks: Vec<SocketAddr>,
-    /// The pool's geometry (its TP is its rank count).
-    pub geometry: KvGeometry,
-    pub max_slots: Option<u32>,
-    /// `lmcache` mode: where its PD backend listens and its capacity in chunks.
-    pub lmcache: Option<CheckedLmcache>,
-    /// `vllm-nixl` mode: its admission settings.
-    pub nixl: Option<crate::handoff::nixl::NixlTarget>,
-}
-
-/// A decoder's LMCache PD backend, checked.
-#[derive(Debug, Clone)]
-pub struct CheckedLmcache {
-    pub target: crate::handoff::lmcache::LmcacheTarget,
-    /// `pd_buffer_size / (chunk_size × kv_bytes_per_token / tp)`.
-    pub capacity: u32,
-    pub chunk_size: u32,
-    pub pd_buffer_size: u64,
+    ConfigError { field: field.into(), reason: reason.into(), at: None }
 }
 
 /// A checked configuration, ready to serve.
@@ -363,11 +242,23 @@ pub fn parse_url(field: &str, url: &str) -> Result<SocketAddr, ConfigError> {
     host.parse().map_err(|_| err(field, format!("{url:?} must be http://IP:PORT")))
 }
 
+/// 1-based line and column of byte `offset` in `text`.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let col = before
+        .rfind('\n')
+        .map_or(before.chars().count(), |i| before.get(i + 1..).unwrap_or("").chars().count())
+        + 1;
+    (line, col)
+}
+
 impl Config {
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| {
-            let msg = e.message().to_owned();
-            err("config", msg)
+        toml::from_str(text).map_err(|e| ConfigError {
+            field: "config".into(),
+            reason: e.message().to_owned(),
+            at: e.span().map(|s| line_col(text, s.start)),
         })
     }
 
@@ -375,6 +266,48 @@ impl Config {
     /// geometry. `base` is the directory relative paths start from.
     pub fn check(&self, base: &Path) -> Result<Checked, ConfigError> {
         let path = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        let listeners = self.check_listeners(&path)?;
+        self.check_model()?;
+        let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
+        let geometry_for = |tp: u32| self.model.geometry.at(chunk, tp, &path);
+        let prefills = self.check_prefills()?;
+        let decoders = decode::check(&self.decode, &path, chunk, &geometry_for)?;
+        let lmcache_used = decoders.iter().any(|d| matches!(d.mode, CheckedMode::Lmcache { .. }));
+        if lmcache_used && self.lmcache.is_none() {
+            return Err(err(
+                "lmcache.notify_listen",
+                "a decode pool uses handoff = \"lmcache\": say where its prefillers notify (their pd_proxy_host:pd_proxy_port)",
+            ));
+        }
+        let limits = self.admission.check()?;
+        let tokenizer = self.model.tokenizer(&path)?;
+        let (routing, health) = self.routing.check()?;
+        let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
+            .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
+        Ok(Checked {
+            listeners,
+            model: self.model.name.clone(),
+            context_length: self.model.context_length,
+            decoders,
+            prefills,
+            max_queue: self.admission.max_queue,
+            limits,
+            tokenizer: std::sync::Arc::new(tokenizer),
+            routing,
+            health,
+            log,
+            lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
+            first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
+            plugins: self.plugins.check(base)?,
+            tenants: self.admission.tenants.clone(),
+            source: None,
+        })
+    }
+
+    fn check_listeners(
+        &self,
+        path: &dyn Fn(&Path) -> PathBuf,
+    ) -> Result<Vec<(SocketAddr, Option<FrontTls>)>, ConfigError> {
         if self.listeners.is_empty() {
             return Err(err("listeners", "at least one listener is required"));
         }
@@ -407,308 +340,123 @@ impl Config {
             };
             listeners.push((l.address, tls));
         }
+        Ok(listeners)
+    }
+
+    fn check_model(&self) -> Result<(), ConfigError> {
         if self.model.name.is_empty() {
             return Err(err("model.name", "must not be empty"));
         }
         if self.model.context_length == 0 {
             return Err(err("model.context_length", "must be greater than 0"));
         }
-        let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
-        let g = &self.model.geometry;
-        let geometry_for = |tp: u32| -> Result<KvGeometry, ConfigError> {
-            match (&g.hf_config, g.layers, g.kv_heads, g.head_dim, g.dtype_bytes) {
-                (Some(p), None, None, None, _) => {
-                    let json = std::fs::read_to_string(path(p)).map_err(|e| {
-                        err("model.geometry.hf_config", format!("{}: {e}", path(p).display()))
-                    })?;
-                    KvGeometry::from_hf_config(&json, chunk, tp, g.dtype_bytes)
-                        .map_err(|e| err("model.geometry", e.to_string()))
-                }
-                (None, Some(l), Some(h), Some(d), Some(b)) => {
-                    KvGeometry::new(l, h, d, b, chunk, tp).map_err(|e| err("model.geometry", e.to_string()))
-                }
-                _ => Err(err(
-                    "model.geometry",
-                    "give hf_config (optionally with dtype_bytes), or layers, kv_heads, head_dim and dtype_bytes",
-                )),
-            }
-        };
+        Ok(())
+    }
+
+    fn check_prefills(&self) -> Result<Vec<(String, SocketAddr)>, ConfigError> {
         if self.prefill.is_empty() {
             return Err(err("prefill", "at least one prefill endpoint is required"));
         }
-        let mut prefills = Vec::new();
-        for (i, p) in self.prefill.iter().enumerate() {
-            prefills.push((p.name.clone(), parse_url(&format!("prefill[{i}].url"), &p.url)?));
-        }
-        if self.decode.is_empty() {
-            return Err(err("decode", "at least one decode pool is required"));
-        }
-        let mut decoders = Vec::new();
-        for (i, d) in self.decode.iter().enumerate() {
-            let http = parse_url(&format!("decode[{i}].url"), &d.url)?;
-            if d.max_slots == Some(0) {
-                return Err(err(format!("decode[{i}].max_slots"), "must be greater than 0"));
+        self.prefill
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Ok((p.name.clone(), parse_url(&format!("prefill[{i}].url"), &p.url)?)))
+            .collect()
+    }
+}
+
+impl Geometry {
+    /// The model's KV geometry at `tp` ranks with `chunk`-token pages.
+    fn at(&self, chunk: u32, tp: u32, path: &dyn Fn(&Path) -> PathBuf) -> Result<KvGeometry, ConfigError> {
+        match (&self.hf_config, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes) {
+            (Some(p), None, None, None, _) => {
+                let json = std::fs::read_to_string(path(p))
+                    .map_err(|e| err("model.geometry.hf_config", format!("{}: {e}", path(p).display())))?;
+                KvGeometry::from_hf_config(&json, chunk, tp, self.dtype_bytes)
+                    .map_err(|e| err("model.geometry", e.to_string()))
             }
-            match d.handoff {
-                HandoffMode::Native => {
-                    if d.lmcache.is_some() {
-                        return Err(err(format!("decode[{i}].lmcache"), "needs handoff = \"lmcache\""));
-                    }
-                    if d.nixl.is_some() {
-                        return Err(err(format!("decode[{i}].nixl"), "needs handoff = \"vllm-nixl\""));
-                    }
-                    if d.dataplane.is_empty() {
-                        return Err(err(
-                            format!("decode[{i}].dataplane"),
-                            "list one data-plane address per rank",
-                        ));
-                    }
-                    let tp = u32::try_from(d.dataplane.len())
-                        .map_err(|_| err(format!("decode[{i}].dataplane"), "too many ranks"))?;
-                    let geometry =
-                        geometry_for(tp).map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
-                    decoders.push(CheckedDecoder {
-                        name: d.name.clone(),
-                        http,
-                        ranks: d.dataplane.clone(),
-                        geometry,
-                        max_slots: d.max_slots,
-                        lmcache: None,
-                        nixl: None,
-                    });
-                }
-                HandoffMode::Lmcache => {
-                    if !d.dataplane.is_empty() {
-                        return Err(err(format!("decode[{i}].dataplane"), "is for the native handoff only"));
-                    }
-                    let f = format!("decode[{i}].lmcache");
-                    let pool = d.lmcache.as_ref().ok_or_else(|| {
-                        err(&f, "handoff = \"lmcache\" needs [decode.lmcache] (its YAML, or ports and buffer size)")
-                    })?;
-                    let lm = check_lmcache(&f, pool, &path, chunk, &geometry_for)?;
-                    let geometry =
-                        geometry_for(u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX))
-                            .map_err(|e| err(format!("decode[{i}] ({})", e.field), e.reason))?;
-                    decoders.push(CheckedDecoder {
-                        name: d.name.clone(),
-                        http,
-                        ranks: Vec::new(),
-                        geometry,
-                        max_slots: d.max_slots,
-                        lmcache: Some(lm),
-                        nixl: None,
-                    });
-                }
-                HandoffMode::VllmNixl => {
-                    let f = format!("decode[{i}]");
-                    if !d.dataplane.is_empty() || d.lmcache.is_some() || d.max_slots.is_some() {
-                        return Err(err(
-                            &f,
-                            "handoff = \"vllm-nixl\" takes [decode.nixl] only (no dataplane, lmcache or max_slots)",
-                        ));
-                    }
-                    let n = d.nixl.unwrap_or_default();
-                    if n.max_in_flight == 0 {
-                        return Err(err(format!("{f}.nixl.max_in_flight"), "must be greater than 0"));
-                    }
-                    if !(n.kv_usage_high > 0.0 && n.kv_usage_high <= 1.0) {
-                        return Err(err(format!("{f}.nixl.kv_usage_high"), "must be in (0, 1]"));
-                    }
-                    if n.scrape_interval_ms == 0 {
-                        return Err(err(format!("{f}.nixl.scrape_interval_ms"), "must be greater than 0"));
-                    }
-                    let geometry =
-                        geometry_for(1).map_err(|e| err(format!("{f} ({})", e.field), e.reason))?;
-                    decoders.push(CheckedDecoder {
-                        name: d.name.clone(),
-                        http,
-                        ranks: Vec::new(),
-                        geometry,
-                        max_slots: None,
-                        lmcache: None,
-                        nixl: Some(crate::handoff::nixl::NixlTarget {
-                            max_in_flight: n.max_in_flight,
-                            kv_usage_high: n.kv_usage_high,
-                            max_waiting: n.max_waiting,
-                            scrape_interval: Duration::from_millis(n.scrape_interval_ms),
-                        }),
-                    });
-                }
+            (None, Some(l), Some(h), Some(d), Some(b)) => {
+                KvGeometry::new(l, h, d, b, chunk, tp).map_err(|e| err("model.geometry", e.to_string()))
             }
+            _ => Err(err(
+                "model.geometry",
+                "give hf_config (optionally with dtype_bytes), or layers, kv_heads, head_dim and dtype_bytes",
+            )),
         }
-        let lmcache_used = decoders.iter().any(|d| d.lmcache.is_some());
-        if lmcache_used && self.lmcache.is_none() {
-            return Err(err(
-                "lmcache.notify_listen",
-                "a decode pool uses handoff = \"lmcache\": say where its prefillers notify (their pd_proxy_host:pd_proxy_port)",
-            ));
+    }
+}
+
+impl Model {
+    /// The model's tokenizer, or the byte-level fallback when none is configured.
+    fn tokenizer(&self, path: &dyn Fn(&Path) -> PathBuf) -> Result<Tokenizer, ConfigError> {
+        match (&self.tokenizer, &self.tokenizer_config) {
+            (None, None) => Ok(Tokenizer::fallback()),
+            (None, Some(_)) => {
+                Err(err("model.tokenizer_config", "needs model.tokenizer (the tokenizer.json)"))
+            }
+            (Some(t), c) => Tokenizer::load(&path(t), c.as_deref().map(path).as_deref()).map_err(|e| {
+                err(if e.in_config { "model.tokenizer_config" } else { "model.tokenizer" }, e.to_string())
+            }),
         }
-        let a = &self.admission;
+    }
+}
+
+impl Admission {
+    fn check(&self) -> Result<Limits, ConfigError> {
         for (field, v) in [
-            ("admission.queue_timeout_ms", a.queue_timeout_ms),
-            ("admission.lease_ms", a.lease_ms),
-            ("admission.ready_timeout_ms", a.ready_timeout_ms),
-            ("admission.upstream_timeout_ms", a.upstream_timeout_ms),
+            ("admission.queue_timeout_ms", self.queue_timeout_ms),
+            ("admission.lease_ms", self.lease_ms),
+            ("admission.ready_timeout_ms", self.ready_timeout_ms),
+            ("admission.upstream_timeout_ms", self.upstream_timeout_ms),
         ] {
             if v == 0 {
                 return Err(err(field, "must be greater than 0"));
             }
         }
-        if a.max_queue == 0 {
+        if self.max_queue == 0 {
             return Err(err("admission.max_queue", "must be greater than 0"));
         }
-        if a.lease_ms <= a.ready_timeout_ms {
+        if self.lease_ms <= self.ready_timeout_ms {
             return Err(err(
                 "admission.lease_ms",
                 format!(
                     "{} must exceed ready_timeout_ms {}: a lease shorter than the wait expires every slow request",
-                    a.lease_ms, a.ready_timeout_ms
+                    self.lease_ms, self.ready_timeout_ms
                 ),
             ));
         }
-        let limits = Limits {
-            lease: Duration::from_millis(a.lease_ms),
-            queue_timeout: Duration::from_millis(a.queue_timeout_ms),
-            ready_timeout: Duration::from_millis(a.ready_timeout_ms),
-            upstream_timeout: Duration::from_millis(a.upstream_timeout_ms),
+        Ok(Limits {
+            lease: Duration::from_millis(self.lease_ms),
+            queue_timeout: Duration::from_millis(self.queue_timeout_ms),
+            ready_timeout: Duration::from_millis(self.ready_timeout_ms),
+            upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
-        };
-        let tokenizer = match (&self.model.tokenizer, &self.model.tokenizer_config) {
-            (None, None) => Tokenizer::fallback(),
-            (None, Some(_)) => {
-                return Err(err("model.tokenizer_config", "needs model.tokenizer (the tokenizer.json)"));
-            }
-            (Some(t), c) => Tokenizer::load(&path(t), c.as_deref().map(path).as_deref()).map_err(|e| {
-                err(if e.in_config { "model.tokenizer_config" } else { "model.tokenizer" }, e.to_string())
-            })?,
-        };
-        let r = &self.routing;
-        let routing = Builtin::parse(&r.policy).ok_or_else(|| {
-            err("routing.policy", format!("{:?} is not one of {}", r.policy, Builtin::NAMES.join(", ")))
+        })
+    }
+}
+
+impl Routing {
+    fn check(&self) -> Result<(Builtin, HealthConfig), ConfigError> {
+        let routing = Builtin::parse(&self.policy).ok_or_else(|| {
+            err("routing.policy", format!("{:?} is not one of {}", self.policy, Builtin::NAMES.join(", ")))
         })?;
         for (field, v) in [
-            ("routing.eject_after_failures", u64::from(r.eject_after_failures)),
-            ("routing.health_check_interval_ms", r.health_check_interval_ms),
-            ("routing.health_check_timeout_ms", r.health_check_timeout_ms),
+            ("routing.eject_after_failures", u64::from(self.eject_after_failures)),
+            ("routing.health_check_interval_ms", self.health_check_interval_ms),
+            ("routing.health_check_timeout_ms", self.health_check_timeout_ms),
         ] {
             if v == 0 {
                 return Err(err(field, "must be greater than 0"));
             }
         }
         let health = HealthConfig {
-            eject_after_failures: r.eject_after_failures,
-            eject_for: Duration::from_millis(r.eject_ms),
-            check_interval: Duration::from_millis(r.health_check_interval_ms),
-            check_timeout: Duration::from_millis(r.health_check_timeout_ms),
+            eject_after_failures: self.eject_after_failures,
+            eject_for: Duration::from_millis(self.eject_ms),
+            check_interval: Duration::from_millis(self.health_check_interval_ms),
+            check_timeout: Duration::from_millis(self.health_check_timeout_ms),
         };
-        let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
-            .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
-        Ok(Checked {
-            listeners,
-            model: self.model.name.clone(),
-            context_length: self.model.context_length,
-            decoders,
-            prefills,
-            max_queue: a.max_queue,
-            limits,
-            tokenizer: std::sync::Arc::new(tokenizer),
-            routing,
-            health,
-            log,
-            lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
-            first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
-            plugins: self.plugins.check(base)?,
-            tenants: a.tenants.clone(),
-            source: None,
-        })
+        Ok((routing, health))
     }
-}
-
-/// Merges `[decode.lmcache]` with the YAML it names and computes the slots.
-fn check_lmcache(
-    f: &str,
-    pool: &LmcachePool,
-    path: &dyn Fn(&Path) -> PathBuf,
-    model_chunk: u32,
-    geometry_for: &dyn Fn(u32) -> Result<KvGeometry, ConfigError>,
-) -> Result<CheckedLmcache, ConfigError> {
-    let yaml = match &pool.config {
-        None => LmcacheYaml::default(),
-        Some(p) => {
-            let p = path(p);
-            let text = std::fs::read_to_string(&p)
-                .map_err(|e| err(format!("{f}.config"), format!("{}: {e}", p.display())))?;
-            let y: LmcacheYaml = serde_yaml_ng::from_str(&text)
-                .map_err(|e| err(format!("{f}.config"), format!("{}: {e}", p.display())))?;
-            if let Some(role) = y.pd_role.as_deref().filter(|r| *r != "receiver") {
-                return Err(err(
-                    format!("{f}.config"),
-                    format!(
-                        "{} has pd_role {role:?}: give the decoder's (receiver's) LMCache config",
-                        p.display()
-                    ),
-                ));
-            }
-            y
-        }
-    };
-    // The TOML's value wins over the YAML's; one of them must be there.
-    fn pick<T>(f: &str, toml: Option<T>, yaml: Option<T>, field: &str, key: &str) -> Result<T, ConfigError> {
-        toml.or(yaml).ok_or_else(|| err(format!("{f}.{field}"), format!("needed (or {key} in its YAML)")))
-    }
-    let receiver_host =
-        pick(f, pool.receiver_host.clone(), yaml.pd_peer_host, "receiver_host", "pd_peer_host")?;
-    let init_ports = pick(
-        f,
-        pool.init_ports.clone(),
-        yaml.pd_peer_init_port.map(Ports::list),
-        "init_ports",
-        "pd_peer_init_port",
-    )?;
-    let alloc_ports = pick(
-        f,
-        pool.alloc_ports.clone(),
-        yaml.pd_peer_alloc_port.map(Ports::list),
-        "alloc_ports",
-        "pd_peer_alloc_port",
-    )?;
-    if alloc_ports.is_empty() || alloc_ports.len() != init_ports.len() {
-        return Err(err(
-            format!("{f}.alloc_ports"),
-            format!(
-                "one alloc and one init port per decoder rank ({} and {} given)",
-                alloc_ports.len(),
-                init_ports.len()
-            ),
-        ));
-    }
-    let pd_buffer_size =
-        pick(f, pool.pd_buffer_size, yaml.pd_buffer_size, "pd_buffer_size", "pd_buffer_size")?;
-    let chunk_size = pool.chunk_size.or(yaml.chunk_size).unwrap_or(model_chunk);
-    if chunk_size == 0 {
-        return Err(err(format!("{f}.chunk_size"), "must be greater than 0"));
-    }
-    let tp =
-        u32::try_from(alloc_ports.len()).map_err(|_| err(format!("{f}.alloc_ports"), "too many ranks"))?;
-    let g = geometry_for(tp).map_err(|e| err(format!("{f} ({})", e.field), e.reason))?;
-    let g = KvGeometry::new(g.layers, g.kv_heads, g.head_dim, g.dtype_bytes, chunk_size, tp)
-        .map_err(|e| err(format!("{f}.chunk_size"), e.to_string()))?;
-    let chunk_bytes = g.page_bytes_per_rank().max(1);
-    let capacity = u32::try_from(pd_buffer_size / chunk_bytes).unwrap_or(u32::MAX);
-    if capacity == 0 {
-        return Err(err(
-            format!("{f}.pd_buffer_size"),
-            format!(
-                "{pd_buffer_size} bytes hold no chunk of {chunk_bytes} bytes per rank ({chunk_size} tokens)"
-            ),
-        ));
-    }
-    Ok(CheckedLmcache {
-        target: crate::handoff::lmcache::LmcacheTarget { receiver_host, init_ports, alloc_ports },
-        capacity,
-        chunk_size,
-        pd_buffer_size,
-    })
 }
 
 /// Reads and checks a file.
@@ -748,7 +496,8 @@ dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
     #[test]
     fn a_good_file_checks_with_defaults() {
         let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
-        assert_eq!(c.decoders[0].geometry.tp_size, 2);
+        let CheckedMode::Native { geometry, .. } = &c.decoders[0].mode else { panic!("native") };
+        assert_eq!(geometry.tp_size, 2);
         assert_eq!(c.limits.lease, DEFAULT_LEASE);
         assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
     }
@@ -767,7 +516,7 @@ notify_listen = "127.0.0.1:7500"
     #[test]
     fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
         let c = Config::parse(&format!("{GOOD}{LMCACHE}")).unwrap().check(Path::new(".")).unwrap();
-        let lm = c.decoders[1].lmcache.as_ref().unwrap();
+        let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
         // 2 layers × 2 KV × 2 heads × 16 dims × 2 bytes = 256 bytes per token, 128 per rank at TP 2:
         // 16-token chunks are 2 KiB per rank, 64 KiB hold 32.
         assert_eq!((lm.capacity, lm.chunk_size, lm.target.alloc_ports.len()), (32, 16, 2));
@@ -786,7 +535,7 @@ notify_listen = "127.0.0.1:7500"
             r#"lmcache = { config = "d.yaml", pd_buffer_size = 262144 }"#,
         );
         let c = Config::parse(&text).unwrap().check(&dir).unwrap();
-        let lm = c.decoders[1].lmcache.as_ref().unwrap();
+        let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
         assert_eq!(lm.target.receiver_host, "10.1.1.1");
         assert_eq!((lm.target.init_ports.clone(), lm.target.alloc_ports.clone()), (vec![7301], vec![7401]));
         // TP 1, 32-token chunks: 8 KiB per chunk; 256 KiB (the TOML's value, not the YAML's) hold 32.
@@ -795,6 +544,22 @@ notify_listen = "127.0.0.1:7500"
         let bad = Config::parse(&text.replace("d.yaml", "p.yaml")).unwrap().check(&dir).unwrap_err();
         assert_eq!(bad.field, "decode[1].lmcache.config", "{bad}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_key_of_another_mode_is_refused_at_its_pool_with_line_and_column() {
+        let text = GOOD.replace(
+            "url = \"http://127.0.0.1:8200\"",
+            "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\"",
+        );
+        let e = Config::parse(&text).unwrap_err();
+        assert!(e.reason.contains("unknown field `dataplane`, expected `nixl`"), "{e}");
+        let pool = text.lines().position(|l| l == "[[decode]]").unwrap() + 1;
+        assert_eq!(e.at, Some((pool, 1)), "{e}");
+        assert!(e.to_string().starts_with(&format!("line {pool}, column 1: ")), "{e}");
+        // A syntax error points at its own line.
+        let e = Config::parse("[model]\nname = \"m\"\ncontext_length = = 3\n").unwrap_err();
+        assert_eq!(e.at.map(|a| a.0), Some(3), "{e}");
     }
 
     #[test]
@@ -861,7 +626,7 @@ tls_key = "nope.key""#,
             (
                 "nixl with a dataplane",
                 GOOD.replace("url = \"http://127.0.0.1:8200\"", "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\""),
-                "decode[0]",
+                "config",
             ),
             (
                 "nixl usage above 1",
@@ -899,7 +664,7 @@ tls_key = "nope.key""#,
             (
                 "lmcache section on a native pool",
                 GOOD.replace("dataplane = [", "lmcache = { pd_buffer_size = 1 }\ndataplane = ["),
-                "decode[0].lmcache",
+                "config",
             ),
             (
                 "template without tokenizer",

@@ -1,0 +1,289 @@
+//! A native decoder's ranks: their data-plane control connections, one event subscription per
+//! rank routed to the requests waiting on them (reconnected when it breaks), and the decoder's
+//! admission queue sized by the buffer the ranks report, at start and on every reconnect (never
+//! typed by hand).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use baton_dataplane::transport::{ControlClient, EventStream, TransportError};
+use baton_dataplane::wire::RefusalCode;
+use baton_dataplane::{PageAddr, PrefixKey, RankEvent, RequestKey};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::admission::SlotQueue;
+
+type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
+
+/// The data-plane side of one native decoder: a control connection pool and an event feed per
+/// rank.
+pub struct Ranks {
+    pub name: String,
+    pub addrs: Vec<SocketAddr>,
+    pub chunk_tokens: u32,
+    fingerprint: u64,
+    controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
+    waiters: Waiters,
+    _routers: JoinSet<()>,
+}
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranks").field("name", &self.name).field("addrs", &self.addrs).finish()
+    }
+}
+
+/// The decoder's slots: the smallest rank's buffer, lowered by `max_slots` (0 with no ranks).
+fn capacity(caps: &[AtomicU32], max_slots: Option<u32>) -> u32 {
+    let c = caps.iter().map(|c| c.load(Ordering::Relaxed)).min().unwrap_or(0);
+    max_slots.map_or(c, |m| m.min(c))
+}
+
+/// First and longest pause before reconnecting a rank's event feed.
+const RECONNECT_MIN: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// One rank's event feed: routes events to the requests waiting on them and, when the feed ends
+/// (the rank restarted, the network broke), reconnects and re-reads the rank's buffer size.
+struct RankFeed {
+    rank: usize,
+    addr: SocketAddr,
+    fingerprint: u64,
+    waiters: Waiters,
+    queue: SlotQueue,
+    caps: Arc<Vec<AtomicU32>>,
+    max_slots: Option<u32>,
+}
+
+impl RankFeed {
+    async fn run(self, mut feed: EventStream) {
+        let r32 = u32::try_from(self.rank).unwrap_or(u32::MAX);
+        loop {
+            while let Ok(Some(e)) = feed.next().await {
+                let key = match e {
+                    RankEvent::Status(s) => s.key(),
+                    RankEvent::Released(r) => r.key,
+                };
+                let tx = self.waiters.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+                if let Some(tx) = tx {
+                    let _ = tx.send(e);
+                }
+            }
+            // Requests waiting on this rank now run into their deadlines; new ones are served once
+            // the feed is back.
+            let mut backoff = RECONNECT_MIN;
+            feed = loop {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_MAX);
+                let Ok(mut c) = ControlClient::connect(self.addr, self.fingerprint, r32).await else {
+                    continue;
+                };
+                let Ok(info) = c.info().await else { continue };
+                let Ok(f) = EventStream::connect(self.addr, self.fingerprint, r32).await else { continue };
+                if let Some(cap) = self.caps.get(self.rank) {
+                    cap.store(info.pages_total, Ordering::Relaxed);
+                }
+                self.queue.resize(capacity(&self.caps, self.max_slots));
+                break f;
+            };
+        }
+    }
+}
+
+/// A control call.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Reserve { key: RequestKey, chunks: u32, lease: Duration, prefixes: &'a [PrefixKey] },
+    Cancel { key: RequestKey, unsent: bool },
+    Info,
+}
+
+enum OpOut {
+    Reserved(Vec<(u32, PageAddr)>),
+    Done,
+    Info(baton_dataplane::transport::RankInfo),
+}
+
+/// What a decoder's ranks say about their buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankView {
+    pub rank: u32,
+    pub pages_total: u32,
+    pub pages_free: u32,
+}
+
+impl Ranks {
+    /// Connects to every rank, reads the buffer size into `queue` and subscribes to events.
+    /// `max_slots` may only lower the capacity the ranks report.
+    pub async fn connect(
+        name: String,
+        ranks: Vec<SocketAddr>,
+        fingerprint: u64,
+        chunk_tokens: u32,
+        max_slots: Option<u32>,
+        queue: SlotQueue,
+    ) -> Result<Self, TransportError> {
+        let waiters: Waiters = Arc::default();
+        let mut controls = Vec::new();
+        let mut feeds = Vec::new();
+        let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
+        for (r, addr) in ranks.iter().enumerate() {
+            let r32 = u32::try_from(r).unwrap_or(u32::MAX);
+            let mut c = ControlClient::connect(*addr, fingerprint, r32).await?;
+            if let Some(cap) = caps.get(r) {
+                cap.store(c.info().await?.pages_total, Ordering::Relaxed);
+            }
+            controls.push(tokio::sync::Mutex::new(vec![c]));
+            feeds.push(EventStream::connect(*addr, fingerprint, r32).await?);
+        }
+        queue.resize(capacity(&caps, max_slots));
+        let mut routers = JoinSet::new();
+        for (r, feed) in feeds.into_iter().enumerate() {
+            let rank = RankFeed {
+                rank: r,
+                addr: ranks.get(r).copied().ok_or(TransportError::Closed)?,
+                fingerprint,
+                waiters: Arc::clone(&waiters),
+                queue: queue.clone(),
+                caps: Arc::clone(&caps),
+                max_slots,
+            };
+            routers.spawn(rank.run(feed));
+        }
+        Ok(Self { name, addrs: ranks, chunk_tokens, fingerprint, controls, waiters, _routers: routers })
+    }
+
+    /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
+    async fn control(&self, rank: usize) -> Result<(ControlClient, bool), TransportError> {
+        let pooled = match self.controls.get(rank) {
+            Some(m) => m.lock().await.pop(),
+            None => None,
+        };
+        match pooled {
+            Some(c) => Ok((c, true)),
+            None => {
+                let addr = self.addrs.get(rank).copied().ok_or(TransportError::Closed)?;
+                Ok((
+                    ControlClient::connect(addr, self.fingerprint, u32::try_from(rank).unwrap_or(u32::MAX))
+                        .await?,
+                    false,
+                ))
+            }
+        }
+    }
+
+    async fn give_back(&self, rank: usize, c: ControlClient) {
+        if let Some(m) = self.controls.get(rank) {
+            m.lock().await.push(c);
+        }
+    }
+
+    /// Runs one control call on `rank`. A pooled connection that fails with a transport error (the
+    /// rank restarted, the connection died while idle) is dropped and the call made once more on a
+    /// fresh one; refusals are answers, not failures.
+    async fn call(&self, rank: usize, op: Op<'_>) -> Result<OpOut, TransportError> {
+        let mut retried = false;
+        loop {
+            let (mut c, pooled) = self.control(rank).await?;
+            let res = match op {
+                Op::Reserve { key, chunks, lease, prefixes } => {
+                    c.reserve(key, chunks, lease, prefixes).await.map(OpOut::Reserved)
+                }
+                Op::Cancel { key, unsent } => {
+                    if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await }
+                        .map(|()| OpOut::Done)
+                }
+                Op::Info => c.info().await.map(OpOut::Info),
+            };
+            match res {
+                Ok(_) | Err(TransportError::Refused { .. }) => {
+                    self.give_back(rank, c).await;
+                    return res;
+                }
+                Err(_) if pooled && !retried => retried = true,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reserves on every rank or none. `Ok(None)`: some rank has no room right now (another gateway
+    /// replica holds pages); the caller retries.
+    pub async fn reserve(
+        &self,
+        key: RequestKey,
+        chunks: u32,
+        lease: Duration,
+        prefixes: &[PrefixKey],
+    ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
+        let mut got = Vec::with_capacity(self.addrs.len());
+        for r in 0..self.addrs.len() {
+            match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
+                Ok(OpOut::Reserved(addrs)) => got.push(addrs),
+                Ok(_) => {
+                    return Err(TransportError::Unexpected("reserve answered with something else".into()));
+                }
+                Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
+                    // All or none: what the ranks before gave goes back at once. Only those: a rank
+                    // that cancels a key it never reserved refuses that key from then on, and the
+                    // caller retries with this one. Rank `r` said no, so it holds nothing.
+                    self.cancel_ranks(key, true, 0..r).await;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    // Rank `r` may have reserved before the call broke: cancel there too (the key
+                    // is not retried).
+                    self.cancel_ranks(key, true, 0..=r).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(got))
+    }
+
+    /// Cancels on every rank (idempotent; a rank that cannot be reached is skipped: its lease ends
+    /// the reservation). `unsent`: no prefiller ever had the addresses.
+    pub async fn cancel(&self, key: RequestKey, unsent: bool) {
+        self.cancel_ranks(key, unsent, 0..self.addrs.len()).await;
+    }
+
+    async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
+        for r in ranks {
+            let _ = self.call(r, Op::Cancel { key, unsent }).await;
+        }
+    }
+
+    /// Routes the events of `key` to the returned receiver until [`DecoderHandle::forget`].
+    pub fn listen(&self, key: RequestKey) -> mpsc::UnboundedReceiver<RankEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.waiters.lock().unwrap_or_else(|e| e.into_inner()).insert(key, tx);
+        rx
+    }
+
+    pub fn forget(&self, key: RequestKey) {
+        self.waiters.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    }
+
+    /// What every rank reports now.
+    pub async fn ranks_view(&self) -> Vec<RankView> {
+        let mut out = Vec::new();
+        for r in 0..self.addrs.len() {
+            if let Ok(OpOut::Info(i)) = self.call(r, Op::Info).await {
+                out.push(RankView { rank: i.rank, pages_total: i.pages_total, pages_free: i.pages_free });
+            }
+        }
+        out
+    }
+
+    /// Slots a prompt of `tokens` takes here: its chunks.
+    pub fn slots_for(&self, tokens: usize) -> u32 {
+        u32::try_from(tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
+    }
+
+    pub fn rank_count(&self) -> u32 {
+        u32::try_from(self.addrs.len()).unwrap_or(u32::MAX)
+    }
+}

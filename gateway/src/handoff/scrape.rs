@@ -1,0 +1,263 @@
+//! Admission from an engine's own Prometheus metrics, for the modes whose decoder the gateway cannot
+//! reserve on (`vllm-nixl`, `sglang`): up to `max_in_flight` requests while the decoder's KV usage
+//! is under `kv_usage_high` and fewer than `max_waiting` requests wait in its scheduler; closed
+//! (no new request admitted, those in flight finish) otherwise.
+//!
+//! A decoder URL may front several engines (data parallel: vLLM labels them `engine`, SGLang
+//! `dp_rank`) and each engine may report from every tensor-parallel rank (SGLang's `tp_rank`). The
+//! usage is the mean over engines (each engine's buffer is its own: summing made a two-engine
+//! decoder look full at half its use), the waiting requests the sum over engines, and the samples
+//! of one engine's TP ranks count once.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+
+use crate::admission::SlotQueue;
+use crate::telemetry::Families;
+
+/// Requests in flight on one decoder when its metrics allow more.
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
+/// KV cache usage (0..1) from which no new request is admitted.
+pub const DEFAULT_KV_USAGE_HIGH: f64 = 0.95;
+/// Requests waiting in the decoder's own scheduler from which no new request is admitted.
+pub const DEFAULT_MAX_WAITING: u64 = 8;
+/// How often the decoder's metrics are read.
+pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(200);
+/// Shortest deadline of one read of the metrics.
+const MIN_SCRAPE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A decoder's admission settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadTarget {
+    pub max_in_flight: u32,
+    pub kv_usage_high: f64,
+    pub max_waiting: u64,
+    pub scrape_interval: Duration,
+}
+
+impl Default for LoadTarget {
+    fn default() -> Self {
+        Self {
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            kv_usage_high: DEFAULT_KV_USAGE_HIGH,
+            max_waiting: DEFAULT_MAX_WAITING,
+            scrape_interval: DEFAULT_SCRAPE_INTERVAL,
+        }
+    }
+}
+
+/// The engine's metric names: the usage gauges in order of preference, and the waiting gauge.
+#[derive(Clone, Copy, Debug)]
+pub struct Gauges {
+    pub usage: &'static [&'static str],
+    pub waiting: &'static str,
+}
+
+/// What the last scrape of a decoder's metrics said.
+#[derive(Debug, Default)]
+pub struct Load {
+    /// KV cache usage in hundredths of a percent.
+    pub kv_usage_bp: AtomicU32,
+    pub waiting: AtomicU64,
+    pub open: AtomicBool,
+    pub scrapes: AtomicU64,
+    pub scrape_failures: AtomicU64,
+}
+
+impl Load {
+    /// Adds the decoder's `baton_decoder_reported_*` series.
+    pub fn metrics(&self, decoder: &str, mode: &str, out: &mut Families) {
+        let labels = format!("decoder=\"{decoder}\",mode=\"{mode}\"");
+        out.add(
+            "baton_decoder_reported_kv_usage",
+            "gauge",
+            "KV cache usage a decoder's own metrics reported last (0..1; mean over its engines).",
+            labels.clone(),
+            f64::from(self.kv_usage_bp.load(Ordering::Relaxed)) / 10_000.0,
+        );
+        out.add(
+            "baton_decoder_reported_waiting",
+            "gauge",
+            "Requests a decoder's own metrics reported waiting last (sum over its engines).",
+            labels.clone(),
+            self.waiting.load(Ordering::Relaxed) as f64,
+        );
+        out.add(
+            "baton_decoder_admitting",
+            "gauge",
+            "1 while a decoder's own metrics allow new requests.",
+            labels.clone(),
+            f64::from(u8::from(self.open.load(Ordering::Relaxed))),
+        );
+        out.add(
+            "baton_decoder_scrape_failures_total",
+            "counter",
+            "Failed reads of a decoder's /metrics.",
+            labels,
+            self.scrape_failures.load(Ordering::Relaxed) as f64,
+        );
+    }
+}
+
+/// One sample: its labels and value.
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
+            let end = r.rfind('}')?;
+            (r.get(..end)?, r.get(end + 1..)?)
+        } else if rest.starts_with(' ') {
+            ("", rest)
+        } else {
+            return None;
+        };
+        let v = value.split_whitespace().next()?.parse::<f64>().ok()?;
+        Some((labels, v))
+    })
+}
+
+/// The value of label `key` in a label set (`k="v",…`).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// A gauge per engine behind the URL: samples grouped by their `engine` or `dp_rank` label (all in
+/// one group without either), the largest of a group's samples (its TP ranks report the same).
+fn per_engine(text: &str, name: &str) -> Option<Vec<f64>> {
+    let mut groups: BTreeMap<&str, f64> = BTreeMap::new();
+    for (labels, v) in samples(text, name) {
+        let g = label(labels, "engine").or_else(|| label(labels, "dp_rank")).unwrap_or("");
+        let e = groups.entry(g).or_insert(v);
+        *e = e.max(v);
+    }
+    (!groups.is_empty()).then(|| groups.into_values().collect())
+}
+
+/// The mean over engines of the first usage gauge the text has.
+pub fn usage(text: &str, names: &[&str]) -> Option<f64> {
+    names.iter().find_map(|n| per_engine(text, n)).map(|v| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// The sum over engines of a gauge.
+pub fn total(text: &str, name: &str) -> Option<f64> {
+    per_engine(text, name).map(|v| v.iter().sum())
+}
+
+/// Reads the decoder's metrics every `interval` and opens or closes its admission, until the
+/// returned task is aborted.
+pub fn spawn(
+    http: SocketAddr,
+    target: LoadTarget,
+    gauges: Gauges,
+    queue: SlotQueue,
+    load: Arc<Load>,
+) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(scrape_loop(http, target, gauges, queue, load)))
+}
+
+/// A task aborted when this is dropped (with the decoder that owns it).
+#[derive(Debug)]
+pub struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn scrape_loop(
+    http: SocketAddr,
+    target: LoadTarget,
+    gauges: Gauges,
+    queue: SlotQueue,
+    load: Arc<Load>,
+) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let mut tick = tokio::time::interval(target.scrape_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Ok(req) = Request::get(format!("http://{http}/metrics")).body(Full::new(Bytes::new())) else {
+            return;
+        };
+        let text = async {
+            let r = tokio::time::timeout(target.scrape_interval.max(MIN_SCRAPE_TIMEOUT), client.request(req))
+                .await
+                .ok()?
+                .ok()?;
+            if r.status() != 200 {
+                return None;
+            }
+            let b = r.into_body().collect().await.ok()?.to_bytes();
+            Some(String::from_utf8_lossy(&b).into_owned())
+        }
+        .await;
+        load.scrapes.fetch_add(1, Ordering::Relaxed);
+        let Some(text) = text else {
+            // Unknown state: keep the last decision; health checks deal with a dead decoder.
+            load.scrape_failures.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let usage = usage(&text, gauges.usage).unwrap_or(0.0);
+        let waiting = total(&text, gauges.waiting).unwrap_or(0.0);
+        let open = usage < target.kv_usage_high && waiting < target.max_waiting as f64;
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        load.kv_usage_bp.store((usage * 10_000.0).clamp(0.0, 1e9) as u32, Ordering::Relaxed);
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        load.waiting.store(waiting.max(0.0) as u64, Ordering::Relaxed);
+        load.open.store(open, Ordering::Relaxed);
+        let l = queue.load();
+        let cap = if open { target.max_in_flight } else { l.capacity.min(l.in_use).max(1) };
+        if cap != l.capacity {
+            queue.resize(cap);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gauges_are_read_per_engine_and_ignore_longer_names() {
+        // (name, exposition, usage, waiting)
+        let cases: [(&str, &str, Option<f64>, Option<f64>); 5] = [
+            ("one engine, no labels", "u 0.5\nw 3\nw_total 99\n", Some(0.5), Some(3.0)),
+            (
+                "vLLM data parallel: usage is the mean, waiting the sum",
+                "u{engine=\"0\",model_name=\"m\"} 0.9\nu{engine=\"1\",model_name=\"m\"} 0.1\n\
+                 w{engine=\"0\"} 3.0\nw{engine=\"1\"} 2\n",
+                Some(0.5),
+                Some(5.0),
+            ),
+            (
+                "SGLang: every TP rank of a DP rank reports it once",
+                "u{dp_rank=\"0\",tp_rank=\"0\"} 0.4\nu{dp_rank=\"0\",tp_rank=\"1\"} 0.4\n\
+                 u{dp_rank=\"1\",tp_rank=\"0\"} 0.2\nu{dp_rank=\"1\",tp_rank=\"1\"} 0.2\n\
+                 w{dp_rank=\"0\",tp_rank=\"0\",priority=\"\"} 1\nw{dp_rank=\"0\",tp_rank=\"1\",priority=\"\"} 1\n",
+                Some(0.30000000000000004),
+                Some(1.0),
+            ),
+            ("absent", "# TYPE u gauge\nother 1\n", None, None),
+            ("a longer name is another metric", "u_total 1\nwaiting 2\n", None, None),
+        ];
+        for (name, text, u, w) in cases {
+            assert_eq!(usage(text, &["u"]), u, "{name}: usage");
+            assert_eq!(total(text, "w"), w, "{name}: waiting");
+        }
+        // The first usage name present wins.
+        assert_eq!(usage("b 0.2\na 0.7\n", &["a", "b"]), Some(0.7));
+        assert_eq!(usage("b 0.2\n", &["a", "b"]), Some(0.2));
+    }
+}

@@ -1,0 +1,350 @@
+//! What the handoff modes share: the engines' HTTP client, the limits and health settings, request
+//! ids, the prefill fallback order, engine refusals as errors, drains.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use baton_dataplane::{RequestId, RequestKey};
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use crate::admission::AdmissionError;
+use crate::api::GatewayError;
+use crate::routing::{Health, HealthConfig, InFlight};
+use crate::telemetry::{Families, Metrics};
+
+/// A reservation's lease on the decoder: long enough for a long prefill and the decode request to
+/// arrive, short enough that a vanished gateway strands pages for at most this long.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
+/// Longest wait for every decoder rank to hold the whole KV after the prefill returned.
+pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest an upstream leg may take to answer (headers, for a streamed decode).
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
+/// free before they are returned anyway: the decoder's lease and quarantine end them by then.
+pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Idle keep-alive connections to the engines are closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type RespBody = BoxBody<Bytes, BoxError>;
+/// The gateway's client to the engines.
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Timing limits of the handoff.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub lease: Duration,
+    pub queue_timeout: Duration,
+    pub ready_timeout: Duration,
+    pub upstream_timeout: Duration,
+    pub release_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            lease: DEFAULT_LEASE,
+            queue_timeout: crate::admission::DEFAULT_QUEUE_TIMEOUT,
+            ready_timeout: DEFAULT_READY_TIMEOUT,
+            upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
+            release_timeout: DEFAULT_RELEASE_TIMEOUT,
+        }
+    }
+}
+
+/// What every mode of one gateway shares: the client to the engines, the limits, the health
+/// settings, request ids and the metrics.
+#[derive(Debug)]
+pub struct Shared {
+    pub(crate) client: HttpClient,
+    pub limits: Limits,
+    pub health: HealthConfig,
+    pub keys: KeyGen,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Shared {
+    pub fn new(limits: Limits, health: HealthConfig) -> Arc<Self> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client =
+            Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector);
+        Arc::new(Self { client, limits, health, keys: KeyGen::default(), metrics: Arc::default() })
+    }
+
+    /// POSTs `body` within the upstream timeout.
+    pub(crate) async fn post(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        body: &Value,
+    ) -> Result<Response<hyper::body::Incoming>, PostError> {
+        post_json(&self.client, addr, path, body, self.limits.upstream_timeout, false).await
+    }
+
+    /// [`prefill_in_turn`] with this gateway's client, deadline and health settings.
+    pub(crate) async fn prefill<'a>(
+        &self,
+        prefills: &'a [&'a Prefiller],
+        path: &str,
+        body: &Value,
+        sent: &mut bool,
+        detach: bool,
+    ) -> Result<(&'a Prefiller, Response<hyper::body::Incoming>, InFlight<'a>), GatewayError> {
+        let timeout = self.limits.upstream_timeout;
+        prefill_in_turn(&self.client, timeout, &self.health, prefills, path, body, sent, detach).await
+    }
+
+    /// Counts a failure against an endpoint (passive health).
+    pub(crate) fn failed(&self, name: &str, h: &Health) {
+        count_failure(&self.health, name, h);
+    }
+
+    /// An engine's non-200 answer as the client's error; a 5xx counts against the engine.
+    pub(crate) async fn refused(
+        &self,
+        leg: &'static str,
+        name: &str,
+        health: &Health,
+        resp: Response<hyper::body::Incoming>,
+    ) -> GatewayError {
+        let status = resp.status().as_u16();
+        let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        self.refusal(leg, name, health, status, &b)
+    }
+
+    /// [`Shared::refused`] for an answer already read.
+    pub(crate) fn refusal(
+        &self,
+        leg: &'static str,
+        name: &str,
+        health: &Health,
+        status: u16,
+        body: &[u8],
+    ) -> GatewayError {
+        if status >= 500 {
+            self.failed(name, health);
+        }
+        GatewayError::Upstream { leg, message: format!("{status}: {}", short_body(body)) }
+    }
+
+    /// `GET /health` answered 200 within `timeout`.
+    pub async fn health_check(&self, addr: SocketAddr, timeout: Duration) -> bool {
+        let Ok(req) = Request::get(format!("http://{addr}/health")).body(Full::new(Bytes::new())) else {
+            return false;
+        };
+        match tokio::time::timeout(timeout, self.client.request(req)).await {
+            Ok(Ok(r)) => {
+                let ok = r.status() == 200;
+                let _ = r.into_body().collect().await;
+                ok
+            }
+            _ => false,
+        }
+    }
+}
+
+/// POSTs `body` as JSON within `timeout`. `detach`: the call runs to its end even if the caller
+/// stops waiting (a client that leaves does not abort an engine mid-transfer).
+pub(crate) async fn post_json(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+    detach: bool,
+) -> Result<Response<hyper::body::Incoming>, PostError> {
+    let req = Request::post(format!("http://{addr}{path}"))
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
+    let call = tokio::time::timeout(timeout, client.request(req));
+    let answer = if detach {
+        tokio::spawn(call)
+            .await
+            .map_err(|e| PostError { message: format!("upstream call task: {e}"), unsent: false })?
+    } else {
+        call.await
+    };
+    match answer {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
+        Err(_) => Err(PostError { message: format!("no answer within {timeout:?}"), unsent: false }),
+    }
+}
+
+/// An upstream call that got no response.
+#[derive(Debug)]
+pub(crate) struct PostError {
+    pub(crate) message: String,
+    /// The request never left (no connection): the engine cannot have seen it.
+    pub(crate) unsent: bool,
+}
+
+/// Counters of the one-token *drain* decodes sent for requests that ended between their prefill and
+/// their decode, so the engines free what the prefill left them (`lmcache` and `vllm-nixl`).
+#[derive(Debug, Default)]
+pub struct Drains {
+    pub sent: AtomicU64,
+    /// The engine no longer held anything (a decode it raced with had taken it): nothing left.
+    pub already_free: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl Drains {
+    /// Adds `baton_drains_total{decoder,mode,result}`.
+    pub(crate) fn metrics(&self, decoder: &str, mode: &str, out: &mut Families) {
+        for (result, c) in
+            [("sent", &self.sent), ("already_free", &self.already_free), ("failed", &self.failed)]
+        {
+            out.add(
+                "baton_drains_total",
+                "counter",
+                "One-token decodes sent for requests that ended between prefill and decode, by result.",
+                format!("decoder=\"{decoder}\",mode=\"{mode}\",result=\"{result}\""),
+                c.load(Ordering::Relaxed) as f64,
+            );
+        }
+    }
+}
+
+/// Sends a drain decode and drops its answer.
+pub(crate) async fn send_drain(
+    client: &HttpClient,
+    decoder: SocketAddr,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+    counters: &Drains,
+) {
+    counters.sent.fetch_add(1, Ordering::Relaxed);
+    let status = match post_json(client, decoder, path, body, timeout, false).await {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            let _ = r.into_body().collect().await;
+            s
+        }
+        Err(_) => 0,
+    };
+    if status == 410 {
+        counters.already_free.fetch_add(1, Ordering::Relaxed);
+    } else if !(200..300).contains(&status) {
+        counters.failed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(decoder = %decoder, status, "drain decode failed; the engines keep what the request left until their own timeouts");
+    }
+}
+
+/// Counts a failure against an endpoint (passive health).
+pub(crate) fn count_failure(cfg: &HealthConfig, name: &str, h: &Health) {
+    if h.failure(cfg) {
+        tracing::warn!(endpoint = name, "ejected after consecutive failures");
+    }
+}
+
+/// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even be
+/// connected to (it never saw the request, so another may take it). `sent` is set while the request
+/// may have reached an engine.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
+    client: &HttpClient,
+    timeout: Duration,
+    health: &HealthConfig,
+    prefills: &'a [P],
+    path: &str,
+    body: &Value,
+    sent: &mut bool,
+    detach: bool,
+) -> Result<(&'a Prefiller, Response<hyper::body::Incoming>, InFlight<'a>), GatewayError> {
+    for (attempt, prefill) in prefills.iter().map(std::borrow::Borrow::borrow).enumerate() {
+        *sent = true;
+        let in_flight = prefill.health.start();
+        match post_json(client, prefill.http, path, body, timeout, detach).await {
+            Ok(resp) => return Ok((prefill, resp, in_flight)),
+            Err(e) => {
+                count_failure(health, &prefill.name, &prefill.health);
+                *sent = !e.unsent;
+                if !e.unsent || attempt + 1 >= prefills.len() {
+                    return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
+                }
+                tracing::debug!(
+                    prefill = prefill.name,
+                    error = e.message,
+                    "prefill unreachable, trying the next"
+                );
+            }
+        }
+    }
+    Err(GatewayError::NoEndpoint("prefill"))
+}
+
+/// A prefill engine.
+#[derive(Clone, Debug)]
+pub struct Prefiller {
+    pub name: String,
+    pub http: SocketAddr,
+    pub health: Arc<Health>,
+}
+
+impl Prefiller {
+    pub fn new(name: String, http: SocketAddr) -> Self {
+        Self { name, http, health: Arc::default() }
+    }
+}
+
+/// Request ids unique across restarts and replicas: 64 random bits per process (the std hasher's
+/// random keys), then a counter.
+#[derive(Debug)]
+pub struct KeyGen {
+    high: u64,
+    next: AtomicU64,
+}
+
+impl Default for KeyGen {
+    fn default() -> Self {
+        let mut h = RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+        );
+        h.write_u32(std::process::id());
+        Self { high: h.finish(), next: AtomicU64::new(1) }
+    }
+}
+
+impl KeyGen {
+    pub fn next(&self) -> RequestKey {
+        RequestKey::new(
+            RequestId(u128::from(self.high) << 64 | u128::from(self.next.fetch_add(1, Ordering::Relaxed))),
+            0,
+        )
+    }
+}
+
+pub(crate) fn admission_error(e: AdmissionError) -> GatewayError {
+    match e {
+        AdmissionError::TooLarge { need, capacity } => GatewayError::TooLarge { need, capacity },
+        e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e.to_string()),
+        e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(e.to_string()),
+    }
+}
+
+/// A short prefix of an engine's answer for an error message.
+pub(crate) fn short_body(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(b);
+    s.chars().take(300).collect()
+}
+
+/// An engine answer's body as the gateway's.
+pub(crate) fn boxed(body: hyper::body::Incoming) -> RespBody {
+    body.map_err(|e| Box::new(e) as BoxError).boxed()
+}

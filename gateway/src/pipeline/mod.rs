@@ -1,0 +1,352 @@
+//! The request driver: every generation request, whatever its decoder's handoff mode, goes
+//! parse → count tokens → plugin admission → route → admit on the decoder → the mode's legs →
+//! respond, here and only here.
+//!
+//! The driver owns what the modes share: the phase timing (a [`Timing`] the mode marks its own
+//! phases into, recorded in the metrics and sent back as `Server-Timing`), the mapping of every
+//! failure to a [`GatewayError`], the routing headers, the admission plugin's `on-complete`, and
+//! the admission slots until it hands them to the mode. A mode ([`Handoff`]) only runs its legs.
+//!
+//! It knows no mode by name and no connection: `server` calls it, `handoff` implements the modes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub mod usage;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::{Request, Response, header};
+use tokio::task::JoinSet;
+
+use crate::admission::Ticket;
+use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES};
+use crate::handoff::decoder::Decoder;
+use crate::handoff::{Leg, Prefiller, RespBody, Shared};
+use crate::policy::{Admit, Plugins, QueueState};
+use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
+use crate::telemetry::{Phase, Timing};
+use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
+use usage::{Completion, UsageBody};
+
+/// How long a client may take to send its request headers (hyper enforces it only with a timer).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send its request body once the headers are in (then 408).
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A connection with no request in flight and no traffic for this long is closed.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The front door's time limits.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpTimeouts {
+    pub header_read: Duration,
+    pub body_read: Duration,
+    pub idle: Duration,
+}
+
+impl Default for HttpTimeouts {
+    fn default() -> Self {
+        Self {
+            header_read: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read: DEFAULT_BODY_READ_TIMEOUT,
+            idle: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// Response header naming the prefill and decode endpoints a request was routed to (the prefiller
+/// first in line: a fallback may have served the prefill).
+pub const ROUTE_HEADER: &str = "x-baton-route";
+
+/// The model this gateway serves.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub name: String,
+    pub context_length: u64,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+/// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
+/// routing policy and the plugins.
+#[derive(Debug)]
+pub struct Gateway {
+    pub model: ModelInfo,
+    pub prefills: Vec<Prefiller>,
+    pub decoders: Vec<Arc<Decoder>>,
+    /// What every mode shares (client, limits, health settings, metrics).
+    pub shared: Arc<Shared>,
+    pub router: Router,
+    pub http: HttpTimeouts,
+    /// Admission and routing plugins, when configured.
+    pub plugins: Option<Arc<Plugins>>,
+    seq: AtomicU64,
+}
+
+impl Gateway {
+    pub fn new(
+        model: ModelInfo,
+        prefills: Vec<Prefiller>,
+        decoders: Vec<Arc<Decoder>>,
+        shared: Arc<Shared>,
+        router: Router,
+        http: HttpTimeouts,
+        plugins: Option<Arc<Plugins>>,
+    ) -> Arc<Self> {
+        Arc::new(Self { model, prefills, decoders, shared, router, http, plugins, seq: AtomicU64::new(0) })
+    }
+
+    /// Every endpoint's state, one list per metric, for the routing policy.
+    pub fn candidates(&self, tokens: usize) -> Candidates {
+        let mut c = Candidates {
+            prefill: PrefillView {
+                healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
+                in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
+                latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
+            },
+            decode: DecodeView::default(),
+        };
+        for d in &self.decoders {
+            let l = d.queue.load();
+            c.decode.healthy.push(d.health.healthy());
+            c.decode.slots_needed.push(d.slots_for(tokens));
+            c.decode.capacity_slots.push(l.capacity);
+            c.decode.free_slots.push(l.capacity.saturating_sub(l.in_use));
+            c.decode.waiting_slots.push(l.waiting_slots);
+            c.decode.in_flight.push(l.holders);
+        }
+        c
+    }
+
+    /// Every decoder's admission queue, summed, for the admission plugin.
+    pub fn queue_state(&self) -> QueueState {
+        let mut q = QueueState { capacity_slots: 0, free_slots: 0, waiting_requests: 0, waiting_slots: 0 };
+        for d in &self.decoders {
+            let l = d.queue.load();
+            q.capacity_slots = q.capacity_slots.saturating_add(l.capacity);
+            q.free_slots = q.free_slots.saturating_add(l.capacity.saturating_sub(l.in_use));
+            q.waiting_slots =
+                q.waiting_slots.saturating_add(u32::try_from(l.waiting_slots).unwrap_or(u32::MAX));
+        }
+        q.waiting_requests = self.decoders.iter().map(|d| d.queue.waiting()).fold(0u32, u32::saturating_add);
+        q
+    }
+
+    /// Ready to serve: a prefiller and a decoder with room exist.
+    pub fn ready(&self) -> bool {
+        !self.prefills.is_empty() && self.decoders.iter().any(|d| d.queue.stats().capacity > 0)
+    }
+
+    /// Checks every endpoint's `GET /health` each `check_interval` until the gateway is dropped.
+    pub fn start_health_checks(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let cfg = self.shared.health;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(cfg.check_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(this) = weak.upgrade() else { return };
+                // All engines at once: one that hangs until the timeout delays no other check.
+                let n = this.prefills.len() + this.decoders.len();
+                let mut checks = JoinSet::new();
+                for i in 0..n {
+                    let this = Arc::clone(&this);
+                    checks.spawn(async move {
+                        let (addr, health) = match this.prefills.get(i) {
+                            Some(p) => (p.http, &*p.health),
+                            None => match this.decoders.get(i - this.prefills.len()) {
+                                Some(d) => (d.http, &d.health),
+                                None => return,
+                            },
+                        };
+                        let ok = this.shared.health_check(addr, cfg.check_timeout).await;
+                        if health.healthy() != ok {
+                            tracing::warn!(endpoint = %addr, healthy = ok, "health check changed");
+                        }
+                        health.checked(ok);
+                    });
+                }
+                while checks.join_next().await.is_some() {}
+            }
+        })
+    }
+
+    /// A generation request from its HTTP form to its answer: the body read within its limits,
+    /// parsed, counted, then [`Gateway::dispatch`]ed.
+    pub async fn generate(
+        &self,
+        ep: Endpoint,
+        req: Request<Incoming>,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        if let Some(ct) = req.headers().get(header::CONTENT_TYPE)
+            && !ct.to_str().is_ok_and(|v| v.starts_with("application/json"))
+        {
+            return Err(GatewayError::ContentType);
+        }
+        let (parts, body) = req.into_parts();
+        let headers = parts.headers;
+        let body = tokio::time::timeout(self.http.body_read, Limited::new(body, MAX_BODY_BYTES).collect())
+            .await
+            .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
+            .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
+            .to_bytes();
+        self.generate_body(ep, &body, &headers).await
+    }
+
+    /// [`Gateway::generate`] for a body already read.
+    pub async fn generate_body(
+        &self,
+        ep: Endpoint,
+        body: &Bytes,
+        headers: &hyper::HeaderMap,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        let req = GenRequest::parse(ep, body)?;
+        if let Some(m) = req.model()
+            && m != self.model.name
+        {
+            return Err(GatewayError::UnknownModel(m.chars().take(64).collect()));
+        }
+        if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
+            let ids = self.model.tokenizer.token_ids(&req)?;
+            return self.dispatch(req, ids, headers).await;
+        }
+        let tok = Arc::clone(&self.model.tokenizer);
+        let (req, ids) = tokio::task::spawn_blocking(move || {
+            let ids = tok.token_ids(&req);
+            (req, ids)
+        })
+        .await
+        .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))?;
+        self.dispatch(req, ids?, headers).await
+    }
+
+    /// A counted request: plugin admission, routing, admission on the chosen decoder, its mode's
+    /// legs; phases recorded, headers set.
+    async fn dispatch(
+        &self,
+        req: GenRequest,
+        ids: Vec<u32>,
+        headers: &hyper::HeaderMap,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        if ids.len() as u64 > self.model.context_length {
+            return Err(GatewayError::ContextLength {
+                tokens: ids.len() as u64,
+                limit: self.model.context_length,
+            });
+        }
+        let mut timing = Timing::start();
+        // The first decoder's count; each decoder's own is in the candidates.
+        let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
+        let max_tokens = req.fields.max_tokens.or(req.fields.max_completion_tokens);
+        let facts = RouteFacts {
+            model: &self.model.name,
+            prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            slots: need,
+            max_tokens,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+        };
+        let plugins = self.plugins.as_ref();
+        let preq = plugins.map(|p| {
+            let ep = match req.endpoint {
+                Endpoint::Completions => "completions",
+                Endpoint::Chat => "chat",
+            };
+            Arc::new(p.request(&self.model.name, ep, headers, &ids, need, max_tokens))
+        });
+        // Admission: the plugin's decision, or the built-in one (class 0, the gateway's wait).
+        let mut ticket = Ticket::default();
+        let mut owed = None;
+        if let (Some(p), Some(preq)) = (plugins.and_then(|p| p.admission.as_ref()), &preq) {
+            match p.admit(Arc::clone(preq), self.queue_state()).await {
+                Some(Admit::Reject { status, message, retry_after_s }) => {
+                    return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
+                }
+                Some(Admit::Queue { class, max_wait }) => {
+                    ticket = Ticket { class, max_wait };
+                    owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
+                }
+                None => {}
+            }
+        }
+        let cands = self.candidates(ids.len());
+        let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
+            (Some(p), Some(preq)) => {
+                let decision = p.route(Arc::clone(preq), &cands).await;
+                self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why))
+            }
+            _ => self.router.route(&facts, &cands),
+        };
+        let routes = routed.map_err(|e| match e {
+            NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
+            NoRoute::Decode => GatewayError::NoEndpoint("decode"),
+        })?;
+        let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
+        let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
+        let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
+
+        let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;
+        let r = r.map(|mut resp| {
+            let h = resp.headers_mut();
+            if let Some(p) = prefills.first()
+                && let Ok(v) =
+                    header::HeaderValue::from_str(&format!("prefill={}, decode={}", p.name, dec.name))
+            {
+                h.insert(ROUTE_HEADER, v);
+            }
+            if let Ok(v) = header::HeaderValue::from_str(&timing.header()) {
+                h.insert("server-timing", v);
+            }
+            resp
+        });
+        self.shared.metrics.record(&timing);
+        match (r, owed) {
+            (Ok(resp), Some(mut c)) => {
+                c.status = resp.status().as_u16();
+                Ok(resp.map(|b| UsageBody { inner: b, completion: c }.boxed()))
+            }
+            (Err(e), Some(mut c)) => {
+                c.status = e.status();
+                Err(e)
+            }
+            (r, None) => r,
+        }
+    }
+
+    /// The routed prefillers, then every other healthy one: tried in turn only while a prefiller
+    /// cannot be connected to.
+    fn prefill_order(&self, routed: impl Iterator<Item = usize>) -> Vec<&Prefiller> {
+        let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());
+        let healthy =
+            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy()));
+        for i in routed.chain(healthy) {
+            if !order.contains(&i) {
+                order.push(i);
+            }
+        }
+        order.iter().filter_map(|&i| self.prefills.get(i)).collect()
+    }
+
+    /// Admission on the decoder, then the mode's legs.
+    async fn handoff(
+        &self,
+        dec: &Arc<Decoder>,
+        prefills: &[&Prefiller],
+        req: &GenRequest,
+        ids: &[u32],
+        ticket: Ticket,
+        timing: &mut Timing,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        let slots = dec.handoff.admit(dec, dec.slots_for(ids.len()), ticket).await?;
+        timing.mark(Phase::Queue);
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await
+    }
+
+    /// The time to the response headers (for a stream, its first byte) and the status, once per
+    /// request answered.
+    pub fn answered(&self, started: Instant, status: u16) {
+        self.shared.metrics.phase(Phase::Total, started.elapsed());
+        self.shared.metrics.answered(status);
+    }
+}
