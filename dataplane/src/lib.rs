@@ -5,8 +5,8 @@
 //! resource is a guard released in `Drop`, shared prefix chunks as counted handles, a deadline-ordered
 //! reaper, per-rank terminal statuses and the readiness aggregator the gateway uses. Bytes move through
 //! the [`device::Device`] trait (CPU reference, shared memory; CUDA in its own module). [`wire`] and
-//! [`transport`] carry it over TCP (TLS optional); `sim` (feature `sim`) is a simulated engine that
-//! embeds it.
+//! [`transport`] carry it over TCP (TLS optional); [`contract`] types the `baton` field engines read.
+//! The simulated engine that embeds it is the `baton-sim` crate.
 //!
 //! It never knows about HTTP, the gateway or any engine's scheduler.
 
@@ -19,8 +19,6 @@ pub mod events;
 pub mod geometry;
 pub mod ids;
 pub mod readiness;
-#[cfg(feature = "sim")]
-pub mod sim;
 mod table;
 pub mod transport;
 pub mod wire;

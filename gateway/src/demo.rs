@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use baton_dataplane::device::any::DeviceKind;
-use baton_dataplane::sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
+pub use baton_sim::DeviceKind;
+use baton_sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
 
 use tokio::sync::Notify;
 
@@ -42,9 +42,9 @@ pub struct DemoConfig {
     /// How the KV reaches the decoders.
     pub handoff: DemoHandoff,
     /// Where the simulated engines keep their caches and PD buffers (`cuda`: GPU 0).
-    pub device: baton_dataplane::device::any::DeviceKind,
+    pub device: baton_sim::DeviceKind,
     /// Fault switches the simulated prefillers start with.
-    pub prefill_faults: baton_dataplane::sim::faults::FaultConfig,
+    pub prefill_faults: baton_sim::faults::FaultConfig,
     /// `lmcache` mode: prefillers answer before their chunks are written (LMCache's async backend).
     pub lmcache_async_send: bool,
     /// `vllm-nixl` mode: how long prefillers keep blocks nobody read (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
@@ -66,13 +66,21 @@ pub enum DemoHandoff {
 }
 
 impl DemoHandoff {
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "native" => Some(Self::Native),
-            "lmcache" => Some(Self::Lmcache),
-            "vllm-nixl" => Some(Self::VllmNixl),
-            _ => None,
+    pub const ALL: [Self; 3] = [Self::Native, Self::Lmcache, Self::VllmNixl];
+    pub const NAMES: [&'static str; 3] =
+        [crate::handoff::native::MODE, crate::handoff::lmcache::MODE, crate::handoff::nixl::MODE];
+
+    /// The mode's name, as in a configuration's `handoff`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Native => crate::handoff::native::MODE,
+            Self::Lmcache => crate::handoff::lmcache::MODE,
+            Self::VllmNixl => crate::handoff::nixl::MODE,
         }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == s)
     }
 }
 
@@ -107,10 +115,10 @@ impl Default for DemoConfig {
             chunk_tokens: 16,
             token_delay: Duration::ZERO,
             handoff: DemoHandoff::Native,
-            device: baton_dataplane::device::any::DeviceKind::Cpu,
+            device: baton_sim::DeviceKind::Cpu,
             prefill_faults: Default::default(),
             lmcache_async_send: false,
-            nixl_abort_timeout: baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
+            nixl_abort_timeout: baton_sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
             gateway: GatewaySetup::default(),
         }
     }

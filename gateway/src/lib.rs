@@ -6,6 +6,7 @@
 pub mod admission;
 pub mod api;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod handoff;
 pub mod pipeline;

@@ -6,7 +6,7 @@
 //!   `add_generation_prompt = true`). As vLLM does, a completion prompt is encoded with the
 //!   tokenizer's special tokens (BOS) and a rendered chat without them (the template writes them).
 //! - Without one, the conservative fallback: byte-level ids (a byte-level BPE never makes more
-//!   tokens than bytes, so slots are never under-counted) and the simulated model's chat template.
+//!   tokens than bytes, so slots are never under-counted) and a simple fallback chat template.
 //!   The gateway logs a warning at start when it runs this way.
 //!
 //! The engines receive the ids (`baton.prompt_token_ids`), so both legs agree on them and the
@@ -20,9 +20,24 @@ use serde_json::Value;
 
 use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
-/// Renders chat messages with the fallback template: the simulated model's own template, so the
-/// gateway and the engines count the same tokens.
-pub use baton_dataplane::sim::kv::render_chat;
+/// Renders chat messages with the fallback template, for a model configured without its
+/// tokenizer: `<|role|>\ncontent\n` per message, then `<|assistant|>\n`. It counts a role marker and
+/// a newline per message, close to what real templates add; the byte-level count stays an upper
+/// bound of a byte-level BPE's either way. (The simulated engine's model uses the same format, so
+/// the demo's counts are exact; a test in the e2e suite checks the two agree.)
+pub fn render_chat(messages: &[(String, String)]) -> String {
+    let mut s =
+        String::with_capacity(messages.iter().map(|(r, c)| r.len() + c.len() + 5).sum::<usize>() + 14);
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|>\n");
+        s.push_str(content);
+        s.push('\n');
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
 
 /// Template instructions one chat rendering may execute (minijinja fuel): far above any real
 /// template over a large conversation, and a bound on a template that loops.

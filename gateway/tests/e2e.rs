@@ -12,9 +12,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use baton_dataplane::sim::kv::output_text;
 use baton_gateway::demo::{Demo, DemoConfig, start};
 use baton_gateway::tokenize::render_chat;
+use baton_sim::kv::output_text;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -41,7 +41,7 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
 }
 
 /// A simulated decoder's data-plane rank addresses, as the inside of a TOML list.
-fn toml_ranks(sim: &baton_dataplane::sim::Running) -> String {
+fn toml_ranks(sim: &baton_sim::Running) -> String {
     let ranks: Vec<String> = sim.engine.stats()["ranks"]
         .as_array()
         .unwrap()
@@ -618,7 +618,7 @@ mod tls {
 mod configs {
     use std::path::{Path, PathBuf};
 
-    use baton_dataplane::sim::{SimConfig, SimRole, launch, tiny_geometry};
+    use baton_sim::{SimConfig, SimRole, launch, tiny_geometry};
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
     use serde_json::json;
 
@@ -784,7 +784,7 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     use baton_gateway::admission::{QueueConfig, SlotQueue};
     use baton_gateway::handoff::native::ranks::Ranks;
 
-    let g = baton_dataplane::sim::tiny_geometry(1).unwrap();
+    let g = baton_sim::tiny_geometry(1).unwrap();
     let rank = |pages: u32| {
         let (sink, tx) = RankServer::<CpuDevice>::sink();
         let buf = RankBuffer::new(
@@ -1182,4 +1182,35 @@ async fn gpu_demo_serves_end_to_end() {
     }
     assert_clean(&d).await;
     d.shutdown().await;
+}
+
+/// The command line refuses what it does not know and describes itself.
+mod cli {
+    use std::process::Command;
+
+    fn baton(args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(args).output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+    }
+
+    #[test]
+    fn unknown_flags_are_refused_and_every_subcommand_has_help_and_version() {
+        // (args, exit code, text the output must contain)
+        let cases: [(&[&str], i32, &str); 8] = [
+            (&["demo", "--bogus-flag"], 2, "unexpected argument '--bogus-flag'"),
+            (&["serve", "--config", "x.toml", "--verbose"], 2, "unexpected argument '--verbose'"),
+            (&["serve"], 2, "--config <FILE>"),
+            (&["demo", "--tp", "0"], 2, "--tp"),
+            (&["demo", "--handoff", "mooncake"], 2, "not one of native"),
+            (&["--version"], 0, concat!("baton ", env!("CARGO_PKG_VERSION"))),
+            (&["demo", "--help"], 0, "--token-delay-ms"),
+            (&["plugin", "check", "--help"], 0, "TABLE.toml"),
+        ];
+        for (args, code, text) in cases {
+            let (got, out, err) = baton(args);
+            assert_eq!(got, code, "{args:?}: {out}{err}");
+            assert!(out.contains(text) || err.contains(text), "{args:?}: {text:?} not in {out}{err}");
+        }
+    }
 }

@@ -2,16 +2,18 @@
 //! cache and a chunk page.
 //!
 //! [`Device`] is implemented by [`cpu::CpuDevice`], the reference used by every CPU test, by
-//! [`shm::ShmDevice`] (host memory shared through a file) and by [`cuda::CudaDevice`] (GPU memory,
-//! compiled everywhere, used where a driver and a GPU are found). Kernels take strides and a block table, never a
+//! [`shm::ShmDevice`] (host memory shared through a file) and by `cuda::CudaDevice` (GPU memory,
+//! feature `cuda`, on by default: compiled everywhere, used where a driver and a GPU are found). Kernels take strides and a block table, never a
 //! hard-coded layout, so NHD (`[block][token][head][dim]`) and HND (`[block][head][token][dim]`)
 //! engine caches and any block size are handled by the same code.
 //!
 //! This layer never interprets requests, pages' owners or generations: the buffer above it decides who
 //! may touch a page; the device only moves bytes and checks bounds.
 
+#[cfg(feature = "cuda")]
 pub mod any;
 pub mod cpu;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod shm;
 

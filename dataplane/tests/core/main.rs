@@ -6,9 +6,12 @@
 mod common;
 mod compat;
 mod device_cpu;
+#[cfg(feature = "cuda")]
 mod device_cuda;
 mod failure_classes;
 mod models;
 mod properties;
 mod tls;
 mod transport;
+#[path = "../support/upstream.rs"]
+mod upstream;

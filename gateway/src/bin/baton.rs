@@ -1,38 +1,63 @@
 //! `baton`: the PD gateway.
 //!
-//! `baton serve --config FILE`, `baton check-config FILE`, `baton plugin check FILE.wasm`, `baton demo`.
+//! `baton serve --config FILE`, `baton check-config FILE`, `baton plugin check FILE.wasm`, and with
+//! the `demo` feature (on by default) `baton demo`. The command line is clap's: unknown flags are
+//! refused, every subcommand has its own `--help`, `baton --version` says the version.
 
 #![allow(clippy::print_stdout)]
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
-use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, DemoHandoff, start};
-use baton_gateway::routing::Builtin;
-use baton_gateway::telemetry::LogConfig;
-use baton_gateway::tokenize::Tokenizer;
+use clap::{Parser, Subcommand};
 
-const USAGE: &str = "usage: baton serve --config FILE
-       baton check-config FILE
-       baton plugin check FILE.wasm [--config TABLE.toml]
-       baton demo [--listen ADDR] [--prefill N] [--decode N] [--tp N] [--pages N] [--chunk-tokens N] [--token-delay-ms N]
-                  [--tokenizer DIR] [--routing round-robin|least-loaded|kv-aware] [--log-format text|json]
-                  [--handoff native|lmcache|vllm-nixl] [--device cpu|cuda]
+#[derive(Debug, Parser)]
+#[command(name = "baton", version, about = "baton: a gateway for prefill/decode disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-  serve          run the gateway from a TOML configuration (see configs/)
-  check-config   validate a configuration (addresses, TLS files, geometry) and print what it describes
-  plugin check   which policy world (admission or routing) a component implements, and whether it
-                 accepts the config table in TABLE.toml (as [plugins.*.config] would pass it; default {})
-  demo           the gateway in front of simulated prefill/decode engines on loopback (no GPU, no files);
-                 --tokenizer DIR counts with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template;
-                 --handoff lmcache runs the engines as vLLM with LMCache's PD backend (ZMQ side channels),
-                 --handoff vllm-nixl as vLLM with its NIXL connector (the decoder pulls);
-                 --device cuda keeps the engines' caches and PD buffers on GPU 0 (gather/scatter kernels)";
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the gateway from a TOML configuration (see configs/)
+    Serve {
+        /// The configuration file
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+    },
+    /// Validate a configuration (addresses, TLS files, geometry) and print what it describes
+    CheckConfig {
+        /// The configuration file
+        file: PathBuf,
+    },
+    /// Policy plugins (WebAssembly components)
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+    /// The gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)
+    #[cfg(feature = "demo")]
+    Demo(demo::DemoArgs),
+}
 
-fn check(file: &str) -> ExitCode {
-    match baton_gateway::config::load(std::path::Path::new(file)) {
+#[derive(Debug, Subcommand)]
+enum PluginCommand {
+    /// Which policy world (admission or routing) a component implements, and whether it accepts a
+    /// config table
+    Check {
+        /// The component
+        file: PathBuf,
+        /// A TOML table as [plugins.*.config] would pass it (default {})
+        #[arg(long, value_name = "TABLE.toml")]
+        config: Option<PathBuf>,
+    },
+}
+
+fn check(file: &Path) -> ExitCode {
+    match baton_gateway::config::load(file) {
         Ok(c) => {
-            println!("{file}: ok");
+            println!("{}: ok", file.display());
             println!(
                 "  model {} (context {} tokens, tokenizer: {})",
                 c.model,
@@ -55,17 +80,17 @@ fn check(file: &str) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{file}: {e}");
+            eprintln!("{}: {e}", file.display());
             ExitCode::FAILURE
         }
     }
 }
 
-async fn serve(file: &str) -> ExitCode {
-    let checked = match baton_gateway::config::load(std::path::Path::new(file)) {
+async fn serve(file: &Path) -> ExitCode {
+    let checked = match baton_gateway::config::load(file) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("{file}: {e}");
+            eprintln!("{}: {e}", file.display());
             return ExitCode::FAILURE;
         }
     };
@@ -85,74 +110,24 @@ async fn serve(file: &str) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn flag(args: &[String], name: &str) -> Option<String> {
-    let i = args.iter().position(|a| a == name)?;
-    args.get(i + 1).cloned()
-}
-
-fn parse(args: &[String]) -> Result<DemoConfig, String> {
-    let mut c = DemoConfig::default();
-    let num = |name: &str, default: u64| -> Result<u64, String> {
-        flag(args, name)
-            .map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v:?}")))
-    };
-    let listen = flag(args, "--listen").unwrap_or_else(|| DEFAULT_DEMO_LISTEN.to_owned());
-    c.listen = listen.parse().map_err(|_| format!("--listen: not an address: {listen:?}"))?;
-    c.prefills = usize::try_from(num("--prefill", 1)?).map_err(|e| e.to_string())?;
-    c.decoders = usize::try_from(num("--decode", 1)?).map_err(|e| e.to_string())?;
-    c.tp = u32::try_from(num("--tp", 1)?).map_err(|e| e.to_string())?;
-    c.pages = u32::try_from(num("--pages", 64)?).map_err(|e| e.to_string())?;
-    c.chunk_tokens = u32::try_from(num("--chunk-tokens", 16)?).map_err(|e| e.to_string())?;
-    c.token_delay = Duration::from_millis(num("--token-delay-ms", 0)?);
-    if let Some(dir) = flag(args, "--tokenizer") {
-        let dir = std::path::Path::new(&dir);
-        let t = Tokenizer::load(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json")))
-            .map_err(|e| format!("--tokenizer: {e}"))?;
-        c.gateway.tokenizer = Some(std::sync::Arc::new(t));
-    }
-    if let Some(h) = flag(args, "--handoff") {
-        c.handoff = DemoHandoff::parse(&h)
-            .ok_or_else(|| format!("--handoff: {h:?} is not native, lmcache or vllm-nixl"))?;
-    }
-    if let Some(d) = flag(args, "--device") {
-        c.device = baton_gateway::demo::DeviceKind::parse(&d)
-            .ok_or_else(|| format!("--device: {d:?} is not cpu or cuda"))?;
-    }
-    if let Some(r) = flag(args, "--routing") {
-        c.gateway.routing = Builtin::parse(&r)
-            .ok_or_else(|| format!("--routing: {r:?} is not one of {}", Builtin::NAMES.join(", ")))?;
-    }
-    LogConfig::parse(flag(args, "--log-format").as_deref(), None)
-        .map_err(|(_, reason)| format!("--log-format: {reason}"))?
-        .install();
-    if c.prefills == 0 || c.decoders == 0 || c.tp == 0 || c.pages == 0 || c.chunk_tokens == 0 {
-        return Err("--prefill, --decode, --tp, --pages and --chunk-tokens must be at least 1".into());
-    }
-    Ok(c)
-}
-
-fn plugin_check(args: &[String]) -> ExitCode {
-    let Some(file) = args.get(2).filter(|a| !a.starts_with("--")) else {
-        eprintln!("baton plugin check: FILE.wasm is required\n{USAGE}");
-        return ExitCode::from(2);
-    };
-    let config = match flag(args, "--config") {
+fn plugin_check(file: &Path, config: Option<&Path>) -> ExitCode {
+    let config = match config {
         None => "{}".to_owned(),
-        Some(f) => match std::fs::read_to_string(&f)
+        Some(f) => match std::fs::read_to_string(f)
             .map_err(|e| e.to_string())
             .and_then(|t| toml::from_str::<toml::Table>(&t).map_err(|e| e.to_string()))
             .and_then(|t| serde_json::to_string(&t).map_err(|e| e.to_string()))
         {
             Ok(j) => j,
             Err(e) => {
-                eprintln!("baton plugin check: --config {f}: {e}");
+                eprintln!("baton plugin check: --config {}: {e}", f.display());
                 return ExitCode::from(2);
             }
         },
     };
-    match baton_gateway::policy::check_component(std::path::Path::new(file), &config) {
+    match baton_gateway::policy::check_component(file, &config) {
         Ok(r) => {
-            println!("{file}: implements baton:policy/{}@0.1.0", r.world.name());
+            println!("{}: implements baton:policy/{}@0.1.0", file.display(), r.world.name());
             println!(
                 "  sha256 {} ({} bytes, compiled or read from the cache in {:?})",
                 r.sha256, r.bytes, r.compile
@@ -161,7 +136,7 @@ fn plugin_check(args: &[String]) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{file}: {e}");
+            eprintln!("{}: {e}", file.display());
             ExitCode::FAILURE
         }
     }
@@ -169,61 +144,142 @@ fn plugin_check(args: &[String]) -> ExitCode {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("demo") => {}
-        Some("check-config") => {
-            return match args.get(1) {
-                Some(f) => check(f),
-                None => {
-                    eprintln!("{USAGE}");
-                    ExitCode::from(2)
-                }
+    match Cli::parse().command {
+        Command::Serve { config } => serve(&config).await,
+        Command::CheckConfig { file } => check(&file),
+        Command::Plugin { command: PluginCommand::Check { file, config } } => {
+            plugin_check(&file, config.as_deref())
+        }
+        #[cfg(feature = "demo")]
+        Command::Demo(args) => demo::run(args).await,
+    }
+}
+
+#[cfg(feature = "demo")]
+mod demo {
+    use std::net::SocketAddr;
+    use std::path::PathBuf;
+    use std::process::ExitCode;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, DemoHandoff, DeviceKind, start};
+    use baton_gateway::routing::Builtin;
+    use baton_gateway::telemetry::LogConfig;
+    use baton_gateway::tokenize::Tokenizer;
+
+    /// `baton demo`'s flags.
+    #[derive(Debug, clap::Args)]
+    pub(super) struct DemoArgs {
+        /// Where the gateway listens
+        #[arg(long, default_value = DEFAULT_DEMO_LISTEN)]
+        listen: SocketAddr,
+        /// Prefill engines
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+        prefill: u64,
+        /// Decode engines
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+        decode: u64,
+        /// Tensor-parallel ranks per decode engine
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+        tp: u32,
+        /// PD buffer pages per decoder rank
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+        pages: u32,
+        /// Tokens per KV chunk (page)
+        #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+        chunk_tokens: u32,
+        /// Time per generated token, ms
+        #[arg(long, default_value_t = 0)]
+        token_delay_ms: u64,
+        /// Count with DIR/tokenizer.json and DIR/tokenizer_config.json's chat template
+        #[arg(long, value_name = "DIR")]
+        tokenizer: Option<PathBuf>,
+        /// Routing policy
+        #[arg(long, value_parser = routing, default_value = "kv-aware")]
+        routing: Builtin,
+        /// Log format: text or json
+        #[arg(long, value_name = "FORMAT")]
+        log_format: Option<String>,
+        /// How the KV reaches the decoders (the engines speak that protocol)
+        #[arg(long, value_parser = handoff, default_value = "native")]
+        handoff: DemoHandoff,
+        /// Where the engines keep their caches and PD buffers: cpu or cuda (GPU 0)
+        #[arg(long, value_parser = device, default_value = "cpu")]
+        device: DeviceKind,
+    }
+
+    fn routing(s: &str) -> Result<Builtin, String> {
+        Builtin::parse(s).ok_or_else(|| format!("not one of {}", Builtin::NAMES.join(", ")))
+    }
+
+    fn handoff(s: &str) -> Result<DemoHandoff, String> {
+        DemoHandoff::parse(s).ok_or_else(|| format!("not one of {}", DemoHandoff::NAMES.join(", ")))
+    }
+
+    fn device(s: &str) -> Result<DeviceKind, String> {
+        DeviceKind::parse(s).ok_or_else(|| "not cpu or cuda".to_owned())
+    }
+
+    impl DemoArgs {
+        fn config(self) -> Result<DemoConfig, String> {
+            let mut c = DemoConfig {
+                listen: self.listen,
+                prefills: usize::try_from(self.prefill).map_err(|e| e.to_string())?,
+                decoders: usize::try_from(self.decode).map_err(|e| e.to_string())?,
+                tp: self.tp,
+                pages: self.pages,
+                chunk_tokens: self.chunk_tokens,
+                token_delay: Duration::from_millis(self.token_delay_ms),
+                handoff: self.handoff,
+                device: self.device,
+                ..DemoConfig::default()
             };
-        }
-        Some("plugin") if args.get(1).map(String::as_str) == Some("check") => return plugin_check(&args),
-        Some("serve") => {
-            return match flag(&args, "--config") {
-                Some(f) => serve(&f).await,
-                None => {
-                    eprintln!("baton serve: --config FILE is required\n{USAGE}");
-                    ExitCode::from(2)
-                }
-            };
-        }
-        Some("-h" | "--help") | None => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Some(other) => {
-            eprintln!("baton: unknown command {other:?}\n{USAGE}");
-            return ExitCode::from(2);
+            if let Some(dir) = self.tokenizer {
+                let t =
+                    Tokenizer::load(&dir.join("tokenizer.json"), Some(&dir.join("tokenizer_config.json")))
+                        .map_err(|e| format!("--tokenizer: {e}"))?;
+                c.gateway.tokenizer = Some(Arc::new(t));
+            }
+            c.gateway.routing = self.routing;
+            LogConfig::parse(self.log_format.as_deref(), None)
+                .map_err(|(_, reason)| format!("--log-format: {reason}"))?
+                .install();
+            Ok(c)
         }
     }
-    let config = match parse(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("baton: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    let demo = match start(config.clone()).await {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("baton demo: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!(
-        "baton demo: gateway on http://{} in front of {} prefill and {} decode simulated engines (TP {}, {} pages per rank, {:?} handoff)",
-        demo.addr, config.prefills, config.decoders, config.tp, config.pages, config.handoff
-    );
-    println!(
-        "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
-        demo.addr
-    );
-    println!("  curl -s http://{}/admin/decoders\nCtrl-C stops it.", demo.addr);
-    let _ = tokio::signal::ctrl_c().await;
-    demo.shutdown().await;
-    ExitCode::SUCCESS
+
+    pub(super) async fn run(args: DemoArgs) -> ExitCode {
+        let config = match args.config() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("baton demo: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let demo = match start(config.clone()).await {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("baton demo: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        println!(
+            "baton demo: gateway on http://{} in front of {} prefill and {} decode simulated engines (TP {}, {} pages per rank, {} handoff)",
+            demo.addr,
+            config.prefills,
+            config.decoders,
+            config.tp,
+            config.pages,
+            config.handoff.name()
+        );
+        println!(
+            "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
+            demo.addr
+        );
+        println!("  curl -s http://{}/admin/decoders\nCtrl-C stops it.", demo.addr);
+        let _ = tokio::signal::ctrl_c().await;
+        demo.shutdown().await;
+        ExitCode::SUCCESS
+    }
 }

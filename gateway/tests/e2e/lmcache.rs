@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use baton_dataplane::sim::faults::FaultConfig;
-use baton_dataplane::sim::kv::output_text;
 use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
 use baton_gateway::handoff::Limits;
 use baton_gateway::handoff::lmcache::Lmcache;
+use baton_sim::faults::FaultConfig;
+use baton_sim::kv::output_text;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
@@ -213,7 +213,7 @@ async fn lmcache_random_disconnects_leave_nothing_held() {
 /// buffer size and chunk size from it, listens for notifications, and serves end to end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_an_lmcache_pool_from_config_and_yaml() {
-    use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+    use baton_sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
     let g = tiny_geometry(2).unwrap();
     let mut dc = SimConfig::new(SimRole::Decode, g);
     dc.lmcache = Some(LmcacheSimConfig {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;

@@ -5,8 +5,8 @@
 //! rank `r` is derived from a hash of every token id up to and including `t` (as in a real model, the
 //! same prefix gives the same KV), `l`, K/V, `r` and `h`.
 
-use crate::device::{CacheLayout, Device, DeviceError};
-use crate::geometry::KvGeometry;
+use baton_dataplane::device::{CacheLayout, Device, DeviceError};
+use baton_dataplane::geometry::KvGeometry;
 
 /// Words the simulated model speaks; output token `i` of a request is one of them.
 const WORDS: [&str; 32] = [

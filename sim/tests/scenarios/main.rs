@@ -10,5 +10,8 @@
     unreachable_pub
 )]
 
+mod flows;
 mod harness;
 mod scenarios;
+#[path = "../../../dataplane/tests/support/upstream.rs"]
+mod upstream;

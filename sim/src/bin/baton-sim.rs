@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use baton_dataplane::KvGeometry;
 use baton_dataplane::device::any::DeviceKind;
-use baton_dataplane::sim::faults::FaultConfig;
-use baton_dataplane::sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
-use baton_dataplane::sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+use baton_sim::faults::FaultConfig;
+use baton_sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
+use baton_sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
 
 const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--model NAME] [--tp N]
        [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]

@@ -8,7 +8,7 @@
 //!   verifies every byte before producing deterministic tokens;
 //! - fault switches (crash a rank, drop a readiness event, stall a chunk, slow a rank).
 //!
-//! Run it with the `baton-sim` binary (feature `sim`).
+//! Run it with the `baton-sim` binary; the gateway starts it for `baton demo` (its `demo` feature).
 
 pub mod api;
 pub mod blocks;
@@ -20,6 +20,8 @@ pub mod lmcache;
 pub mod nixl;
 pub mod prefill;
 
+pub use baton_dataplane::device::any::DeviceKind;
+
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -28,8 +30,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use crate::buffer::DEFAULT_QUARANTINE_TTL;
-use crate::geometry::KvGeometry;
+use baton_dataplane::buffer::DEFAULT_QUARANTINE_TTL;
+use baton_dataplane::geometry::KvGeometry;
 use decode::DecodeEngine;
 use faults::{FaultConfig, Faults};
 use http::{LmcacheRole, NixlRole, Role, SimEngine};
@@ -50,7 +52,7 @@ pub const DEFAULT_SIM_CACHE_BLOCKS: u32 = 4096;
 pub const DEFAULT_SIM_BLOCK_SIZE: u32 = 16;
 
 /// The simulator's small default model: 2 layers, 2 KV heads of 16 bf16 values, 16-token chunks.
-pub fn tiny_geometry(tp_size: u32) -> Result<KvGeometry, crate::geometry::GeometryError> {
+pub fn tiny_geometry(tp_size: u32) -> Result<KvGeometry, baton_dataplane::geometry::GeometryError> {
     KvGeometry::new(2, 2, 16, 2, 16, tp_size)
 }
 
@@ -98,7 +100,7 @@ pub struct SimConfig {
     /// Also play vLLM's NIXL connector (prefill: producer with this abort timeout; decode: consumer).
     pub nixl: Option<Duration>,
     /// Where the engine's cache and PD buffer live (`cuda`: GPU 0).
-    pub device: crate::device::any::DeviceKind,
+    pub device: DeviceKind,
 }
 
 /// The LMCache PD backend settings of a simulated engine (the `pd_*` keys of LMCache's YAML).
@@ -134,7 +136,7 @@ impl SimConfig {
             faults: FaultConfig::default(),
             lmcache: None,
             nixl: None,
-            device: crate::device::any::DeviceKind::Cpu,
+            device: DeviceKind::Cpu,
         }
     }
 }

@@ -28,7 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::SimError;
 use super::blocks::{BlockPool, Blocks};
 use super::kv::{chunk_page, prefix_hashes, verify_chunk};
-use crate::geometry::KvGeometry;
+use baton_dataplane::geometry::KvGeometry;
 
 /// vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default: how long a producer keeps blocks nobody read.
 pub const DEFAULT_NIXL_ABORT_TIMEOUT: Duration = Duration::from_secs(480);

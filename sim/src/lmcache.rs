@@ -31,9 +31,9 @@ use tokio::task::JoinSet;
 use super::SimError;
 use super::faults::Faults;
 use super::kv::{chunk_page, prefix_hashes, verify_chunk};
-use crate::compat::lmcache::{AllocRequest, AllocResponse, PdMsg, ProxyNotif};
-use crate::compat::zmtp::{Connection, RepServer, SocketType};
-use crate::geometry::KvGeometry;
+use baton_dataplane::compat::lmcache::{AllocRequest, AllocResponse, PdMsg, ProxyNotif};
+use baton_dataplane::compat::zmtp::{Connection, RepServer, SocketType};
+use baton_dataplane::geometry::KvGeometry;
 
 /// LMCache's pause between allocation attempts while the PD buffer is full (`pd_backend.py`).
 const ALLOC_RETRY: Duration = Duration::from_millis(10);

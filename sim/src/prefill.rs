@@ -18,11 +18,11 @@ use super::api::DecoderTarget;
 use super::blocks::BlockPool;
 use super::faults::Faults;
 use super::kv::{prefix_hashes, write_kv};
-use crate::device::any::{AnyDevice, AnyTensor};
-use crate::device::{CacheLayout, Device, KvSpan};
-use crate::geometry::KvGeometry;
-use crate::ids::{PageAddr, RequestKey};
-use crate::transport::ProducerClient;
+use baton_dataplane::device::any::{AnyDevice, AnyTensor};
+use baton_dataplane::device::{CacheLayout, Device, KvSpan};
+use baton_dataplane::geometry::KvGeometry;
+use baton_dataplane::ids::{PageAddr, RequestKey};
+use baton_dataplane::transport::ProducerClient;
 
 /// How long a prefiller holds a request's KV blocks waiting for the decoder to take them. Past it the
 /// transfer is abandoned and the blocks freed: a dead decoder or gateway cannot strand them.
@@ -104,7 +104,7 @@ impl PrefillEngine {
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok(Rank { cache, layout, pool: BlockPool::new(cache_blocks) })
             })
-            .collect::<Result<Vec<_>, crate::device::DeviceError>>()
+            .collect::<Result<Vec<_>, baton_dataplane::device::DeviceError>>()
             .map_err(SimError::internal)?;
         Ok(Arc::new(Self {
             geometry,

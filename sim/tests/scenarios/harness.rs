@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
-use baton_dataplane::sim::kv::prefix_hashes;
-use baton_dataplane::sim::kv::{render_chat, tokenize};
 use baton_dataplane::transport::{ControlClient, EventStream, TransportError};
 use baton_dataplane::wire::RefusalCode;
 use baton_dataplane::{KvGeometry, PageAddr, PrefixKey, RankEvent, RequestId, RequestKey};
+use baton_sim::kv::prefix_hashes;
+use baton_sim::kv::{render_chat, tokenize};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;

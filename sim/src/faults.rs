@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::events::{EventSink, RankEvent, TerminalState};
-use crate::transport::BroadcastSink;
+use baton_dataplane::events::{EventSink, RankEvent, TerminalState};
+use baton_dataplane::transport::BroadcastSink;
 
 /// What to break. Set with `POST /sim/faults` (JSON) or the command line.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,11 +3,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_dataplane::readiness::Outcome;
-use baton_dataplane::sim::faults::FaultConfig;
-use baton_dataplane::sim::kv::output_text;
-use baton_dataplane::sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 use baton_dataplane::transport::ProducerClient;
 use baton_dataplane::{KvGeometry, RankEvent, TerminalState};
+use baton_sim::faults::FaultConfig;
+use baton_sim::kv::output_text;
+use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 use serde_json::json;
 use tokio::task::JoinSet;
 

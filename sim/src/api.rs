@@ -1,22 +1,15 @@
 //! The slice of the OpenAI API the simulated engine speaks, plus the `baton` request field of the
 //! native handoff.
 //!
-//! Native handoff fields (top-level `baton` object of a completion or chat request):
-//! - to a prefill engine: `{"request_id": "<32 hex>", "epoch": N, "decoders": [{"rank": r, "addr":
-//!   "host:port", "chunks": [[chunk, page, generation], ...]}, ...]}`: write the prompt's KV chunks
-//!   into those decoder ranks' reserved pages;
-//! - to a decode engine: `{"request_id": ..., "epoch": N}`: the KV is in this engine's PD buffer under
-//!   that request; consume it (verifying every byte) and generate.
-//! - optional `prompt_token_ids` overrides the engine's own tokenization (both legs must agree).
+//! The native handoff's `baton` field is the data plane's engine contract
+//! ([`baton_dataplane::contract`]); `prompt_token_ids` in it overrides the engine's own tokenization.
 
-use std::net::SocketAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::kv::{render_chat, tokenize};
-use crate::ids::{RequestId, RequestKey};
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -41,32 +34,7 @@ pub struct ChatMessage {
     pub content: Value,
 }
 
-#[derive(Debug, Deserialize, Clone)]
-pub struct DecoderTarget {
-    pub rank: u32,
-    pub addr: SocketAddr,
-    /// `(chunk, page, generation)` triples.
-    pub chunks: Vec<(u32, u32, u32)>,
-}
-
-#[derive(Debug, Deserialize, Clone)]
-pub struct BatonParams {
-    pub request_id: String,
-    #[serde(default)]
-    pub epoch: u32,
-    #[serde(default)]
-    pub decoders: Vec<DecoderTarget>,
-    pub prompt_token_ids: Option<Vec<u32>>,
-}
-
-impl BatonParams {
-    pub fn key(&self) -> Result<RequestKey, String> {
-        let id = u128::from_str_radix(&self.request_id, 16).map_err(|_| {
-            format!("baton.request_id must be up to 32 hex digits, got {:?}", short(&self.request_id))
-        })?;
-        Ok(RequestKey::new(RequestId(id), self.epoch))
-    }
-}
+pub use baton_dataplane::contract::{BatonParams, DecoderTarget};
 
 /// A completion or chat request.
 #[derive(Debug, Deserialize)]
@@ -88,10 +56,6 @@ pub struct GenRequest {
 pub enum Endpoint {
     Completions,
     Chat,
-}
-
-fn short(s: &str) -> String {
-    s.chars().take(40).collect()
 }
 
 impl GenRequest {

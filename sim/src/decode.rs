@@ -14,13 +14,13 @@ use super::SimError;
 use super::blocks::{BlockPool, Blocks};
 use super::faults::{Faults, FaultySink};
 use super::kv::{prefix_hashes, verify_chunk};
-use crate::buffer::{BufferOptions, NotReady, RankBuffer};
-use crate::clock::SystemClock;
-use crate::device::any::{AnyDevice, AnyTensor};
-use crate::device::{CacheLayout, Device, KvSpan};
-use crate::geometry::KvGeometry;
-use crate::ids::RequestKey;
-use crate::transport::{RankServer, ServerHandle};
+use baton_dataplane::buffer::{BufferOptions, NotReady, RankBuffer};
+use baton_dataplane::clock::SystemClock;
+use baton_dataplane::device::any::{AnyDevice, AnyTensor};
+use baton_dataplane::device::{CacheLayout, Device, KvSpan};
+use baton_dataplane::geometry::KvGeometry;
+use baton_dataplane::ids::RequestKey;
+use baton_dataplane::transport::{RankServer, ServerHandle};
 
 pub struct DecodeRank {
     pub server: Arc<RankServer<AnyDevice>>,
