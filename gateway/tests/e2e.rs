@@ -1214,3 +1214,15 @@ mod cli {
         }
     }
 }
+
+/// The gateway's fallback template and the simulated model's template render alike, so the demo
+/// counts exactly what its engines count.
+#[test]
+fn the_fallback_chat_template_renders_as_the_simulated_model() {
+    let cases: [&[(&str, &str)]; 3] =
+        [&[], &[("user", "hi")], &[("system", "be brief"), ("user", "héllo\nthere"), ("assistant", "")]];
+    for msgs in cases {
+        let m: Vec<(String, String)> = msgs.iter().map(|(r, c)| ((*r).to_owned(), (*c).to_owned())).collect();
+        assert_eq!(baton_gateway::tokenize::render_chat(&m), baton_sim::kv::render_chat(&m), "{m:?}");
+    }
+}
