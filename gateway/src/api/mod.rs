@@ -71,6 +71,11 @@ pub enum GatewayError {
     /// Refused by the admission plugin, with the plugin's status (400-599) and message.
     #[error("{message}")]
     PolicyRejected { status: u16, message: String, retry_after: Option<u32> },
+    /// An engine refused the request (4xx): the client gets the engine's status and its OpenAI error
+    /// body (built from its text when it sent none), so a request that can never succeed is not
+    /// retried as a gateway failure.
+    #[error("{leg} engine answered {status}: {}", body["error"]["message"].as_str().unwrap_or(""))]
+    EngineRefused { leg: &'static str, status: u16, body: Value },
 }
 
 impl GatewayError {
@@ -85,7 +90,7 @@ impl GatewayError {
             Self::Upstream { .. } | Self::KvTransfer(_) => 502,
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
             Self::Internal(_) => 500,
-            Self::PolicyRejected { status, .. } => *status,
+            Self::PolicyRejected { status, .. } | Self::EngineRefused { status, .. } => *status,
         }
     }
 
@@ -107,12 +112,15 @@ impl GatewayError {
             Self::NotFound(_) => "not_found",
             Self::Internal(_) => "internal_error",
             Self::PolicyRejected { .. } => "rejected_by_policy",
+            Self::EngineRefused { .. } => "engine_refused",
         }
     }
 
     pub fn origin(&self) -> Origin {
-        if matches!(self, Self::PolicyRejected { .. }) {
-            return Origin::Plugin;
+        match self {
+            Self::PolicyRejected { .. } => return Origin::Plugin,
+            Self::EngineRefused { .. } => return Origin::Upstream,
+            _ => {}
         }
         match self.status() {
             500 => Origin::Internal,
@@ -127,6 +135,7 @@ impl GatewayError {
         match self {
             Self::QueueFull(_) => Some(1),
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => Some(2),
+            Self::EngineRefused { status: 429, .. } => Some(1),
             Self::PolicyRejected { retry_after, .. } => retry_after.map(u64::from),
             _ => None,
         }
@@ -134,8 +143,12 @@ impl GatewayError {
 
     /// The OpenAI error body.
     pub fn body(&self) -> Value {
+        if let Self::EngineRefused { body, .. } = self {
+            return body.clone();
+        }
         let kind = match self.origin() {
             Origin::Client => "invalid_request_error",
+            Origin::Upstream if self.status() < 500 => "invalid_request_error",
             Origin::Plugin if self.status() < 500 => "invalid_request_error",
             Origin::Plugin | Origin::Upstream | Origin::Internal => "server_error",
         };

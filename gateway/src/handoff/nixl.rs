@@ -35,8 +35,8 @@ use tokio::sync::oneshot;
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, AbortOnDrop, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, count_failure, prefill_in_turn, send_drain,
-    short_body,
+    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, count_failure, engine_error, prefill_in_turn,
+    send_drain,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
@@ -316,10 +316,7 @@ async fn prefill_task(
         if status >= 500 {
             count_failure(health, &p.name, &p.health);
         }
-        return Err(GatewayError::Upstream {
-            leg: "prefill",
-            message: format!("{status}: {}", short_body(&b)),
-        });
+        return Err(engine_error("prefill", status, &b));
     }
     p.health.success();
     let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {

@@ -136,7 +136,7 @@ impl Shared {
         if status >= 500 {
             self.failed(name, health);
         }
-        GatewayError::Upstream { leg, message: format!("{status}: {}", short_body(body)) }
+        engine_error(leg, status, body)
     }
 
     /// `GET /health` answered 200 within `timeout`.
@@ -336,6 +336,20 @@ pub(crate) fn admission_error(e: AdmissionError) -> GatewayError {
         e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e.to_string()),
         e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(e.to_string()),
     }
+}
+
+/// An engine's non-200 answer as the client's error: a 4xx keeps its status and the engine's OpenAI
+/// error body (one is made from its text when it sent none); anything else is the gateway's 502.
+pub(crate) fn engine_error(leg: &'static str, status: u16, body: &[u8]) -> GatewayError {
+    if !(400..500).contains(&status) {
+        return GatewayError::Upstream { leg, message: format!("{status}: {}", short_body(body)) };
+    }
+    let body = match serde_json::from_slice::<Value>(body) {
+        Ok(v) if v.get("error").is_some_and(Value::is_object) => v,
+        _ => serde_json::json!({"error": {"message": short_body(body), "type": "invalid_request_error",
+                                          "param": null, "code": "engine_refused"}}),
+    };
+    GatewayError::EngineRefused { leg, status, body }
 }
 
 /// A short prefix of an engine's answer for an error message.

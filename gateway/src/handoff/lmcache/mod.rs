@@ -428,10 +428,7 @@ impl DecodeCtx {
                 count_failure(&self.health, &dec.name, &dec.health);
             }
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(GatewayError::Upstream {
-                leg: "decode",
-                message: format!("{status}: {}", super::shared::short_body(&b)),
-            });
+            return Err(super::shared::engine_error("decode", status, &b));
         }
         dec.health.success();
         Ok(resp)
