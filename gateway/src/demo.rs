@@ -16,6 +16,7 @@ use crate::handoff::lmcache::{Lmcache, LmcacheTarget, Notifications};
 use crate::handoff::native::Native;
 use crate::handoff::nixl::Nixl;
 use crate::handoff::scrape::LoadTarget;
+use crate::handoff::sglang::Sglang;
 use crate::handoff::{Handoff, Limits, Prefiller, Shared};
 use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
@@ -49,6 +50,8 @@ pub struct DemoConfig {
     pub lmcache_async_send: bool,
     /// `vllm-nixl` mode: how long prefillers keep blocks nobody read (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
     pub nixl_abort_timeout: Duration,
+    /// `sglang` mode: the engines' bootstrap settings.
+    pub sglang: baton_sim::SglangSimConfig,
     /// The gateway in front (its limits, tokenizer, routing).
     pub gateway: GatewaySetup,
 }
@@ -63,12 +66,18 @@ pub enum DemoHandoff {
     Lmcache,
     /// vLLM's NIXL connector (the decoder pulls; admission from the decoder's metrics).
     VllmNixl,
+    /// SGLang's PD mode (both legs at once, paired by a bootstrap room; the decoder pulls).
+    Sglang,
 }
 
 impl DemoHandoff {
-    pub const ALL: [Self; 3] = [Self::Native, Self::Lmcache, Self::VllmNixl];
-    pub const NAMES: [&'static str; 3] =
-        [crate::handoff::native::MODE, crate::handoff::lmcache::MODE, crate::handoff::nixl::MODE];
+    pub const ALL: [Self; 4] = [Self::Native, Self::Lmcache, Self::VllmNixl, Self::Sglang];
+    pub const NAMES: [&'static str; 4] = [
+        crate::handoff::native::MODE,
+        crate::handoff::lmcache::MODE,
+        crate::handoff::nixl::MODE,
+        crate::handoff::sglang::MODE,
+    ];
 
     /// The mode's name, as in a configuration's `handoff`.
     pub fn name(self) -> &'static str {
@@ -76,6 +85,7 @@ impl DemoHandoff {
             Self::Native => crate::handoff::native::MODE,
             Self::Lmcache => crate::handoff::lmcache::MODE,
             Self::VllmNixl => crate::handoff::nixl::MODE,
+            Self::Sglang => crate::handoff::sglang::MODE,
         }
     }
 
@@ -100,7 +110,7 @@ pub struct GatewaySetup {
     /// address) and whether to ask for the first token from prefill.
     pub lmcache: Option<Arc<Notifications>>,
     pub no_first_token: bool,
-    /// `vllm-nixl` mode: the decoders' admission settings.
+    /// `vllm-nixl` and `sglang` modes: the decoders' admission settings.
     pub nixl: LoadTarget,
 }
 
@@ -119,6 +129,7 @@ impl Default for DemoConfig {
             prefill_faults: Default::default(),
             lmcache_async_send: false,
             nixl_abort_timeout: baton_sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
+            sglang: baton_sim::SglangSimConfig::default(),
             gateway: GatewaySetup::default(),
         }
     }
@@ -168,6 +179,8 @@ pub struct Engines {
     pub lmcache: Vec<(LmcacheTarget, u32)>,
     /// The engines play vLLM's NIXL connector.
     pub nixl: bool,
+    /// The engines play SGLang's PD mode.
+    pub sglang: bool,
     pub running: Vec<Running>,
 }
 
@@ -201,6 +214,9 @@ pub async fn start_engines_with(
         if c.handoff == DemoHandoff::VllmNixl {
             sc.nixl = Some(c.nixl_abort_timeout);
         }
+        if c.handoff == DemoHandoff::Sglang {
+            sc.sglang = Some(c.sglang.clone());
+        }
         if c.handoff == DemoHandoff::Lmcache {
             sc.lmcache = Some(LmcacheSimConfig {
                 proxy: lmcache_proxy,
@@ -221,6 +237,9 @@ pub async fn start_engines_with(
         sc.token_delay = c.token_delay;
         if c.handoff == DemoHandoff::VllmNixl {
             sc.nixl = Some(c.nixl_abort_timeout);
+        }
+        if c.handoff == DemoHandoff::Sglang {
+            sc.sglang = Some(c.sglang.clone());
         }
         if c.handoff == DemoHandoff::Lmcache {
             sc.lmcache = Some(LmcacheSimConfig {
@@ -260,6 +279,7 @@ pub async fn start_engines_with(
         chunk_tokens: geometry.chunk_tokens,
         lmcache,
         nixl: c.handoff == DemoHandoff::VllmNixl,
+        sglang: c.handoff == DemoHandoff::Sglang,
         running,
     })
 }
@@ -275,7 +295,10 @@ pub async fn start_gateway(
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
         let queue = SlotQueue::new(0, QueueConfig::default());
-        let handoff: Box<dyn Handoff> = if e.nixl {
+        let handoff: Box<dyn Handoff> = if e.sglang {
+            // The bootstrap port is read from each prefill engine's /get_server_info.
+            Box::new(Sglang::new(Arc::clone(&shared), *http, setup.nixl.clone(), None, &queue))
+        } else if e.nixl {
             Box::new(Nixl::new(Arc::clone(&shared), *http, setup.nixl.clone(), &queue))
         } else if let Some((target, capacity)) = e.lmcache.get(i) {
             let hub =

@@ -1151,6 +1151,9 @@ mod lmcache;
 #[path = "e2e/nixl.rs"]
 mod nixl;
 
+#[path = "e2e/sglang.rs"]
+mod sglang;
+
 #[path = "e2e/plugins.rs"]
 mod plugins;
 
@@ -1224,5 +1227,76 @@ fn the_fallback_chat_template_renders_as_the_simulated_model() {
     for msgs in cases {
         let m: Vec<(String, String)> = msgs.iter().map(|(r, c)| ((*r).to_owned(), (*c).to_owned())).collect();
         assert_eq!(baton_gateway::tokenize::render_chat(&m), baton_sim::kv::render_chat(&m), "{m:?}");
+    }
+}
+
+/// One request (streamed and whole) through each of the four handoff modes: every phase the mode
+/// passes through has a sample in `/metrics` (the lmcache mode's `first_token` included), and no
+/// phase it never passes through does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_records_every_phase_it_passes_through() {
+    use baton_gateway::demo::DemoHandoff;
+    use baton_gateway::telemetry::Phase;
+
+    // (mode, the phases it passes through; the others must stay at 0 samples)
+    let modes = [
+        (
+            DemoHandoff::Native,
+            vec![Phase::Queue, Phase::Reserve, Phase::Prefill, Phase::KvReady, Phase::Decode],
+        ),
+        (
+            DemoHandoff::Lmcache,
+            vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode, Phase::FirstToken],
+        ),
+        (DemoHandoff::VllmNixl, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+        (DemoHandoff::Sglang, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+    ];
+    for (handoff, mut phases) in modes {
+        phases.push(Phase::Total);
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            handoff,
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        for stream in [false, true] {
+            let body = json!({"prompt": prompt(40, 2), "max_tokens": 3, "stream": stream});
+            let (s, b) = http(d.addr, "/v1/completions", Some(&body)).await;
+            assert_eq!(s, 200, "{}: {}", handoff.name(), String::from_utf8_lossy(&b));
+        }
+        // Phases a streamed answer ends after its headers are recorded when they end.
+        let started = Instant::now();
+        loop {
+            let (_, m) = http(d.addr, "/metrics", None).await;
+            let m = String::from_utf8_lossy(&m).into_owned();
+            let count = |p: Phase| {
+                let key = format!("baton_phase_seconds_count{{phase=\"{}\"}} ", p.as_str());
+                m.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+            };
+            let missing: Vec<&str> = phases.iter().filter(|p| count(**p) == 0).map(|p| p.as_str()).collect();
+            let stray: Vec<&str> = Phase::ALL
+                .iter()
+                .filter(|p| !phases.contains(p) && count(**p) > 0)
+                .map(|p| p.as_str())
+                .collect();
+            assert!(
+                stray.is_empty(),
+                "{}: phases it never passes through have samples: {stray:?}",
+                handoff.name()
+            );
+            if missing.is_empty() {
+                assert_eq!(count(Phase::Total), 2, "{}", handoff.name());
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{}: no sample for {missing:?}\n{m}",
+                handoff.name()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        d.shutdown().await;
     }
 }

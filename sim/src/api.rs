@@ -50,6 +50,11 @@ pub struct GenRequest {
     pub baton: Option<BatonParams>,
     /// vLLM's KV connector parameters (LMCache `disagg_spec` / `ret_first_tok`; NIXL's remote fields).
     pub kv_transfer_params: Option<Value>,
+    /// SGLang's PD fields (a value each, or lists with `n > 1`) and its request id.
+    pub bootstrap_host: Option<Value>,
+    pub bootstrap_port: Option<Value>,
+    pub bootstrap_room: Option<Value>,
+    pub rid: Option<Value>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +110,20 @@ impl GenRequest {
             }
             _ => Ok(None),
         }
+    }
+
+    /// SGLang's PD fields, if any.
+    pub fn sglang_params(&self) -> Result<Option<super::sglang::SglangParams>, super::SimError> {
+        super::sglang::SglangParams::of(
+            self.bootstrap_host.as_ref(),
+            self.bootstrap_port.as_ref(),
+            self.bootstrap_room.as_ref(),
+        )
+    }
+
+    /// The request id SGLang's `/abort_request` names it by.
+    pub fn rid(&self) -> Option<&str> {
+        self.rid.as_ref().and_then(Value::as_str)
     }
 
     pub fn include_usage(&self) -> bool {

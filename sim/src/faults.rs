@@ -35,6 +35,9 @@ pub struct FaultConfig {
     pub report_kv_usage_pct: Option<u32>,
     /// `/metrics` reports this many waiting requests.
     pub report_waiting: Option<u64>,
+    /// Every generation request is answered with this status and an OpenAI error body (an engine
+    /// refusing the request, e.g. 400), before any KV work.
+    pub fail_status: Option<u16>,
 }
 
 /// The live fault switches of one engine.

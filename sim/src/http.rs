@@ -78,12 +78,21 @@ impl Drop for Running {
     }
 }
 
+/// The PD protocols an engine also plays, beside baton's native one.
+#[derive(Debug, Default)]
+pub struct Protocols {
+    pub lmcache: Option<LmcacheRole>,
+    pub nixl: Option<NixlRole>,
+    pub sglang: Option<Arc<super::sglang::Sglang>>,
+}
+
 /// A simulated engine behind HTTP.
 #[derive(Debug)]
 pub struct SimEngine {
     pub role: Role,
     pub lmcache: Option<LmcacheRole>,
     pub nixl: Option<NixlRole>,
+    pub sglang: Option<Arc<super::sglang::Sglang>>,
     /// Generation requests in progress (vLLM's `num_requests_running`).
     running: Arc<AtomicU64>,
     pub model: String,
@@ -109,16 +118,17 @@ fn error_response(e: &SimError) -> Resp {
 impl SimEngine {
     pub fn new(
         role: Role,
-        lmcache: Option<LmcacheRole>,
-        nixl: Option<NixlRole>,
+        protocols: Protocols,
         model: String,
         faults: Arc<Faults>,
         token_delay: Duration,
     ) -> Arc<Self> {
+        let Protocols { lmcache, nixl, sglang } = protocols;
         Arc::new(Self {
             role,
             lmcache,
             nixl,
+            sglang,
             running: Arc::default(),
             model,
             faults,
@@ -137,6 +147,9 @@ impl SimEngine {
         let usage =
             f.report_kv_usage_pct.map_or(f64::from(held) / f64::from(total.max(1)), |p| f64::from(p) / 100.0);
         let m = &self.model;
+        if self.sglang.is_some() {
+            return self.sglang_prometheus(usage, f.report_waiting.unwrap_or(0));
+        }
         let text = format!(
             "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
              # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
@@ -148,6 +161,76 @@ impl SimEngine {
         r.headers_mut()
             .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
         r
+    }
+
+    /// SGLang's gauges (`--enable-metrics`): one sample per TP rank of the (single) DP rank, as
+    /// SGLang reports them.
+    fn sglang_prometheus(&self, usage: f64, waiting: u64) -> Resp {
+        let tp = match &self.role {
+            Role::Prefill(p) => p.geometry().tp_size,
+            Role::Decode(d) => d.geometry().tp_size,
+        };
+        let running = self.running.load(Ordering::Relaxed);
+        let mut text = String::new();
+        for (name, v) in [
+            ("sglang:token_usage", usage.to_string()),
+            ("sglang:num_queue_reqs", waiting.to_string()),
+            ("sglang:num_running_reqs", running.to_string()),
+        ] {
+            text.push_str(&format!("# TYPE {name} gauge\n"));
+            for r in 0..tp {
+                text.push_str(&format!(
+                    "{name}{{dp_rank=\"0\",tp_rank=\"{r}\",model_name=\"{}\"}} {v}\n",
+                    self.model
+                ));
+            }
+        }
+        let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
+        r
+    }
+
+    fn sglang_stats(&self) -> Value {
+        let Some(s) = &self.sglang else { return Value::Null };
+        let st = &s.stats;
+        json!({
+            "bootstrap": s.bootstrap.map(|a| a.to_string()), "rooms_held": s.rooms_held(), "in_flight": s.in_flight(),
+            "paired": st.paired.load(Ordering::Relaxed), "unpaired": st.unpaired.load(Ordering::Relaxed),
+            "abandoned": st.abandoned.load(Ordering::Relaxed), "mismatched": st.mismatched.load(Ordering::Relaxed),
+            "aborted": st.aborted.load(Ordering::Relaxed),
+        })
+    }
+
+    /// SGLang's `GET /get_server_info`: the server's arguments, of which a PD router reads the
+    /// bootstrap port.
+    fn server_info(&self) -> Resp {
+        let (mode, tp) = match &self.role {
+            Role::Prefill(p) => ("prefill", p.geometry().tp_size),
+            Role::Decode(d) => ("decode", d.geometry().tp_size),
+        };
+        let port = self.sglang.as_ref().and_then(|s| s.bootstrap).map(|a| a.port());
+        json_response(
+            200,
+            &json!({"model_path": self.model, "tp_size": tp, "disaggregation_mode": mode,
+                    "disaggregation_bootstrap_port": port}),
+        )
+    }
+
+    /// SGLang's `POST /abort_request {"rid"}`.
+    async fn abort_request(&self, req: Request<Incoming>) -> Resp {
+        let body = match Limited::new(req.into_body(), 64 << 10).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error_response(&SimError::bad(e)),
+        };
+        let rid = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("rid").and_then(Value::as_str).map(str::to_owned));
+        match (&self.sglang, rid) {
+            (Some(s), Some(rid)) => json_response(200, &json!({"aborted": s.abort(&rid)})),
+            (None, _) => error_response(&SimError::bad("not an SGLang engine")),
+            (_, None) => error_response(&SimError::bad("rid is required")),
+        }
     }
 
     fn nixl_stats(&self) -> Value {
@@ -226,6 +309,8 @@ impl SimEngine {
             }
             (&Method::GET, "/sim/stats") => return json_response(200, &self.stats()),
             (&Method::GET, "/metrics") => return self.prometheus(),
+            (&Method::GET, "/get_server_info") => return self.server_info(),
+            (&Method::POST, "/abort_request") => return self.abort_request(req).await,
             (&Method::POST, "/tokenize") => return self.tokenize(req).await,
             (&Method::POST, "/sim/faults") => return self.set_faults(req).await,
             (&Method::POST, "/v1/completions") => Endpoint::Completions,
@@ -305,6 +390,7 @@ impl SimEngine {
         let mut v = self.role_stats();
         v["lmcache"] = self.lmcache_stats();
         v["nixl"] = self.nixl_stats();
+        v["sglang"] = self.sglang_stats();
         v
     }
 
@@ -340,6 +426,12 @@ impl SimEngine {
     async fn generate(&self, ep: Endpoint, body: &[u8]) -> Result<Resp, SimError> {
         let req: GenRequest =
             serde_json::from_slice(body).map_err(|e| SimError::bad(format!("invalid request body: {e}")))?;
+        if let Some(status) = self.faults.get().fail_status {
+            return Err(SimError::status(
+                status,
+                format!("refused by the fail_status fault switch ({status})"),
+            ));
+        }
         let ids = req.token_ids(ep).map_err(SimError::bad)?;
         let model = req.model.clone().unwrap_or_else(|| self.model.clone());
         let id = match &req.baton {
@@ -363,6 +455,21 @@ impl SimEngine {
                 }
             }
             _ => {}
+        }
+        let tracked = self.sglang.as_ref().map(|s| s.track(req.rid()));
+        if let (Some(s), Some(p), Some(t)) = (&self.sglang, req.sglang_params()?, &tracked) {
+            match &self.role {
+                Role::Prefill(_) => {
+                    s.hold(&p, &ids, req.rid());
+                    n = 1;
+                }
+                Role::Decode(_) => {
+                    tokio::select! {
+                        r = s.pull(&p, &ids) => r?,
+                        () = t.cancel.notified() => return Err(SimError::status(499, "aborted by /abort_request")),
+                    }
+                }
+            }
         }
         match (&self.role, &req.baton) {
             (Role::Prefill(p), Some(b)) if !b.decoders.is_empty() => {
@@ -408,6 +515,7 @@ impl SimEngine {
                 body["kv_transfer_params"] = p;
             }
             drop(running);
+            drop(tracked);
             return Ok(json_response(200, &body));
         }
         let include_usage = req.include_usage();
@@ -422,6 +530,13 @@ impl SimEngine {
             for (i, (_, tok)) in output_tokens(&ids, n).into_iter().enumerate() {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
+                }
+                // An SGLang engine's `/abort_request` ends the stream (the permit stays if it came
+                // between two tokens).
+                if let Some(t) = &tracked
+                    && tokio::time::timeout(Duration::ZERO, t.cancel.notified()).await.is_ok()
+                {
+                    return;
                 }
                 if tx.send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0))).await.is_err() {
                     return;

@@ -19,6 +19,7 @@ pub mod kv;
 pub mod lmcache;
 pub mod nixl;
 pub mod prefill;
+pub mod sglang;
 
 pub use baton_dataplane::device::any::DeviceKind;
 
@@ -34,7 +35,7 @@ use baton_dataplane::buffer::DEFAULT_QUARANTINE_TTL;
 use baton_dataplane::geometry::KvGeometry;
 use decode::DecodeEngine;
 use faults::{FaultConfig, Faults};
-use http::{LmcacheRole, NixlRole, Role, SimEngine};
+use http::{LmcacheRole, NixlRole, Protocols, Role, SimEngine};
 use prefill::{DEFAULT_PRODUCER_HOLD_TTL, PrefillEngine};
 
 /// Which side of a PD pair the engine plays.
@@ -101,6 +102,23 @@ pub struct SimConfig {
     pub nixl: Option<Duration>,
     /// Where the engine's cache and PD buffer live (`cuda`: GPU 0).
     pub device: DeviceKind,
+    /// Also play SGLang's PD mode (prefill: bootstrap server and rooms; decode: pulls its room).
+    pub sglang: Option<SglangSimConfig>,
+}
+
+/// The SGLang PD settings of a simulated engine.
+#[derive(Clone, Debug)]
+pub struct SglangSimConfig {
+    /// Prefill: the bootstrap server's port (`--disaggregation-bootstrap-port`); ephemeral when `None`.
+    pub bootstrap_port: Option<u16>,
+    /// How long a decoder waits for its room, and a prefill keeps a room nobody asked for.
+    pub room_wait: Duration,
+}
+
+impl Default for SglangSimConfig {
+    fn default() -> Self {
+        Self { bootstrap_port: None, room_wait: sglang::DEFAULT_ROOM_WAIT }
+    }
 }
 
 /// The LMCache PD backend settings of a simulated engine (the `pd_*` keys of LMCache's YAML).
@@ -137,6 +155,7 @@ impl SimConfig {
             lmcache: None,
             nixl: None,
             device: DeviceKind::Cpu,
+            sglang: None,
         }
     }
 }
@@ -206,7 +225,14 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
         ))),
         (Some(_), SimRole::Decode) => Some(NixlRole::Consumer),
     };
-    let engine = SimEngine::new(role, lmcache, nixl, c.model, faults, c.token_delay);
+    let sglang = match (&c.sglang, c.role) {
+        (None, _) => None,
+        (Some(s), SimRole::Prefill) => Some(Arc::new(
+            sglang::Sglang::prefill(c.geometry, c.dp_host, s.bootstrap_port, s.room_wait).await?,
+        )),
+        (Some(s), SimRole::Decode) => Some(Arc::new(sglang::Sglang::decode(c.geometry, s.room_wait))),
+    };
+    let engine = SimEngine::new(role, Protocols { lmcache, nixl, sglang }, c.model, faults, c.token_delay);
     let listener = TcpListener::bind(c.listen)
         .await
         .map_err(|e| SimError::internal(format!("bind {}: {e}", c.listen)))?;
@@ -248,6 +274,11 @@ impl SimError {
     }
     pub fn internal(m: impl fmt::Display) -> Self {
         Self::new(500, "internal_error", m)
+    }
+    /// An error with any status (a fault switch playing an engine that refuses).
+    pub fn status(status: u16, m: impl fmt::Display) -> Self {
+        let code = if status < 500 { "invalid_request" } else { "engine_error" };
+        Self::new(status, code, m)
     }
 }
 

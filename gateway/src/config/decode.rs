@@ -20,6 +20,7 @@ use crate::handoff::lmcache::{Lmcache, Notifications};
 use crate::handoff::native::Native;
 use crate::handoff::nixl::Nixl;
 use crate::handoff::scrape::LoadTarget;
+use crate::handoff::sglang::Sglang;
 use crate::handoff::{Handoff, Shared};
 
 /// The handoff mode when a pool names none.
@@ -43,6 +44,8 @@ pub enum PoolMode {
     Lmcache(LmcacheMode),
     /// vLLM's NIXL connector.
     VllmNixl(NixlMode),
+    /// SGLang's PD disaggregation.
+    Sglang(SglangMode),
 }
 
 impl<'de> Deserialize<'de> for DecodePool {
@@ -90,6 +93,18 @@ pub struct NixlMode {
     /// Admission from the decoder's metrics.
     #[serde(default)]
     pub nixl: LoadPool,
+}
+
+/// `handoff = "sglang"`.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SglangMode {
+    /// The prefill servers' `--disaggregation-bootstrap-port` (mini_lb's `--prefill-bootstrap-ports`
+    /// with one value). Without it each prefill server's `GET /get_server_info` is asked once.
+    pub bootstrap_port: Option<u16>,
+    /// Admission from the decoder's metrics (SGLang's `--enable-metrics`).
+    #[serde(default)]
+    pub sglang: LoadPool,
 }
 
 /// Admission of a decoder from its own metrics (`[decode.nixl]`, `[decode.sglang]`).
@@ -165,6 +180,10 @@ pub enum CheckedMode {
         max_slots: Option<u32>,
     },
     VllmNixl(LoadTarget),
+    Sglang {
+        target: LoadTarget,
+        bootstrap_port: Option<u16>,
+    },
 }
 
 /// What the pools of one gateway share at start.
@@ -234,6 +253,16 @@ pub(super) fn check(
                 geometry(1)?;
                 CheckedMode::VllmNixl(n.nixl.check(&format!("{f}.nixl"))?)
             }
+            PoolMode::Sglang(s) => {
+                geometry(1)?;
+                if s.bootstrap_port == Some(0) {
+                    return Err(err(format!("{f}.bootstrap_port"), "must be a port, not 0"));
+                }
+                CheckedMode::Sglang {
+                    target: s.sglang.check(&format!("{f}.sglang"))?,
+                    bootstrap_port: s.bootstrap_port,
+                }
+            }
         };
         out.push(CheckedDecoder { name: d.name.clone(), http, mode });
     }
@@ -247,6 +276,7 @@ impl CheckedMode {
             Self::Native { .. } => crate::handoff::native::MODE,
             Self::Lmcache { .. } => crate::handoff::lmcache::MODE,
             Self::VllmNixl(_) => crate::handoff::nixl::MODE,
+            Self::Sglang { .. } => crate::handoff::sglang::MODE,
         }
     }
 
@@ -274,6 +304,14 @@ impl CheckedMode {
             Self::VllmNixl(n) => format!(
                 "vllm-nixl, up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
                 n.max_in_flight, n.kv_usage_high, n.max_waiting, n.scrape_interval
+            ),
+            Self::Sglang { target: n, bootstrap_port } => format!(
+                "sglang, bootstrap port {}, up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
+                bootstrap_port.map_or("from each prefill's /get_server_info".to_owned(), |p| p.to_string()),
+                n.max_in_flight,
+                n.kv_usage_high,
+                n.max_waiting,
+                n.scrape_interval
             ),
         }
     }
@@ -308,6 +346,9 @@ impl CheckedDecoder {
                 Box::new(Lmcache::new(shared, hub, lmcache.target, lmcache.chunk_size, ctx.first_token))
             }
             CheckedMode::VllmNixl(target) => Box::new(Nixl::new(shared, self.http, target, &queue)),
+            CheckedMode::Sglang { target, bootstrap_port } => {
+                Box::new(Sglang::new(shared, self.http, target, bootstrap_port, &queue))
+            }
         };
         Ok(Arc::new(Decoder::new(self.name, self.http, queue, handoff)))
     }

@@ -667,6 +667,35 @@ tls_key = "nope.key""#,
                 "config",
             ),
             (
+                "sglang with a dataplane",
+                GOOD.replace("url = \"http://127.0.0.1:8200\"", "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\""),
+                "config",
+            ),
+            (
+                "sglang bootstrap port 0",
+                GOOD.replace(
+                    "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                    "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nbootstrap_port = 0",
+                ),
+                "decode[0].bootstrap_port",
+            ),
+            (
+                "sglang usage above 1",
+                GOOD.replace(
+                    "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                    "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nsglang = { kv_usage_high = 2.0 }",
+                ),
+                "decode[0].sglang.kv_usage_high",
+            ),
+            (
+                "a nixl table on an sglang pool",
+                GOOD.replace(
+                    "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                    "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nnixl = { max_in_flight = 2 }",
+                ),
+                "config",
+            ),
+            (
                 "template without tokenizer",
                 GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer_config = \"x.json\""),
                 "model.tokenizer_config",

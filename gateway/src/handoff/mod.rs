@@ -18,6 +18,7 @@ pub mod lmcache;
 pub mod native;
 pub mod nixl;
 pub mod scrape;
+pub mod sglang;
 pub mod shared;
 
 pub use decoder::{BoxFuture, Decoder, Handoff, Leg};

@@ -22,11 +22,14 @@ const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--m
        [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]
        [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]
        [--lmcache] [--lmcache-buffer BYTES] [--lmcache-alloc-ports P,P] [--lmcache-init-ports P,P]
-       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N] [--device cpu|cuda]
+       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
+       [--sglang] [--sglang-bootstrap-port P] [--sglang-room-wait-ms N] [--device cpu|cuda]
 
   --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
                alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
-  --nixl       also speak vLLM's NIXL connector (producer keeps blocks N seconds unless read)";
+  --nixl       also speak vLLM's NIXL connector (producer keeps blocks N seconds unless read)
+  --sglang*    also speak SGLang's PD mode: a prefiller runs a bootstrap server on P (ephemeral if
+               not given); rooms wait N ms for their other leg";
 
 fn parse() -> Result<SimConfig, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -117,6 +120,19 @@ fn parse() -> Result<SimConfig, String> {
             "--nixl-abort-timeout-s",
             DEFAULT_NIXL_ABORT_TIMEOUT.as_secs(),
         )?));
+    }
+    if args.iter().any(|a| a.starts_with("--sglang")) {
+        let port = match get("--sglang-bootstrap-port") {
+            Some(p) => Some(p.parse().map_err(|_| format!("--sglang-bootstrap-port: not a port: {p:?}"))?),
+            None => None,
+        };
+        let wait = num(
+            get("--sglang-room-wait-ms"),
+            "--sglang-room-wait-ms",
+            u64::try_from(baton_sim::sglang::DEFAULT_ROOM_WAIT.as_millis()).unwrap_or(u64::MAX),
+        )?;
+        c.sglang =
+            Some(baton_sim::SglangSimConfig { bootstrap_port: port, room_wait: Duration::from_millis(wait) });
     }
     if let Some(d) = get("--device") {
         c.device = DeviceKind::parse(&d).ok_or_else(|| format!("--device: {d:?} is not cpu or cuda"))?;

@@ -13,5 +13,6 @@
 mod flows;
 mod harness;
 mod scenarios;
+mod sglang;
 #[path = "../../../dataplane/tests/support/upstream.rs"]
 mod upstream;

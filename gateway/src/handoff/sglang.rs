@@ -1,0 +1,554 @@
+//! The `sglang` handoff: SGLang's PD disaggregation, the decoder pulling the KV from the prefill
+//! server's bootstrap endpoint. The wire follows SGLang's own load balancers
+//! (`python/sglang/srt/disaggregation/mini_lb.py` and the PD router of its model gateway,
+//! `bootstrap_injector.rs`):
+//!
+//! 1. admit: one slot of the decoder's `max_in_flight`, closed while the decoder's own metrics say
+//!    its KV cache is nearly full or requests queue (`sglang:token_usage`, `sglang:num_queue_reqs`;
+//!    SGLang needs `--enable-metrics`);
+//! 2. both legs at once, the client's request to each with `bootstrap_host` (the prefill server's
+//!    host), `bootstrap_port` (its `--disaggregation-bootstrap-port`, from the configuration or its
+//!    `GET /get_server_info`) and a random `bootstrap_room` in `[0, 2^63)`: lists of them, one per
+//!    choice, when `n > 1`. The prefill leg is not streamed; the answer streams from the decoder.
+//!
+//! Unlike SGLang's routers, nothing waits forever and nothing is left behind (sglang PR #24159: the
+//! router hung when a prefill failed; sglang#9726: the decode was not aborted after a prefill
+//! failure). Each request carries an `rid`. A prefill that fails ends the request at once with the
+//! prefill's error, drops the decode call (SGLang aborts a request whose client left) and sends
+//! `POST /abort_request {"rid"}` to the decoder; a client that leaves before the answer has ended
+//! does the same to both legs. A prefill that fails after the decoder's answer started ends the
+//! stream with an error event. There is no fallback to another prefill server: the decoder was
+//! told which one holds the KV.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::{Request, Response};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+use super::decoder::{BoxFuture, Handoff, Leg};
+use super::scrape::{self, AbortOnDrop, Gauges, Load, LoadTarget};
+use super::shared::{
+    BoxError, HttpClient, PostError, Prefiller, RespBody, Shared, count_failure, engine_error, post_json,
+};
+use crate::admission::{SlotGuard, SlotQueue};
+use crate::api::GatewayError;
+use crate::routing::HealthConfig;
+use crate::telemetry::{Families, Metrics, Phase};
+
+/// The mode's name in the configuration.
+pub const MODE: &str = "sglang";
+
+/// SGLang's gauges (`--enable-metrics`): token pool usage and requests in its waiting queue, per DP
+/// rank and reported by each TP rank.
+pub const SGLANG_GAUGES: Gauges = Gauges { usage: &["sglang:token_usage"], waiting: "sglang:num_queue_reqs" };
+/// Most choices (`n`) a request may ask for: each is a bootstrap room on both engines.
+pub const MAX_CHOICES: u64 = 128;
+/// Longest wait for a prefill server's `/get_server_info`.
+const INFO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for an engine to take an `/abort_request`.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Counters of the aborts sent to the engines.
+#[derive(Debug, Default)]
+pub struct Aborts {
+    pub sent: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// An `sglang` decoder.
+#[derive(Debug)]
+pub struct Sglang {
+    shared: Arc<Shared>,
+    http: SocketAddr,
+    pub target: LoadTarget,
+    /// The prefill servers' bootstrap port, when the configuration gives it.
+    pub bootstrap_port: Option<u16>,
+    /// Bootstrap ports learned from the prefill servers' `/get_server_info`.
+    learned: Mutex<HashMap<SocketAddr, u16>>,
+    /// What the decoder's metrics said last.
+    pub load: Arc<Load>,
+    pub aborts: Arc<Aborts>,
+    _scrape: AbortOnDrop,
+}
+
+impl Sglang {
+    /// A decoder at `http`: `target.max_in_flight` slots of one request each in `queue`, closed while
+    /// its metrics say it is full.
+    pub fn new(
+        shared: Arc<Shared>,
+        http: SocketAddr,
+        target: LoadTarget,
+        bootstrap_port: Option<u16>,
+        queue: &SlotQueue,
+    ) -> Self {
+        queue.resize(target.max_in_flight);
+        let load = Arc::new(Load::default());
+        let scrape = scrape::spawn(http, target.clone(), SGLANG_GAUGES, queue.clone(), Arc::clone(&load));
+        Self {
+            shared,
+            http,
+            target,
+            bootstrap_port,
+            learned: Mutex::default(),
+            load,
+            aborts: Arc::default(),
+            _scrape: scrape,
+        }
+    }
+
+    /// The prefill server's bootstrap port: configured, learned, or read from its
+    /// `/get_server_info` now.
+    async fn bootstrap_port(&self, p: &Prefiller) -> Result<u16, GatewayError> {
+        if let Some(port) = self.bootstrap_port {
+            return Ok(port);
+        }
+        if let Some(port) = self.learned.lock().unwrap_or_else(|e| e.into_inner()).get(&p.http) {
+            return Ok(*port);
+        }
+        let no_port = |why: String| GatewayError::Upstream {
+            leg: "prefill",
+            message: format!(
+                "no bootstrap port for prefill {}: {why}; set bootstrap_port on the sglang decode pool",
+                p.name
+            ),
+        };
+        let req = Request::get(format!("http://{}/get_server_info", p.http))
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| no_port(e.to_string()))?;
+        let resp = tokio::time::timeout(INFO_TIMEOUT, self.shared.client.request(req))
+            .await
+            .map_err(|_| no_port(format!("/get_server_info did not answer within {INFO_TIMEOUT:?}")))?
+            .map_err(|e| no_port(format!("/get_server_info: {e}")))?;
+        let status = resp.status();
+        let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let port = serde_json::from_slice::<Value>(&b)
+            .ok()
+            .filter(|_| status == 200)
+            .and_then(|v| v.get("disaggregation_bootstrap_port").and_then(Value::as_u64))
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or_else(|| {
+                no_port(format!("/get_server_info ({status}) has no disaggregation_bootstrap_port"))
+            })?;
+        self.learned.lock().unwrap_or_else(|e| e.into_inner()).insert(p.http, port);
+        Ok(port)
+    }
+
+    async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
+        let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        let shared = &*self.shared;
+        let prefill = prefills.first().ok_or(GatewayError::NoEndpoint("prefill"))?;
+        let port = self.bootstrap_port(prefill).await?;
+        let key = shared.keys.next();
+        let rid = format!("baton-{:032x}", key.request.0);
+        let mut body = req.raw.clone();
+        let choices = body.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
+        if let Some(n) = choices.filter(|n| *n > MAX_CHOICES) {
+            return Err(GatewayError::Invalid {
+                field: "n",
+                reason: format!("{n} is more than the {MAX_CHOICES} choices a request may ask for"),
+            });
+        }
+        let host = match prefill.http.ip() {
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        let id = key.request.0;
+        let folded =
+            u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
+        let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
+        match choices {
+            Some(n) => {
+                let k = usize::try_from(n).unwrap_or(0);
+                body.insert("bootstrap_host".into(), json!(vec![host; k]));
+                body.insert("bootstrap_port".into(), json!(vec![port; k]));
+                body.insert("bootstrap_room".into(), json!((0..n).map(room).collect::<Vec<_>>()));
+            }
+            None => {
+                body.insert("bootstrap_host".into(), json!(host));
+                body.insert("bootstrap_port".into(), json!(port));
+                body.insert("bootstrap_room".into(), json!(room(0)));
+            }
+        }
+        // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
+        let rid = match (choices, body.get("rid").and_then(Value::as_str)) {
+            (None, Some(theirs)) => Some(theirs.to_owned()),
+            (None, None) => {
+                body.insert("rid".into(), json!(rid));
+                Some(rid)
+            }
+            (Some(_), _) => None,
+        };
+        let aborter = Arc::new(Aborter {
+            client: shared.client.clone(),
+            rid,
+            counters: Arc::clone(&self.aborts),
+            abandoned: AtomicBool::new(false),
+        });
+        let abort =
+            AbortGuard { aborter: Arc::clone(&aborter), engines: vec![prefill.http, self.http], armed: true };
+        let decode_body = Value::Object(body.clone());
+        body.insert("stream".into(), json!(false));
+        body.remove("stream_options");
+        let prefill_body = Value::Object(body);
+
+        // The prefill runs in its own task: its answer matters after the decoder's has started.
+        let (tx, mut prefill_rx) = oneshot::channel();
+        let path = req.endpoint.path();
+        tokio::spawn(
+            PrefillLeg {
+                client: shared.client.clone(),
+                prefill: (*prefill).clone(),
+                path,
+                body: prefill_body,
+                timeout: shared.limits.upstream_timeout,
+                health: shared.health,
+                aborter: Arc::clone(&aborter),
+            }
+            .run(tx),
+        );
+        // The decode leg in its own task too, so a failed prefill can abort it while it waits.
+        let client = shared.client.clone();
+        let (http, timeout) = (self.http, shared.limits.upstream_timeout);
+        let mut decode = tokio::spawn(async move {
+            let r = post_json(&client, http, path, &decode_body, timeout, false).await;
+            // Answered after the request was abandoned (an abort that came before it was ignored):
+            // abort it now and close the answer.
+            if aborter.abandoned() {
+                aborter.send(http).await;
+                return Err(PostError { message: "the request was abandoned".into(), unsent: false });
+            }
+            r
+        });
+        let mut prefill_done = false;
+        let resp = loop {
+            tokio::select! {
+                p = &mut prefill_rx, if !prefill_done => {
+                    prefill_done = true;
+                    match p {
+                        Ok(PrefillOutcome { result: Ok(()), took }) => timing.record(Phase::Prefill, took),
+                        Ok(PrefillOutcome { result: Err(e), .. }) => {
+                            tokio::spawn(abort_decode(decode, abort));
+                            return Err(e);
+                        }
+                        Err(_) => return Err(GatewayError::Internal("prefill task ended without an answer".into())),
+                    }
+                }
+                d = &mut decode => break d.unwrap_or_else(|e| Err(PostError { message: format!("decode call task: {e}"), unsent: false })),
+            }
+        };
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                shared.failed(&dec.name, &dec.health);
+                return Err(GatewayError::Upstream { leg: "decode", message: e.message });
+            }
+        };
+        if resp.status() != 200 {
+            return Err(shared.refused("decode", &dec.name, &dec.health, resp).await);
+        }
+        dec.health.success();
+        timing.mark(Phase::Decode);
+        let prefill = (!prefill_done).then_some(prefill_rx);
+        let metrics = Arc::clone(&shared.metrics);
+        Ok(resp.map(|inner| {
+            Watched { inner, prefill, metrics, _slot: slots, abort: Some(abort), cut: false }.boxed()
+        }))
+    }
+}
+
+/// SplitMix64: bootstrap rooms spread over the whole range from the request's unique id.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The prefill leg's end: nothing (its answer is not used) or the client's error, and its time.
+#[derive(Debug)]
+struct PrefillOutcome {
+    result: Result<(), GatewayError>,
+    took: Duration,
+}
+
+/// The prefill leg of one request.
+struct PrefillLeg {
+    client: HttpClient,
+    prefill: Prefiller,
+    path: &'static str,
+    body: Value,
+    timeout: Duration,
+    health: HealthConfig,
+    aborter: Arc<Aborter>,
+}
+
+impl PrefillLeg {
+    /// Posts the prefill and reports how it ended (to nobody, when the request is gone).
+    async fn run(self, tx: oneshot::Sender<PrefillOutcome>) {
+        let Self { client, prefill: p, path, body, timeout, health, aborter } = self;
+        let started = Instant::now();
+        let in_flight = p.health.start();
+        let result = match post_json(&client, p.http, path, &body, timeout, false).await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                if status == 200 {
+                    p.health.success();
+                    Ok(())
+                } else {
+                    if status >= 500 {
+                        count_failure(&health, &p.name, &p.health);
+                    }
+                    Err(engine_error("prefill", status, &b))
+                }
+            }
+            Err(e) => {
+                count_failure(&health, &p.name, &p.health);
+                Err(GatewayError::Upstream { leg: "prefill", message: e.message })
+            }
+        };
+        drop(in_flight);
+        // The request was abandoned while this leg ran: the engine may have taken the abort before the
+        // request and now holds the KV for a decoder that will not come.
+        if result.is_ok() && aborter.abandoned() {
+            aborter.send(p.http).await;
+        }
+        let _ = tx.send(PrefillOutcome { result, took: started.elapsed() });
+    }
+}
+
+/// How often, and how many times, a decode leg whose prefill failed is told to abort while its
+/// call has not ended: an abort that reaches SGLang before the request it names is ignored there.
+const ABORT_RETRY: Duration = Duration::from_millis(20);
+const ABORT_TRIES: u32 = 25;
+
+/// Ends a decode leg whose prefill failed: `/abort_request` until its call ends (bounded), then the
+/// call is dropped (SGLang aborts a request whose client left).
+async fn abort_decode(
+    mut decode: tokio::task::JoinHandle<Result<Response<Incoming>, PostError>>,
+    mut abort: AbortGuard,
+) {
+    abort.armed = false;
+    let aborter = Arc::clone(&abort.aborter);
+    aborter.abandoned.store(true, Ordering::Relaxed);
+    let Some(decoder) = abort.engines.last().copied().filter(|_| aborter.rid.is_some()) else {
+        decode.abort();
+        return;
+    };
+    for _ in 0..ABORT_TRIES {
+        aborter.send(decoder).await;
+        if let Ok(done) = tokio::time::timeout(ABORT_RETRY, &mut decode).await {
+            if let Ok(Ok(r)) = done {
+                let _ = r.into_body().collect().await;
+            }
+            return;
+        }
+    }
+    decode.abort();
+}
+
+/// Tells SGLang engines to abort one request (`POST /abort_request {"rid"}`), and whether the
+/// request was abandoned (the legs still running check it when they end).
+struct Aborter {
+    client: HttpClient,
+    /// `None` with `n > 1` (SGLang names the choices itself): only dropping the calls aborts.
+    rid: Option<String>,
+    counters: Arc<Aborts>,
+    abandoned: AtomicBool,
+}
+
+impl Aborter {
+    fn abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Relaxed)
+    }
+
+    async fn send(&self, engine: SocketAddr) {
+        let Some(rid) = &self.rid else { return };
+        self.counters.sent.fetch_add(1, Ordering::Relaxed);
+        match post_json(&self.client, engine, "/abort_request", &json!({"rid": rid}), ABORT_TIMEOUT, false)
+            .await
+        {
+            Ok(r) if r.status().is_success() => {
+                let _ = r.into_body().collect().await;
+            }
+            _ => {
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Abandons the request when dropped armed (it ended before its answer did: a client that left, a
+/// failed leg): aborts it on its engines now, and marks it so the legs still running abort it
+/// again when they end.
+struct AbortGuard {
+    aborter: Arc<Aborter>,
+    engines: Vec<SocketAddr>,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.aborter.abandoned.store(true, Ordering::Relaxed);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (aborter, engines) = (Arc::clone(&self.aborter), std::mem::take(&mut self.engines));
+        rt.spawn(async move {
+            for e in engines {
+                aborter.send(e).await;
+            }
+        });
+    }
+}
+
+/// The decoder's answer, holding the request's slot and its abort until it ends; a prefill that
+/// fails while it streams ends it with an error event.
+struct Watched {
+    inner: Incoming,
+    prefill: Option<oneshot::Receiver<PrefillOutcome>>,
+    metrics: Arc<Metrics>,
+    _slot: Option<SlotGuard>,
+    abort: Option<AbortGuard>,
+    /// The answer was ended early (its prefill failed).
+    cut: bool,
+}
+
+impl Body for Watched {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.cut {
+            return Poll::Ready(None);
+        }
+        if let Some(rx) = self.prefill.as_mut()
+            && let Poll::Ready(p) = Pin::new(rx).poll(cx)
+        {
+            self.prefill = None;
+            match p {
+                Ok(PrefillOutcome { result: Ok(()), took }) => self.metrics.phase(Phase::Prefill, took),
+                Ok(PrefillOutcome { result: Err(e), .. }) => {
+                    // The decoder waits for KV that will not come: end the answer (the guard aborts
+                    // it on drop).
+                    tracing::warn!(error = %e, "sglang prefill failed after the decoder's answer started");
+                    let event = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
+                    self.cut = true;
+                    return Poll::Ready(Some(Ok(Frame::data(event))));
+                }
+                Err(_) => {}
+            }
+        }
+        let next = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = next
+            && let Some(a) = self.abort.as_mut()
+        {
+            // The answer ended whole: nothing to abort.
+            a.armed = false;
+        }
+        next.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.cut || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.prefill.is_some() { SizeHint::default() } else { self.inner.size_hint() }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        // The prefill's answer may come after the decoder's ended; it is still timed.
+        let Some(rx) = self.prefill.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let metrics = Arc::clone(&self.metrics);
+        rt.spawn(async move {
+            if let Ok(PrefillOutcome { result: Ok(()), took }) = rx.await {
+                metrics.phase(Phase::Prefill, took);
+            }
+        });
+    }
+}
+
+impl Handoff for Sglang {
+    fn mode(&self) -> &'static str {
+        MODE
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// One slot per request: the decoder's own scheduler owns its KV cache.
+    fn slots_for(&self, _prompt_tokens: usize) -> u32 {
+        1
+    }
+
+    fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
+        Box::pin(self.exchange(leg))
+    }
+
+    fn view(&self) -> BoxFuture<'_, Value> {
+        Box::pin(async move {
+            let learned: HashMap<String, u16> = self
+                .learned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(a, p)| (a.to_string(), *p))
+                .collect();
+            json!({"max_in_flight": self.target.max_in_flight, "bootstrap_port": self.bootstrap_port,
+                   "learned_bootstrap_ports": learned})
+        })
+    }
+
+    fn metrics(&self, decoder: &str, out: &mut Families) {
+        self.load.metrics(decoder, MODE, out);
+        for (result, c) in [("sent", &self.aborts.sent), ("failed", &self.aborts.failed)] {
+            out.add(
+                "baton_sglang_aborts_total",
+                "counter",
+                "POST /abort_request sent to SGLang engines for requests that ended before their answer, by result.",
+                format!("decoder=\"{decoder}\",result=\"{result}\""),
+                c.load(Ordering::Relaxed) as f64,
+            );
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rooms_are_spread_and_within_sglangs_range() {
+        let rooms: Vec<u64> = (0..1000u64).map(|i| splitmix(i) & (i64::MAX as u64)).collect();
+        let mut unique = rooms.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), rooms.len());
+        assert!(rooms.iter().all(|r| *r <= i64::MAX as u64));
+        assert!(rooms.iter().any(|r| *r > 1 << 62), "the high half of the range is used");
+    }
+}
