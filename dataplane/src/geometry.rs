@@ -223,20 +223,24 @@ pub struct ChunkLayout {
 
 impl ChunkLayout {
     /// Bytes of one head of one token (the contiguous unit every copy moves).
+    #[inline]
     pub fn head_bytes(&self) -> usize {
         self.head_dim as usize * self.dtype_bytes as usize
     }
 
     /// Bytes of one token's heads in one layer, K or V.
+    #[inline]
     pub fn token_bytes(&self) -> usize {
         self.heads as usize * self.head_bytes()
     }
 
+    #[inline]
     pub fn page_bytes(&self) -> usize {
         self.layers as usize * 2 * self.chunk_tokens as usize * self.token_bytes()
     }
 
     /// Offset of `(layer, kv, token)`'s first head; `kv` is 0 for K, 1 for V.
+    #[inline]
     pub fn offset(&self, layer: u32, kv: u32, token: u32) -> usize {
         ((layer as usize * 2 + kv as usize) * self.chunk_tokens as usize + token as usize)
             * self.token_bytes()

@@ -5,12 +5,11 @@
 //! status per request; the aggregator is idempotent (a repeated status changes nothing) and
 //! order-independent (any arrival order gives the same outcome), completes when every rank is READY,
 //! fails at the first rank that is not, and times out at its deadline. Memory is bounded: ranks per
-//! request by [`MAX_RANKS`], requests per board by its limit; statuses for requests nobody registered
-//! are refused, never stored.
+//! request by [`MAX_RANKS`]; a status for another request is refused, never stored. (The gateway
+//! keeps one aggregator per waiting request, routed by its event feeds.)
 
 use std::time::Instant;
 
-use rustc_hash::FxHashMap;
 use thiserror::Error;
 
 use crate::events::{RankStatus, TerminalState};
@@ -45,16 +44,8 @@ pub enum ObserveError {
     UnknownRank { rank: Rank, ranks: u32 },
     #[error("rank {rank} already reported {first:?}, now {then:?}; the first status stands")]
     Conflict { rank: Rank, first: TerminalState, then: TerminalState },
-    #[error("no request {0} is waiting for readiness")]
-    UnknownRequest(RequestKey),
-    #[error("request {got} is waiting as epoch {want}")]
-    WrongEpoch { got: RequestKey, want: u32 },
     #[error("{ranks} ranks is more than the limit of {limit}")]
     TooManyRanks { ranks: u32, limit: u32 },
-    #[error("{limit} requests are already waiting for readiness")]
-    Full { limit: usize },
-    #[error("request {0} is already waiting for readiness")]
-    Duplicate(RequestKey),
 }
 
 /// Readiness of one request across its ranks.
@@ -138,73 +129,6 @@ impl Aggregator {
     }
 }
 
-/// Readiness of many requests, bounded in memory.
-#[derive(Debug)]
-pub struct ReadinessBoard {
-    limit: usize,
-    waiting: FxHashMap<crate::ids::RequestId, Aggregator>,
-    /// Statuses refused because no such request (or epoch) was waiting.
-    pub refused: u64,
-}
-
-impl ReadinessBoard {
-    pub fn new(limit: usize) -> Self {
-        Self { limit, waiting: FxHashMap::default(), refused: 0 }
-    }
-
-    pub fn len(&self) -> usize {
-        self.waiting.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.waiting.is_empty()
-    }
-
-    /// Starts waiting for a request's ranks.
-    pub fn register(&mut self, key: RequestKey, ranks: u32, deadline: Instant) -> Result<(), ObserveError> {
-        if self.waiting.contains_key(&key.request) {
-            return Err(ObserveError::Duplicate(key));
-        }
-        if self.waiting.len() >= self.limit {
-            return Err(ObserveError::Full { limit: self.limit });
-        }
-        self.waiting.insert(key.request, Aggregator::new(key, ranks, deadline)?);
-        Ok(())
-    }
-
-    /// Routes a status to its request. Unknown requests and epochs are refused and counted.
-    pub fn observe(&mut self, s: &RankStatus, now: Instant) -> Result<Progress, ObserveError> {
-        let Some(a) = self.waiting.get_mut(&s.request) else {
-            self.refused += 1;
-            return Err(ObserveError::UnknownRequest(s.key()));
-        };
-        if a.key.epoch != s.epoch {
-            self.refused += 1;
-            return Err(ObserveError::WrongEpoch { got: s.key(), want: a.key.epoch });
-        }
-        a.observe(s, now)
-    }
-
-    /// Stops waiting for a request (done, or given up), returning its aggregator.
-    pub fn remove(&mut self, key: RequestKey) -> Option<Aggregator> {
-        match self.waiting.get(&key.request) {
-            Some(a) if a.key == key => self.waiting.remove(&key.request),
-            _ => None,
-        }
-    }
-
-    /// Requests whose deadline passed by `now`, with their outcome; they stay registered until removed.
-    pub fn timed_out(&mut self, now: Instant) -> Vec<(RequestKey, Outcome)> {
-        self.waiting
-            .values_mut()
-            .filter_map(|a| match a.poll(now) {
-                Some(o @ Outcome::TimedOut { .. }) => Some((a.key, o)),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -275,23 +199,5 @@ mod tests {
         assert_eq!(a.poll(t0), None);
         assert_eq!(a.poll(t0 + Duration::from_secs(1)), Some(Outcome::TimedOut { missing: 1 }));
         assert!(Aggregator::new(key, MAX_RANKS + 1, t0).is_err());
-    }
-
-    #[test]
-    fn board_is_bounded_and_refuses_unknown() {
-        let t0 = Instant::now();
-        let mut b = ReadinessBoard::new(2);
-        let k = |i| RequestKey::new(RequestId(i), 0);
-        b.register(k(1), 1, t0 + Duration::from_secs(1)).unwrap();
-        b.register(k(2), 1, t0 + Duration::from_secs(2)).unwrap();
-        assert_eq!(b.register(k(3), 1, t0), Err(ObserveError::Full { limit: 2 }));
-        assert!(b.observe(&st(k(9), 0, TerminalState::Ready), t0).is_err());
-        assert!(b.observe(&st(RequestKey::new(RequestId(1), 5), 0, TerminalState::Ready), t0).is_err());
-        assert_eq!(b.refused, 2);
-        assert_eq!(b.observe(&st(k(1), 0, TerminalState::Ready), t0), Ok(Progress::Done(Outcome::Ready)));
-        assert_eq!(b.timed_out(t0 + Duration::from_millis(1500)), vec![]);
-        assert_eq!(b.timed_out(t0 + Duration::from_secs(2)), vec![(k(2), Outcome::TimedOut { missing: 1 })]);
-        assert!(b.remove(k(1)).is_some());
-        assert_eq!(b.len(), 1);
     }
 }

@@ -119,6 +119,7 @@ impl Device for AnyDevice {
         }
     }
 
+    #[inline]
     fn write_tensor(&self, t: &AnyTensor, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
         match (self, t) {
             (Self::Cpu(d), AnyTensor::Cpu(t)) => d.write_tensor(t, offset, src),

@@ -45,6 +45,7 @@ fn zeroed(bytes: usize) -> Result<Box<[u8]>, DeviceError> {
     Ok(v.into_boxed_slice())
 }
 
+#[inline]
 fn range(offset: usize, len: usize, size: usize) -> Result<std::ops::Range<usize>, DeviceError> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(offset..end),
@@ -154,6 +155,7 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    #[inline]
     fn write_tensor(&self, t: &CpuTensor, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
         let mut m = t.0.write().unwrap_or_else(|e| e.into_inner());
         let r = range(offset, src.len(), m.len())?;
@@ -161,6 +163,7 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    #[inline]
     fn read_tensor(&self, t: &CpuTensor, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
         let m = t.0.read().unwrap_or_else(|e| e.into_inner());
         let r = range(offset, dst.len(), m.len())?;

@@ -94,11 +94,13 @@ impl CacheLayout {
         }
     }
 
+    #[inline]
     pub fn head_bytes(&self) -> usize {
         self.head_dim as usize * self.dtype_bytes as usize
     }
 
     /// Byte offset of element `(kv, block, slot, head)`.
+    #[inline]
     pub fn offset(&self, kv: u32, block: u32, slot: u32, head: u32) -> usize {
         kv as usize * self.kv_stride
             + block as usize * self.block_stride

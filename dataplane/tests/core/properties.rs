@@ -1,8 +1,10 @@
-//! Property tests: random interleavings of reserve / publish / arrive / duplicate arrive / aborted
-//! write / cancel / expire / renew / consume / share / fence across several requests and ranks.
-//! After every step each rank's accounting balances and no page has two owners (`check_invariants`);
-//! every byte read back is the byte written; at the end every request reached exactly one terminal
-//! state per rank (by its deadline) and every page is free.
+//! Property tests: random interleavings of reserve (sometimes larger than the whole buffer) /
+//! publish / arrive / duplicate arrive / aborted write / cancel / expire / renew / consume / share /
+//! prefix lookup / fence across several requests and ranks. After every step each rank's accounting
+//! balances and no page has two owners (`check_invariants`); a lookup or a refused reservation
+//! changes nothing; "pages released" is never emitted while the request still holds a guard on
+//! that rank; every byte read back is the byte written; at the end every request reached exactly
+//! one terminal state and one release per rank (by its deadline) and every page is free.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use baton_dataplane::device::Device;
 use baton_dataplane::device::cpu::CpuDevice;
 use baton_dataplane::{
     BeginWrite, Clock, Consuming, ManualClock, NotReady, PageAddr, PrefixKey, Ready, Reservation,
-    ReserveRequest, SharedChunk, TerminalState,
+    ReserveError, ReserveRequest, SharedChunk, TerminalState,
 };
 use proptest::prelude::*;
 
@@ -71,6 +73,11 @@ pub(crate) enum Op {
         rank: usize,
         chunk: u64,
     },
+    /// The side-effect-free prefix query.
+    Lookup {
+        rank: usize,
+        chunk: u64,
+    },
     Unshare {
         rank: usize,
     },
@@ -84,7 +91,8 @@ pub(crate) fn op() -> impl Strategy<Value = Op> {
     let req = 0..REQUESTS;
     let rank = 0..RANKS;
     prop_oneof![
-        4 => (req.clone(), 0u32..=4, any::<bool>(), 200u64..6000, prop::bool::weighted(0.8))
+        // Up to two pages more than the buffer holds: those are refused whole, at once.
+        4 => (req.clone(), 0u32..=PAGES + 2, any::<bool>(), 200u64..6000, prop::bool::weighted(0.8))
             .prop_map(|(req, chunks, prefixed, lease_ms, publish)| Op::Reserve { req, chunks, prefixed, lease_ms, publish }),
         1 => req.clone().prop_map(|req| Op::Publish { req }),
         3 => (req.clone(), rank.clone(), 0usize..5).prop_map(|(req, rank, idx)| Op::Arrive { req, rank, idx }),
@@ -96,6 +104,7 @@ pub(crate) fn op() -> impl Strategy<Value = Op> {
         8 => (req.clone(), rank.clone()).prop_map(|(req, rank)| Op::Consume { req, rank }),
         2 => (req.clone(), rank.clone()).prop_map(|(req, rank)| Op::Finish { req, rank }),
         1 => (rank.clone(), 0u64..3).prop_map(|(rank, chunk)| Op::Share { rank, chunk }),
+        1 => (rank.clone(), 0u64..4).prop_map(|(rank, chunk)| Op::Lookup { rank, chunk }),
         1 => rank.clone().prop_map(|rank| Op::Unshare { rank }),
         1 => (req, rank).prop_map(|(req, rank)| Op::Fence { req, rank }),
     ]
@@ -184,12 +193,26 @@ pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCa
                 // All ranks or none, as the gateway does.
                 let mut got = Vec::new();
                 for (rank, rig) in rigs.iter().enumerate() {
+                    let before = rig.buf.stats();
                     match rig.buf.reserve(ReserveRequest { key: k, chunks, prefixes, lease }) {
                         Ok(r) => {
+                            prop_assert!(
+                                chunks <= PAGES,
+                                "{} chunks reserved in a {}-page buffer",
+                                chunks,
+                                PAGES
+                            );
                             got.push(Some(Guard::Res(r)));
                             reserved_on.push((req, epoch, rank as u32));
                         }
-                        Err(_) => break,
+                        Err(e) => {
+                            if chunks > PAGES {
+                                prop_assert_eq!(e, ReserveError::TooLarge { need: chunks, capacity: PAGES });
+                            }
+                            // A refusal holds nothing.
+                            prop_assert_eq!(rig.buf.stats(), before);
+                            break;
+                        }
                     }
                 }
                 if got.len() == RANKS {
@@ -309,6 +332,15 @@ pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCa
                     shares[rank].push(s);
                 }
             }
+            Op::Lookup { rank, chunk } => {
+                let before: Vec<_> = rigs.iter().map(|r| r.buf.stats()).collect();
+                let found = rigs[rank].buf.has_prefix(PREFIXES[chunk as usize]);
+                let after: Vec<_> = rigs.iter().map(|r| r.buf.stats()).collect();
+                prop_assert_eq!(before, after, "a lookup changed the accounting");
+                // It answers what sharing would find.
+                let shared = rigs[rank].buf.share_prefix(PREFIXES[chunk as usize]);
+                prop_assert_eq!(found, shared.is_some());
+            }
             Op::Unshare { rank } => {
                 shares[rank].pop();
             }
@@ -321,6 +353,31 @@ pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCa
             rig.buf.check_invariants().map_err(TestCaseError::fail)?;
             let s = rig.buf.stats();
             prop_assert_eq!(s.pages.sum(), u64::from(PAGES));
+        }
+        // "Pages released" only once nothing of the request is held on that rank: never while it is
+        // being consumed, and while its reservation or readiness guard lives only once its lease
+        // has passed (early release: the decoder must be done with the pages).
+        let released_before = releases.clone();
+        collect(&rigs, &mut terminals, &mut releases);
+        let now = clock.now();
+        for (k3 @ (id, epoch, rank), n) in &releases {
+            if released_before.get(k3) == Some(n) {
+                continue;
+            }
+            if let Some(r) = reqs.get(id).filter(|r| r.epoch == *epoch) {
+                let early = match &r.guards[*rank as usize] {
+                    None => false,
+                    Some(Guard::Cons(_)) => true,
+                    Some(Guard::Res(_) | Guard::Ready(_)) => r.lease > now,
+                };
+                prop_assert!(
+                    !early,
+                    "request {}#{} released on rank {} while a guard still holds it",
+                    id,
+                    epoch,
+                    rank
+                );
+            }
         }
     }
 

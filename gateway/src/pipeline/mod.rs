@@ -236,7 +236,6 @@ impl Gateway {
                 limit: self.model.context_length,
             });
         }
-        let mut timing = Timing::start();
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens.or(req.fields.max_completion_tokens);
@@ -286,6 +285,8 @@ impl Gateway {
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
 
+        // Timed from the admission on: `queue` is the wait for the decoder's room.
+        let mut timing = Timing::start();
         let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();

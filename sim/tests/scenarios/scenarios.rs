@@ -62,9 +62,12 @@ impl Cluster {
     }
 }
 
+/// The system prompt the mix's prompts start with (a part of it).
+const SYSTEM: &str = "You are baton, a careful assistant for disaggregated serving. ";
+
 /// Prompts that share a system prefix and differ after it, 1 to ~10 chunks long.
 fn jobs(n: usize) -> Vec<Job> {
-    let system = "You are baton, a careful assistant for disaggregated serving. ";
+    let system = SYSTEM;
     (0..n)
         .map(|i| Job {
             chat: i % 2 == 0,
@@ -76,11 +79,39 @@ fn jobs(n: usize) -> Vec<Job> {
         .collect()
 }
 
+/// How long the leaders keep their KV ready: longer than any mix takes.
+const LEADER_HOLD: Duration = Duration::from_secs(5);
+
 async fn run_mix(p: usize, d: usize, tp: u32, requests: usize) {
     // A small buffer (24 pages of 16 tokens) so requests really queue for room.
     let c = cluster(p, d, tp, 24, |_| {}).await;
+    // On every decoder, two leaders (a chat and a completion) whose prompt is the whole system
+    // prefix hold their KV ready while the mix runs: every full chunk a mix request has in common
+    // with its leader must be shared, whatever the timing.
+    let mut leaders = JoinSet::new();
+    let lead = |chat: bool| Job {
+        chat,
+        stream: false,
+        text: format!("{SYSTEM}and the leader's own question"),
+        max_tokens: 1,
+        hold: LEADER_HOLD,
+    };
+    for (i, dec) in c.decoders.iter().enumerate() {
+        for chat in [false, true] {
+            let (prefill, dec, g, job) = (c.prefill[i % p].addr, Arc::clone(dec), c.geometry, lead(chat));
+            leaders.spawn(async move { handoff(prefill, &dec, &g, &job, Limits::default()).await });
+        }
+    }
+    // The leaders' KV is in the buffers well before this.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let chunk = c.geometry.chunk_tokens as usize;
     let mut tasks = JoinSet::new();
+    let mut expected = 0;
     for (i, job) in jobs(requests).into_iter().enumerate() {
+        let (leader, ids) = (lead(job.chat).ids(), job.ids());
+        let common = leader.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        expected += common / chunk * tp as usize;
         let prefill = c.prefill[i % p].addr;
         let dec = Arc::clone(&c.decoders[i % d]);
         let g = c.geometry;
@@ -106,9 +137,16 @@ async fn run_mix(p: usize, d: usize, tp: u32, requests: usize) {
         }
     }
     assert_eq!(ok, requests);
-    // Prompts share a system prefix; whether a chunk is shared depends on timing (the other request
-    // must still hold it), so it is reported here and proven by `prefix_chunks_are_shared_on_the_decoder`.
-    eprintln!("{p}P{d}D TP{tp}: {shared_total} chunks shared");
+    assert!(started.elapsed() < LEADER_HOLD, "the mix outlasted the leaders: {:?}", started.elapsed());
+    // Shared with the leaders at least; requests of the mix may share with each other on top.
+    assert!(expected > 0, "the mix has prefixes in common with its leaders");
+    assert!(
+        shared_total >= expected,
+        "{p}P{d}D TP{tp}: {shared_total} chunks shared, at least {expected} expected"
+    );
+    while let Some(r) = leaders.join_next().await {
+        assert!(matches!(r.unwrap(), Handoff::Done { status: 200, .. }));
+    }
     c.assert_clean().await;
     c.shutdown().await;
 }

@@ -1,0 +1,239 @@
+//! The configuration's checks, one named case per rule.
+
+use super::*;
+
+const GOOD: &str = r#"
+[[listeners]]
+address = "127.0.0.1:8080"
+plain_http = true
+
+[model]
+name = "baton-sim"
+context_length = 32768
+chunk_tokens = 16
+geometry = { layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }
+
+[[prefill]]
+name = "p0"
+url = "http://127.0.0.1:8100"
+
+[[decode]]
+name = "d0"
+url = "http://127.0.0.1:8200"
+dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
+"#;
+
+#[test]
+fn a_good_file_checks_with_defaults() {
+    let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
+    let CheckedMode::Native { geometry, .. } = &c.decoders[0].mode else { panic!("native") };
+    assert_eq!(geometry.tp_size, 2);
+    assert_eq!(c.limits.lease, DEFAULT_LEASE);
+    assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
+}
+
+const LMCACHE: &str = r#"
+[[decode]]
+name = "d1"
+url = "http://127.0.0.1:8300"
+handoff = "lmcache"
+lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports = [7400, 7401], pd_buffer_size = 65536 }
+
+[lmcache]
+notify_listen = "127.0.0.1:7500"
+"#;
+
+#[test]
+fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
+    let c = Config::parse(&format!("{GOOD}{LMCACHE}")).unwrap().check(Path::new(".")).unwrap();
+    let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
+    // 2 layers × 2 KV × 2 heads × 16 dims × 2 bytes = 256 bytes per token, 128 per rank at TP 2:
+    // 16-token chunks are 2 KiB per rank, 64 KiB hold 32.
+    assert_eq!((lm.capacity, lm.chunk_size, lm.target.alloc_ports.len()), (32, 16, 2));
+    assert_eq!(c.lmcache_listen, Some("127.0.0.1:7500".parse().unwrap()));
+    assert!(c.first_token);
+    // The same from an LMCache YAML, older key names included; explicit values win.
+    let dir = std::env::temp_dir().join(format!("baton-lmcache-yaml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("d.yaml"),
+        "enable_nixl: True\nnixl_role: \"receiver\"\nnixl_peer_host: \"10.1.1.1\"\nnixl_peer_init_port: 7301\nnixl_peer_alloc_port: 7401\nnixl_buffer_size: 131072 # 128 KiB\nchunk_size: 32\n",
+    )
+    .unwrap();
+    let text = format!("{GOOD}{LMCACHE}").replace(
+        r#"lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports = [7400, 7401], pd_buffer_size = 65536 }"#,
+        r#"lmcache = { config = "d.yaml", pd_buffer_size = 262144 }"#,
+    );
+    let c = Config::parse(&text).unwrap().check(&dir).unwrap();
+    let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
+    assert_eq!(lm.target.receiver_host, "10.1.1.1");
+    assert_eq!((lm.target.init_ports.clone(), lm.target.alloc_ports.clone()), (vec![7301], vec![7401]));
+    // TP 1, 32-token chunks: 8 KiB per chunk; 256 KiB (the TOML's value, not the YAML's) hold 32.
+    assert_eq!((lm.chunk_size, lm.capacity, lm.pd_buffer_size), (32, 32, 262_144));
+    std::fs::write(dir.join("p.yaml"), "pd_role: \"sender\"\npd_proxy_port: 7500\n").unwrap();
+    let bad = Config::parse(&text.replace("d.yaml", "p.yaml")).unwrap().check(&dir).unwrap_err();
+    assert_eq!(bad.field, "decode[1].lmcache.config", "{bad}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_key_of_another_mode_is_refused_at_its_pool_with_line_and_column() {
+    let text = GOOD.replace(
+        "url = \"http://127.0.0.1:8200\"",
+        "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\"",
+    );
+    let e = Config::parse(&text).unwrap_err();
+    assert!(e.reason.contains("unknown field `dataplane`, expected `nixl`"), "{e}");
+    let pool = text.lines().position(|l| l == "[[decode]]").unwrap() + 1;
+    assert_eq!(e.at, Some((pool, 1)), "{e}");
+    assert!(e.to_string().starts_with(&format!("line {pool}, column 1: ")), "{e}");
+    // A syntax error points at its own line.
+    let e = Config::parse("[model]\nname = \"m\"\ncontext_length = = 3\n").unwrap_err();
+    assert_eq!(e.at.map(|a| a.0), Some(3), "{e}");
+}
+
+#[test]
+fn bad_files_name_the_field() {
+    // (name, edit of GOOD, field the error must name)
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("unknown field", GOOD.replace("plain_http = true", "plain_http = true\ncolour = 1"), "config"),
+        ("no tls and not plain", GOOD.replace("plain_http = true", ""), "listeners[0]"),
+        ("bad url", GOOD.replace("http://127.0.0.1:8100", "127.0.0.1:8100"), "prefill[0].url"),
+        (
+            "no ranks",
+            GOOD.replace(r#"dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]"#, "dataplane = []"),
+            "decode[0].dataplane",
+        ),
+        (
+            "tp does not divide heads",
+            GOOD.replace(
+                r#"["127.0.0.1:9000", "127.0.0.1:9001"]"#,
+                r#"["127.0.0.1:9000", "127.0.0.1:9001", "127.0.0.1:9002"]"#,
+            ),
+            "decode[0] (model.geometry)",
+        ),
+        ("half a geometry", GOOD.replace("layers = 2, ", ""), "decode[0] (model.geometry)"),
+        (
+            "zero context",
+            GOOD.replace("context_length = 32768", "context_length = 0"),
+            "model.context_length",
+        ),
+        (
+            "lease shorter than ready wait",
+            format!("{GOOD}\n[admission]\nlease_ms = 1000\nready_timeout_ms = 2000\n"),
+            "admission.lease_ms",
+        ),
+        (
+            "missing tls file",
+            GOOD.replace(
+                "plain_http = true",
+                r#"tls_cert = "nope.pem"
+tls_key = "nope.key""#,
+            ),
+            "listeners[0].tls",
+        ),
+        ("unknown routing", format!("{GOOD}\n[routing]\npolicy = \"random\"\n"), "routing.policy"),
+        (
+            "zero health interval",
+            format!("{GOOD}\n[routing]\nhealth_check_interval_ms = 0\n"),
+            "routing.health_check_interval_ms",
+        ),
+        ("bad log format", format!("{GOOD}\n[telemetry]\nlog_format = \"xml\"\n"), "telemetry.log_format"),
+        ("bad log filter", format!("{GOOD}\n[telemetry]\nlog_level = \"a=b=c\"\n"), "telemetry.log_level"),
+        (
+            "missing tokenizer",
+            GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer = \"nope/tokenizer.json\""),
+            "model.tokenizer",
+        ),
+        (
+            "nixl with a dataplane",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\"",
+            ),
+            "config",
+        ),
+        (
+            "nixl usage above 1",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"vllm-nixl\"\nnixl = { kv_usage_high = 1.5 }",
+            ),
+            "decode[0].nixl.kv_usage_high",
+        ),
+        (
+            "unknown handoff",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"mooncake\"",
+            ),
+            "config",
+        ),
+        (
+            "lmcache without a listener",
+            format!("{GOOD}{LMCACHE}").replace("[lmcache]\nnotify_listen = \"127.0.0.1:7500\"", ""),
+            "lmcache.notify_listen",
+        ),
+        (
+            "lmcache ports mismatch",
+            format!("{GOOD}{LMCACHE}").replace("alloc_ports = [7400, 7401]", "alloc_ports = [7400]"),
+            "decode[1].lmcache.alloc_ports",
+        ),
+        (
+            "lmcache buffer below one chunk",
+            format!("{GOOD}{LMCACHE}").replace("pd_buffer_size = 65536", "pd_buffer_size = 100"),
+            "decode[1].lmcache.pd_buffer_size",
+        ),
+        (
+            "lmcache without its section",
+            format!("{GOOD}{LMCACHE}").replace("lmcache = { receiver_host", "colour = { receiver_host"),
+            "config",
+        ),
+        (
+            "lmcache section on a native pool",
+            GOOD.replace("dataplane = [", "lmcache = { pd_buffer_size = 1 }\ndataplane = ["),
+            "config",
+        ),
+        (
+            "sglang with a dataplane",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"",
+            ),
+            "config",
+        ),
+        (
+            "sglang bootstrap port 0",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nbootstrap_port = 0",
+            ),
+            "decode[0].bootstrap_port",
+        ),
+        (
+            "sglang usage above 1",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nsglang = { kv_usage_high = 2.0 }",
+            ),
+            "decode[0].sglang.kv_usage_high",
+        ),
+        (
+            "a nixl table on an sglang pool",
+            GOOD.replace(
+                "url = \"http://127.0.0.1:8200\"\ndataplane = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]",
+                "url = \"http://127.0.0.1:8200\"\nhandoff = \"sglang\"\nnixl = { max_in_flight = 2 }",
+            ),
+            "config",
+        ),
+        (
+            "template without tokenizer",
+            GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer_config = \"x.json\""),
+            "model.tokenizer_config",
+        ),
+    ];
+    for (name, text, field) in cases {
+        let got = Config::parse(&text).and_then(|c| c.check(Path::new("."))).map(|_| ()).unwrap_err();
+        assert_eq!(got.field, field, "{name}: {got}");
+    }
+}
