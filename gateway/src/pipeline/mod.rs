@@ -38,6 +38,10 @@ pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A connection with no request in flight and no traffic for this long is closed.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Largest request header block (request line and headers): real clients send a few KiB; beyond
+/// this hyper answers 431 and closes the connection (HTTP/2: the header list size it advertises).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 << 10;
+
 /// The front door's time limits.
 #[derive(Clone, Copy, Debug)]
 pub struct HttpTimeouts {
@@ -184,6 +188,13 @@ impl Gateway {
             && !ct.to_str().is_ok_and(|v| v.starts_with("application/json"))
         {
             return Err(GatewayError::ContentType);
+        }
+        // Refused before the body is read, so a client that sent `Expect: 100-continue` gets the
+        // 413 instead of `100 Continue` (hyper sends that only once the body is polled).
+        let declared =
+            req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+            return Err(GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES });
         }
         let (parts, body) = req.into_parts();
         let headers = parts.headers;

@@ -107,8 +107,13 @@ impl Gateway {
             }
         });
         let mut b = auto::Builder::new(TokioExecutor::new());
-        b.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read);
-        b.http2().timer(TokioTimer::new());
+        b.http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read)
+            .max_buf_size(crate::pipeline::DEFAULT_MAX_HEADER_BYTES);
+        b.http2().timer(TokioTimer::new()).max_header_list_size(
+            u32::try_from(crate::pipeline::DEFAULT_MAX_HEADER_BYTES).unwrap_or(u32::MAX),
+        );
         let conn = b.serve_connection(io, svc);
         tokio::pin!(conn);
         let mut tick = tokio::time::interval(limits.idle / 8);
