@@ -10,6 +10,9 @@
 //!
 //! `prompt_token_ids` are the gateway's count of the prompt; both legs use them instead of
 //! tokenizing again, so they agree on every token.
+//!
+//! [`Generation`] is the part of an OpenAI completion or chat request both sides read (the rest of
+//! the request passes through untouched).
 
 use std::net::SocketAddr;
 
@@ -19,6 +22,67 @@ use crate::ids::{PageAddr, RequestId, RequestKey};
 
 /// The request field's name.
 pub const FIELD: &str = "baton";
+
+/// A request's prompt as the client sent it: text, or token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// One chat message: its role and its content (a string or a list of content parts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: serde_json::Value,
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields of a `/v1/completions` or `/v1/chat/completions` request the gateway and an engine
+/// both read.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Generation {
+    pub model: Option<String>,
+    /// Completions.
+    pub prompt: Option<Prompt>,
+    /// Chat.
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl Generation {
+    /// The token limit the request sets (`max_completion_tokens` wins, as in OpenAI's API).
+    pub fn max_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// A message's text: a string, or the text parts of a content list.
+pub fn content_text(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(parts) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(serde_json::Value::as_str)).collect()
+        }
+        _ => String::new(),
+    }
+}
 
 /// One decoder rank's reserved pages, as a prefiller writes to them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

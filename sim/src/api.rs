@@ -10,43 +10,20 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::kv::{render_chat, tokenize};
+use baton_dataplane::contract::content_text;
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
+pub use baton_dataplane::contract::{
+    BatonParams, ChatMessage, DecoderTarget, Generation, Prompt, StreamOptions,
+};
 
-#[derive(Debug, Deserialize, Default)]
-pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    #[serde(default)]
-    pub content: Value,
-}
-
-pub use baton_dataplane::contract::{BatonParams, DecoderTarget};
-
-/// A completion or chat request.
+/// A completion or chat request: the shape the gateway reads too, and the engine's own fields.
 #[derive(Debug, Deserialize)]
 pub struct GenRequest {
-    pub model: Option<String>,
-    pub prompt: Option<Prompt>,
-    pub messages: Option<Vec<ChatMessage>>,
-    pub max_tokens: Option<u32>,
-    pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub openai: Generation,
     pub baton: Option<BatonParams>,
     /// vLLM's KV connector parameters (LMCache `disagg_spec` / `ret_first_tok`; NIXL's remote fields).
     pub kv_transfer_params: Option<Value>,
@@ -70,13 +47,13 @@ impl GenRequest {
             return Ok(ids);
         }
         match ep {
-            Endpoint::Completions => match &self.prompt {
+            Endpoint::Completions => match &self.openai.prompt {
                 Some(Prompt::Text(t)) => Ok(tokenize(t)),
                 Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
                 None => Err("prompt is required".into()),
             },
             Endpoint::Chat => {
-                let msgs = self.messages.as_ref().ok_or("messages is required")?;
+                let msgs = self.openai.messages.as_ref().ok_or("messages is required")?;
                 let rendered: Vec<(String, String)> =
                     msgs.iter().map(|m| (m.role.clone(), content_text(&m.content))).collect();
                 Ok(tokenize(&render_chat(&rendered)))
@@ -85,7 +62,7 @@ impl GenRequest {
     }
 
     pub fn max_tokens(&self) -> u32 {
-        self.max_completion_tokens.or(self.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS)
+        self.openai.max_tokens().unwrap_or(DEFAULT_MAX_TOKENS)
     }
 
     /// NIXL's fields of `kv_transfer_params`, if any.
@@ -127,16 +104,7 @@ impl GenRequest {
     }
 
     pub fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
-    }
-}
-
-/// A message's text: a string, or the text parts of a content array.
-fn content_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
-        _ => String::new(),
+        self.openai.include_usage()
     }
 }
 

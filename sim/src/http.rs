@@ -357,7 +357,7 @@ impl SimEngine {
         };
         let parsed: Result<GenRequest, _> = serde_json::from_slice(&body);
         let ids = match parsed {
-            Ok(r) if r.messages.is_some() => r.token_ids(Endpoint::Chat),
+            Ok(r) if r.openai.messages.is_some() => r.token_ids(Endpoint::Chat),
             Ok(r) => r.token_ids(Endpoint::Completions),
             Err(e) => Err(format!("invalid request body: {e}")),
         };
@@ -433,7 +433,7 @@ impl SimEngine {
             ));
         }
         let ids = req.token_ids(ep).map_err(SimError::bad)?;
-        let model = req.model.clone().unwrap_or_else(|| self.model.clone());
+        let model = req.openai.model.clone().unwrap_or_else(|| self.model.clone());
         let id = match &req.baton {
             Some(b) => b.request_id.clone(),
             None => format!("{:032x}", self.next_id.fetch_add(1, Ordering::Relaxed)),
@@ -500,7 +500,7 @@ impl SimEngine {
             _ => {}
         }
         let prompt = ids.len();
-        if !req.stream {
+        if !req.openai.stream {
             // A zero sleep would still wait for the next timer tick (about 1 ms).
             if !self.token_delay.is_zero() {
                 tokio::time::sleep(self.token_delay * n).await;

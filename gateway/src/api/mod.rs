@@ -2,7 +2,6 @@
 //! stable `code` and retry advice. One function ([`GatewayError::status`] with
 //! [`GatewayError::body`]) maps every error to its HTTP response.
 
-use serde::Deserialize;
 use serde_json::{Value, json};
 use thiserror::Error;
 
@@ -161,40 +160,11 @@ impl GatewayError {
     }
 }
 
-/// A request's prompt as the client sent it.
-#[derive(Debug, Deserialize, Clone)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Tokens(Vec<u32>),
-}
+pub use baton_dataplane::contract::{ChatMessage, Prompt, StreamOptions, content_text};
 
-#[derive(Debug, Deserialize, Clone)]
-pub struct ChatMessage {
-    pub role: String,
-    #[serde(default)]
-    pub content: Value,
-}
-
-#[derive(Debug, Deserialize, Clone, Default)]
-pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
-}
-
-/// The fields the gateway reads; the whole JSON object is forwarded to the engines untouched apart
-/// from the handoff fields.
-#[derive(Debug, Deserialize)]
-pub struct GenFields {
-    pub model: Option<String>,
-    pub prompt: Option<Prompt>,
-    pub messages: Option<Vec<ChatMessage>>,
-    pub max_tokens: Option<u32>,
-    pub max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-}
+/// The fields the gateway reads (the engine contract's shape); the whole JSON object is forwarded
+/// to the engines untouched apart from the handoff fields.
+pub type GenFields = baton_dataplane::contract::Generation;
 
 /// A parsed generation request.
 #[derive(Debug)]
@@ -275,15 +245,6 @@ pub fn content_len(v: &Value) -> usize {
             parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).map(str::len).sum()
         }
         _ => 0,
-    }
-}
-
-/// A message's text: a string, or the text parts of a content array.
-pub fn content_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
-        _ => String::new(),
     }
 }
 
