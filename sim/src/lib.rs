@@ -57,6 +57,24 @@ pub fn tiny_geometry(tp_size: u32) -> Result<KvGeometry, baton_dataplane::geomet
     KvGeometry::new(2, 2, 16, 2, 16, tp_size)
 }
 
+/// A mutex's guard, also after a panic elsewhere poisoned it (the state stays consistent: every
+/// critical section here is a few assignments).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Background tasks of a protocol side, aborted with it.
+#[derive(Debug, Default)]
+pub(crate) struct Tasks(pub(crate) Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
 /// Accepts connections on `listener` until the calling task ends, serving each on its own task
 /// (the side channels of the LMCache and NIXL protocols).
 pub(crate) async fn serve_each<F, Fut>(listener: TcpListener, serve: F)

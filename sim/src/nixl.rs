@@ -25,9 +25,9 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::SimError;
 use super::blocks::{BlockPool, Blocks};
 use super::kv::{chunk_page, prefix_hashes, verify_chunk};
+use super::{SimError, lock};
 use baton_dataplane::geometry::KvGeometry;
 
 /// vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default: how long a producer keeps blocks nobody read.
@@ -69,25 +69,13 @@ pub struct Producer {
     next: AtomicU64,
     pub expired: Arc<AtomicU64>,
     pub read: Arc<AtomicU64>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    _tasks: super::Tasks,
 }
 
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Producer").field("engine_id", &self.engine_id).field("side", &self.side).finish()
     }
-}
-
-impl Drop for Producer {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Producer {
@@ -134,7 +122,7 @@ impl Producer {
             next: AtomicU64::new(1),
             expired,
             read,
-            tasks: vec![reaper, server],
+            _tasks: super::Tasks(vec![reaper, server]),
         })
     }
 

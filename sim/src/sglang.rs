@@ -28,8 +28,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-use super::SimError;
 use super::kv::{chunk_page, prefix_hashes, verify_chunk};
+use super::{SimError, lock};
 use baton_dataplane::geometry::KvGeometry;
 
 /// How long a decoder waits for its room's prefill, and a prefill's room for its decoder, when the
@@ -114,25 +114,13 @@ pub struct Sglang {
     room_wait: Duration,
     in_flight: Mutex<HashMap<String, Arc<Notify>>>,
     pub stats: Arc<SglangStats>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    _tasks: super::Tasks,
 }
 
 impl std::fmt::Debug for Sglang {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sglang").field("bootstrap", &self.bootstrap).finish()
     }
-}
-
-impl Drop for Sglang {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn prompt_hash(ids: &[u32]) -> u64 {
@@ -192,7 +180,7 @@ impl Sglang {
             room_wait,
             Arc::clone(&s.stats),
         ));
-        s.tasks = vec![reaper, server];
+        s._tasks = super::Tasks(vec![reaper, server]);
         Ok(s)
     }
 
@@ -206,7 +194,7 @@ impl Sglang {
             room_wait,
             in_flight: Mutex::default(),
             stats: Arc::default(),
-            tasks: Vec::new(),
+            _tasks: super::Tasks::default(),
         }
     }
 

@@ -17,6 +17,17 @@ use crate::api::{GatewayError, GenRequest};
 use crate::routing::Health;
 use crate::telemetry::{Families, Timing};
 
+/// `need` slots of the decoder's queue, FIFO within the ticket's class, waiting at most the
+/// ticket's wait (never more than `queue_timeout`).
+pub async fn queue_admit(
+    dec: &Decoder,
+    need: u32,
+    ticket: Ticket,
+    queue_timeout: std::time::Duration,
+) -> Result<Option<SlotGuard>, GatewayError> {
+    dec.queue.acquire(need, ticket.class, ticket.wait(queue_timeout)).await.map(Some).map_err(admission_error)
+}
+
 /// A boxed future: the trait's methods are called through `dyn Handoff`.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -89,10 +100,7 @@ pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
         need: u32,
         ticket: Ticket,
     ) -> BoxFuture<'a, Result<Option<SlotGuard>, GatewayError>> {
-        let wait = ticket.wait(self.shared().limits.queue_timeout);
-        Box::pin(async move {
-            dec.queue.acquire(need, ticket.class, wait).await.map(Some).map_err(admission_error)
-        })
+        Box::pin(queue_admit(dec, need, ticket, self.shared().limits.queue_timeout))
     }
 
     /// Runs the legs: prefill, wait for the KV, decode; the decoder's answer (streamed or whole).

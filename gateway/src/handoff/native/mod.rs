@@ -23,8 +23,8 @@ use hyper::Response;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::shared::{RespBody, Shared, admission_error, boxed};
+use super::decoder::{BoxFuture, Decoder, Handoff, Leg, queue_admit};
+use super::shared::{RespBody, Shared, boxed};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::GatewayError;
 use crate::telemetry::Phase;
@@ -271,10 +271,7 @@ impl Handoff for Native {
         if self.unprotected {
             return Box::pin(async move { self.hold_chunk_by_chunk(need).await.map(|()| None) });
         }
-        let wait = ticket.wait(self.shared.limits.queue_timeout);
-        Box::pin(async move {
-            dec.queue.acquire(need, ticket.class, wait).await.map(Some).map_err(admission_error)
-        })
+        Box::pin(queue_admit(dec, need, ticket, self.shared.limits.queue_timeout))
     }
 
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
