@@ -194,6 +194,7 @@ impl Sglang {
             rid,
             counters: Arc::clone(&self.aborts),
             abandoned: AtomicBool::new(false),
+            decode_answered: AtomicBool::new(false),
         });
         let abort =
             AbortGuard { aborter: Arc::clone(&aborter), engines: vec![prefill.http, self.http], armed: true };
@@ -222,6 +223,7 @@ impl Sglang {
         let (http, timeout) = (self.http, shared.limits.upstream_timeout);
         let mut decode = tokio::spawn(async move {
             let r = post_json(&client, http, path, &decode_body, timeout, false).await;
+            aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
             // abort it now and close the answer.
             if aborter.abandoned() {
@@ -332,6 +334,10 @@ impl PrefillLeg {
 /// call has not ended: an abort that reaches SGLang before the request it names is ignored there.
 const ABORT_RETRY: Duration = Duration::from_millis(20);
 const ABORT_TRIES: u32 = 25;
+/// A client that left: its decode call, still waiting for its room, is told to abort for this long
+/// (pauses doubling up to [`ABORT_RETRY_MAX`]) before it is left to the decoder's own timeout.
+const ABORT_FOR: Duration = Duration::from_secs(5);
+const ABORT_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// Ends a decode leg whose prefill failed: `/abort_request` until its call ends (bounded), then the
 /// call is dropped (SGLang aborts a request whose client left).
@@ -366,6 +372,8 @@ struct Aborter {
     rid: Option<String>,
     counters: Arc<Aborts>,
     abandoned: AtomicBool,
+    /// The decode call has its answer (headers), or failed.
+    decode_answered: AtomicBool,
 }
 
 impl Aborter {
@@ -407,8 +415,21 @@ impl Drop for AbortGuard {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let (aborter, engines) = (Arc::clone(&self.aborter), std::mem::take(&mut self.engines));
         rt.spawn(async move {
-            for e in engines {
-                aborter.send(e).await;
+            let Some((decoder, others)) = engines.split_last() else { return };
+            for e in others {
+                aborter.send(*e).await;
+            }
+            // A decode call still waiting (for its room) is told again until it answers: an abort
+            // that reached the decoder before the request did was ignored there.
+            let give_up = Instant::now() + ABORT_FOR;
+            let mut pause = ABORT_RETRY;
+            while Instant::now() < give_up {
+                aborter.send(*decoder).await;
+                if aborter.decode_answered.load(Ordering::Relaxed) {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(ABORT_RETRY_MAX);
             }
         });
     }
