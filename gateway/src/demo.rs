@@ -27,6 +27,13 @@ use crate::tokenize::Tokenizer;
 pub const DEFAULT_DEMO_LISTEN: &str = "127.0.0.1:8080";
 /// Context length of the simulated model.
 pub const DEMO_CONTEXT_LENGTH: u64 = 32_768;
+/// `baton demo`'s PD buffer pages per decoder rank: at its 16-token chunks, 65,536 tokens, so one
+/// prompt of the whole advertised context fits, and a few dozen chat-sized ones at once.
+pub const DEMO_PAGES: u32 = 4096;
+/// `baton demo`'s engine cache blocks (16 tokens each, 262,144 tokens): the decoder keeps a
+/// request's blocks while it generates, after its PD-buffer pages are free again, so it needs more
+/// than the buffer holds.
+pub const DEMO_CACHE_BLOCKS: u32 = 16_384;
 
 /// What to start.
 #[derive(Clone, Debug)]
@@ -37,6 +44,8 @@ pub struct DemoConfig {
     pub tp: u32,
     /// PD buffer pages per decoder rank.
     pub pages: u32,
+    /// Engine cache blocks per rank (`baton_sim::DEFAULT_SIM_CACHE_BLOCKS` unless set).
+    pub cache_blocks: u32,
     /// Tokens per chunk (page) of the simulated model.
     pub chunk_tokens: u32,
     pub token_delay: Duration,
@@ -122,6 +131,7 @@ impl Default for DemoConfig {
             decoders: 1,
             tp: 1,
             pages: 64,
+            cache_blocks: baton_sim::DEFAULT_SIM_CACHE_BLOCKS,
             chunk_tokens: 16,
             token_delay: Duration::ZERO,
             handoff: DemoHandoff::Native,
@@ -208,6 +218,7 @@ pub async fn start_engines_with(
     let mut prefills = Vec::new();
     for i in 0..c.prefills {
         let mut sc = SimConfig::new(SimRole::Prefill, geometry);
+        sc.cache_blocks = c.cache_blocks;
         sc.device = c.device;
         sc.token_delay = c.token_delay;
         sc.faults = c.prefill_faults.clone();
@@ -232,6 +243,7 @@ pub async fn start_engines_with(
     let mut lmcache = Vec::new();
     for i in 0..c.decoders {
         let mut sc = SimConfig::new(SimRole::Decode, geometry);
+        sc.cache_blocks = c.cache_blocks;
         sc.pages = c.pages;
         sc.device = c.device;
         sc.token_delay = c.token_delay;

@@ -1343,3 +1343,61 @@ async fn every_mode_records_every_phase_it_passes_through() {
         d.shutdown().await;
     }
 }
+
+/// `baton demo` as the README starts it (its default flags; an ephemeral port here): the buffer
+/// holds the context it advertises (a 30,000-token prompt is served), a ten-turn chat of over 2,000
+/// tokens and 64 concurrent requests of 20 to 2,500 tokens all answer 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_with_its_defaults_holds_a_real_chat() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["demo", "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first =
+        tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.unwrap().unwrap().unwrap();
+    let addr: SocketAddr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {first:?}"));
+
+    let (s, b) =
+        http(addr, "/v1/completions", Some(&json!({"prompt": prompt(30_000, 1), "max_tokens": 4}))).await;
+    assert_eq!(s, 200, "30,000 tokens: {}", String::from_utf8_lossy(&b));
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], 30_000);
+
+    let mut messages = vec![json!({"role": "system", "content": "You are a patient assistant."})];
+    for turn in 0..10 {
+        messages.push(json!({"role": "user", "content": prompt(200, turn)}));
+        let (s, b) =
+            http(addr, "/v1/chat/completions", Some(&json!({"messages": messages, "max_tokens": 8}))).await;
+        assert_eq!(s, 200, "turn {turn}: {}", String::from_utf8_lossy(&b));
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        messages.push(v["choices"][0]["message"].clone());
+        if turn == 9 {
+            assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 2_000, "{v}");
+        }
+    }
+
+    let mut tasks = JoinSet::new();
+    for i in 0..64usize {
+        tasks.spawn(async move {
+            let tokens = 20 + (i * 2_480) / 63;
+            let body = json!({"prompt": prompt(tokens, i), "max_tokens": 4, "stream": i % 2 == 0});
+            let (s, b) = http(addr, "/v1/completions", Some(&body)).await;
+            assert_eq!(s, 200, "{tokens} tokens: {}", String::from_utf8_lossy(&b));
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    child.kill().await.unwrap();
+}

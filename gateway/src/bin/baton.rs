@@ -163,7 +163,9 @@ mod demo {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use baton_gateway::demo::{DEFAULT_DEMO_LISTEN, DemoConfig, DemoHandoff, DeviceKind, start};
+    use baton_gateway::demo::{
+        DEFAULT_DEMO_LISTEN, DEMO_CACHE_BLOCKS, DEMO_PAGES, DemoConfig, DemoHandoff, DeviceKind, start,
+    };
     use baton_gateway::routing::Builtin;
     use baton_gateway::telemetry::LogConfig;
     use baton_gateway::tokenize::Tokenizer;
@@ -183,9 +185,12 @@ mod demo {
         /// Tensor-parallel ranks per decode engine
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
         tp: u32,
-        /// PD buffer pages per decoder rank
-        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+        /// PD buffer pages per decoder rank (the default holds the model's whole context)
+        #[arg(long, default_value_t = DEMO_PAGES, value_parser = clap::value_parser!(u32).range(1..))]
         pages: u32,
+        /// Engine cache blocks per rank (16 tokens each)
+        #[arg(long, default_value_t = DEMO_CACHE_BLOCKS, value_parser = clap::value_parser!(u32).range(1..))]
+        cache_blocks: u32,
         /// Tokens per KV chunk (page)
         #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
         chunk_tokens: u32,
@@ -229,6 +234,7 @@ mod demo {
                 decoders: usize::try_from(self.decode).map_err(|e| e.to_string())?,
                 tp: self.tp,
                 pages: self.pages,
+                cache_blocks: self.cache_blocks,
                 chunk_tokens: self.chunk_tokens,
                 token_delay: Duration::from_millis(self.token_delay_ms),
                 handoff: self.handoff,
