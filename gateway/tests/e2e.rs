@@ -1401,3 +1401,79 @@ async fn the_demo_with_its_defaults_holds_a_real_chat() {
     }
     child.kill().await.unwrap();
 }
+
+/// A list of prompts in `/v1/completions` (strings or token-id lists): each prompt runs as its own
+/// PD request, the answer holds every prompt's choice at its index with the summed usage, streamed
+/// or not; a list over the bound is refused; nothing is held afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_lists_are_one_pd_request_each_merged_by_index() {
+    use baton_gateway::demo::DemoHandoff;
+    for handoff in [DemoHandoff::Native, DemoHandoff::Sglang] {
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            handoff,
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        let texts: Vec<String> = (0..3).map(|i| prompt(20 + 30 * i, i)).collect();
+        let ids: Vec<Vec<u32>> = texts.iter().map(|t| t.bytes().map(u32::from).collect()).collect();
+        let prompts = [json!(texts), json!(ids)];
+        for (list, stream) in prompts.iter().flat_map(|p| [(p, false), (p, true)]) {
+            let case = format!(
+                "{} stream={stream} {}",
+                handoff.name(),
+                if list[0].is_string() { "texts" } else { "ids" }
+            );
+            let body = json!({"prompt": list, "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
+            let (s, b) = http(d.addr, "/v1/completions", Some(&body)).await;
+            assert_eq!(s, 200, "{case}: {}", String::from_utf8_lossy(&b));
+            let mut texts_by_index = vec![String::new(); 3];
+            let usage: Value = if stream {
+                let text = String::from_utf8(b.to_vec()).unwrap();
+                let events: Vec<&str> = text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+                assert_eq!(events.iter().filter(|e| **e == "[DONE]").count(), 1, "{case}: one [DONE]");
+                assert_eq!(events.last(), Some(&"[DONE]"), "{case}");
+                let mut usage = Value::Null;
+                for e in events.iter().filter(|e| **e != "[DONE]") {
+                    let v: Value = serde_json::from_str(e).unwrap();
+                    for c in v["choices"].as_array().unwrap() {
+                        texts_by_index[c["index"].as_u64().unwrap() as usize]
+                            .push_str(c["text"].as_str().unwrap_or(""));
+                    }
+                    if !v["usage"].is_null() {
+                        assert!(usage.is_null(), "{case}: one usage event");
+                        usage = v["usage"].clone();
+                    }
+                }
+                usage
+            } else {
+                let v: Value = serde_json::from_slice(&b).unwrap();
+                for c in v["choices"].as_array().unwrap() {
+                    texts_by_index[c["index"].as_u64().unwrap() as usize] =
+                        c["text"].as_str().unwrap().to_owned();
+                }
+                v["usage"].clone()
+            };
+            for (i, got) in texts_by_index.iter().enumerate() {
+                assert_eq!(got, &output_text(&ids[i], 5), "{case}: prompt {i}");
+            }
+            let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+            assert_eq!(usage["prompt_tokens"], prompt_tokens, "{case}");
+            assert_eq!(usage["completion_tokens"], 15, "{case}");
+        }
+        let too_many =
+            json!({"prompt": vec!["x"; baton_gateway::pipeline::batch::MAX_PROMPTS + 1], "max_tokens": 1});
+        let (s, b) = http(d.addr, "/v1/completions", Some(&too_many)).await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!((s, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
+        let slots: u32 = d.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum();
+        let started = Instant::now();
+        while d.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum::<u32>() != 0 {
+            assert!(started.elapsed() < Duration::from_secs(5), "{} slots held", slots);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        d.shutdown().await;
+    }
+}

@@ -2,6 +2,8 @@
 //! stable `code` and retry advice. One function ([`GatewayError::status`] with
 //! [`GatewayError::body`]) maps every error to its HTTP response.
 
+pub mod sse;
+
 use serde_json::{Value, json};
 use thiserror::Error;
 
@@ -188,6 +190,11 @@ impl GenRequest {
         let Value::Object(raw) = value else {
             return Err(GatewayError::BadJson("the body must be a JSON object".into()));
         };
+        Self::from_map(endpoint, raw)
+    }
+
+    /// Validates a request already parsed as a JSON object.
+    pub fn from_map(endpoint: Endpoint, raw: serde_json::Map<String, Value>) -> Result<Self, GatewayError> {
         let fields: GenFields = serde_json::from_value(Value::Object(raw.clone()))
             .map_err(|e| GatewayError::BadJson(e.to_string()))?;
         match endpoint {

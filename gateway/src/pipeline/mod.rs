@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod batch;
 pub mod usage;
 
 use bytes::Bytes;
@@ -180,7 +181,7 @@ impl Gateway {
     /// A generation request from its HTTP form to its answer: the body read within its limits,
     /// parsed, counted, then [`Gateway::dispatch`]ed.
     pub async fn generate(
-        &self,
+        self: &Arc<Self>,
         ep: Endpoint,
         req: Request<Incoming>,
     ) -> Result<Response<RespBody>, GatewayError> {
@@ -208,12 +209,25 @@ impl Gateway {
 
     /// [`Gateway::generate`] for a body already read.
     pub async fn generate_body(
-        &self,
+        self: &Arc<Self>,
         ep: Endpoint,
         body: &Bytes,
         headers: &hyper::HeaderMap,
     ) -> Result<Response<RespBody>, GatewayError> {
-        let req = GenRequest::parse(ep, body)?;
+        if ep == Endpoint::Completions
+            && let Some(prompts) = batch::split(body)?
+        {
+            return self.generate_list(prompts, headers).await;
+        }
+        self.count_and_dispatch(GenRequest::parse(ep, body)?, headers).await
+    }
+
+    /// A parsed request: its model checked, its tokens counted, then dispatched.
+    async fn count_and_dispatch(
+        &self,
+        req: GenRequest,
+        headers: &hyper::HeaderMap,
+    ) -> Result<Response<RespBody>, GatewayError> {
         if let Some(m) = req.model()
             && m != self.model.name
         {

@@ -35,11 +35,12 @@ use tokio::sync::mpsc;
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::shared::{BoxError, Drains, HttpClient, RespBody, Shared, count_failure, post_json, send_drain};
 use crate::admission::SlotGuard;
+use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::routing::HealthConfig;
 use crate::telemetry::{Families, Metrics, Phase, Timing};
 pub use notify::{Expect, Notifications, NotifyStats};
-use shape::{ChannelBody, Shaper, SseSplitter, now_secs, sse};
+use shape::{Shaper, now_secs, sse};
 
 /// The mode's name in the configuration.
 pub const MODE: &str = "lmcache";

@@ -1,51 +1,10 @@
 //! The answer in the client's shape: a decoder's `/v1/completions` chunks turned back into the
 //! client's endpoint (completions or chat), with the prefiller's first token and corrected usage.
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
 use bytes::Bytes;
-use hyper::body::{Body, Frame};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
 use crate::api::Endpoint;
-use crate::handoff::shared::BoxError;
-
-/// Streams a channel as a response body.
-pub(super) struct ChannelBody(pub(super) mpsc::Receiver<Bytes>);
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-/// Splits an SSE byte stream into `data:` payloads.
-#[derive(Default)]
-pub(super) struct SseSplitter {
-    buf: Vec<u8>,
-}
-
-impl SseSplitter {
-    pub(super) fn push(&mut self, bytes: &[u8], out: &mut Vec<String>) {
-        self.buf.extend_from_slice(bytes);
-        while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
-            for line in String::from_utf8_lossy(&event).lines() {
-                if let Some(d) = line.strip_prefix("data:") {
-                    out.push(d.trim_start().to_owned());
-                }
-            }
-        }
-    }
-}
 
 pub(super) fn now_secs() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
@@ -116,21 +75,4 @@ impl Shaper {
 
 pub(super) fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sse_splitter_handles_events_split_anywhere() {
-        let stream = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n";
-        for cut in 0..stream.len() {
-            let mut s = SseSplitter::default();
-            let mut out = Vec::new();
-            s.push(&stream[..cut], &mut out);
-            s.push(&stream[cut..], &mut out);
-            assert_eq!(out, vec!["{\"a\":1}", "{\"b\":2}", "[DONE]"], "cut at {cut}");
-        }
-    }
 }
