@@ -281,6 +281,13 @@ impl Config {
         }
         let limits = self.admission.check()?;
         let tokenizer = self.model.tokenizer(&path)?;
+        if lmcache_used && !tokenizer.is_exact() {
+            return Err(err(
+                "model.tokenizer",
+                "a decode pool uses handoff = \"lmcache\", which sends the engines the gateway's token ids: \
+                 give the model's tokenizer.json (without it the ids are byte values, which vLLM would read as another prompt)",
+            ));
+        }
         let (routing, health) = self.routing.check()?;
         let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
             .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;

@@ -43,9 +43,30 @@ lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports 
 notify_listen = "127.0.0.1:7500"
 "#;
 
+/// A real (tiny) `tokenizer.json`, for the pools that need the model's tokenizer.
+fn tiny_tokenizer() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-tiny-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("tokenizer.json");
+    std::fs::write(
+        &p,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,
+            "pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"[UNK]":0,"hi":1},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    p
+}
+
+/// `text` with `model.tokenizer` set to the tiny tokenizer.
+fn with_tokenizer(text: &str) -> String {
+    text.replace("chunk_tokens = 16", &format!("chunk_tokens = 16\ntokenizer = {:?}", tiny_tokenizer()))
+}
+
 #[test]
 fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
-    let c = Config::parse(&format!("{GOOD}{LMCACHE}")).unwrap().check(Path::new(".")).unwrap();
+    let c =
+        Config::parse(&with_tokenizer(&format!("{GOOD}{LMCACHE}"))).unwrap().check(Path::new(".")).unwrap();
     let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
     // 2 layers × 2 KV × 2 heads × 16 dims × 2 bytes = 256 bytes per token, 128 per rank at TP 2:
     // 16-token chunks are 2 KiB per rank, 64 KiB hold 32.
@@ -60,7 +81,7 @@ fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
         "enable_nixl: True\nnixl_role: \"receiver\"\nnixl_peer_host: \"10.1.1.1\"\nnixl_peer_init_port: 7301\nnixl_peer_alloc_port: 7401\nnixl_buffer_size: 131072 # 128 KiB\nchunk_size: 32\n",
     )
     .unwrap();
-    let text = format!("{GOOD}{LMCACHE}").replace(
+    let text = with_tokenizer(&format!("{GOOD}{LMCACHE}")).replace(
         r#"lmcache = { receiver_host = "127.0.0.1", init_ports = [7300, 7301], alloc_ports = [7400, 7401], pd_buffer_size = 65536 }"#,
         r#"lmcache = { config = "d.yaml", pd_buffer_size = 262144 }"#,
     );
@@ -169,6 +190,7 @@ tls_key = "nope.key""#,
             ),
             "config",
         ),
+        ("lmcache without the model's tokenizer", format!("{GOOD}{LMCACHE}"), "model.tokenizer"),
         (
             "lmcache without a listener",
             format!("{GOOD}{LMCACHE}").replace("[lmcache]\nnotify_listen = \"127.0.0.1:7500\"", ""),

@@ -239,6 +239,16 @@ async fn serve_an_lmcache_pool_from_config_and_yaml() {
     .unwrap();
     // The prefiller's HTTP port is picked first; it starts once the gateway's listener exists.
     let prefill_at = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    // The lmcache handoff sends the model's token ids: a real tokenizer (Qwen3's), which the
+    // simulated engines take as they come.
+    let tokenizer =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3/tokenizer.json");
+    assert!(
+        tokenizer.exists(),
+        "{} is missing: run scripts/fetch-tokenizers (scripts/test does)",
+        tokenizer.display()
+    );
+    let qwen3 = baton_gateway::tokenize::Tokenizer::load(&tokenizer, None).unwrap();
     let toml = format!(
         r#"[[listeners]]
 address = "127.0.0.1:0"
@@ -248,6 +258,7 @@ name = "baton-sim"
 context_length = 32768
 chunk_tokens = 16
 geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+tokenizer = {tokenizer:?}
 [[prefill]]
 name = "p0"
 url = "http://{prefill_at}"
@@ -285,11 +296,12 @@ health_check_interval_ms = 50
     let (status, b) =
         http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 4}))).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let ids = qwen3.encode(&text, true).unwrap();
+    assert_eq!(answer_text(&b, false, false).0, output_text(&ids, 4));
     assert_eq!(
-        answer_text(&b, false, false).0,
-        output_text(&text.bytes().map(u32::from).collect::<Vec<_>>(), 4)
+        decode.engine.stats()["lmcache"]["ranks"][1]["retrieved_chunks"],
+        ids.len().div_ceil(16) as u64
     );
-    assert_eq!(decode.engine.stats()["lmcache"]["ranks"][1]["retrieved_chunks"], 5);
     serving.shutdown().await;
     prefill.shutdown().await;
     decode.shutdown().await;
