@@ -51,13 +51,10 @@ pub enum PoolMode {
 impl<'de> Deserialize<'de> for DecodePool {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let mut t = toml::Table::deserialize(d)?;
-        let mut text = |key: &str| match t.remove(key) {
+        let mut text = |key: &'static str| match t.remove(key) {
             Some(toml::Value::String(s)) => Ok(s),
             Some(v) => Err(D::Error::custom(format!("{key}: expected a string, found {}", v.type_str()))),
-            None => Err(D::Error::missing_field(match key {
-                "name" => "name",
-                _ => "url",
-            })),
+            None => Err(D::Error::missing_field(key)),
         };
         let (name, url) = (text("name")?, text("url")?);
         t.entry("handoff").or_insert_with(|| toml::Value::String(DEFAULT_HANDOFF.into()));

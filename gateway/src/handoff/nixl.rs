@@ -33,10 +33,9 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::scrape::{self, AbortOnDrop, Gauges, Load, LoadTarget};
+use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, count_failure, engine_error, prefill_in_turn,
-    send_drain,
+    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
@@ -63,7 +62,7 @@ pub struct Nixl {
     pub load: Arc<Load>,
     /// Drains sent for requests that ended between their prefill and their decode.
     pub drains: Arc<Drains>,
-    _scrape: AbortOnDrop,
+    _scrape: super::shared::AbortOnDrop,
 }
 
 impl Nixl {
@@ -309,17 +308,9 @@ async fn prefill_task(
     let mut sent = false;
     let (p, resp, in_flight) =
         prefill_in_turn(client, timeout, health, order, path, body, &mut sent, false).await?;
-    let status = resp.status().as_u16();
-    let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let b = answer_body(health, "prefill", &p.name, &p.health, resp).await;
     drop(in_flight);
-    if status != 200 {
-        if status >= 500 {
-            count_failure(health, &p.name, &p.health);
-        }
-        return Err(engine_error("prefill", status, &b));
-    }
-    p.health.success();
-    let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
+    let v: Value = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",
         message: format!("answer is not JSON: {e}"),
     })?;

@@ -19,6 +19,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 
+use super::shared::AbortOnDrop;
 use crate::admission::SlotQueue;
 use crate::telemetry::Families;
 
@@ -163,16 +164,6 @@ pub fn spawn(
     load: Arc<Load>,
 ) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(scrape_loop(http, target, gauges, queue, load)))
-}
-
-/// A task aborted when this is dropped (with the decoder that owns it).
-#[derive(Debug)]
-pub struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 async fn scrape_loop(

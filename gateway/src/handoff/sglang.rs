@@ -37,9 +37,9 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::scrape::{self, AbortOnDrop, Gauges, Load, LoadTarget};
+use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, HttpClient, PostError, Prefiller, RespBody, Shared, count_failure, engine_error, post_json,
+    BoxError, HttpClient, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
@@ -79,7 +79,7 @@ pub struct Sglang {
     /// What the decoder's metrics said last.
     pub load: Arc<Load>,
     pub aborts: Arc<Aborts>,
-    _scrape: AbortOnDrop,
+    _scrape: super::shared::AbortOnDrop,
 }
 
 impl Sglang {
@@ -302,19 +302,7 @@ impl PrefillLeg {
         let started = Instant::now();
         let in_flight = p.health.start();
         let result = match post_json(&client, p.http, path, &body, timeout, false).await {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-                if status == 200 {
-                    p.health.success();
-                    Ok(())
-                } else {
-                    if status >= 500 {
-                        count_failure(&health, &p.name, &p.health);
-                    }
-                    Err(engine_error("prefill", status, &b))
-                }
-            }
+            Ok(resp) => answer_body(&health, "prefill", &p.name, &p.health, resp).await.map(drop),
             Err(e) => {
                 count_failure(&health, &p.name, &p.health);
                 Err(GatewayError::Upstream { leg: "prefill", message: e.message })
@@ -330,36 +318,23 @@ impl PrefillLeg {
     }
 }
 
-/// How often, and how many times, a decode leg whose prefill failed is told to abort while its
-/// call has not ended: an abort that reaches SGLang before the request it names is ignored there.
+/// First pause between aborts of a decode call that has not answered, doubling up to
+/// [`ABORT_RETRY_MAX`], for at most [`ABORT_FOR`]: an abort that reaches SGLang before the request
+/// it names is ignored there.
 const ABORT_RETRY: Duration = Duration::from_millis(20);
-const ABORT_TRIES: u32 = 25;
-/// A client that left: its decode call, still waiting for its room, is told to abort for this long
-/// (pauses doubling up to [`ABORT_RETRY_MAX`]) before it is left to the decoder's own timeout.
-const ABORT_FOR: Duration = Duration::from_secs(5);
 const ABORT_RETRY_MAX: Duration = Duration::from_millis(500);
+const ABORT_FOR: Duration = Duration::from_secs(5);
 
-/// Ends a decode leg whose prefill failed: `/abort_request` until its call ends (bounded), then the
-/// call is dropped (SGLang aborts a request whose client left).
+/// Ends a decode leg whose prefill failed: `/abort_request` until its call answers (bounded), then
+/// the call is dropped (SGLang aborts a request whose client left).
 async fn abort_decode(
-    mut decode: tokio::task::JoinHandle<Result<Response<Incoming>, PostError>>,
+    decode: tokio::task::JoinHandle<Result<Response<Incoming>, PostError>>,
     mut abort: AbortGuard,
 ) {
     abort.armed = false;
-    let aborter = Arc::clone(&abort.aborter);
-    aborter.abandoned.store(true, Ordering::Relaxed);
-    let Some(decoder) = abort.engines.last().copied().filter(|_| aborter.rid.is_some()) else {
-        decode.abort();
-        return;
-    };
-    for _ in 0..ABORT_TRIES {
-        aborter.send(decoder).await;
-        if let Ok(done) = tokio::time::timeout(ABORT_RETRY, &mut decode).await {
-            if let Ok(Ok(r)) = done {
-                let _ = r.into_body().collect().await;
-            }
-            return;
-        }
+    abort.aborter.abandoned.store(true, Ordering::Relaxed);
+    if let Some(decoder) = abort.engines.last() {
+        abort.aborter.until_answered(*decoder).await;
     }
     decode.abort();
 }
@@ -379,6 +354,24 @@ struct Aborter {
 impl Aborter {
     fn abandoned(&self) -> bool {
         self.abandoned.load(Ordering::Relaxed)
+    }
+
+    /// Aborts on the decoder until its call has answered (pauses doubling), for at most
+    /// [`ABORT_FOR`]; at once without an `rid`.
+    async fn until_answered(&self, decoder: SocketAddr) {
+        if self.rid.is_none() {
+            return;
+        }
+        let give_up = Instant::now() + ABORT_FOR;
+        let mut pause = ABORT_RETRY;
+        while Instant::now() < give_up {
+            self.send(decoder).await;
+            if self.decode_answered.load(Ordering::Relaxed) {
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(ABORT_RETRY_MAX);
+        }
     }
 
     async fn send(&self, engine: SocketAddr) {
@@ -419,18 +412,8 @@ impl Drop for AbortGuard {
             for e in others {
                 aborter.send(*e).await;
             }
-            // A decode call still waiting (for its room) is told again until it answers: an abort
-            // that reached the decoder before the request did was ignored there.
-            let give_up = Instant::now() + ABORT_FOR;
-            let mut pause = ABORT_RETRY;
-            while Instant::now() < give_up {
-                aborter.send(*decoder).await;
-                if aborter.decode_answered.load(Ordering::Relaxed) {
-                    return;
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(ABORT_RETRY_MAX);
-            }
+            // A decode call still waiting (for its room) is told again until it answers.
+            aborter.until_answered(*decoder).await;
         });
     }
 }

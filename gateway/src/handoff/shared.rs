@@ -121,22 +121,7 @@ impl Shared {
     ) -> GatewayError {
         let status = resp.status().as_u16();
         let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-        self.refusal(leg, name, health, status, &b)
-    }
-
-    /// [`Shared::refused`] for an answer already read.
-    pub(crate) fn refusal(
-        &self,
-        leg: &'static str,
-        name: &str,
-        health: &Health,
-        status: u16,
-        body: &[u8],
-    ) -> GatewayError {
-        if status >= 500 {
-            self.failed(name, health);
-        }
-        engine_error(leg, status, body)
+        refusal(&self.health, leg, name, health, status, &b)
     }
 
     /// `GET /health` answered 200 within `timeout`.
@@ -288,6 +273,16 @@ pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
     Err(GatewayError::NoEndpoint("prefill"))
 }
 
+/// A task aborted when this is dropped (with what owns it: a decoder, a request).
+#[derive(Debug)]
+pub struct AbortOnDrop<T = ()>(pub tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// A prefill engine.
 #[derive(Clone, Debug)]
 pub struct Prefiller {
@@ -336,6 +331,40 @@ pub(crate) fn admission_error(e: AdmissionError) -> GatewayError {
         e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e.to_string()),
         e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(e.to_string()),
     }
+}
+
+/// An engine's refusal (`status` is not 200) as the client's error; a 5xx counts against the
+/// engine.
+pub(crate) fn refusal(
+    cfg: &HealthConfig,
+    leg: &'static str,
+    name: &str,
+    health: &Health,
+    status: u16,
+    body: &[u8],
+) -> GatewayError {
+    if status >= 500 {
+        count_failure(cfg, name, health);
+    }
+    engine_error(leg, status, body)
+}
+
+/// An engine's whole answer: its body when it said 200 (a success for the engine), else its
+/// refusal as the client's error.
+pub(crate) async fn answer_body(
+    cfg: &HealthConfig,
+    leg: &'static str,
+    name: &str,
+    health: &Health,
+    resp: Response<hyper::body::Incoming>,
+) -> Result<Bytes, GatewayError> {
+    let status = resp.status().as_u16();
+    let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    if status != 200 {
+        return Err(refusal(cfg, leg, name, health, status, &b));
+    }
+    health.success();
+    Ok(b)
 }
 
 /// An engine's non-200 answer as the client's error: a 4xx keeps its status and the engine's OpenAI

@@ -14,11 +14,11 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Response, header};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 use super::Gateway;
 use crate::api::sse::{ChannelBody, SseSplitter, event};
 use crate::api::{Endpoint, GatewayError, GenRequest};
+use crate::handoff::shared::AbortOnDrop;
 use crate::handoff::{BoxError, RespBody};
 
 /// Most prompts one request may list: each is a PD request of its own, holding slots and pages.
@@ -50,17 +50,6 @@ pub fn split(body: &[u8]) -> Result<Option<Vec<Map<String, Value>>>, GatewayErro
     ))
 }
 
-/// Tasks aborted when the request ends (answered, failed or abandoned).
-struct Legs(Vec<JoinHandle<Result<Response<RespBody>, GatewayError>>>);
-
-impl Drop for Legs {
-    fn drop(&mut self) {
-        for h in &self.0 {
-            h.abort();
-        }
-    }
-}
-
 impl Gateway {
     /// Runs each prompt of a list as its own request and merges the answers.
     pub(super) async fn generate_list(
@@ -81,14 +70,15 @@ impl Gateway {
             .into_iter()
             .map(|m| GenRequest::from_map(Endpoint::Completions, m))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut legs = Legs(Vec::with_capacity(reqs.len()));
+        // Aborted when the request ends (answered, failed or abandoned).
+        let mut legs = Vec::with_capacity(reqs.len());
         for req in reqs {
             let (this, headers) = (Arc::clone(self), headers.clone());
-            legs.0.push(tokio::spawn(async move { this.count_and_dispatch(req, &headers).await }));
+            legs.push(AbortOnDrop(tokio::spawn(async move { this.count_and_dispatch(req, &headers).await })));
         }
-        let mut answers = Vec::with_capacity(legs.0.len());
-        for h in &mut legs.0 {
-            let r = h.await.map_err(|e| GatewayError::Internal(format!("prompt task: {e}")))??;
+        let mut answers = Vec::with_capacity(legs.len());
+        for leg in &mut legs {
+            let r = (&mut leg.0).await.map_err(|e| GatewayError::Internal(format!("prompt task: {e}")))??;
             answers.push(r);
         }
         if stream {

@@ -263,7 +263,7 @@ impl Gateway {
         }
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
-        let max_tokens = req.fields.max_tokens.or(req.fields.max_completion_tokens);
+        let max_tokens = req.fields.max_tokens();
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),

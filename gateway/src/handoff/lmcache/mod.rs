@@ -33,7 +33,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::shared::{BoxError, Drains, HttpClient, RespBody, Shared, count_failure, post_json, send_drain};
+use super::shared::{
+    BoxError, Drains, HttpClient, RespBody, Shared, answer_body, count_failure, post_json, refusal,
+    send_drain,
+};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
@@ -227,12 +230,7 @@ impl Lmcache {
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, "/v1/completions", &prefill_body, &mut life.sent, true).await?;
         life.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-        if status != 200 {
-            return Err(shared.refusal("prefill", &prefill.name, &prefill.health, status, &bytes));
-        }
-        prefill.health.success();
+        let bytes = answer_body(&shared.health, "prefill", &prefill.name, &prefill.health, resp).await?;
         drop(in_flight);
         let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
             leg: "prefill",
@@ -258,7 +256,7 @@ impl Lmcache {
         timing.mark(Phase::Prefill);
 
         // The decode leg: the prompt plus the first token, one token fewer to generate.
-        let client_max = req.fields.max_completion_tokens.or(req.fields.max_tokens);
+        let client_max = req.fields.max_tokens();
         let extra = u32::from(pre.first_tok.is_some());
         let mut decode_ids = ids.to_vec();
         if let Some(t) = pre.first_tok {
@@ -425,11 +423,8 @@ impl DecodeCtx {
         life.slots = None;
         if resp.status() != 200 {
             let status = resp.status().as_u16();
-            if status >= 500 {
-                count_failure(&self.health, &dec.name, &dec.health);
-            }
             let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(super::shared::engine_error("decode", status, &b));
+            return Err(refusal(&self.health, "decode", &dec.name, &dec.health, status, &b));
         }
         dec.health.success();
         Ok(resp)
