@@ -199,9 +199,11 @@ impl ChatTemplate {
     fn render(&self, messages: &[(String, String)]) -> Result<String, GatewayError> {
         let msgs: Vec<JValue> =
             messages.iter().map(|(role, content)| context! { role => role, content => content }).collect();
-        let bad = |e: minijinja::Error| GatewayError::Invalid {
-            field: "messages",
-            reason: format!("the model's chat template refused them: {}", e.detail().unwrap_or("error")),
+        let bad = |e: minijinja::Error| {
+            GatewayError::invalid(
+                "messages",
+                format!("the model's chat template refused them: {}", e.detail().unwrap_or("error")),
+            )
         };
         let t = self.env.get_template(TEMPLATE_NAME).map_err(bad)?;
         t.render(context! {

@@ -3,7 +3,9 @@
 //! [`GatewayError::body`]) maps every error to its HTTP response.
 
 pub mod sse;
+pub mod validate;
 
+use serde::Deserialize;
 use serde_json::{Value, json};
 use thiserror::Error;
 
@@ -26,14 +28,57 @@ impl Endpoint {
     }
 }
 
-/// Where an error came from.
+/// Where an error came from (the body's `origin`: `client`, `engine`, `policy`, `gateway`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
+    /// The request itself: sending it again unchanged fails again.
     Client,
+    /// A prefill or decode engine (its refusal, its 5xx, no answer in time).
     Upstream,
     /// A policy plugin's decision (its status, its message).
     Plugin,
+    /// The gateway: its own capacity (queue, endpoints) or a fault of its own.
     Internal,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Client => "client",
+            Self::Upstream => "engine",
+            Self::Plugin => "policy",
+            Self::Internal => "gateway",
+        }
+    }
+}
+
+/// Whether sending the same request again can succeed (the body's `retry`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retry {
+    /// It cannot: the request is refused as it is.
+    Never,
+    /// It can, and no engine did any work for it (queue full, no endpoint, a rate limit).
+    Safe,
+    /// It may: an engine may have worked on it before the failure (a 502, a 504).
+    Maybe,
+}
+
+impl Retry {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Never => "never",
+            Self::Safe => "safe",
+            Self::Maybe => "maybe",
+        }
+    }
+}
+
+/// What is wrong with a field, as the error's `code`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Problem {
+    Missing,
+    Type,
+    Value,
 }
 
 /// Every way a request can fail, each with a fixed status and stable code.
@@ -41,8 +86,9 @@ pub enum Origin {
 pub enum GatewayError {
     #[error("invalid request body: {0}")]
     BadJson(String),
-    #[error("{field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
+    /// A field that breaks a rule: `param` is its path (`messages[3].content[0].type`).
+    #[error("{param}: {reason}")]
+    Invalid { param: String, problem: Problem, reason: String },
     #[error("model {0:?} is not served here")]
     UnknownModel(String),
     #[error("this model's maximum context length is {limit} tokens, the prompt has {tokens}")]
@@ -63,6 +109,8 @@ pub enum GatewayError {
     NoEndpoint(&'static str),
     #[error("upstream {leg}: {message}")]
     Upstream { leg: &'static str, message: String },
+    #[error("upstream {leg}: no answer within {limit:?}")]
+    UpstreamTimeout { leg: &'static str, limit: std::time::Duration },
     #[error("kv transfer: {0}")]
     KvTransfer(String),
     #[error("not found: {0}")]
@@ -89,6 +137,7 @@ impl GatewayError {
             Self::BodyTimeout { .. } => 408,
             Self::QueueFull(_) => 429,
             Self::Upstream { .. } | Self::KvTransfer(_) => 502,
+            Self::UpstreamTimeout { .. } => 504,
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
             Self::Internal(_) => 500,
             Self::PolicyRejected { status, .. } | Self::EngineRefused { status, .. } => *status,
@@ -98,7 +147,9 @@ impl GatewayError {
     pub fn code(&self) -> &'static str {
         match self {
             Self::BadJson(_) => "invalid_json",
-            Self::Invalid { .. } => "invalid_value",
+            Self::Invalid { problem: Problem::Missing, .. } => "missing_required_parameter",
+            Self::Invalid { problem: Problem::Type, .. } => "invalid_type",
+            Self::Invalid { problem: Problem::Value, .. } => "invalid_value",
             Self::UnknownModel(_) => "model_not_found",
             Self::ContextLength { .. } => "context_length_exceeded",
             Self::TooLarge { .. } => "prompt_too_large_for_kv_buffer",
@@ -109,6 +160,7 @@ impl GatewayError {
             Self::QueueTimeout(_) => "queue_timeout",
             Self::NoEndpoint(_) => "no_healthy_endpoint",
             Self::Upstream { .. } => "upstream_error",
+            Self::UpstreamTimeout { .. } => "upstream_timeout",
             Self::KvTransfer(_) => "kv_transfer_failed",
             Self::NotFound(_) => "not_found",
             Self::Internal(_) => "internal_error",
@@ -119,16 +171,47 @@ impl GatewayError {
 
     pub fn origin(&self) -> Origin {
         match self {
-            Self::PolicyRejected { .. } => return Origin::Plugin,
-            Self::EngineRefused { .. } => return Origin::Upstream,
-            _ => {}
+            Self::BadJson(_)
+            | Self::Invalid { .. }
+            | Self::UnknownModel(_)
+            | Self::ContextLength { .. }
+            | Self::TooLarge { .. }
+            | Self::BodyTooLarge { .. }
+            | Self::BodyTimeout { .. }
+            | Self::ContentType
+            | Self::NotFound(_) => Origin::Client,
+            Self::Upstream { .. }
+            | Self::UpstreamTimeout { .. }
+            | Self::KvTransfer(_)
+            | Self::EngineRefused { .. } => Origin::Upstream,
+            Self::PolicyRejected { .. } => Origin::Plugin,
+            Self::QueueFull(_) | Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::Internal(_) => {
+                Origin::Internal
+            }
         }
-        match self.status() {
-            500 => Origin::Internal,
-            502 | 503 if !matches!(self, Self::QueueTimeout(_) | Self::NoEndpoint(_)) => Origin::Upstream,
-            s if s < 500 => Origin::Client,
-            _ => Origin::Upstream,
+    }
+
+    /// Whether the same request can succeed if sent again.
+    pub fn retry(&self) -> Retry {
+        match self {
+            // Refused before any engine saw it, for want of room or of an endpoint.
+            Self::QueueFull(_) | Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::BodyTimeout { .. } => {
+                Retry::Safe
+            }
+            Self::EngineRefused { status: 429, .. } => Retry::Safe,
+            Self::PolicyRejected { status, .. } if *status == 429 || *status == 503 => Retry::Safe,
+            Self::PolicyRejected { status, .. } if *status >= 500 => Retry::Maybe,
+            Self::Upstream { .. }
+            | Self::UpstreamTimeout { .. }
+            | Self::KvTransfer(_)
+            | Self::Internal(_) => Retry::Maybe,
+            _ => Retry::Never,
         }
+    }
+
+    /// A field's value breaks a rule.
+    pub fn invalid(param: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Invalid { param: param.into(), problem: Problem::Value, reason: reason.into() }
     }
 
     /// Seconds a client should wait before retrying, when a retry can help.
@@ -142,23 +225,31 @@ impl GatewayError {
         }
     }
 
-    /// The OpenAI error body.
+    /// The OpenAI error body, with `origin` and `retry` beside its fields (an engine's own body is
+    /// passed as it came, with those two added).
     pub fn body(&self) -> Value {
-        if let Self::EngineRefused { body, .. } = self {
-            return body.clone();
+        let mut v = if let Self::EngineRefused { body, .. } = self {
+            body.clone()
+        } else {
+            let kind = match self.origin() {
+                Origin::Client => "invalid_request_error",
+                Origin::Upstream | Origin::Plugin | Origin::Internal if self.status() < 500 => {
+                    "invalid_request_error"
+                }
+                Origin::Plugin | Origin::Upstream | Origin::Internal => "server_error",
+            };
+            let param = match self {
+                Self::Invalid { param, .. } => json!(param),
+                Self::ContextLength { .. } | Self::TooLarge { .. } => json!("messages"),
+                _ => Value::Null,
+            };
+            json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": self.code()}})
+        };
+        if let Some(e) = v.get_mut("error").and_then(Value::as_object_mut) {
+            e.insert("origin".into(), json!(self.origin().as_str()));
+            e.insert("retry".into(), json!(self.retry().as_str()));
         }
-        let kind = match self.origin() {
-            Origin::Client => "invalid_request_error",
-            Origin::Upstream if self.status() < 500 => "invalid_request_error",
-            Origin::Plugin if self.status() < 500 => "invalid_request_error",
-            Origin::Plugin | Origin::Upstream | Origin::Internal => "server_error",
-        };
-        let param = match self {
-            Self::Invalid { field, .. } => json!(field),
-            Self::ContextLength { .. } | Self::TooLarge { .. } => json!("messages"),
-            _ => Value::Null,
-        };
-        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": self.code()}})
+        v
     }
 }
 
@@ -177,56 +268,32 @@ pub struct GenRequest {
     pub raw: serde_json::Map<String, Value>,
 }
 
-/// A short, escaped prefix of client input for error messages (never echo it whole).
-fn short(s: &str) -> String {
-    let p: String = s.chars().take(32).collect();
-    format!("{p:?}")
+/// A request body as a JSON object.
+pub fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, GatewayError> {
+    match serde_json::from_slice(body).map_err(|e| GatewayError::BadJson(e.to_string()))? {
+        Value::Object(raw) => Ok(raw),
+        _ => Err(GatewayError::BadJson("the body must be a JSON object".into())),
+    }
 }
 
 impl GenRequest {
     /// Parses and validates a request body.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, GatewayError> {
-        let value: Value = serde_json::from_slice(body).map_err(|e| GatewayError::BadJson(e.to_string()))?;
-        let Value::Object(raw) = value else {
-            return Err(GatewayError::BadJson("the body must be a JSON object".into()));
-        };
-        Self::from_map(endpoint, raw)
+        Self::from_map(endpoint, object(body)?)
     }
 
     /// Validates a request already parsed as a JSON object.
     pub fn from_map(endpoint: Endpoint, raw: serde_json::Map<String, Value>) -> Result<Self, GatewayError> {
-        let fields: GenFields = serde_json::from_value(Value::Object(raw.clone()))
-            .map_err(|e| GatewayError::BadJson(e.to_string()))?;
-        match endpoint {
-            Endpoint::Completions if fields.prompt.is_none() => {
-                return Err(GatewayError::Invalid { field: "prompt", reason: "is required".into() });
-            }
-            Endpoint::Chat => match &fields.messages {
-                None => {
-                    return Err(GatewayError::Invalid { field: "messages", reason: "is required".into() });
-                }
-                Some(m) if m.is_empty() => {
-                    return Err(GatewayError::Invalid {
-                        field: "messages",
-                        reason: "must not be empty".into(),
-                    });
-                }
-                Some(m) => {
-                    if let Some(bad) = m.iter().find(|m| {
-                        !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool" | "developer")
-                    }) {
-                        return Err(GatewayError::Invalid {
-                            field: "messages",
-                            reason: format!("unknown role {}", short(&bad.role)),
-                        });
-                    }
-                }
-            },
-            Endpoint::Completions => {}
-        }
-        if fields.max_tokens == Some(0) || fields.max_completion_tokens == Some(0) {
-            return Err(GatewayError::Invalid { field: "max_tokens", reason: "must be at least 1".into() });
-        }
+        validate::check(endpoint, &raw)?;
+        Self::from_checked(endpoint, raw)
+    }
+
+    /// A request [`validate::check`] has passed: its typed fields read from the object in place.
+    pub fn from_checked(
+        endpoint: Endpoint,
+        raw: serde_json::Map<String, Value>,
+    ) -> Result<Self, GatewayError> {
+        let fields = GenFields::deserialize(&raw).map_err(|e| GatewayError::BadJson(e.to_string()))?;
         Ok(Self { endpoint, fields, raw })
     }
 
@@ -268,8 +335,8 @@ mod tests {
             ("chat ok", Endpoint::Chat, r#"{"messages":[{"role":"user","content":"hi"}]}"#, None),
             ("not json", Endpoint::Completions, "{", Some("invalid_json")),
             ("not an object", Endpoint::Completions, "[1]", Some("invalid_json")),
-            ("no prompt", Endpoint::Completions, r#"{"model":"m"}"#, Some("invalid_value")),
-            ("no messages", Endpoint::Chat, r#"{"model":"m"}"#, Some("invalid_value")),
+            ("no prompt", Endpoint::Completions, r#"{"model":"m"}"#, Some("missing_required_parameter")),
+            ("no messages", Endpoint::Chat, r#"{"model":"m"}"#, Some("missing_required_parameter")),
             ("empty messages", Endpoint::Chat, r#"{"messages":[]}"#, Some("invalid_value")),
             (
                 "bad role",
@@ -287,7 +354,7 @@ mod tests {
                 "wrong type",
                 Endpoint::Completions,
                 r#"{"prompt":"x","max_tokens":"many"}"#,
-                Some("invalid_json"),
+                Some("invalid_type"),
             ),
         ];
         for (name, ep, body, want) in cases {
@@ -302,7 +369,18 @@ mod tests {
         assert_eq!((e.status(), e.code(), e.retry_after()), (413, "prompt_too_large_for_kv_buffer", None));
         assert_eq!(e.body()["error"]["message"], "prompt needs 70 slots but the decoder buffer holds 64");
         let e = GatewayError::QueueFull("x".into());
-        assert_eq!((e.status(), e.retry_after(), e.origin()), (429, Some(1), Origin::Client));
+        assert_eq!(
+            (e.status(), e.retry_after(), e.origin(), e.retry()),
+            (429, Some(1), Origin::Internal, Retry::Safe)
+        );
+        assert_eq!(
+            (e.body()["error"]["origin"].as_str(), e.body()["error"]["retry"].as_str()),
+            (Some("gateway"), Some("safe"))
+        );
+        let e = GatewayError::UpstreamTimeout { leg: "decode", limit: std::time::Duration::from_secs(3) };
+        assert_eq!((e.status(), e.code(), e.retry()), (504, "upstream_timeout", Retry::Maybe));
+        let e = GatewayError::invalid("temperature", "7 is not in [0, 2]");
+        assert_eq!((e.origin(), e.retry()), (Origin::Client, Retry::Never));
         let e = GatewayError::ContextLength { tokens: 9000, limit: 8192 };
         assert_eq!((e.status(), e.code()), (400, "context_length_exceeded"));
         let e = GatewayError::Upstream { leg: "prefill", message: "503".into() };
@@ -311,6 +389,10 @@ mod tests {
             (502, Origin::Upstream, Some("server_error"))
         );
         let bad = GenRequest::parse(Endpoint::Chat, br#"{"messages":[{"role":"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA","content":"x"}]}"#).unwrap_err();
-        assert!(bad.to_string().len() < 80, "client input is echoed only as a short prefix: {bad}");
+        assert!(
+            !bad.to_string().contains(&"A".repeat(41)),
+            "client input is echoed only as a short prefix: {bad}"
+        );
+        assert_eq!(bad.body()["error"]["param"], "messages[0].role");
     }
 }

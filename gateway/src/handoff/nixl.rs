@@ -250,7 +250,7 @@ impl Nixl {
                     // It may have reached the decoder, which then pulls (or times out) itself.
                     owed.params = None;
                 }
-                return Err(GatewayError::Upstream { leg: "decode", message: e.message });
+                return Err(e.on("decode"));
             }
         };
         owed.params = None;

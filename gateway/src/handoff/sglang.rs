@@ -52,8 +52,6 @@ pub const MODE: &str = "sglang";
 /// SGLang's gauges (`--enable-metrics`): token pool usage and requests in its waiting queue, per DP
 /// rank and reported by each TP rank.
 pub const SGLANG_GAUGES: Gauges = Gauges { usage: &["sglang:token_usage"], waiting: "sglang:num_queue_reqs" };
-/// Most choices (`n`) a request may ask for: each is a bootstrap room on both engines.
-pub const MAX_CHOICES: u64 = 128;
 /// Longest wait for a prefill server's `/get_server_info`.
 const INFO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for an engine to take an `/abort_request`.
@@ -152,13 +150,8 @@ impl Sglang {
         let key = shared.keys.next();
         let rid = format!("baton-{:032x}", key.request.0);
         let mut body = req.raw.clone();
+        // At most validate::MAX_N: the request was validated.
         let choices = body.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
-        if let Some(n) = choices.filter(|n| *n > MAX_CHOICES) {
-            return Err(GatewayError::Invalid {
-                field: "n",
-                reason: format!("{n} is more than the {MAX_CHOICES} choices a request may ask for"),
-            });
-        }
         let host = match prefill.http.ip() {
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
             ip => ip.to_string(),
@@ -228,7 +221,11 @@ impl Sglang {
             // abort it now and close the answer.
             if aborter.abandoned() {
                 aborter.send(http).await;
-                return Err(PostError { message: "the request was abandoned".into(), unsent: false });
+                return Err(PostError {
+                    message: "the request was abandoned".into(),
+                    unsent: false,
+                    timed_out: None,
+                });
             }
             r
         });
@@ -246,14 +243,14 @@ impl Sglang {
                         Err(_) => return Err(GatewayError::Internal("prefill task ended without an answer".into())),
                     }
                 }
-                d = &mut decode => break d.unwrap_or_else(|e| Err(PostError { message: format!("decode call task: {e}"), unsent: false })),
+                d = &mut decode => break d.unwrap_or_else(|e| Err(PostError { message: format!("decode call task: {e}"), unsent: false, timed_out: None })),
             }
         };
         let resp = match resp {
             Ok(r) => r,
             Err(e) => {
                 shared.failed(&dec.name, &dec.health);
-                return Err(GatewayError::Upstream { leg: "decode", message: e.message });
+                return Err(e.on("decode"));
             }
         };
         if resp.status() != 200 {
@@ -305,7 +302,7 @@ impl PrefillLeg {
             Ok(resp) => answer_body(&health, "prefill", &p.name, &p.health, resp).await.map(drop),
             Err(e) => {
                 count_failure(&health, &p.name, &p.health);
-                Err(GatewayError::Upstream { leg: "prefill", message: e.message })
+                Err(e.on("prefill"))
             }
         };
         drop(in_flight);

@@ -153,19 +153,25 @@ pub(crate) async fn post_json(
     let req = Request::post(format!("http://{addr}{path}"))
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| PostError { message: e.to_string(), unsent: true })?;
+        .map_err(|e| PostError { message: e.to_string(), unsent: true, timed_out: None })?;
     let call = tokio::time::timeout(timeout, client.request(req));
     let answer = if detach {
-        tokio::spawn(call)
-            .await
-            .map_err(|e| PostError { message: format!("upstream call task: {e}"), unsent: false })?
+        tokio::spawn(call).await.map_err(|e| PostError {
+            message: format!("upstream call task: {e}"),
+            unsent: false,
+            timed_out: None,
+        })?
     } else {
         call.await
     };
     match answer {
         Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect() }),
-        Err(_) => Err(PostError { message: format!("no answer within {timeout:?}"), unsent: false }),
+        Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect(), timed_out: None }),
+        Err(_) => Err(PostError {
+            message: format!("no answer within {timeout:?}"),
+            unsent: false,
+            timed_out: Some(timeout),
+        }),
     }
 }
 
@@ -175,6 +181,19 @@ pub(crate) struct PostError {
     pub(crate) message: String,
     /// The request never left (no connection): the engine cannot have seen it.
     pub(crate) unsent: bool,
+    /// No answer within this limit.
+    pub(crate) timed_out: Option<Duration>,
+}
+
+impl PostError {
+    /// The client's error for a call on `leg` that got no response: a 504 when it timed out, else
+    /// a 502.
+    pub(crate) fn on(self, leg: &'static str) -> GatewayError {
+        match self.timed_out {
+            Some(limit) => GatewayError::UpstreamTimeout { leg, limit },
+            None => GatewayError::Upstream { leg, message: self.message },
+        }
+    }
 }
 
 /// Counters of the one-token *drain* decodes sent for requests that ended between their prefill and
@@ -260,7 +279,7 @@ pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
                 count_failure(health, &prefill.name, &prefill.health);
                 *sent = !e.unsent;
                 if !e.unsent || attempt + 1 >= prefills.len() {
-                    return Err(GatewayError::Upstream { leg: "prefill", message: e.message });
+                    return Err(e.on("prefill"));
                 }
                 tracing::debug!(
                     prefill = prefill.name,

@@ -25,19 +25,18 @@ use crate::handoff::{BoxError, RespBody};
 pub const MAX_PROMPTS: usize = 64;
 
 /// The request's prompts when `prompt` is a list of prompts (strings or token-id lists), each as
-/// a request of its own; `None` for a single prompt.
-pub fn split(body: &[u8]) -> Result<Option<Vec<Map<String, Value>>>, GatewayError> {
-    let Ok(Value::Object(raw)) = serde_json::from_slice::<Value>(body) else { return Ok(None) };
+/// a request of its own; `None` for a single prompt. `raw` has been validated.
+pub fn split(raw: &Map<String, Value>) -> Result<Option<Vec<Map<String, Value>>>, GatewayError> {
     let Some(Value::Array(list)) = raw.get("prompt") else { return Ok(None) };
     // A list of numbers is one prompt of token ids.
     if !list.first().is_some_and(|p| p.is_string() || p.is_array()) {
         return Ok(None);
     }
     if list.len() > MAX_PROMPTS {
-        return Err(GatewayError::Invalid {
-            field: "prompt",
-            reason: format!("{} prompts is more than the {MAX_PROMPTS} a request may list", list.len()),
-        });
+        return Err(GatewayError::invalid(
+            "prompt",
+            format!("{} prompts is more than the {MAX_PROMPTS} a request may list", list.len()),
+        ));
     }
     Ok(Some(
         list.iter()
@@ -68,7 +67,7 @@ impl Gateway {
         // Each prompt is checked before any runs: one bad prompt refuses the request.
         let reqs = prompts
             .into_iter()
-            .map(|m| GenRequest::from_map(Endpoint::Completions, m))
+            .map(|m| GenRequest::from_checked(Endpoint::Completions, m))
             .collect::<Result<Vec<_>, _>>()?;
         // Aborted when the request ends (answered, failed or abandoned).
         let mut legs = Vec::with_capacity(reqs.len());

@@ -23,7 +23,7 @@ use hyper::{Request, Response, header};
 use tokio::task::JoinSet;
 
 use crate::admission::Ticket;
-use crate::api::{Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES};
+use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, validate};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, QueueState};
@@ -214,12 +214,14 @@ impl Gateway {
         body: &Bytes,
         headers: &hyper::HeaderMap,
     ) -> Result<Response<RespBody>, GatewayError> {
+        let raw = api::object(body)?;
+        validate::check(ep, &raw)?;
         if ep == Endpoint::Completions
-            && let Some(prompts) = batch::split(body)?
+            && let Some(prompts) = batch::split(&raw)?
         {
             return self.generate_list(prompts, headers).await;
         }
-        self.count_and_dispatch(GenRequest::parse(ep, body)?, headers).await
+        self.count_and_dispatch(GenRequest::from_checked(ep, raw)?, headers).await
     }
 
     /// A parsed request: its model checked, its tokens counted, then dispatched.

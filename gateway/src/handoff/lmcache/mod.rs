@@ -415,7 +415,7 @@ impl DecodeCtx {
         .await
         .map_err(|e| {
             count_failure(&self.health, &dec.name, &dec.health);
-            GatewayError::Upstream { leg: "decode", message: e.message }
+            e.on("decode")
         })?;
         // The decoder has the request: it retrieves the KV whatever the status, so no drain is owed.
         life.dispatched = true;

@@ -231,7 +231,7 @@ impl Native {
         body[contract::FIELD] = params(life.key, Vec::new(), ids);
         let resp = shared.post(dec.http, req.endpoint.path(), &body).await.map_err(|e| {
             shared.failed(&dec.name, &dec.health);
-            GatewayError::Upstream { leg: "decode", message: e.message }
+            e.on("decode")
         })?;
         if resp.status() != 200 {
             return Err(shared.refused("decode", &dec.name, &dec.health, resp).await);
