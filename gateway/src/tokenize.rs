@@ -15,8 +15,8 @@
 use std::fmt;
 use std::path::Path;
 
-use minijinja::{Environment, ErrorKind, Value as JValue, context};
-use serde_json::Value;
+use minijinja::{Environment, ErrorKind, Value as JValue};
+use serde_json::{Map, Value};
 
 use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
@@ -62,6 +62,9 @@ struct ChatTemplate {
     env: Environment<'static>,
     bos: String,
     eos: String,
+    /// The template loops over a message's content parts (vLLM's "openai" content format): parts
+    /// are passed as they came; otherwise their texts are joined with newlines ("string" format).
+    parts: bool,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -141,11 +144,11 @@ impl Tokenizer {
         }
     }
 
-    /// Renders chat messages as the model's template does (the fallback template without one).
-    pub fn render_chat(&self, messages: &[(String, String)]) -> Result<String, GatewayError> {
+    /// Renders a chat request as the model's template does (the fallback template without one).
+    pub fn render_chat(&self, req: &GenRequest) -> Result<String, GatewayError> {
         match &self.kind {
-            Kind::Hf { chat: Some(t), .. } => t.render(messages),
-            _ => Ok(render_chat(messages)),
+            Kind::Hf { chat: Some(t), .. } => t.render(&req.raw),
+            _ => Ok(render_chat(&req.messages())),
         }
     }
 
@@ -166,7 +169,7 @@ impl Tokenizer {
             (Endpoint::Completions, Some(Prompt::Tokens(ids))) => Ok(ids.clone()),
             (Endpoint::Completions, Some(Prompt::Text(t))) => self.encode(t, true),
             (Endpoint::Completions, None) => Ok(Vec::new()),
-            (Endpoint::Chat, _) => self.encode(&self.render_chat(&req.messages())?, false),
+            (Endpoint::Chat, _) => self.encode(&self.render_chat(req)?, false),
         }
     }
 
@@ -192,34 +195,239 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<JValue, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        // transformers' own `tojson`: Python's json.dumps (no HTML escaping, `", "` and `": "`).
+        env.add_filter(
+            "tojson",
+            |v: JValue, kwargs: minijinja::value::Kwargs| -> Result<JValue, minijinja::Error> {
+                let indent: Option<usize> = kwargs.get("indent")?;
+                let v = serde_json::to_value(&v)
+                    .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+                let mut out = String::new();
+                py_json(&v, indent, 0, &mut out);
+                Ok(JValue::from_safe_string(out))
+            },
+        );
+        let parts = loops_over_content(&source);
         env.add_template_owned(TEMPLATE_NAME, source)?;
-        Ok(Self { env, bos, eos })
+        Ok(Self { env, bos, eos, parts })
     }
 
-    fn render(&self, messages: &[(String, String)]) -> Result<String, GatewayError> {
-        let msgs: Vec<JValue> =
-            messages.iter().map(|(role, content)| context! { role => role, content => content }).collect();
+    /// Renders the request as vLLM asks transformers to: the whole messages (tool calls' arguments
+    /// decoded from JSON, content parts flattened or kept by the content format), `tools` as
+    /// pydantic dumps them, `documents`, `add_generation_prompt` (default true), the special tokens
+    /// and `chat_template_kwargs`; `continue_final_message` cuts after the last message's text.
+    fn render(&self, raw: &Map<String, Value>) -> Result<String, GatewayError> {
         let bad = |e: minijinja::Error| {
             GatewayError::invalid(
                 "messages",
                 format!("the model's chat template refused them: {}", e.detail().unwrap_or("error")),
             )
         };
+        let messages: Vec<Value> = raw
+            .get("messages")
+            .and_then(Value::as_array)
+            .map(|m| m.iter().map(|m| self.message(m)).collect())
+            .unwrap_or_default();
+        let last_text = messages.last().and_then(|m| m.get("content")).map(last_text_of).unwrap_or_default();
+        let tools =
+            raw.get("tools").and_then(Value::as_array).map(|t| t.iter().map(tool_dump).collect::<Vec<_>>());
+        let flag = |k: &str, default: bool| raw.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let cont = flag("continue_final_message", false);
+        let mut ctx = Map::new();
+        if let Some(Value::Object(kw)) = raw.get("chat_template_kwargs") {
+            ctx.extend(kw.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        ctx.insert("messages".into(), Value::Array(messages));
+        ctx.insert("tools".into(), tools.map_or(Value::Null, Value::Array));
+        ctx.insert("documents".into(), raw.get("documents").cloned().unwrap_or(Value::Null));
+        ctx.insert("add_generation_prompt".into(), Value::Bool(flag("add_generation_prompt", !cont)));
+        ctx.insert("bos_token".into(), Value::String(self.bos.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos.clone()));
         let t = self.env.get_template(TEMPLATE_NAME).map_err(bad)?;
-        t.render(context! {
-            messages => msgs,
-            add_generation_prompt => true,
-            bos_token => self.bos,
-            eos_token => self.eos,
-            tools => JValue::from(()),
-        })
-        .map_err(bad)
+        let rendered = t.render(JValue::from_serialize(&ctx)).map_err(bad)?;
+        if !cont {
+            return Ok(rendered);
+        }
+        // As transformers: the text ends where the final message's (stripped) text last appears.
+        let tail = last_text.trim();
+        match rendered.rfind(tail) {
+            Some(at) => Ok(rendered[..at + tail.len()].to_owned()),
+            None => Err(GatewayError::invalid(
+                "continue_final_message",
+                "the final message does not appear in the chat the template rendered",
+            )),
+        }
+    }
+
+    /// A message as vLLM's parser hands it to the template: role and content (a string in the
+    /// "string" content format: parts' texts joined with newlines, none as ""; the parts otherwise),
+    /// and only `tool_calls` (arguments decoded from JSON), `tool_call_id` and `name` beside.
+    fn message(&self, m: &Value) -> Value {
+        let role = m.get("role").cloned().unwrap_or(Value::Null);
+        let content = match m.get("content") {
+            None | Some(Value::Null) if self.parts => Value::Array(Vec::new()),
+            None | Some(Value::Null) => Value::String(String::new()),
+            Some(Value::Array(parts)) if !self.parts => Value::String(
+                parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            ),
+            Some(c) => c.clone(),
+        };
+        let mut out = Map::new();
+        out.insert("role".into(), role.clone());
+        out.insert("content".into(), content);
+        if role == "assistant"
+            && let Some(Value::Array(calls)) = m.get("tool_calls")
+        {
+            let mut calls = calls.clone();
+            for call in &mut calls {
+                if let Some(args) = call.pointer_mut("/function/arguments")
+                    && let Some(decoded) = args.as_str().and_then(|s| serde_json::from_str::<Value>(s).ok())
+                {
+                    *args = decoded;
+                }
+            }
+            out.insert("tool_calls".into(), Value::Array(calls));
+        }
+        if role == "tool"
+            && let Some(id) = m.get("tool_call_id")
+        {
+            out.insert("tool_call_id".into(), id.clone());
+        }
+        if let Some(name @ Value::String(_)) = m.get("name") {
+            out.insert("name".into(), name.clone());
+        }
+        Value::Object(out)
+    }
+}
+
+/// The text of a message's content: the string, or its last text part (as transformers takes it).
+fn last_text_of(c: &Value) -> String {
+    match c {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .rev()
+            .find_map(|p| p.get("text").and_then(Value::as_str))
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+/// A tool as vLLM hands it to the template (pydantic's dump of its model): the fields in the
+/// model's order, absent optional ones as null.
+fn tool_dump(t: &Value) -> Value {
+    let f = t.get("function");
+    let field = |k: &str| f.and_then(|f| f.get(k)).cloned().unwrap_or(Value::Null);
+    let mut function = Map::new();
+    function.insert("name".into(), field("name"));
+    function.insert("description".into(), field("description"));
+    function.insert("parameters".into(), field("parameters"));
+    if let Some(strict) = f.and_then(|f| f.get("strict")) {
+        function.insert("strict".into(), strict.clone());
+    }
+    let mut out = Map::new();
+    out.insert("type".into(), t.get("type").cloned().unwrap_or_else(|| Value::String("function".into())));
+    out.insert("function".into(), Value::Object(function));
+    Value::Object(out)
+}
+
+/// Whether a template iterates over a message's content (a `{% for … in ….content %}` tag), as
+/// vLLM's content-format detection decides.
+fn loops_over_content(source: &str) -> bool {
+    source.split("{%").skip(1).filter_map(|tag| tag.split("%}").next()).any(|tag| {
+        let tag = tag.trim_start_matches(['-', '+']).trim_start();
+        tag.starts_with("for ")
+            && tag.split_once(" in ").is_some_and(|(_, over)| {
+                over.contains(".content") || over.contains("['content']") || over.contains("[\"content\"]")
+            })
+    })
+}
+
+/// Python's `json.dumps(v, ensure_ascii=False, indent=indent)`: `", "` and `": "` without an
+/// indent, `","` and newlines with one.
+fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                py_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                py_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn msgs(m: &[(&str, &str)]) -> Map<String, Value> {
+        let list: Vec<Value> = m.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c})).collect();
+        let mut raw = Map::new();
+        raw.insert("messages".into(), Value::Array(list));
+        raw
+    }
+
+    #[test]
+    fn tojson_is_pythons_and_parts_follow_the_content_format() {
+        let t = ChatTemplate::new(
+            "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        let mut raw = msgs(&[("user", "x")]);
+        raw.insert("tools".into(), serde_json::json!([{"type": "function", "function": {"name": "f<>", "parameters": {"b": 1, "a": [1, 2]}}}]));
+        assert_eq!(
+            t.render(&raw).unwrap(),
+            "[{\"type\": \"function\", \"function\": {\"name\": \"f<>\", \"description\": null, \"parameters\": {\"b\": 1, \"a\": [1, 2]}}}]|{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"f<>\",\n    \"description\": null,\n    \"parameters\": {\n      \"b\": 1,\n      \"a\": [\n        1,\n        2\n      ]\n    }\n  }\n}"
+        );
+        let flat =
+            ChatTemplate::new("{{ messages[0].content }}".into(), String::new(), String::new()).unwrap();
+        let looped = ChatTemplate::new(
+            "{%- for p in messages[0].content %}{{ p.text }};{% endfor %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(!flat.parts && looped.parts);
+        let mut raw = Map::new();
+        raw.insert("messages".into(), serde_json::json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]));
+        assert_eq!(flat.render(&raw).unwrap(), "a\nb");
+        assert_eq!(looped.render(&raw).unwrap(), "a;b;");
+    }
 
     fn chat(body: &str) -> GenRequest {
         GenRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap()
@@ -243,7 +451,7 @@ mod tests {
             String::new(),
         )
         .unwrap();
-        let e = t.render(&[("user".into(), "x".into())]).unwrap_err();
+        let e = t.render(&msgs(&[("user", "x")])).unwrap_err();
         assert_eq!(e.status(), 400);
         assert!(e.to_string().contains("first must be system"), "{e}");
     }
@@ -256,7 +464,7 @@ mod tests {
             String::new(),
         )
         .unwrap();
-        assert_eq!(t.render(&[]).unwrap_err().status(), 400);
+        assert_eq!(t.render(&msgs(&[])).unwrap_err().status(), 400);
     }
 
     #[test]
@@ -269,6 +477,6 @@ mod tests {
         )
         .unwrap();
         // lstrip_blocks drops the indent before `{% if %}`, trim_blocks the newlines after block tags.
-        assert_eq!(t.render(&[("user".into(), "  hi ".into())]).unwrap(), "HI|<s>");
+        assert_eq!(t.render(&msgs(&[("user", "  hi ")])).unwrap(), "HI|<s>");
     }
 }

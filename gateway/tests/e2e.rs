@@ -883,10 +883,8 @@ mod real_tokenizers {
         assert!(q.is_exact());
         assert_eq!(q.encode("Hello world", true).unwrap(), vec![9707, 1879]);
         let m = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]);
-        let pairs: Vec<(String, String)> =
-            vec![("system".into(), "Be brief.".into()), ("user".into(), "Hi!".into())];
         assert_eq!(
-            q.render_chat(&pairs).unwrap(),
+            q.render_chat(&chat(&m)).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
         );
         // Special tokens in the rendered template are single ids (<|im_start|> = 151644).
@@ -898,7 +896,7 @@ mod real_tokenizers {
         // The completion prompt gets the BOS token (128000), as vLLM encodes it.
         assert_eq!(l.encode("Hello world", true).unwrap(), vec![128_000, 9906, 1917]);
         assert_eq!(
-            l.render_chat(&pairs).unwrap(),
+            l.render_chat(&chat(&m)).unwrap(),
             "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
              <|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>\
              <|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -910,6 +908,42 @@ mod real_tokenizers {
         let text = "The baton passes between prefill and decode ranks. ".repeat(20);
         let fallback = Tokenizer::fallback().encode(&text, true).unwrap().len();
         assert!(q.encode(&text, true).unwrap().len() * 3 < fallback);
+    }
+
+    /// Chat templates see what the engine sees: each case of `fixtures/chat-cases.json` (a
+    /// tool-calling conversation, content parts, continue_final_message, no generation prompt,
+    /// chat_template_kwargs) renders with the real Qwen3 and Llama 3.1 templates to the text and
+    /// token ids transformers made of it as vLLM calls it (`scripts/render-chat-reference.py`
+    /// wrote `fixtures/chat-rendered.json`).
+    #[test]
+    fn chat_templates_render_tools_options_and_parts_as_transformers_does() {
+        let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let cases: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixtures.join("chat-cases.json")).unwrap())
+                .unwrap();
+        let want: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixtures.join("chat-rendered.json")).unwrap())
+                .unwrap();
+        let mut checked = 0;
+        for model in ["qwen3", "llama3_1"] {
+            let tok = load(model);
+            for (case, expected) in
+                cases.as_array().unwrap().iter().zip(want["models"][model].as_array().unwrap())
+            {
+                let name = case["name"].as_str().unwrap();
+                assert_eq!(expected["name"], name);
+                let req = GenRequest::parse(Endpoint::Chat, case["request"].to_string().as_bytes())
+                    .unwrap_or_else(|e| panic!("{model} {name}: {e}"));
+                let text = tok.render_chat(&req).unwrap_or_else(|e| panic!("{model} {name}: {e}"));
+                assert_eq!(text, expected["text"].as_str().unwrap(), "{model}: {name}");
+                let ids: Vec<u64> = tok.token_ids(&req).unwrap().into_iter().map(u64::from).collect();
+                let want_ids: Vec<u64> =
+                    expected["ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect();
+                assert_eq!(ids, want_ids, "{model}: {name}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 22);
     }
 
     fn python() -> PathBuf {
@@ -944,11 +978,9 @@ mod real_tokenizers {
 
         let prompt = "The baton passes between prefill and decode ranks. ".repeat(8);
         let prompt_ids = tok.encode(&prompt, true).unwrap();
-        let pairs: Vec<(String, String)> = vec![
-            ("system".into(), "You are terse.".into()),
-            ("user".into(), "Hello, how are you? ".repeat(4)),
-        ];
-        let chat_ids = tok.encode(&tok.render_chat(&pairs).unwrap(), false).unwrap();
+        let m = json!([{"role": "system", "content": "You are terse."},
+                       {"role": "user", "content": "Hello, how are you? ".repeat(4)}]);
+        let chat_ids = tok.encode(&tok.render_chat(&chat(&m)).unwrap(), false).unwrap();
         for (case, ids, n) in [
             ("completion", &prompt_ids, 7),
             ("completion_stream", &prompt_ids, 7),

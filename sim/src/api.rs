@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::kv::{render_chat, tokenize};
+use super::kv::{render_chat, token_logprob, tokenize, top_tokens};
 use baton_dataplane::contract::content_text;
 
 /// Default `max_tokens` when a request gives none.
@@ -32,6 +32,12 @@ pub struct GenRequest {
     pub bootstrap_port: Option<Value>,
     pub bootstrap_room: Option<Value>,
     pub rid: Option<Value>,
+    /// Choices to generate.
+    pub n: Option<u32>,
+    /// Completions: alternatives per token (an integer); chat: whether to return logprobs.
+    pub logprobs: Option<Value>,
+    /// Chat: alternatives per token.
+    pub top_logprobs: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +112,22 @@ impl GenRequest {
     pub fn include_usage(&self) -> bool {
         self.openai.include_usage()
     }
+
+    /// Choices to generate (`n`, at least 1).
+    pub fn choices(&self) -> u32 {
+        self.n.unwrap_or(1).max(1)
+    }
+
+    /// The alternatives per token to return, when logprobs are asked for.
+    pub fn logprobs(&self, ep: Endpoint) -> Option<u32> {
+        match ep {
+            Endpoint::Completions => {
+                self.logprobs.as_ref().and_then(Value::as_u64).map(|k| u32::try_from(k).unwrap_or(u32::MAX))
+            }
+            Endpoint::Chat => (self.logprobs.as_ref().and_then(Value::as_bool) == Some(true))
+                .then(|| self.top_logprobs.unwrap_or(0)),
+        }
+    }
 }
 
 pub fn now_secs() -> u64 {
@@ -117,46 +139,113 @@ pub fn usage(prompt: usize, completion: u32) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion as usize})
 }
 
-/// A whole (non-streaming) response.
-pub fn full_response(
-    ep: Endpoint,
-    id: &str,
-    model: &str,
-    text: &str,
-    prompt: usize,
-    completion: u32,
-) -> Value {
+/// The logprobs of `tokens` (output positions from `pos`), `top` alternatives each, in the
+/// endpoint's shape: completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets from
+/// `offset`), chat's `{content: [{token, logprob, bytes, top_logprobs}]}`.
+pub fn logprobs(ep: Endpoint, tokens: &[(u32, &str)], pos: u32, offset: usize, top: u32) -> Value {
+    let at = |i: usize| pos + u32::try_from(i).unwrap_or(u32::MAX);
     match ep {
-        Endpoint::Completions => json!({
-            "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
-            "usage": usage(prompt, completion),
-        }),
+        Endpoint::Completions => {
+            let mut off = offset;
+            let offsets: Vec<usize> = tokens
+                .iter()
+                .map(|(_, t)| {
+                    let o = off;
+                    off += t.len();
+                    o
+                })
+                .collect();
+            json!({
+                "tokens": tokens.iter().map(|(_, t)| *t).collect::<Vec<_>>(),
+                "token_logprobs": tokens.iter().enumerate().map(|(i, (id, _))| token_logprob(*id, at(i))).collect::<Vec<_>>(),
+                "top_logprobs": tokens.iter().enumerate().map(|(i, (id, _))| {
+                    top_tokens(*id, at(i), top).into_iter().map(|(t, lp)| (t.to_owned(), json!(lp))).collect::<serde_json::Map<_, _>>()
+                }).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
         Endpoint::Chat => json!({
-            "id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_secs(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"}],
-            "usage": usage(prompt, completion),
+            "content": tokens.iter().enumerate().map(|(i, (id, t))| json!({
+                "token": t, "logprob": token_logprob(*id, at(i)), "bytes": t.as_bytes(),
+                "top_logprobs": top_tokens(*id, at(i), top).into_iter()
+                    .map(|(t, lp)| json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
         }),
     }
 }
 
-/// One streamed chunk: a token (`Some`) or the final chunk with the finish reason (`None`).
-pub fn stream_chunk(ep: Endpoint, id: &str, model: &str, token: Option<&str>, first: bool) -> Value {
-    let finish = if token.is_none() { json!("length") } else { Value::Null };
+/// A whole (non-streaming) response: one choice per token list.
+pub fn full_response(
+    ep: Endpoint,
+    id: &str,
+    model: &str,
+    choices: &[Vec<(u32, &str)>],
+    prompt: usize,
+    lp: Option<u32>,
+) -> Value {
+    let completion: usize = choices.iter().map(Vec::len).sum();
+    let usage = usage(prompt, u32::try_from(completion).unwrap_or(u32::MAX));
+    let list: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, toks)| {
+            let text: String = toks.iter().map(|(_, t)| *t).collect();
+            let lps = lp.map_or(Value::Null, |k| logprobs(ep, toks, 0, 0, k));
+            match ep {
+                Endpoint::Completions => {
+                    json!({"index": i, "text": text, "logprobs": lps, "finish_reason": "length"})
+                }
+                Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text},
+                                         "logprobs": lps, "finish_reason": "length"}),
+            }
+        })
+        .collect();
     match ep {
         Endpoint::Completions => json!({
             "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
-            "choices": [{"index": 0, "text": token.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+            "choices": list, "usage": usage,
+        }),
+        Endpoint::Chat => json!({
+            "id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_secs(), "model": model,
+            "choices": list, "usage": usage,
+        }),
+    }
+}
+
+/// One streamed token of one choice, or that choice's final chunk.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamToken<'a> {
+    pub choice: usize,
+    /// The token and its output position; `None` for the final chunk with the finish reason.
+    pub token: Option<((u32, &'a str), u32)>,
+    /// Bytes of text before it in its choice (completions' `text_offset`).
+    pub offset: usize,
+    pub first: bool,
+    pub logprobs: Option<u32>,
+}
+
+/// One streamed chunk.
+pub fn stream_chunk(ep: Endpoint, id: &str, model: &str, t: StreamToken<'_>) -> Value {
+    let finish = if t.token.is_none() { json!("length") } else { Value::Null };
+    let lps = match (t.token, t.logprobs) {
+        (Some((tok, pos)), Some(k)) => logprobs(ep, &[tok], pos, t.offset, k),
+        _ => Value::Null,
+    };
+    let text = t.token.map(|((_, s), _)| s);
+    match ep {
+        Endpoint::Completions => json!({
+            "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
+            "choices": [{"index": t.choice, "text": text.unwrap_or(""), "logprobs": lps, "finish_reason": finish}],
         }),
         Endpoint::Chat => {
-            let delta = match (token, first) {
-                (Some(t), true) => json!({"role": "assistant", "content": t}),
-                (Some(t), false) => json!({"content": t}),
+            let delta = match (text, t.first) {
+                (Some(s), true) => json!({"role": "assistant", "content": s}),
+                (Some(s), false) => json!({"content": s}),
                 (None, _) => json!({}),
             };
             json!({
                 "id": format!("chatcmpl-{id}"), "object": "chat.completion.chunk", "created": now_secs(), "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": t.choice, "delta": delta, "logprobs": lps, "finish_reason": finish}],
             })
         }
     }

@@ -1,5 +1,6 @@
 //! The simulated engine's HTTP surface: `/v1/completions`, `/v1/chat/completions` (streaming and
-//! not), `/v1/models`, `/health`, and for tests `/sim/stats` and `/sim/faults`.
+//! not), `/v1/models`, `/health`, and for tests `/sim/stats`, `/sim/faults` and `/sim/received`
+//! (the last generation requests as they arrived).
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -22,10 +23,10 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 
 use super::SimError;
-use super::api::{Endpoint, GenRequest, error_body, full_response, stream_chunk, usage_chunk};
+use super::api::{Endpoint, GenRequest, StreamToken, error_body, full_response, stream_chunk, usage_chunk};
 use super::decode::DecodeEngine;
 use super::faults::{FaultConfig, Faults};
-use super::kv::output_tokens;
+use super::kv::{choice_tokens, output_tokens};
 use super::prefill::PrefillEngine;
 
 /// Largest request body the engine reads.
@@ -100,6 +101,42 @@ pub struct SimEngine {
     /// Time per generated token.
     pub token_delay: Duration,
     next_id: AtomicU64,
+    /// The last generation requests received, for tests (`GET /sim/received`).
+    received: Received,
+}
+
+/// Generation requests kept by [`Received`]: enough for any one test, bounded for a long demo.
+pub const RECEIVED_KEPT: usize = 256;
+
+/// The last [`RECEIVED_KEPT`] generation requests an engine received: path, headers and the body's
+/// bytes (parsed only when asked for, so the hot path copies a reference-counted buffer).
+#[derive(Debug, Default)]
+struct Received(std::sync::Mutex<std::collections::VecDeque<(String, hyper::HeaderMap, Bytes)>>);
+
+impl Received {
+    fn keep(&self, path: &str, headers: &hyper::HeaderMap, body: &Bytes) {
+        let mut q = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if q.len() >= RECEIVED_KEPT {
+            q.pop_front();
+        }
+        q.push_back((path.to_owned(), headers.clone(), body.clone()));
+    }
+
+    /// `[{"path", "headers": {name: value}, "body": <the JSON, or the text when it is none>}]`.
+    fn view(&self) -> Value {
+        let q = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.iter()
+            .map(|(path, headers, body)| {
+                let h: serde_json::Map<String, Value> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_owned(), json!(String::from_utf8_lossy(v.as_bytes()))))
+                    .collect();
+                let body = serde_json::from_slice(body)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()));
+                json!({"path": path, "headers": h, "body": body})
+            })
+            .collect()
+    }
 }
 
 fn json_response(status: u16, v: &Value) -> Resp {
@@ -134,6 +171,7 @@ impl SimEngine {
             faults,
             token_delay,
             next_id: AtomicU64::new(1),
+            received: Received::default(),
         })
     }
 
@@ -308,6 +346,7 @@ impl SimEngine {
                 );
             }
             (&Method::GET, "/sim/stats") => return json_response(200, &self.stats()),
+            (&Method::GET, "/sim/received") => return json_response(200, &self.received.view()),
             (&Method::GET, "/metrics") => return self.prometheus(),
             (&Method::GET, "/get_server_info") => return self.server_info(),
             (&Method::POST, "/abort_request") => return self.abort_request(req).await,
@@ -323,7 +362,8 @@ impl SimEngine {
                 });
             }
         };
-        let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+        let (parts, body) = req.into_parts();
+        let body = match Limited::new(body, MAX_BODY_BYTES).collect().await {
             Ok(b) => b.to_bytes(),
             Err(e) => {
                 return error_response(&SimError {
@@ -333,6 +373,7 @@ impl SimEngine {
                 });
             }
         };
+        self.received.keep(&path, &parts.headers, &body);
         match self.generate(ep, &body).await {
             Ok(r) => r,
             Err(e) => error_response(&e),
@@ -500,14 +541,16 @@ impl SimEngine {
             _ => {}
         }
         let prompt = ids.len();
+        let lp = req.logprobs(ep);
+        let choices: Vec<Vec<(u32, &'static str)>> =
+            (0..req.choices()).map(|c| choice_tokens(&ids, n, c)).collect();
         if !req.openai.stream {
             // A zero sleep would still wait for the next timer tick (about 1 ms).
             if !self.token_delay.is_zero() {
                 tokio::time::sleep(self.token_delay * n).await;
             }
-            let text: String = output_tokens(&ids, n).into_iter().map(|(_, t)| t).collect();
             drop(held);
-            let mut body = full_response(ep, &id, &model, &text, prompt, n);
+            let mut body = full_response(ep, &id, &model, &choices, prompt, lp);
             if let Some(t) = first_tok {
                 body["kv_transfer_params"] = json!({"first_tok": t});
             }
@@ -527,7 +570,9 @@ impl SimEngine {
             let _held = held;
             let _running = running;
             let event = |v: Value| Bytes::from(format!("data: {v}\n\n"));
-            for (i, (_, tok)) in output_tokens(&ids, n).into_iter().enumerate() {
+            // As vLLM streams several choices: each step's token of every choice, interleaved.
+            let mut offsets = vec![0usize; choices.len()];
+            for i in 0..n as usize {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
@@ -538,14 +583,35 @@ impl SimEngine {
                 {
                     return;
                 }
-                if tx.send(event(stream_chunk(ep, &id, &model, Some(tok), i == 0))).await.is_err() {
+                for (c, toks) in choices.iter().enumerate() {
+                    let Some(&tok) = toks.get(i) else { continue };
+                    let offset = offsets.get(c).copied().unwrap_or(0);
+                    let pos = u32::try_from(i).unwrap_or(u32::MAX);
+                    let t = StreamToken {
+                        choice: c,
+                        token: Some((tok, pos)),
+                        offset,
+                        first: i == 0,
+                        logprobs: lp,
+                    };
+                    if tx.send(event(stream_chunk(ep, &id, &model, t))).await.is_err() {
+                        return;
+                    }
+                    if let Some(o) = offsets.get_mut(c) {
+                        *o += tok.1.len();
+                    }
+                }
+            }
+            for c in 0..choices.len() {
+                let t = StreamToken { choice: c, token: None, offset: 0, first: false, logprobs: lp };
+                if tx.send(event(stream_chunk(ep, &id, &model, t))).await.is_err() {
                     return;
                 }
             }
-            if tx.send(event(stream_chunk(ep, &id, &model, None, false))).await.is_err() {
-                return;
-            }
-            if include_usage && tx.send(event(usage_chunk(ep, &id, &model, prompt, n))).await.is_err() {
+            let completion = n.saturating_mul(u32::try_from(choices.len()).unwrap_or(u32::MAX));
+            if include_usage
+                && tx.send(event(usage_chunk(ep, &id, &model, prompt, completion))).await.is_err()
+            {
                 return;
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;

@@ -174,7 +174,16 @@ pub fn verify_chunk(
 /// depends on the whole sequence before it, so a decoder given the prompt plus the first token (the
 /// prefiller's, with first token from prefill) continues exactly where a single engine would.
 pub fn output_tokens(ids: &[u32], n: u32) -> Vec<(u32, &'static str)> {
+    choice_tokens(ids, n, 0)
+}
+
+/// The first `n` output tokens of choice `choice` of a request that asks for several (`n` in the
+/// API): choice 0 is [`output_tokens`], each other one a sequence of its own.
+pub fn choice_tokens(ids: &[u32], n: u32, choice: u32) -> Vec<(u32, &'static str)> {
     let mut h = ids.iter().fold(PREFIX_BASIS, |h, id| extend(h, *id));
+    if choice > 0 {
+        h = extend(h, u32::MAX - choice);
+    }
     (0..n)
         .map(|_| {
             let w = usize::try_from(mix(h) % WORDS.len() as u64).unwrap_or(0);
@@ -188,6 +197,30 @@ pub fn output_tokens(ids: &[u32], n: u32) -> Vec<(u32, &'static str)> {
 /// The whole output text of `n` tokens.
 pub fn output_text(ids: &[u32], n: u32) -> String {
     output_tokens(ids, n).into_iter().map(|(_, t)| t).collect()
+}
+
+/// The whole output text of `n` tokens of choice `choice`.
+pub fn choice_text(ids: &[u32], n: u32, choice: u32) -> String {
+    choice_tokens(ids, n, choice).into_iter().map(|(_, t)| t).collect()
+}
+
+/// The log-probability the simulated model gives token `id` at output position `pos`: a fixed
+/// function of both, so a test can check every value it receives.
+pub fn token_logprob(id: u32, pos: u32) -> f64 {
+    let x = mix(u64::from(id) << 32 | u64::from(pos)) % 4000;
+    -((x as f64) / 1000.0) - 0.001
+}
+
+/// The `k` most likely tokens at a position whose sampled token is `id`: the sampled one first,
+/// then other words, each less likely than the one before.
+pub fn top_tokens(id: u32, pos: u32, k: u32) -> Vec<(&'static str, f64)> {
+    let lp = token_logprob(id, pos);
+    (0..k)
+        .map(|j| {
+            let w = (id as usize + j as usize) % WORDS.len();
+            (WORDS.get(w).copied().unwrap_or("."), lp - f64::from(j))
+        })
+        .collect()
 }
 
 /// A chunk page as a prefiller rank produces it: the KV of the chunk's valid tokens in chunk layout,

@@ -92,6 +92,12 @@ pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
     /// Slots a prompt of `prompt_tokens` takes on this decoder.
     fn slots_for(&self, prompt_tokens: usize) -> u32;
 
+    /// Refuses, before any room is taken, a request the mode cannot serve as asked (by default it
+    /// serves every valid request).
+    fn accepts(&self, _req: &GenRequest) -> Result<(), GatewayError> {
+        Ok(())
+    }
+
     /// Takes the request's room on the decoder: by default `need` slots of the decoder's queue
     /// (FIFO within the ticket's class, with its deadline).
     fn admit<'a>(

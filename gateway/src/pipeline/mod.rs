@@ -366,6 +366,7 @@ impl Gateway {
         ticket: Ticket,
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
+        dec.handoff.accepts(req)?;
         let slots = dec.handoff.admit(dec, dec.slots_for(ids.len()), ticket).await?;
         timing.mark(Phase::Queue);
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await

@@ -84,15 +84,15 @@ impl Lmcache {
     }
 }
 
-/// Request fields the prefill leg may not carry over from a chat request (it goes to completions).
-const CHAT_ONLY: [&str; 14] = [
+/// Chat request fields the legs do not carry (both go to `/v1/completions` over the prompt's token
+/// ids, which the chat template's inputs already made; `logprobs`/`top_logprobs` are converted).
+const CHAT_ONLY: [&str; 13] = [
     "messages",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
     "logprobs",
     "top_logprobs",
     "chat_template",
@@ -164,14 +164,30 @@ struct PrefillOut {
     model: Value,
 }
 
-/// The client's request as a `/v1/completions` body over token ids (chat-only fields dropped).
+/// The client's request as a `/v1/completions` body over token ids: chat-only fields dropped, chat's
+/// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
 fn completion_body(req: &GenRequest, ids: &[u32]) -> Value {
     let mut o = req.raw.clone();
-    for f in CHAT_ONLY {
-        o.remove(f);
+    if req.endpoint == Endpoint::Chat {
+        let logprobs = (o.get("logprobs").and_then(Value::as_bool) == Some(true))
+            .then(|| o.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0));
+        for f in CHAT_ONLY {
+            o.remove(f);
+        }
+        if let Some(k) = logprobs {
+            o.insert("logprobs".into(), json!(k));
+        }
     }
     o.insert("prompt".into(), json!(ids));
     Value::Object(o)
+}
+
+/// Whether the answer can start with the prefiller's first token: only for one choice without
+/// logprobs (the prefiller samples one sequence and scores nothing the client asked for).
+fn first_token_usable(req: &GenRequest) -> bool {
+    let n = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1);
+    let logprobs = req.raw.get("logprobs").is_some_and(|l| !l.is_null() && *l != json!(false));
+    n <= 1 && !logprobs
 }
 
 fn set_max_tokens(body: &mut Value, n: Option<u32>) {
@@ -200,13 +216,17 @@ impl Lmcache {
             drain: None,
             notify_deadline: None,
         };
-        let first_token = self.first_token;
+        let first_token = self.first_token && first_token_usable(req);
         let base = Arc::new(completion_body(req, ids));
         let mut prefill_body = (*base).clone();
         set_max_tokens(&mut prefill_body, Some(1));
         if let Some(o) = prefill_body.as_object_mut() {
             o.insert("stream".into(), json!(false));
             o.remove("stream_options");
+            // The prefill only writes the KV: one sequence, nothing scored.
+            for f in ["n", "best_of", "logprobs", "prompt_logprobs"] {
+                o.remove(f);
+            }
             o.insert(
                 "kv_transfer_params".into(),
                 json!({
@@ -282,7 +302,8 @@ impl Lmcache {
             extra,
         };
         let first_text = if pre.first_tok.is_some() { pre.first_text.clone() } else { String::new() };
-        let include_usage = req.fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let include_usage = req.fields.include_usage();
+        let choices = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
         let finished_early = remaining == Some(0);
         let ctx = DecodeCtx {
             client: shared.client.clone(),
@@ -299,7 +320,7 @@ impl Lmcache {
             // Headers and the first token go out now; the rest follows from the decoder.
             let (tx, rx) = mpsc::channel::<Bytes>(32);
             if req.endpoint == Endpoint::Chat {
-                let _ = tx.send(sse(&shaper.role_chunk())).await;
+                let _ = tx.send(sse(&shaper.role_chunk(choices))).await;
             }
             if !first_text.is_empty() {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
@@ -323,9 +344,9 @@ impl Lmcache {
                 .insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
             return Ok(r);
         }
-        let (text, finish, decoded) = ctx.whole(&mut life, timing).await?;
+        let decoded = ctx.whole(&mut life, timing).await?;
         timing.mark(Phase::Decode);
-        let body = shaper.full(&format!("{first_text}{text}"), &finish, decoded);
+        let body = shaper.full(decoded.as_ref(), &first_text);
         let mut r = Response::new(
             Full::new(Bytes::from(body.to_string())).map_err(|e| -> BoxError { match e {} }).boxed(),
         );
@@ -346,6 +367,20 @@ impl Handoff for Lmcache {
 
     fn slots_for(&self, prompt_tokens: usize) -> u32 {
         u32::try_from(prompt_tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
+    }
+
+    fn accepts(&self, req: &GenRequest) -> Result<(), GatewayError> {
+        // vLLM parses tool calls only on its chat endpoint, and LMCache's PD decode runs on
+        // completions over token ids: the calls would come back as plain text.
+        if req.endpoint == Endpoint::Chat
+            && req.raw.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty())
+        {
+            return Err(GatewayError::invalid(
+                "tools",
+                "tool calls are not served by this model's lmcache pool (its decode runs on /v1/completions)",
+            ));
+        }
+        Ok(())
     }
 
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
@@ -430,12 +465,8 @@ impl DecodeCtx {
         Ok(resp)
     }
 
-    /// Non-streaming: the decoder's text, finish reason and completion tokens.
-    async fn whole(
-        &self,
-        life: &mut Life,
-        timing: &mut Timing,
-    ) -> Result<(String, Value, u64), GatewayError> {
+    /// Non-streaming: the decoder's answer (`None` when it only drained).
+    async fn whole(&self, life: &mut Life, timing: &mut Timing) -> Result<Option<Value>, GatewayError> {
         let resp = self.dispatch(life, timing).await?;
         let b = resp
             .into_body()
@@ -444,16 +475,13 @@ impl DecodeCtx {
             .map(|c| c.to_bytes())
             .map_err(|e| GatewayError::Upstream { leg: "decode", message: e.to_string() })?;
         if self.finished_early {
-            return Ok((String::new(), json!("length"), 0));
+            return Ok(None);
         }
         let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
             leg: "decode",
             message: format!("answer is not JSON: {e}"),
         })?;
-        let text = v.pointer("/choices/0/text").and_then(Value::as_str).unwrap_or_default().to_owned();
-        let finish = v.pointer("/choices/0/finish_reason").cloned().unwrap_or(Value::Null);
-        let decoded = v.pointer("/usage/completion_tokens").and_then(Value::as_u64).unwrap_or(0);
-        Ok((text, finish, decoded))
+        Ok(Some(v))
     }
 
     /// Streaming: relays the decoder's completion chunks in the client's shape.
@@ -491,10 +519,10 @@ impl DecodeCtx {
                     continue;
                 }
                 let Ok(v) = serde_json::from_str::<Value>(&e) else { continue };
-                if let Some(c) = v.pointer("/choices/0") {
-                    let text = c.get("text").and_then(Value::as_str).unwrap_or_default();
-                    let finish = c.get("finish_reason").cloned().unwrap_or(Value::Null);
-                    if tx.send(sse(&shaper.chunk(text, &finish))).await.is_err() {
+                if v.get("choices").and_then(Value::as_array).is_some_and(|c| !c.is_empty()) {
+                    if let Some(chunk) = shaper.chunk_of(&v, "")
+                        && tx.send(sse(&chunk)).await.is_err()
+                    {
                         return Ok(());
                     }
                 } else if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {

@@ -1,8 +1,10 @@
-//! The answer in the client's shape: a decoder's `/v1/completions` chunks turned back into the
-//! client's endpoint (completions or chat), with the prefiller's first token and corrected usage.
+//! The answer in the client's shape: a decoder's `/v1/completions` answers and chunks turned back
+//! into the client's endpoint (completions or chat), every choice kept with its index and logprobs
+//! (completions' `{tokens, token_logprobs, top_logprobs}` become chat's `content[{token, logprob,
+//! bytes, top_logprobs}]`), with the prefiller's first token and corrected usage.
 
 use bytes::Bytes;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::api::Endpoint;
 
@@ -21,25 +23,93 @@ pub(super) struct Shaper {
     pub(super) extra: u32,
 }
 
+/// A completions `logprobs` object as chat's: one entry per token with its bytes and alternatives.
+pub(super) fn chat_logprobs(lp: &Value) -> Value {
+    let Some(tokens) = lp.get("tokens").and_then(Value::as_array) else { return Value::Null };
+    let logprobs = lp.get("token_logprobs").and_then(Value::as_array);
+    let tops = lp.get("top_logprobs").and_then(Value::as_array);
+    let entry =
+        |token: &str, logprob: &Value| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let content: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let token = t.as_str().unwrap_or_default();
+            let logprob = logprobs.and_then(|l| l.get(i)).cloned().unwrap_or(Value::Null);
+            let top: Vec<Value> = tops
+                .and_then(|l| l.get(i))
+                .and_then(Value::as_object)
+                .map(|m| m.iter().map(|(t, lp)| entry(t, lp)).collect())
+                .unwrap_or_default();
+            let mut e = entry(token, &logprob);
+            e["top_logprobs"] = json!(top);
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
 impl Shaper {
-    pub(super) fn chunk(&self, text: &str, finish: &Value) -> Value {
-        match self.ep {
-            Endpoint::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-            }),
-            Endpoint::Chat => json!({
-                "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}],
-            }),
-        }
+    fn envelope(&self, choices: Vec<Value>, streamed: bool) -> Value {
+        let object = match (self.ep, streamed) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
     }
 
-    pub(super) fn role_chunk(&self) -> Value {
-        json!({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
-        })
+    /// One of the decoder's completion choices in the client's shape; `prefix` goes before its text.
+    fn choice(&self, c: &Map<String, Value>, prefix: &str, streamed: bool) -> Value {
+        let text = c.get("text").and_then(Value::as_str).unwrap_or_default();
+        let text = if prefix.is_empty() { text.to_owned() } else { format!("{prefix}{text}") };
+        let mut out = c.clone();
+        match self.ep {
+            Endpoint::Completions => {
+                out.insert("text".into(), json!(text));
+            }
+            Endpoint::Chat => {
+                out.remove("text");
+                let key = if streamed { "delta" } else { "message" };
+                let body = if streamed {
+                    json!({"content": text})
+                } else {
+                    json!({"role": "assistant", "content": text})
+                };
+                out.insert(key.into(), body);
+                let lp =
+                    out.get("logprobs").filter(|l| !l.is_null()).map(chat_logprobs).unwrap_or(Value::Null);
+                out.insert("logprobs".into(), lp);
+            }
+        }
+        Value::Object(out)
+    }
+
+    /// A chunk of the decoder's stream in the client's shape; `prefix` goes before choice 0's text.
+    pub(super) fn chunk_of(&self, decoded: &Value, prefix: &str) -> Option<Value> {
+        let choices = decoded.get("choices").and_then(Value::as_array)?;
+        let list = choices
+            .iter()
+            .filter_map(Value::as_object)
+            .map(|c| {
+                let first = c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0;
+                self.choice(c, if first { prefix } else { "" }, true)
+            })
+            .collect();
+        Some(self.envelope(list, true))
+    }
+
+    /// A chunk of one choice (index 0) with `text` and no logprobs.
+    pub(super) fn chunk(&self, text: &str, finish: &Value) -> Value {
+        let c = json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish});
+        self.chunk_of(&json!({"choices": [c]}), "").unwrap_or(Value::Null)
+    }
+
+    pub(super) fn role_chunk(&self, choices: u64) -> Value {
+        let list = (0..choices)
+            .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            .collect();
+        self.envelope(list, true)
     }
 
     fn usage(&self, decoded: u64) -> Value {
@@ -49,30 +119,71 @@ impl Shaper {
     }
 
     pub(super) fn usage_chunk(&self, decoded: u64) -> Value {
-        let object = match self.ep {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-               "choices": [], "usage": self.usage(decoded)})
+        let mut v = self.envelope(Vec::new(), true);
+        v["usage"] = self.usage(decoded);
+        v
     }
 
-    pub(super) fn full(&self, text: &str, finish: &Value, decoded: u64) -> Value {
-        match self.ep {
-            Endpoint::Completions => json!({
-                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-                "usage": self.usage(decoded),
-            }),
-            Endpoint::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-                "usage": self.usage(decoded),
-            }),
-        }
+    /// The whole answer from the decoder's (`None`: nothing decoded, `prefix` is all the text).
+    pub(super) fn full(&self, decoded: Option<&Value>, prefix: &str) -> Value {
+        let fallback = json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"});
+        let choices: Vec<Value> = match decoded.and_then(|d| d.get("choices")).and_then(Value::as_array) {
+            Some(list) => list
+                .iter()
+                .filter_map(Value::as_object)
+                .map(|c| {
+                    let first = c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0;
+                    self.choice(c, if first { prefix } else { "" }, false)
+                })
+                .collect(),
+            None => fallback.as_object().map(|c| vec![self.choice(c, prefix, false)]).unwrap_or_default(),
+        };
+        let tokens = decoded.and_then(|d| d.pointer("/usage/completion_tokens")).and_then(Value::as_u64);
+        let mut v = self.envelope(choices, false);
+        v["usage"] = self.usage(tokens.unwrap_or(0));
+        v
     }
 }
 
 pub(super) fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_logprobs_become_chat_entries() {
+        let lp = json!({"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0],
+                        "top_logprobs": [{"a": -0.5, "x": -2.0}, {"b": -1.0}], "text_offset": [0, 1]});
+        let c = chat_logprobs(&lp);
+        assert_eq!(
+            c["content"][0],
+            json!({"token": "a", "logprob": -0.5, "bytes": [97],
+            "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "x", "logprob": -2.0, "bytes": [120]}]})
+        );
+        assert_eq!(c["content"][1]["logprob"], -1.0);
+    }
+
+    #[test]
+    fn every_choice_is_kept_in_the_chat_shape() {
+        let s = Shaper {
+            ep: Endpoint::Chat,
+            id: "chatcmpl-1".into(),
+            model: json!("m"),
+            created: 0,
+            prompt_tokens: 3,
+            extra: 0,
+        };
+        let decoded = json!({"choices": [
+            {"index": 0, "text": "x", "logprobs": null, "finish_reason": "length"},
+            {"index": 1, "text": "y", "logprobs": {"tokens": ["y"], "token_logprobs": [-1.0], "top_logprobs": [{}]}, "finish_reason": "stop"}],
+            "usage": {"completion_tokens": 2}});
+        let v = s.full(Some(&decoded), "");
+        assert_eq!(v["choices"][1]["message"]["content"], "y");
+        assert_eq!(v["choices"][1]["finish_reason"], "stop");
+        assert_eq!(v["choices"][1]["logprobs"]["content"][0]["token"], "y");
+        assert_eq!(v["usage"]["total_tokens"], 5);
+    }
 }
