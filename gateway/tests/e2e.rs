@@ -1232,6 +1232,9 @@ mod sglang;
 #[path = "e2e/plugins.rs"]
 mod plugins;
 
+#[path = "e2e/validation.rs"]
+mod validation;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -426,6 +426,11 @@ impl SimEngine {
         json_response(200, &json!({"ok": true, "faults": self.faults.get()}))
     }
 
+    /// The last generation requests received (`GET /sim/received`): path, headers, body.
+    pub fn received(&self) -> Value {
+        self.received.view()
+    }
+
     /// The engine's state: for tests and operators poking at the simulator.
     pub fn stats(&self) -> Value {
         let mut v = self.role_stats();
