@@ -1235,6 +1235,9 @@ mod plugins;
 #[path = "e2e/validation.rs"]
 mod validation;
 
+#[path = "e2e/fields.rs"]
+mod fields;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

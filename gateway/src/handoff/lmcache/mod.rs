@@ -250,7 +250,16 @@ impl Lmcache {
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, "/v1/completions", &prefill_body, &mut life.sent, true).await?;
         life.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
-        let bytes = answer_body(&shared.health, "prefill", &prefill.name, &prefill.health, resp).await?;
+        let bytes = match answer_body(&shared.health, "prefill", &prefill.name, &prefill.health, resp).await {
+            Ok(b) => b,
+            Err(e @ GatewayError::EngineRefused { .. }) => {
+                // vLLM refuses a request (4xx) before scheduling it: nothing was written into the
+                // decoder's buffer, so no drain is owed and the slots come back at once.
+                life.sent = false;
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         drop(in_flight);
         let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
             leg: "prefill",
