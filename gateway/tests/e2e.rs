@@ -40,6 +40,12 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// `stream_options` asking for usage, set only on a streamed request (it is refused without
+/// `stream`, as vLLM and OpenAI refuse it).
+fn usage_opt(stream: bool) -> Value {
+    if stream { json!({"include_usage": true}) } else { Value::Null }
+}
+
 /// A simulated decoder's data-plane rank addresses, as the inside of a TOML list.
 fn toml_ranks(sim: &baton_sim::Running) -> String {
     let ranks: Vec<String> = sim.engine.stats()["ranks"]
@@ -161,10 +167,10 @@ async fn four_shapes(addr: SocketAddr, tokens: usize, max_tokens: u32, case: &st
         let (path, body, ids) = if chat {
             let ids: Vec<u32> =
                 render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
-            let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}});
+            let body = json!({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream, "stream_options": usage_opt(stream)});
             ("/v1/chat/completions", body, ids)
         } else {
-            let body = json!({"prompt": text, "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}});
+            let body = json!({"prompt": text, "max_tokens": max_tokens, "stream": stream, "stream_options": usage_opt(stream)});
             ("/v1/completions", body, text.bytes().map(u32::from).collect())
         };
         let (status, b) = http(addr, path, Some(&body)).await;
@@ -196,10 +202,10 @@ fn deadlock_scenario(addr: SocketAddr, done: &std::sync::Arc<std::sync::atomic::
         tasks.spawn(async move {
             let (path, body, ids) = if chat {
                 let ids: Vec<u32> = render_chat(&[("user".into(), text.clone())]).bytes().map(u32::from).collect();
-                ("/v1/chat/completions", json!({"model": "baton-sim", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}}), ids)
+                ("/v1/chat/completions", json!({"model": "baton-sim", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream, "stream_options": usage_opt(stream)}), ids)
             } else {
                 let ids: Vec<u32> = text.bytes().map(u32::from).collect();
-                ("/v1/completions", json!({"model": "baton-sim", "prompt": text, "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}}), ids)
+                ("/v1/completions", json!({"model": "baton-sim", "prompt": text, "max_tokens": max_tokens, "stream": stream, "stream_options": usage_opt(stream)}), ids)
             };
             let (status, body) = http(addr, path, Some(&body)).await;
             assert_eq!(status, 200, "request {i}: {}", String::from_utf8_lossy(&body));
@@ -315,7 +321,7 @@ async fn bad_requests_get_precise_errors() {
             404,
             "model_not_found",
         ),
-        ("no prompt", "/v1/completions", json!({"model": "baton-sim"}), 400, "invalid_value"),
+        ("no prompt", "/v1/completions", json!({"model": "baton-sim"}), 400, "missing_required_parameter"),
         (
             "context length",
             "/v1/completions",
@@ -953,6 +959,80 @@ mod real_tokenizers {
         p
     }
 
+    /// The official OpenAI SDK against the `baton demo` binary with its default flags (only the port
+    /// made ephemeral): a ten-turn chat over 2,000 tokens, 64 concurrent requests of 20 to 2,500
+    /// tokens (half streamed), a prompt list of 3 whole and streamed, `n = 2`, logprobs on both
+    /// endpoints, and `max_tokens = -5` refused naming `max_tokens`.
+    #[test]
+    fn openai_sdk_against_the_demo_binary_with_its_defaults() {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+
+        let mut demo = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(["demo", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Killed however the test ends.
+        struct Kill(std::process::Child);
+        impl Drop for Kill {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let stdout = demo.stdout.take().unwrap();
+        let demo = Kill(demo);
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines.next().expect("the demo printed its address").unwrap();
+            if let Some(rest) = line.split("gateway on http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_owned();
+            }
+        };
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/openai_demo.py");
+        let out = std::process::Command::new(python())
+            .arg(&script)
+            .arg(format!("http://{addr}/v1"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "openai SDK run failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        drop(demo);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+        let turns = v["chat"]["prompt_tokens"].as_array().unwrap();
+        assert_eq!(turns.len(), 10);
+        assert!(turns.windows(2).all(|w| w[0].as_u64() < w[1].as_u64()), "the chat grows: {turns:?}");
+        assert!(turns[9].as_u64().unwrap() > 2_000, "the tenth turn's prompt: {turns:?}");
+        let c = v["concurrent"].as_array().unwrap();
+        assert_eq!(c.len(), 64);
+        for r in c {
+            assert!(r["text"].as_bool().unwrap(), "{r}");
+            // Byte-level tokens, BOS-free: the prompt's size.
+            assert_eq!(r["prompt_tokens"], r["size"], "{r}");
+        }
+        assert!(c.iter().any(|r| r["size"].as_u64().unwrap() >= 2_500) && c.iter().any(|r| r["size"] == 20));
+        assert_eq!(c.iter().filter(|r| r["stream"] == true).count(), 32);
+        let pl = &v["prompt_list"];
+        assert_eq!(pl["whole"].as_array().unwrap().len(), 3);
+        assert_eq!(pl["whole"], pl["streamed"], "{pl}");
+        assert_eq!(pl["prompt_tokens"], 180);
+        assert_eq!(pl["streamed_prompt_tokens"], 180);
+        let texts = v["n2"]["texts"].as_array().unwrap();
+        assert_eq!(texts.len(), 2);
+        assert_ne!(texts[0], texts[1], "two distinct choices");
+        assert_eq!(v["n2"]["completion_tokens"], 12);
+        assert_eq!(v["logprobs_completion"], json!({"tokens": 4, "top": [2, 2, 2, 2]}));
+        assert_eq!(v["logprobs_chat"], json!({"tokens": 4, "top": [2, 2, 2, 2]}));
+        let bad = &v["bad_max_tokens"];
+        assert_eq!(
+            (bad["status"].as_u64(), bad["param"].as_str(), bad["code"].as_str()),
+            (Some(400), Some("max_tokens"), Some("invalid_value")),
+            "{bad}"
+        );
+    }
+
     /// The official OpenAI SDK parses every answer shape (JSON and SSE, completions and chat, usage
     /// in the stream, models, errors); prompt usage is the Qwen3 tokenizer's own count.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1464,7 +1544,7 @@ async fn prompt_lists_are_one_pd_request_each_merged_by_index() {
                 handoff.name(),
                 if list[0].is_string() { "texts" } else { "ids" }
             );
-            let body = json!({"prompt": list, "max_tokens": 5, "stream": stream, "stream_options": {"include_usage": true}});
+            let body = json!({"prompt": list, "max_tokens": 5, "stream": stream, "stream_options": usage_opt(stream)});
             let (s, b) = http(d.addr, "/v1/completions", Some(&body)).await;
             assert_eq!(s, 200, "{case}: {}", String::from_utf8_lossy(&b));
             let mut texts_by_index = vec![String::new(); 3];
