@@ -1318,6 +1318,9 @@ mod validation;
 #[path = "e2e/fields.rs"]
 mod fields;
 
+#[path = "e2e/request_ids.rs"]
+mod request_ids;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -92,7 +92,8 @@ pub enum GatewayError {
     #[error("model {0:?} is not served here")]
     UnknownModel(String),
     #[error("this model's maximum context length is {limit} tokens, the prompt has {tokens}")]
-    ContextLength { tokens: u64, limit: u64 },
+    /// `param`: the field that holds the prompt (`prompt` or `messages`).
+    ContextLength { tokens: u64, limit: u64, param: &'static str },
     #[error("prompt needs {need} slots but the decoder buffer holds {capacity}")]
     TooLarge { need: u32, capacity: u32 },
     #[error("request body larger than {limit} bytes")]
@@ -240,7 +241,7 @@ impl GatewayError {
             };
             let param = match self {
                 Self::Invalid { param, .. } => json!(param),
-                Self::ContextLength { .. } | Self::TooLarge { .. } => json!("messages"),
+                Self::ContextLength { param, .. } => json!(param),
                 _ => Value::Null,
             };
             json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": self.code()}})
@@ -381,7 +382,7 @@ mod tests {
         assert_eq!((e.status(), e.code(), e.retry()), (504, "upstream_timeout", Retry::Maybe));
         let e = GatewayError::invalid("temperature", "7 is not in [0, 2]");
         assert_eq!((e.origin(), e.retry()), (Origin::Client, Retry::Never));
-        let e = GatewayError::ContextLength { tokens: 9000, limit: 8192 };
+        let e = GatewayError::ContextLength { tokens: 9000, limit: 8192, param: "prompt" };
         assert_eq!((e.status(), e.code()), (400, "context_length_exceeded"));
         let e = GatewayError::Upstream { leg: "prefill", message: "503".into() };
         assert_eq!(

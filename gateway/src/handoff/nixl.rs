@@ -40,6 +40,7 @@ use super::shared::{
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
 use crate::routing::HealthConfig;
+use crate::telemetry::request_id;
 use crate::telemetry::{Families, Phase};
 
 /// The mode's name in the configuration.
@@ -142,7 +143,7 @@ impl Drop for Owed {
     fn drop(&mut self) {
         let Some(params) = self.params.take() else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(drain(
+        rt.spawn(request_id::carry(drain(
             self.client.clone(),
             self.decoder,
             self.path,
@@ -150,7 +151,7 @@ impl Drop for Owed {
             params,
             self.timeout,
             Arc::clone(&self.counters),
-        ));
+        )));
     }
 }
 
@@ -228,7 +229,7 @@ impl Nixl {
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
         let (client, health) = (self.shared.client.clone(), self.shared.health);
         let (decoder, counters, task_request) = (self.http, Arc::clone(&self.drains), Arc::clone(&request));
-        tokio::spawn(async move {
+        request_id::spawn(async move {
             let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
             if let Err(Ok(params)) = tx.send(r) {
                 drain(client, decoder, path, task_request, params, timeout, counters).await;

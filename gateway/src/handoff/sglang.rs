@@ -44,6 +44,7 @@ use super::shared::{
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
 use crate::routing::HealthConfig;
+use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase};
 
 /// The mode's name in the configuration.
@@ -199,7 +200,7 @@ impl Sglang {
         // The prefill runs in its own task: its answer matters after the decoder's has started.
         let (tx, mut prefill_rx) = oneshot::channel();
         let path = req.endpoint.path();
-        tokio::spawn(
+        request_id::spawn(
             PrefillLeg {
                 client: shared.client.clone(),
                 prefill: (*prefill).clone(),
@@ -214,7 +215,7 @@ impl Sglang {
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
         let client = shared.client.clone();
         let (http, timeout) = (self.http, shared.limits.upstream_timeout);
-        let mut decode = tokio::spawn(async move {
+        let mut decode = request_id::spawn(async move {
             let r = post_json(&client, http, path, &decode_body, timeout, false).await;
             aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
@@ -237,7 +238,7 @@ impl Sglang {
                     match p {
                         Ok(PrefillOutcome { result: Ok(()), took }) => timing.record(Phase::Prefill, took),
                         Ok(PrefillOutcome { result: Err(e), .. }) => {
-                            tokio::spawn(abort_decode(decode, abort));
+                            request_id::spawn(abort_decode(decode, abort));
                             return Err(e);
                         }
                         Err(_) => return Err(GatewayError::Internal("prefill task ended without an answer".into())),
@@ -404,14 +405,14 @@ impl Drop for AbortGuard {
         self.aborter.abandoned.store(true, Ordering::Relaxed);
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let (aborter, engines) = (Arc::clone(&self.aborter), std::mem::take(&mut self.engines));
-        rt.spawn(async move {
+        rt.spawn(request_id::carry(async move {
             let Some((decoder, others)) = engines.split_last() else { return };
             for e in others {
                 aborter.send(*e).await;
             }
             // A decode call still waiting (for its room) is told again until it answers.
             aborter.until_answered(*decoder).await;
-        });
+        }));
     }
 }
 
@@ -480,11 +481,11 @@ impl Drop for Watched {
         let Some(rx) = self.prefill.take() else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let metrics = Arc::clone(&self.metrics);
-        rt.spawn(async move {
+        rt.spawn(request_id::carry(async move {
             if let Ok(PrefillOutcome { result: Ok(()), took }) = rx.await {
                 metrics.phase(Phase::Prefill, took);
             }
-        });
+        }));
     }
 }
 

@@ -150,10 +150,17 @@ pub(crate) async fn post_json(
     timeout: Duration,
     detach: bool,
 ) -> Result<Response<hyper::body::Incoming>, PostError> {
-    let req = Request::post(format!("http://{addr}{path}"))
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| PostError { message: e.to_string(), unsent: true, timed_out: None })?;
+    let mut req =
+        Request::post(format!("http://{addr}{path}")).header(hyper::header::CONTENT_TYPE, "application/json");
+    // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
+    if let Some(id) = crate::telemetry::request_id::current() {
+        req = req.header(crate::telemetry::request_id::HEADER, id.as_str());
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).map_err(|e| PostError {
+        message: e.to_string(),
+        unsent: true,
+        timed_out: None,
+    })?;
     let call = tokio::time::timeout(timeout, client.request(req));
     let answer = if detach {
         tokio::spawn(call).await.map_err(|e| PostError {

@@ -20,6 +20,7 @@ use crate::api::sse::{ChannelBody, SseSplitter, event};
 use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::handoff::shared::AbortOnDrop;
 use crate::handoff::{BoxError, RespBody};
+use crate::telemetry::request_id;
 
 /// Most prompts one request may list: each is a PD request of its own, holding slots and pages.
 pub const MAX_PROMPTS: usize = 64;
@@ -73,7 +74,9 @@ impl Gateway {
         let mut legs = Vec::with_capacity(reqs.len());
         for req in reqs {
             let (this, headers) = (Arc::clone(self), headers.clone());
-            legs.push(AbortOnDrop(tokio::spawn(async move { this.count_and_dispatch(req, &headers).await })));
+            legs.push(AbortOnDrop(request_id::spawn(
+                async move { this.count_and_dispatch(req, &headers).await },
+            )));
         }
         let mut answers = Vec::with_capacity(legs.len());
         for leg in &mut legs {
@@ -154,7 +157,7 @@ fn merge_streams(answers: Vec<Response<RespBody>>, choices: u64, include_usage: 
     let mut readers = Vec::with_capacity(answers.len());
     for (i, r) in answers.into_iter().enumerate() {
         let (tx, usage) = (tx.clone(), Arc::clone(&usage));
-        readers.push(tokio::spawn(async move {
+        readers.push(request_id::spawn(async move {
             let mut body = r.into_body();
             let (mut split, mut events) = (SseSplitter::default(), Vec::new());
             while let Some(Ok(frame)) = body.frame().await {
@@ -187,7 +190,7 @@ fn merge_streams(answers: Vec<Response<RespBody>>, choices: u64, include_usage: 
             }
         }));
     }
-    tokio::spawn(async move {
+    request_id::spawn(async move {
         for r in readers {
             let _ = r.await;
         }

@@ -261,6 +261,10 @@ impl Gateway {
             return Err(GatewayError::ContextLength {
                 tokens: ids.len() as u64,
                 limit: self.model.context_length,
+                param: match req.endpoint {
+                    Endpoint::Completions => "prompt",
+                    Endpoint::Chat => "messages",
+                },
             });
         }
         // The first decoder's count; each decoder's own is in the candidates.

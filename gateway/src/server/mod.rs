@@ -25,6 +25,7 @@ use tokio::task::JoinSet;
 use crate::api::{Endpoint, GatewayError, Origin};
 use crate::handoff::{BoxError, RespBody};
 use crate::pipeline::Gateway;
+use crate::telemetry::request_id::{self, RequestId};
 
 pub use crate::pipeline::{
     DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, HttpTimeouts,
@@ -40,7 +41,14 @@ pub(crate) fn full(status: u16, v: &Value) -> Response<RespBody> {
 
 /// The one mapping from errors to responses.
 pub fn error_response(e: &GatewayError) -> Response<RespBody> {
-    let mut r = full(e.status(), &e.body());
+    let mut body = e.body();
+    // Inside a request: the error names it, as its header does.
+    if let (Some(id), Some(err)) =
+        (request_id::current(), body.get_mut("error").and_then(Value::as_object_mut))
+    {
+        err.insert("request_id".into(), json!(id.as_str()));
+    }
+    let mut r = full(e.status(), &body);
     if let Some(secs) = e.retry_after()
         && let Ok(v) = header::HeaderValue::from_str(&secs.to_string())
     {
@@ -156,17 +164,28 @@ impl Gateway {
             _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
         };
         let started = std::time::Instant::now();
-        let r = match self.generate(ep, req).await {
-            Ok(r) => r,
-            Err(e) => {
-                if e.origin() == Origin::Client {
-                    tracing::debug!(path, status = e.status(), code = e.code(), error = %e, "request refused");
-                } else {
-                    tracing::warn!(path, status = e.status(), code = e.code(), error = %e, "request failed");
+        let id = RequestId::from_header(req.headers().get(request_id::HEADER));
+        let header_value = header::HeaderValue::from_str(id.as_str()).ok();
+        let mut r = request_id::scope(id, async {
+            match self.generate(ep, req).await {
+                Ok(r) => {
+                    tracing::debug!(path, status = r.status().as_u16(), "answered");
+                    r
                 }
-                error_response(&e)
+                Err(e) => {
+                    if e.origin() == Origin::Client {
+                        tracing::debug!(path, status = e.status(), code = e.code(), error = %e, "request refused");
+                    } else {
+                        tracing::warn!(path, status = e.status(), code = e.code(), error = %e, "request failed");
+                    }
+                    error_response(&e)
+                }
             }
-        };
+        })
+        .await;
+        if let Some(v) = header_value {
+            r.headers_mut().insert(request_id::HEADER, v);
+        }
         self.answered(started, r.status().as_u16());
         r
     }

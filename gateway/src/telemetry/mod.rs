@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+pub mod request_id;
+
 /// Histogram bounds in seconds: 100 µs to 60 s.
 const BUCKETS: [f64; 16] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];

@@ -41,6 +41,7 @@ use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::routing::HealthConfig;
+use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase, Timing};
 pub use notify::{Expect, Notifications, NotifyStats};
 use shape::{Shaper, now_secs, sse};
@@ -138,7 +139,7 @@ impl Drop for Life {
         }
         let Some(d) = drain else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(async move {
+        rt.spawn(request_id::carry(async move {
             // Let the prefiller finish writing first: a drain that came before the writes would
             // free objects the prefiller is still writing into.
             if let Some(mut e) = expect {
@@ -153,7 +154,7 @@ impl Drop for Life {
             send_drain(&d.client, d.http, "/v1/completions", &body, d.upstream_timeout, &d.counters).await;
             // The slots go back only now: the decoder has retrieved (freed) the chunks.
             drop(slots);
-        });
+        }));
     }
 }
 
@@ -335,7 +336,7 @@ impl Lmcache {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
             }
             timing.mark(Phase::FirstToken);
-            tokio::spawn(async move {
+            request_id::spawn(async move {
                 let mut life = life;
                 let r = ctx.stream(&mut life, &shaper, &tx, include_usage).await;
                 if let Err(e) = r {

@@ -28,6 +28,7 @@ use super::shared::{RespBody, Shared, boxed};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::GatewayError;
 use crate::telemetry::Phase;
+use crate::telemetry::request_id;
 use ranks::Ranks;
 
 /// The mode's name in the configuration.
@@ -317,7 +318,7 @@ impl Drop for Lifecycle {
         let (reserved, sent, decoded, seen, bound) =
             (self.reserved, self.sent, self.decoded, self.released, self.release_timeout);
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(async move {
+        rt.spawn(request_id::carry(async move {
             if reserved && !decoded {
                 dec.cancel(key, !sent).await;
             }
@@ -339,7 +340,7 @@ impl Drop for Lifecycle {
             dec.forget(key);
             // The slots go back only now: the decoder has freed the pages (or its lease will).
             drop(slots);
-        });
+        }));
     }
 }
 
@@ -356,11 +357,11 @@ impl Drop for ChunkHolds {
             return;
         }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
+            rt.spawn(request_id::carry(async move {
                 for k in keys {
                     dec.cancel(k, true).await;
                 }
-            });
+            }));
         }
     }
 }

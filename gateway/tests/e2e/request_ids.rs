@@ -1,0 +1,139 @@
+//! Request ids: the client's `x-request-id` (or one made here) comes back in the response header and
+//! in error bodies, reaches both engines of every handoff mode, and is the `id` of the `request`
+//! span on the gateway's JSON log lines of that request.
+
+use std::net::SocketAddr;
+
+use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, start};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+/// POSTs `body` with an optional `x-request-id`; the status, the id header and the body.
+async fn post(addr: SocketAddr, path: &str, body: &Value, id: Option<&str>) -> (u16, String, Bytes) {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let mut req =
+        Request::post(path).header("host", addr.to_string()).header("content-type", "application/json");
+    if let Some(id) = id {
+        req = req.header("x-request-id", id);
+    }
+    let res = send.send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await.unwrap();
+    let status = res.status().as_u16();
+    let got = res.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+    (status, got, res.into_body().collect().await.unwrap().to_bytes())
+}
+
+/// The `x-request-id` of every generation request an engine received.
+fn received_ids(d: &Demo, engine: usize) -> Vec<String> {
+    d.engines[engine]
+        .engine
+        .received()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["headers"]["x-request-id"].as_str().unwrap_or("<none>").to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_reach_both_engines_in_every_mode_and_come_back() {
+    for mode in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            handoff: mode,
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        let mut ids = Vec::new();
+        for (i, stream) in [false, true].into_iter().enumerate() {
+            let body = json!({"prompt": "hello there, engines", "max_tokens": 3, "stream": stream});
+            let client_id = format!("client-{}-{i}", mode.name());
+            let (s, got, b) = post(d.addr, "/v1/completions", &body, Some(&client_id)).await;
+            assert_eq!(s, 200, "{}: {}", mode.name(), String::from_utf8_lossy(&b));
+            assert_eq!(got, client_id, "{}", mode.name());
+            ids.push(client_id);
+            // No id, or one that is not sane: one is made.
+            let bad = "has spaces; and more";
+            for sent in [None, Some(bad)] {
+                let (s, got, _) = post(d.addr, "/v1/completions", &body, sent).await;
+                assert_eq!(s, 200);
+                assert_eq!(got.len(), 32, "{}: a made id: {got:?}", mode.name());
+                assert!(got.bytes().all(|b| b.is_ascii_hexdigit()));
+                ids.push(got);
+            }
+        }
+        // Engine 0 is the prefiller, engine 1 the decoder: each of their calls named its request.
+        for engine in [0, 1] {
+            let got = received_ids(&d, engine);
+            for id in &ids {
+                assert!(got.contains(id), "{} engine {engine}: {id} not in {got:?}", mode.name());
+            }
+            assert!(
+                got.iter().all(|g| ids.contains(g)),
+                "{} engine {engine}: only these ids: {got:?}",
+                mode.name()
+            );
+        }
+        let (s, got, b) =
+            post(d.addr, "/v1/completions", &json!({"prompt": "x", "temperature": 9}), Some("bad-req-1"))
+                .await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            (s, got.as_str(), v["error"]["request_id"].as_str()),
+            (400, "bad-req-1", Some("bad-req-1")),
+            "{v}"
+        );
+        d.shutdown().await;
+    }
+}
+
+/// The `baton demo` binary with JSON logs: the lines a request logs carry its id in their span.
+#[test]
+fn json_log_lines_carry_the_request_id() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Command, Stdio};
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["demo", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .env("RUST_LOG", "baton_gateway=debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("the demo printed its address").unwrap();
+        if let Some(rest) = line.split("gateway on http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (s, _, _) =
+            post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}), Some("log-me-1")).await;
+        assert_eq!(s, 200);
+        let (s, _, _) =
+            post(addr, "/v1/completions", &json!({"prompt": "hi", "top_p": 0}), Some("log-me-2")).await;
+        assert_eq!(s, 400);
+    });
+    child.kill().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let _ = child.wait();
+    let logs: Vec<Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    for (id, message) in [("log-me-1", "answered"), ("log-me-2", "request refused")] {
+        let line = logs
+            .iter()
+            .find(|l| l["span"]["id"] == id)
+            .unwrap_or_else(|| panic!("no log line in request {id}'s span:\n{err}"));
+        assert_eq!(line["span"]["name"], "request", "{line}");
+        assert_eq!(line["message"], message, "{line}");
+    }
+}
