@@ -20,7 +20,7 @@ use crate::handoff::sglang::Sglang;
 use crate::handoff::{Handoff, Limits, Prefiller, Shared};
 use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
-use crate::server::HttpTimeouts;
+use crate::server::{HttpTimeouts, Surface};
 use crate::tokenize::Tokenizer;
 
 /// The demo's listen address by default.
@@ -121,6 +121,32 @@ pub struct GatewaySetup {
     pub no_first_token: bool,
     /// `vllm-nixl` and `sglang` modes: the decoders' admission settings.
     pub nixl: LoadTarget,
+    /// The admin listener (`/metrics`, `/admin/*`): loopback on an ephemeral port unless set.
+    pub admin_listen: Option<SocketAddr>,
+    /// The admin listener's bearer token, as its SHA-256.
+    pub admin_token_sha256: Option<[u8; 32]>,
+}
+
+/// A gateway serving: its public and admin listeners.
+#[derive(Debug)]
+pub struct GatewayRun {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub gateway: Arc<Gateway>,
+    stops: Vec<Arc<Notify>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl GatewayRun {
+    /// Stops both listeners and waits for their connections to close.
+    pub async fn stop(self) {
+        for s in &self.stops {
+            s.notify_one();
+        }
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
 }
 
 impl Default for DemoConfig {
@@ -149,12 +175,13 @@ impl Default for DemoConfig {
 #[derive(Debug)]
 pub struct Demo {
     pub addr: SocketAddr,
+    /// The admin listener: `/metrics`, `/admin/*`.
+    pub admin: SocketAddr,
     pub gateway: Arc<Gateway>,
     /// The `lmcache` notification listener, in that mode.
     pub lmcache: Option<Arc<Notifications>>,
     pub engines: Vec<Running>,
-    stop: Arc<Notify>,
-    task: tokio::task::JoinHandle<()>,
+    run: GatewayRun,
 }
 
 impl Demo {
@@ -164,8 +191,7 @@ impl Demo {
     }
 
     pub async fn shutdown(self) {
-        self.stop.notify_one();
-        let _ = self.task.await;
+        self.run.stop().await;
         for e in self.engines {
             e.shutdown().await;
         }
@@ -302,7 +328,7 @@ pub async fn start_gateway(
     e: &Engines,
     listen: SocketAddr,
     setup: GatewaySetup,
-) -> Result<(SocketAddr, Arc<Gateway>, Arc<Notify>, tokio::task::JoinHandle<()>), String> {
+) -> Result<GatewayRun, String> {
     let shared = Shared::new(setup.limits, setup.health);
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
@@ -347,12 +373,28 @@ pub async fn start_gateway(
     let gateway =
         Gateway::new(model, prefills, decoders, shared, Router::new(setup.routing), setup.http, None);
     let _health = gateway.start_health_checks();
-    let tls = setup.tls;
-    let listener = crate::server::bind(listen).await.map_err(|err| format!("listen on {listen}: {err}"))?;
-    let addr = listener.local_addr().map_err(|err| err.to_string())?;
-    let stop = Arc::new(Notify::new());
-    let task = tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&stop)));
-    Ok((addr, gateway, stop, task))
+    let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let admin_surface = Surface::Admin { token_sha256: setup.admin_token_sha256 };
+    let mut run =
+        GatewayRun { addr: listen, admin: admin_listen, gateway, stops: Vec::new(), tasks: Vec::new() };
+    for (at, tls, surface) in [(listen, setup.tls, Surface::Public), (admin_listen, None, admin_surface)] {
+        let listener = crate::server::bind(at).await.map_err(|err| format!("listen on {at}: {err}"))?;
+        let bound = listener.local_addr().map_err(|err| err.to_string())?;
+        if surface == Surface::Public {
+            run.addr = bound;
+        } else {
+            run.admin = bound;
+        }
+        let stop = Arc::new(Notify::new());
+        run.tasks.push(tokio::spawn(Arc::clone(&run.gateway).serve(
+            listener,
+            tls,
+            surface,
+            Arc::clone(&stop),
+        )));
+        run.stops.push(stop);
+    }
+    Ok(run)
 }
 
 /// Starts the engines and the gateway.
@@ -367,6 +409,13 @@ pub async fn start(mut c: DemoConfig) -> Result<Demo, String> {
     }
     let engines = start_engines_with(&c, proxy).await?;
     let lmcache = c.gateway.lmcache.clone();
-    let (addr, gateway, stop, task) = start_gateway(&engines, c.listen, c.gateway).await?;
-    Ok(Demo { addr, gateway, lmcache, engines: engines.running, stop, task })
+    let run = start_gateway(&engines, c.listen, c.gateway).await?;
+    Ok(Demo {
+        addr: run.addr,
+        admin: run.admin,
+        gateway: Arc::clone(&run.gateway),
+        lmcache,
+        engines: engines.running,
+        run,
+    })
 }

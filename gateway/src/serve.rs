@@ -12,12 +12,14 @@ use crate::handoff::lmcache::Notifications;
 use crate::handoff::{Prefiller, Shared};
 use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::Router;
-use crate::server::HttpTimeouts;
+use crate::server::{HttpTimeouts, Surface};
 
 /// A serving gateway.
 #[derive(Debug)]
 pub struct Serving {
     pub addrs: Vec<SocketAddr>,
+    /// The admin listener's address (`/metrics`, `/admin/*`).
+    pub admin_addr: SocketAddr,
     pub gateway: Arc<Gateway>,
     /// The `lmcache` notification listener, when a pool uses the mode.
     pub lmcache: Option<Arc<Notifications>>,
@@ -90,15 +92,24 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     );
     let health_task = gateway.start_health_checks();
     let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
-    for (addr, tls) in c.listeners {
+    let admin_surface = Surface::Admin { token_sha256: c.admin.token_sha256 };
+    let listeners = c.listeners.into_iter().map(|(a, t)| (a, t, Surface::Public));
+    let mut admin_addr = c.admin.addr;
+    for (addr, tls, surface) in listeners.chain([(c.admin.addr, c.admin.tls, admin_surface)]) {
         let listener =
             crate::server::bind(addr).await.map_err(|source| StartError::Listen { addr, source })?;
-        addrs.push(listener.local_addr().map_err(|source| StartError::Listen { addr, source })?);
+        let bound = listener.local_addr().map_err(|source| StartError::Listen { addr, source })?;
+        if surface == Surface::Public {
+            addrs.push(bound);
+        } else {
+            admin_addr = bound;
+        }
         let s = Arc::new(Notify::new());
-        tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, Arc::clone(&s))));
+        tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, surface, Arc::clone(&s))));
         stop.push(s);
     }
-    Ok(Serving { addrs, gateway, lmcache, stop, tasks, health: health_task, watcher })
+    tracing::info!(at = %admin_addr, "admin listener (/metrics, /admin/*)");
+    Ok(Serving { addrs, admin_addr, gateway, lmcache, stop, tasks, health: health_task, watcher })
 }
 
 /// Reads `file` again for a plugin reload: its plugins and tenants, checked.

@@ -65,7 +65,7 @@ async fn demo(tp: u32, pages: u32) -> Demo {
 
 /// Waits until every decoder rank has all pages free and the gateway holds no slots.
 async fn assert_clean(d: &Demo) {
-    assert_clean_at(d.addr).await;
+    assert_clean_at(d.admin).await;
 }
 
 async fn assert_clean_at(addr: SocketAddr) {
@@ -268,7 +268,7 @@ async fn deadlock_scenario_wedges_with_the_protections_off() {
             done.load(Ordering::Relaxed)
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (_, body) = http(d.addr, "/admin/decoders", None).await;
+        let (_, body) = http(d.admin, "/admin/decoders", None).await;
         let v: Value = serde_json::from_slice(&body).unwrap();
         let full = v["decoders"][0]["ranks"].as_array().unwrap().iter().all(|r| r["pages_free"] == 0);
         let n = done.load(Ordering::Relaxed);
@@ -377,8 +377,9 @@ async fn two_replicas_share_one_decoder() {
     let c = DemoConfig { tp: 2, pages: 24, ..DemoConfig::default() };
     let engines = start_engines(&c).await.unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let (a, ga, _sa, _ta) = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
-    let (b, gb, _sb, _tb) = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
+    let ra = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
+    let rb = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
+    let (a, ga, b, gb) = (ra.addr, &ra.gateway, rb.addr, &rb.gateway);
     let decode_http = engines.decoders[0].1;
     let watch = tokio::spawn(async move {
         // The decoder's own accounting, sampled under load: never an error, never more reserved
@@ -424,7 +425,7 @@ async fn two_replicas_share_one_decoder() {
     }
     watch.abort();
     // Both replicas hold nothing and the decoder is clean.
-    for g in [&ga, &gb] {
+    for g in [ga, gb] {
         let start = Instant::now();
         while g.decoders[0].queue.stats().in_use != 0 {
             assert!(start.elapsed() < Duration::from_secs(10));
@@ -515,13 +516,14 @@ mod tls {
         let engines = start_engines(&DemoConfig::default()).await.unwrap();
         let tls = FrontTls::new(p.server.0.clone(), p.server.1.clone_key(), mtls.then(|| vec![p.ca.clone()]))
             .unwrap();
-        let (addr, ..) = start_gateway(
+        let addr = start_gateway(
             &engines,
             "127.0.0.1:0".parse().unwrap(),
             GatewaySetup { tls: Some(tls), ..GatewaySetup::default() },
         )
         .await
-        .unwrap();
+        .unwrap()
+        .addr;
         // The engines live for the rest of the test process.
         std::mem::forget(engines);
         addr
@@ -702,6 +704,9 @@ mod configs {
 address = "127.0.0.1:0"
 plain_http = true
 
+[admin]
+listen = "127.0.0.1:0"
+
 [model]
 name = "baton-sim"
 context_length = 4096
@@ -755,7 +760,7 @@ async fn metrics_count_requests_phases_and_slots() {
     }
     let (s, _) = http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(33 * 16, 0)}))).await;
     assert_eq!(s, 413);
-    let (s, body) = http(d.addr, "/metrics", None).await;
+    let (s, body) = http(d.admin, "/metrics", None).await;
     assert_eq!(s, 200);
     let text = String::from_utf8(body.to_vec()).unwrap();
     let value = |line: &str| -> f64 {
@@ -1107,13 +1112,14 @@ mod health {
             check_interval: Duration::from_secs(3600),
             ..HealthConfig::default()
         };
-        let (a, ga, _sa, _ta) = start_gateway(
+        let ra = start_gateway(
             &engines,
             any,
             GatewaySetup { routing: Builtin::RoundRobin, health: passive, ..GatewaySetup::default() },
         )
         .await
         .unwrap();
+        let (a, ga) = (ra.addr, &ra.gateway);
         // Active: checks every 50 ms, never ejects passively.
         let active = HealthConfig {
             eject_after_failures: 1000,
@@ -1121,13 +1127,14 @@ mod health {
             check_timeout: Duration::from_millis(500),
             ..HealthConfig::default()
         };
-        let (b, gb, _sb, _tb) = start_gateway(
+        let rb = start_gateway(
             &engines,
             any,
             GatewaySetup { routing: Builtin::RoundRobin, health: active, ..GatewaySetup::default() },
         )
         .await
         .unwrap();
+        let (b, gb) = (rb.addr, &rb.gateway);
         // Both engines serve while healthy.
         for i in 0..4 {
             assert_eq!(complete(a, i).await, 200);
@@ -1146,7 +1153,7 @@ mod health {
         // failure, and the dead one is ejected after 2 consecutive failures.
         assert_eq!(failed, 0, "an unreachable prefiller is retried on the next");
         assert!(!ga.prefills[1].health.healthy());
-        let (_, m) = http(a, "/metrics", None).await;
+        let (_, m) = http(ra.admin, "/metrics", None).await;
         let m = String::from_utf8(m.to_vec()).unwrap();
         assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-1\"} 0"), "{m}");
         assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-0\"} 1"), "{m}");
@@ -1166,8 +1173,8 @@ mod health {
         for i in 0..10 {
             assert_eq!(complete(b, i).await, 200);
         }
-        assert_clean_at(a).await;
-        assert_clean_at(b).await;
+        assert_clean_at(ra.admin).await;
+        assert_clean_at(rb.admin).await;
         for r in engines.running {
             r.shutdown().await;
         }
@@ -1321,6 +1328,9 @@ mod fields;
 #[path = "e2e/request_ids.rs"]
 mod request_ids;
 
+#[path = "e2e/admin.rs"]
+mod admin;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.
@@ -1433,7 +1443,7 @@ async fn every_mode_records_every_phase_it_passes_through() {
         // Phases a streamed answer ends after its headers are recorded when they end.
         let started = Instant::now();
         loop {
-            let (_, m) = http(d.addr, "/metrics", None).await;
+            let (_, m) = http(d.admin, "/metrics", None).await;
             let m = String::from_utf8_lossy(&m).into_owned();
             let count = |p: Phase| {
                 let key = format!("baton_phase_seconds_count{{phase=\"{}\"}} ", p.as_str());

@@ -116,6 +116,8 @@ pub enum GatewayError {
     KvTransfer(String),
     #[error("not found: {0}")]
     NotFound(String),
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
     #[error("internal error: {0}")]
     Internal(String),
     /// Refused by the admission plugin, with the plugin's status (400-599) and message.
@@ -133,6 +135,7 @@ impl GatewayError {
         match self {
             Self::BadJson(_) | Self::Invalid { .. } | Self::ContextLength { .. } => 400,
             Self::UnknownModel(_) | Self::NotFound(_) => 404,
+            Self::Unauthorized(_) => 401,
             Self::TooLarge { .. } | Self::BodyTooLarge { .. } => 413,
             Self::ContentType => 415,
             Self::BodyTimeout { .. } => 408,
@@ -164,6 +167,7 @@ impl GatewayError {
             Self::UpstreamTimeout { .. } => "upstream_timeout",
             Self::KvTransfer(_) => "kv_transfer_failed",
             Self::NotFound(_) => "not_found",
+            Self::Unauthorized(_) => "unauthorized",
             Self::Internal(_) => "internal_error",
             Self::PolicyRejected { .. } => "rejected_by_policy",
             Self::EngineRefused { .. } => "engine_refused",
@@ -180,7 +184,8 @@ impl GatewayError {
             | Self::BodyTooLarge { .. }
             | Self::BodyTimeout { .. }
             | Self::ContentType
-            | Self::NotFound(_) => Origin::Client,
+            | Self::NotFound(_)
+            | Self::Unauthorized(_) => Origin::Client,
             Self::Upstream { .. }
             | Self::UpstreamTimeout { .. }
             | Self::KvTransfer(_)

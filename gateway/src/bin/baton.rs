@@ -68,6 +68,21 @@ fn check(file: &Path) -> ExitCode {
             for (addr, tls) in &c.listeners {
                 println!("  listener {addr} ({})", if tls.is_some() { "TLS" } else { "plain HTTP" });
             }
+            let a = &c.admin;
+            let guard = match (a.token_sha256.is_some(), a.tls.as_ref().is_some_and(|t| t.client_auth())) {
+                (true, true) => "bearer token and client certificates",
+                (true, false) => "bearer token",
+                (false, true) => "client certificates",
+                (false, false) => "no authentication",
+            };
+            let scheme = if a.tls.is_some() { "TLS" } else { "plain HTTP" };
+            println!("  admin listener {} ({scheme}, {guard}): /metrics, /admin/*", a.addr);
+            if a.open() && !a.addr.ip().is_loopback() {
+                println!(
+                    "  warning: the admin listener on {} is open to the network with no authentication: set admin.token_sha256 or admin.client_ca",
+                    a.addr
+                );
+            }
             for (name, http) in &c.prefills {
                 println!("  prefill {name} at {http}");
             }
@@ -105,6 +120,7 @@ async fn serve(file: &Path) -> ExitCode {
     for a in &serving.addrs {
         println!("baton: serving on {a}");
     }
+    println!("baton: admin (/metrics, /admin/*) on {}", serving.admin_addr);
     let _ = tokio::signal::ctrl_c().await;
     serving.shutdown().await;
     ExitCode::SUCCESS
@@ -176,6 +192,9 @@ mod demo {
         /// Where the gateway listens
         #[arg(long, default_value = DEFAULT_DEMO_LISTEN)]
         listen: SocketAddr,
+        /// Where /metrics and /admin/* are served
+        #[arg(long, default_value = baton_gateway::config::DEFAULT_ADMIN_LISTEN)]
+        admin_listen: SocketAddr,
         /// Prefill engines
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
         prefill: u64,
@@ -248,6 +267,7 @@ mod demo {
                 c.gateway.tokenizer = Some(Arc::new(t));
             }
             c.gateway.routing = self.routing;
+            c.gateway.admin_listen = Some(self.admin_listen);
             LogConfig::parse(self.log_format.as_deref(), None)
                 .map_err(|(_, reason)| format!("--log-format: {reason}"))?
                 .install();
@@ -283,7 +303,10 @@ mod demo {
             "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
             demo.addr
         );
-        println!("  curl -s http://{}/admin/decoders\nCtrl-C stops it.", demo.addr);
+        println!(
+            "  curl -s http://{}/admin/decoders    # the admin listener: /metrics, /admin/*\nCtrl-C stops it.",
+            demo.admin
+        );
         let _ = tokio::signal::ctrl_c().await;
         demo.shutdown().await;
         ExitCode::SUCCESS

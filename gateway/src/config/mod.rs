@@ -52,6 +52,43 @@ pub struct Config {
     /// Admission and routing policy plugins.
     #[serde(default)]
     pub plugins: plugins::Plugins,
+    /// The operator's listener: `/metrics` and `/admin/*` (default [`DEFAULT_ADMIN_LISTEN`]).
+    #[serde(default)]
+    pub admin: Admin,
+}
+
+/// Where `/metrics` and `/admin/*` are served when `[admin]` names nowhere: loopback only, so
+/// nothing but the host itself (or a sidecar scraper) reaches the operator's routes.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+
+/// `[admin]`: the operator's listener. Plain HTTP unless `tls_cert`/`tls_key` are set; with
+/// `client_ca`, clients need a certificate from that CA (mTLS); with `token_sha256`, requests need
+/// `Authorization: Bearer <token>` whose SHA-256 it is (the token itself is never stored).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Admin {
+    /// `IP:PORT` (default [`DEFAULT_ADMIN_LISTEN`]).
+    pub listen: Option<SocketAddr>,
+    /// Hex SHA-256 of the bearer token (`printf %s "$TOKEN" | sha256sum`).
+    pub token_sha256: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub client_ca: Option<PathBuf>,
+}
+
+/// A checked `[admin]`.
+#[derive(Debug)]
+pub struct CheckedAdmin {
+    pub addr: SocketAddr,
+    pub tls: Option<FrontTls>,
+    pub token_sha256: Option<[u8; 32]>,
+}
+
+impl CheckedAdmin {
+    /// Neither a token nor client certificates guard it.
+    pub fn open(&self) -> bool {
+        self.token_sha256.is_none() && self.tls.as_ref().is_none_or(|t| !t.client_auth())
+    }
 }
 
 /// `[lmcache]`: where LMCache prefillers notify the gateway.
@@ -215,6 +252,7 @@ fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 #[derive(Debug)]
 pub struct Checked {
     pub listeners: Vec<(SocketAddr, Option<FrontTls>)>,
+    pub admin: CheckedAdmin,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
@@ -267,6 +305,7 @@ impl Config {
     pub fn check(&self, base: &Path) -> Result<Checked, ConfigError> {
         let path = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
         let listeners = self.check_listeners(&path)?;
+        let admin = self.check_admin(&path)?;
         self.check_model()?;
         let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
         let geometry_for = |tp: u32| self.model.geometry.at(chunk, tp, &path);
@@ -293,6 +332,7 @@ impl Config {
             .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
         Ok(Checked {
             listeners,
+            admin,
             model: self.model.name.clone(),
             context_length: self.model.context_length,
             decoders,
@@ -348,6 +388,45 @@ impl Config {
             listeners.push((l.address, tls));
         }
         Ok(listeners)
+    }
+
+    fn check_admin(&self, path: &dyn Fn(&Path) -> PathBuf) -> Result<CheckedAdmin, ConfigError> {
+        let a = &self.admin;
+        let addr = match a.listen {
+            Some(addr) => addr,
+            None => DEFAULT_ADMIN_LISTEN.parse().map_err(|_| err("admin.listen", "bad default"))?,
+        };
+        let tls = match (&a.tls_cert, &a.tls_key) {
+            (Some(c), Some(k)) => Some(
+                FrontTls::from_pem_files(&path(c), &path(k), a.client_ca.as_deref().map(path).as_deref())
+                    .map_err(|e| err("admin.tls", e))?,
+            ),
+            (None, None) if a.client_ca.is_some() => {
+                return Err(err("admin.client_ca", "needs TLS (tls_cert and tls_key)"));
+            }
+            (None, None) => None,
+            _ => return Err(err("admin", "tls_cert and tls_key go together")),
+        };
+        let token_sha256 = match &a.token_sha256 {
+            None => None,
+            Some(h) => {
+                let bytes: Option<Vec<u8>> = (h.len() == 64)
+                    .then(|| (0..32).map(|i| u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok()).collect())
+                    .flatten();
+                let arr = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
+                Some(arr.ok_or_else(|| {
+                    err(
+                        "admin.token_sha256",
+                        "must be 64 hex digits: the SHA-256 of the token, not the token",
+                    )
+                })?)
+            }
+        };
+        // (Port 0 is a fresh port each time: no clash.)
+        if let Some(l) = self.listeners.iter().find(|l| l.address == addr && addr.port() != 0) {
+            return Err(err("admin.listen", format!("{} is also a public listener", l.address)));
+        }
+        Ok(CheckedAdmin { addr, tls, token_sha256 })
     }
 
     fn check_model(&self) -> Result<(), ConfigError> {

@@ -259,3 +259,28 @@ tls_key = "nope.key""#,
         assert_eq!(got.field, field, "{name}: {got}");
     }
 }
+
+#[test]
+fn the_admin_listener_defaults_to_loopback_and_checks_its_token_and_address() {
+    let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
+    assert_eq!(c.admin.addr.to_string(), DEFAULT_ADMIN_LISTEN);
+    assert!(c.admin.open() && c.admin.token_sha256.is_none());
+    let hash = crate::policy::sha256_hex(b"tok");
+    let with = format!("{GOOD}\n[admin]\nlisten = \"0.0.0.0:9091\"\ntoken_sha256 = \"{hash}\"\n");
+    let c = Config::parse(&with).unwrap().check(Path::new(".")).unwrap();
+    assert_eq!(c.admin.token_sha256, Some(crate::server::digest(b"tok")));
+    assert!(!c.admin.open());
+    // (case, [admin] table, the field named)
+    let cases = [
+        ("the token itself, not its hash", "token_sha256 = \"tok\"", "admin.token_sha256"),
+        ("not hex", &format!("token_sha256 = \"{}\"", "z".repeat(64)), "admin.token_sha256"),
+        ("the public listener's address", "listen = \"127.0.0.1:8080\"", "admin.listen"),
+        ("a client CA without TLS", "client_ca = \"ca.pem\"", "admin.client_ca"),
+        ("a certificate without its key", "tls_cert = \"c.pem\"", "admin"),
+    ];
+    for (case, table, field) in cases {
+        let text = format!("{GOOD}\n[admin]\n{table}\n");
+        let e = Config::parse(&text).unwrap().check(Path::new(".")).unwrap_err();
+        assert_eq!(e.field, field, "{case}: {e}");
+    }
+}

@@ -57,13 +57,49 @@ pub fn error_response(e: &GatewayError) -> Response<RespBody> {
     r
 }
 
+/// What a listener serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Surface {
+    /// The OpenAI API, `/health` and `/ready`.
+    Public,
+    /// `/metrics`, `/admin/*`, `/health` and `/ready`, behind the bearer token whose SHA-256 this
+    /// holds, when one is set.
+    Admin { token_sha256: Option<[u8; 32]> },
+}
+
+impl Surface {
+    /// Whether `req` may use the admin routes: no token set, or its `Authorization: Bearer` token
+    /// hashes to the one set (compared in constant time).
+    fn admits(&self, req: &Request<Incoming>) -> bool {
+        let Self::Admin { token_sha256 } = self else { return false };
+        let Some(want) = token_sha256 else { return true };
+        let Some(token) = bearer(req.headers()) else { return false };
+        let got = digest(token.as_bytes());
+        got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` header.
+pub fn bearer(headers: &hyper::HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+}
+
+/// SHA-256 of `bytes`.
+pub fn digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
 impl Gateway {
-    /// Serves until `stop` is notified; over TLS when `tls` is given (plain HTTP only where the
-    /// caller chose it).
+    /// Serves `surface` until `stop` is notified; over TLS when `tls` is given (plain HTTP only where
+    /// the caller chose it).
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
         tls: Option<tls::FrontTls>,
+        surface: Surface,
         stop: Arc<Notify>,
     ) {
         let mut conns = JoinSet::new();
@@ -80,12 +116,12 @@ impl Gateway {
                     let tls = tls.clone();
                     conns.spawn(async move {
                         match tls {
-                            None => this.connection(TokioIo::new(stream)).await,
+                            None => this.connection(TokioIo::new(stream), surface).await,
                             Some(t) => {
                                 // A client that cannot finish the handshake in time (or is refused:
                                 // old protocol, no certificate) is simply dropped.
                                 if let Ok(Ok(s)) = tokio::time::timeout(this.http.header_read, t.acceptor().accept(stream)).await {
-                                    this.connection(TokioIo::new(s)).await;
+                                    this.connection(TokioIo::new(s), surface).await;
                                 }
                             }
                         }
@@ -97,7 +133,7 @@ impl Gateway {
         conns.shutdown().await;
     }
 
-    async fn connection<I>(self: Arc<Self>, io: I)
+    async fn connection<I>(self: Arc<Self>, io: I, surface: Surface)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
@@ -109,7 +145,7 @@ impl Gateway {
             let this = Arc::clone(&self);
             let guard = act.request();
             async move {
-                let r = this.handle(req).await;
+                let r = this.handle(req, surface).await;
                 drop(guard);
                 Ok::<_, Infallible>(r)
             }
@@ -139,8 +175,29 @@ impl Gateway {
         }
     }
 
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, surface: Surface) -> Response<RespBody> {
         let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+        match (&method, path.as_str()) {
+            (&Method::GET, "/health") => return full(200, &json!({"status": "ok"})),
+            (&Method::GET, "/ready") => {
+                let ready = self.ready();
+                return full(if ready { 200 } else { 503 }, &json!({"ready": ready}));
+            }
+            _ if surface == Surface::Public => {}
+            _ if !surface.admits(&req) => {
+                let mut r =
+                    error_response(&GatewayError::Unauthorized("a valid admin bearer token is required"));
+                r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+                return r;
+            }
+            (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
+            (&Method::GET, "/admin/plugins") => {
+                return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
+            }
+            (&Method::POST, "/admin/plugins/reload") => return admin::reload_plugins(&self).await,
+            (&Method::GET, "/metrics") => return admin::metrics(&self),
+            _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
+        }
         let ep = match (&method, path.as_str()) {
             (&Method::POST, "/v1/completions") => Endpoint::Completions,
             (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
@@ -150,17 +207,6 @@ impl Gateway {
                     &json!({"object": "list", "data": [{"id": self.model.name, "object": "model", "owned_by": "baton"}]}),
                 );
             }
-            (&Method::GET, "/health") => return full(200, &json!({"status": "ok"})),
-            (&Method::GET, "/ready") => {
-                let ready = self.ready();
-                return full(if ready { 200 } else { 503 }, &json!({"ready": ready}));
-            }
-            (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
-            (&Method::GET, "/admin/plugins") => {
-                return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
-            }
-            (&Method::POST, "/admin/plugins/reload") => return admin::reload_plugins(&self).await,
-            (&Method::GET, "/metrics") => return admin::metrics(&self),
             _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
         };
         let started = std::time::Instant::now();

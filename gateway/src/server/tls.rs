@@ -15,6 +15,8 @@ use tokio_rustls::TlsAcceptor;
 #[derive(Clone)]
 pub struct FrontTls {
     acceptor: TlsAcceptor,
+    /// Clients must present a certificate (mTLS).
+    client_auth: bool,
 }
 
 impl std::fmt::Debug for FrontTls {
@@ -47,6 +49,7 @@ impl FrontTls {
         let builder = ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
             .map_err(|e| e.to_string())?;
+        let client_auth = client_ca.is_some();
         let builder = match client_ca {
             Some(cas) => {
                 let mut roots = RootCertStore::empty();
@@ -62,13 +65,18 @@ impl FrontTls {
         };
         let mut config = builder.with_single_cert(chain, key).map_err(|e| e.to_string())?;
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        Ok(Self { acceptor: TlsAcceptor::from(Arc::new(config)) })
+        Ok(Self { acceptor: TlsAcceptor::from(Arc::new(config)), client_auth })
     }
 
     /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
     pub fn from_pem_files(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, String> {
         let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
         Self::new(certs(cert)?, key, client_ca.map(certs).transpose()?)
+    }
+
+    /// Clients must present a certificate from the client CA.
+    pub fn client_auth(&self) -> bool {
+        self.client_auth
     }
 
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {

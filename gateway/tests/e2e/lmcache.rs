@@ -179,7 +179,7 @@ async fn lmcache_duplicate_notifications_do_not_release_a_request_early() {
     let hub = d.lmcache.as_ref().unwrap();
     assert_eq!(hub.stats.duplicate.load(Ordering::Relaxed), 8);
     assert_eq!(hub.stats.counted.load(Ordering::Relaxed), 16);
-    let (_, m) = http(d.addr, "/metrics", None).await;
+    let (_, m) = http(d.admin, "/metrics", None).await;
     let m = String::from_utf8_lossy(&m);
     assert!(m.contains("baton_lmcache_notifications_total{outcome=\"duplicate\"} 8"), "{m}");
     assert!(m.contains("baton_lmcache_notifications_total{outcome=\"counted\"} 16"), "{m}");
@@ -253,6 +253,8 @@ async fn serve_an_lmcache_pool_from_config_and_yaml() {
         r#"[[listeners]]
 address = "127.0.0.1:0"
 plain_http = true
+[admin]
+listen = "127.0.0.1:0"
 [model]
 name = "baton-sim"
 context_length = 32768

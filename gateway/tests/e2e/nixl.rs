@@ -95,7 +95,7 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
         most_waiting = most_waiting.max(st.waiting);
     }
     assert!(most_waiting >= 4, "requests did not queue: at most {most_waiting} waiting");
-    let (_, m) = http(d.addr, "/metrics", None).await;
+    let (_, m) = http(d.admin, "/metrics", None).await;
     let m = String::from_utf8_lossy(&m);
     assert!(m.contains("baton_decoder_admitting{decoder=\"decode-0\",mode=\"vllm-nixl\"} 0"), "{m}");
     assert!(

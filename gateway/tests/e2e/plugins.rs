@@ -32,6 +32,10 @@ impl Setup {
         self.serving.addrs[0]
     }
 
+    fn admin(&self) -> SocketAddr {
+        self.serving.admin_addr
+    }
+
     async fn stop(self) {
         self.serving.shutdown().await;
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -65,6 +69,9 @@ async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
 [[listeners]]
 address = "127.0.0.1:0"
 plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
 
 [model]
 name = "baton-sim"
@@ -179,7 +186,7 @@ default_max_tokens = 16
     let big = json!({"prompt": "word ".repeat(300), "max_tokens": 1});
     let a = post(s.addr(), "/v1/completions", Some("sk-bob"), &big).await;
     assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(&a.body));
-    let m = get(s.addr(), "/metrics").await;
+    let m = get(s.admin(), "/metrics").await;
     assert_eq!(
         metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"),
         0.0
@@ -188,12 +195,12 @@ default_max_tokens = 16
     let file = s.dir.join("baton.toml");
     let toml = std::fs::read_to_string(&file).unwrap();
     std::fs::write(&file, toml.replace("tokens_per_minute = 200", "tokens_per_minute = 100000")).unwrap();
-    let r = post(s.addr(), "/admin/plugins/reload", None, &json!({})).await;
+    let r = post(s.admin(), "/admin/plugins/reload", None, &json!({})).await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
     // A table the plugin refuses is refused; the version before keeps serving.
     std::fs::write(&file, toml.replace("tokens_per_minute = 200", "tokens_per_minute = 0")).unwrap();
-    let r = post(s.addr(), "/admin/plugins/reload", None, &json!({})).await;
+    let r = post(s.admin(), "/admin/plugins/reload", None, &json!({})).await;
     assert_eq!(r.status, 422, "{}", String::from_utf8_lossy(&r.body));
     assert!(String::from_utf8_lossy(&r.body).contains("tokens_per_minute must be above 0"));
     assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
@@ -236,7 +243,7 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         }
     }
     assert_eq!(served.len(), 2, "prefixes spread over both decoders");
-    let m = get(s.addr(), "/metrics").await;
+    let m = get(s.admin(), "/metrics").await;
     assert!(metric(&m, "baton_plugin_calls_total{plugin=\"routing\",world=\"routing\"}") >= 24.0);
     assert_eq!(gw.router.invalid.load(Ordering::Relaxed), 0);
     s.stop().await;
@@ -257,7 +264,7 @@ max_faults = 100
     )
     .await;
     let body = json!({"prompt": "anything", "max_tokens": 2});
-    let m0 = get(s.addr(), "/metrics").await;
+    let m0 = get(s.admin(), "/metrics").await;
     let faults = |m: &str, kind: &str| {
         metric(
             m,
@@ -267,19 +274,19 @@ max_faults = 100
     for (key, kind) in
         [("sk-loop", "deadline"), ("sk-grow", "memory"), ("sk-trap", "trap"), ("sk-bad", "invalid")]
     {
-        let before = faults(&get(s.addr(), "/metrics").await, kind);
+        let before = faults(&get(s.admin(), "/metrics").await, kind);
         let t = std::time::Instant::now();
         let a = post(s.addr(), "/v1/completions", Some(key), &body).await;
         assert_eq!(a.status, 200, "{key}: the built-in admitted it: {}", String::from_utf8_lossy(&a.body));
         assert!(t.elapsed() < Duration::from_secs(2), "{key} took {:?}", t.elapsed());
-        let m = get(s.addr(), "/metrics").await;
+        let m = get(s.admin(), "/metrics").await;
         let counted: Vec<&str> = m.lines().filter(|l| l.starts_with("baton_plugin_faults_total")).collect();
         assert_eq!(faults(&m, kind), before + 1.0, "{key}: {counted:#?}");
         // Still answering, with the plugin back in charge.
         assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 200);
     }
     assert_eq!(faults(&m0, "deadline"), 0.0);
-    let v: Value = serde_json::from_str(&get(s.addr(), "/admin/plugins").await).unwrap();
+    let v: Value = serde_json::from_str(&get(s.admin(), "/admin/plugins").await).unwrap();
     assert_eq!(v["plugins"][0]["disabled"], false);
     s.stop().await;
 }
@@ -322,7 +329,7 @@ tokens_per_minute = 100000000
     for n in 0..50u64 {
         let before = plugin.info().version;
         if n % 2 == 0 {
-            let a = post(addr, "/admin/plugins/reload", None, &json!({})).await;
+            let a = post(s.admin(), "/admin/plugins/reload", None, &json!({})).await;
             assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
         } else {
             // A new file moved into place (atomically, as a deploy would), alternating between two

@@ -76,7 +76,7 @@ async fn sglang_mode_serves_completions_and_chat_streamed_and_not() {
         assert_eq!(side["abandoned"], 0, "{side}");
     }
     // The bootstrap port came from the prefill's /get_server_info.
-    let (_, v) = http(d.addr, "/admin/decoders", None).await;
+    let (_, v) = http(d.admin, "/admin/decoders", None).await;
     let v: Value = serde_json::from_slice(&v).unwrap();
     let port = p["bootstrap"].as_str().unwrap().rsplit(':').next().unwrap().parse::<u64>().unwrap();
     let learned = &v["decoders"][0]["learned_bootstrap_ports"];
@@ -156,7 +156,7 @@ async fn sglang_admission_follows_the_decoders_metrics() {
         assert!(started.elapsed() < Duration::from_secs(2), "admission never closed");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let (_, m) = http(d.addr, "/metrics", None).await;
+    let (_, m) = http(d.admin, "/metrics", None).await;
     let m = String::from_utf8_lossy(&m);
     // Two TP ranks report 0.99 each: the decoder's usage is 0.99, not their sum.
     assert!(m.contains("baton_decoder_reported_kv_usage{decoder=\"decode-0\",mode=\"sglang\"} 0.99"), "{m}");
