@@ -8,8 +8,6 @@ use std::time::Duration;
 pub use baton_sim::DeviceKind;
 use baton_sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
 
-use tokio::sync::Notify;
-
 use crate::admission::{QueueConfig, SlotQueue};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::lmcache::{Lmcache, LmcacheTarget, Notifications};
@@ -20,7 +18,7 @@ use crate::handoff::sglang::Sglang;
 use crate::handoff::{Handoff, Limits, Prefiller, Shared};
 use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
-use crate::server::{HttpTimeouts, Surface};
+use crate::server::{HttpTimeouts, Listeners, Surface};
 use crate::tokenize::Tokenizer;
 
 /// The demo's listen address by default.
@@ -133,19 +131,18 @@ pub struct GatewayRun {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub gateway: Arc<Gateway>,
-    stops: Vec<Arc<Notify>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    listeners: Listeners,
 }
 
 impl GatewayRun {
-    /// Stops both listeners and waits for their connections to close.
+    /// Stops both listeners now.
     pub async fn stop(self) {
-        for s in &self.stops {
-            s.notify_one();
-        }
-        for t in self.tasks {
-            let _ = t.await;
-        }
+        self.listeners.stop().await;
+    }
+
+    /// Drains the listeners ([`Listeners::drain`]).
+    pub async fn drain(self, timeout: Duration) {
+        self.listeners.drain(&self.gateway, timeout).await;
     }
 }
 
@@ -188,6 +185,14 @@ impl Demo {
     /// HTTP addresses of the decode engines.
     pub fn decode_addrs(&self) -> Vec<SocketAddr> {
         self.gateway.decoders.iter().map(|d| d.http).collect()
+    }
+
+    /// Drains the gateway ([`Listeners::drain`]), then stops the engines.
+    pub async fn drain(self, timeout: Duration) {
+        self.run.drain(timeout).await;
+        for e in self.engines {
+            e.shutdown().await;
+        }
     }
 
     pub async fn shutdown(self) {
@@ -374,27 +379,12 @@ pub async fn start_gateway(
         Gateway::new(model, prefills, decoders, shared, Router::new(setup.routing), setup.http, None);
     let _health = gateway.start_health_checks();
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let admin_surface = Surface::Admin { token_sha256: setup.admin_token_sha256 };
-    let mut run =
-        GatewayRun { addr: listen, admin: admin_listen, gateway, stops: Vec::new(), tasks: Vec::new() };
-    for (at, tls, surface) in [(listen, setup.tls, Surface::Public), (admin_listen, None, admin_surface)] {
-        let listener = crate::server::bind(at).await.map_err(|err| format!("listen on {at}: {err}"))?;
-        let bound = listener.local_addr().map_err(|err| err.to_string())?;
-        if surface == Surface::Public {
-            run.addr = bound;
-        } else {
-            run.admin = bound;
-        }
-        let stop = Arc::new(Notify::new());
-        run.tasks.push(tokio::spawn(Arc::clone(&run.gateway).serve(
-            listener,
-            tls,
-            surface,
-            Arc::clone(&stop),
-        )));
-        run.stops.push(stop);
-    }
-    Ok(run)
+    let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });
+    let listeners = Listeners::start(&gateway, vec![(listen, setup.tls)], admin)
+        .await
+        .map_err(|(at, err)| format!("listen on {at}: {err}"))?;
+    let addr = listeners.addrs.first().copied().ok_or("no listener")?;
+    Ok(GatewayRun { addr, admin: listeners.admin_addr, gateway, listeners })
 }
 
 /// Starts the engines and the gateway.

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::sync::Notify;
+use std::time::Duration;
 
 use crate::admission::QueueConfig;
 use crate::config::{Checked, StartContext, StartError};
@@ -12,7 +12,7 @@ use crate::handoff::lmcache::Notifications;
 use crate::handoff::{Prefiller, Shared};
 use crate::pipeline::{Gateway, ModelInfo};
 use crate::routing::Router;
-use crate::server::{HttpTimeouts, Surface};
+use crate::server::{HttpTimeouts, Listeners, Surface};
 
 /// A serving gateway.
 #[derive(Debug)]
@@ -23,24 +23,32 @@ pub struct Serving {
     pub gateway: Arc<Gateway>,
     /// The `lmcache` notification listener, when a pool uses the mode.
     pub lmcache: Option<Arc<Notifications>>,
-    stop: Vec<Arc<Notify>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// How long [`Serving::drain`] lets requests in flight run (`[shutdown] drain_timeout_ms`).
+    pub drain_timeout: Duration,
+    listeners: Listeners,
     health: tokio::task::JoinHandle<()>,
     watcher: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Serving {
+    /// Stops now: connections are cut.
     pub async fn shutdown(self) {
-        self.health.abort();
-        if let Some(w) = &self.watcher {
-            w.abort();
-        }
-        for s in &self.stop {
-            s.notify_one();
-        }
-        for t in self.tasks {
-            let _ = t.await;
-        }
+        end_background(&self.health, self.watcher.as_ref());
+        self.listeners.stop().await;
+    }
+
+    /// Drains ([`Listeners::drain`] with [`Serving::drain_timeout`]), then ends the background tasks.
+    pub async fn drain(self) {
+        self.listeners.drain(&self.gateway, self.drain_timeout).await;
+        end_background(&self.health, self.watcher.as_ref());
+    }
+}
+
+/// Ends the health checks and the plugin watcher.
+fn end_background(health: &tokio::task::JoinHandle<()>, watcher: Option<&tokio::task::JoinHandle<()>>) {
+    health.abort();
+    if let Some(w) = watcher {
+        w.abort();
     }
 }
 
@@ -91,25 +99,21 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         plugins,
     );
     let health_task = gateway.start_health_checks();
-    let (mut addrs, mut stop, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
-    let admin_surface = Surface::Admin { token_sha256: c.admin.token_sha256 };
-    let listeners = c.listeners.into_iter().map(|(a, t)| (a, t, Surface::Public));
-    let mut admin_addr = c.admin.addr;
-    for (addr, tls, surface) in listeners.chain([(c.admin.addr, c.admin.tls, admin_surface)]) {
-        let listener =
-            crate::server::bind(addr).await.map_err(|source| StartError::Listen { addr, source })?;
-        let bound = listener.local_addr().map_err(|source| StartError::Listen { addr, source })?;
-        if surface == Surface::Public {
-            addrs.push(bound);
-        } else {
-            admin_addr = bound;
-        }
-        let s = Arc::new(Notify::new());
-        tasks.push(tokio::spawn(Arc::clone(&gateway).serve(listener, tls, surface, Arc::clone(&s))));
-        stop.push(s);
-    }
-    tracing::info!(at = %admin_addr, "admin listener (/metrics, /admin/*)");
-    Ok(Serving { addrs, admin_addr, gateway, lmcache, stop, tasks, health: health_task, watcher })
+    let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
+    let listeners = Listeners::start(&gateway, c.listeners, admin)
+        .await
+        .map_err(|(addr, source)| StartError::Listen { addr, source })?;
+    tracing::info!(at = %listeners.admin_addr, "admin listener (/metrics, /admin/*)");
+    Ok(Serving {
+        addrs: listeners.addrs.clone(),
+        admin_addr: listeners.admin_addr,
+        gateway,
+        lmcache,
+        drain_timeout: c.drain_timeout,
+        listeners,
+        health: health_task,
+        watcher,
+    })
 }
 
 /// Reads `file` again for a plugin reload: its plugins and tenants, checked.

@@ -516,16 +516,18 @@ mod tls {
         let engines = start_engines(&DemoConfig::default()).await.unwrap();
         let tls = FrontTls::new(p.server.0.clone(), p.server.1.clone_key(), mtls.then(|| vec![p.ca.clone()]))
             .unwrap();
-        let addr = start_gateway(
+        let run = start_gateway(
             &engines,
             "127.0.0.1:0".parse().unwrap(),
             GatewaySetup { tls: Some(tls), ..GatewaySetup::default() },
         )
         .await
-        .unwrap()
-        .addr;
-        // The engines live for the rest of the test process.
+        .unwrap();
+        let addr = run.addr;
+        // The engines and the gateway live for the rest of the test process (dropping the gateway's
+        // handle would stop its listeners).
         std::mem::forget(engines);
+        std::mem::forget(run);
         addr
     }
 
@@ -1330,6 +1332,9 @@ mod request_ids;
 
 #[path = "e2e/admin.rs"]
 mod admin;
+
+#[path = "e2e/drain.rs"]
+mod drain;
 
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the

@@ -121,9 +121,55 @@ async fn serve(file: &Path) -> ExitCode {
         println!("baton: serving on {a}");
     }
     println!("baton: admin (/metrics, /admin/*) on {}", serving.admin_addr);
-    let _ = tokio::signal::ctrl_c().await;
-    serving.shutdown().await;
-    ExitCode::SUCCESS
+    let timeout = serving.drain_timeout;
+    drain_on_signal(serving.drain(), timeout).await
+}
+
+/// SIGTERM and SIGINT, listened for from the start so that a second one is caught too.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
+/// Waits for SIGTERM or SIGINT, then runs `drain` (exit 0 when it is done); a second signal during
+/// the drain exits at once with 130.
+async fn drain_on_signal(
+    drain: impl std::future::Future<Output = ()>,
+    timeout: std::time::Duration,
+) -> ExitCode {
+    let mut signals = match Signals::new() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("baton: cannot listen for signals: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let sig = signals.next().await;
+    println!("baton: {sig}: draining (requests in flight have {timeout:?}); a second signal stops at once");
+    tokio::select! {
+        () = drain => {
+            println!("baton: drained");
+            ExitCode::SUCCESS
+        }
+        sig = signals.next() => {
+            println!("baton: {sig} again: stopping now");
+            ExitCode::from(130)
+        }
+    }
 }
 
 fn plugin_check(file: &Path, config: Option<&Path>) -> ExitCode {
@@ -195,6 +241,9 @@ mod demo {
         /// Where /metrics and /admin/* are served
         #[arg(long, default_value = baton_gateway::config::DEFAULT_ADMIN_LISTEN)]
         admin_listen: SocketAddr,
+        /// On SIGTERM or SIGINT, how long requests in flight may run before they are cut, ms
+        #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+        drain_timeout_ms: u64,
         /// Prefill engines
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
         prefill: u64,
@@ -276,6 +325,7 @@ mod demo {
     }
 
     pub(super) async fn run(args: DemoArgs) -> ExitCode {
+        let drain_timeout = Duration::from_millis(args.drain_timeout_ms);
         let config = match args.config() {
             Ok(c) => c,
             Err(e) => {
@@ -299,6 +349,7 @@ mod demo {
             config.pages,
             config.handoff.name()
         );
+        println!("baton demo: admin (/metrics, /admin/*) on {}", demo.admin);
         println!(
             "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
             demo.addr
@@ -307,8 +358,6 @@ mod demo {
             "  curl -s http://{}/admin/decoders    # the admin listener: /metrics, /admin/*\nCtrl-C stops it.",
             demo.admin
         );
-        let _ = tokio::signal::ctrl_c().await;
-        demo.shutdown().await;
-        ExitCode::SUCCESS
+        super::drain_on_signal(demo.drain(drain_timeout), drain_timeout).await
     }
 }

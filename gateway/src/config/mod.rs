@@ -55,6 +55,22 @@ pub struct Config {
     /// The operator's listener: `/metrics` and `/admin/*` (default [`DEFAULT_ADMIN_LISTEN`]).
     #[serde(default)]
     pub admin: Admin,
+    /// What SIGTERM and SIGINT do.
+    #[serde(default)]
+    pub shutdown: Shutdown,
+}
+
+/// How long requests in flight may run after SIGTERM or SIGINT before they are cut: long enough
+/// for a long answer to finish, short enough for a rolling deploy (Kubernetes' default grace
+/// period is 30 s; set `terminationGracePeriodSeconds` above this).
+pub const DEFAULT_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `[shutdown]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Shutdown {
+    /// Milliseconds requests in flight may run after the signal (default [`DEFAULT_DRAIN_TIMEOUT`]).
+    pub drain_timeout_ms: Option<u64>,
 }
 
 /// Where `/metrics` and `/admin/*` are served when `[admin]` names nowhere: loopback only, so
@@ -253,6 +269,8 @@ fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 pub struct Checked {
     pub listeners: Vec<(SocketAddr, Option<FrontTls>)>,
     pub admin: CheckedAdmin,
+    /// `[shutdown] drain_timeout_ms`.
+    pub drain_timeout: std::time::Duration,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
@@ -306,6 +324,11 @@ impl Config {
         let path = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
         let listeners = self.check_listeners(&path)?;
         let admin = self.check_admin(&path)?;
+        if let Some(ms) = self.shutdown.drain_timeout_ms
+            && ms > 3_600_000
+        {
+            return Err(err("shutdown.drain_timeout_ms", format!("{ms} is more than an hour (3600000)")));
+        }
         self.check_model()?;
         let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
         let geometry_for = |tp: u32| self.model.geometry.at(chunk, tp, &path);
@@ -333,6 +356,10 @@ impl Config {
         Ok(Checked {
             listeners,
             admin,
+            drain_timeout: self
+                .shutdown
+                .drain_timeout_ms
+                .map_or(DEFAULT_DRAIN_TIMEOUT, std::time::Duration::from_millis),
             model: self.model.name.clone(),
             context_length: self.model.context_length,
             decoders,

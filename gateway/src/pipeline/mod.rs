@@ -87,6 +87,8 @@ pub struct Gateway {
     /// Admission and routing plugins, when configured.
     pub plugins: Option<Arc<Plugins>>,
     seq: AtomicU64,
+    /// Set when a drain begins: `/ready` answers 503 from then on.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl Gateway {
@@ -99,7 +101,17 @@ impl Gateway {
         http: HttpTimeouts,
         plugins: Option<Arc<Plugins>>,
     ) -> Arc<Self> {
-        Arc::new(Self { model, prefills, decoders, shared, router, http, plugins, seq: AtomicU64::new(0) })
+        Arc::new(Self {
+            model,
+            prefills,
+            decoders,
+            shared,
+            router,
+            http,
+            plugins,
+            seq: AtomicU64::new(0),
+            draining: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
@@ -138,9 +150,21 @@ impl Gateway {
         q
     }
 
-    /// Ready to serve: a prefiller and a decoder with room exist.
+    /// Ready to serve: not draining, and a prefiller and a decoder with room exist.
     pub fn ready(&self) -> bool {
-        !self.prefills.is_empty() && self.decoders.iter().any(|d| d.queue.stats().capacity > 0)
+        !self.draining.load(Ordering::Relaxed)
+            && !self.prefills.is_empty()
+            && self.decoders.iter().any(|d| d.queue.stats().capacity > 0)
+    }
+
+    /// From now on `/ready` answers 503, so load balancers send no new request here.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Admission slots held on every decoder.
+    pub fn held_slots(&self) -> u32 {
+        self.decoders.iter().map(|d| d.queue.stats().in_use).fold(0, u32::saturating_add)
     }
 
     /// Checks every endpoint's `GET /health` each `check_interval` until the gateway is dropped.

@@ -19,7 +19,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::api::{Endpoint, GatewayError, Origin};
@@ -55,6 +54,126 @@ pub fn error_response(e: &GatewayError) -> Response<RespBody> {
         r.headers_mut().insert(header::RETRY_AFTER, v);
     }
     r
+}
+
+/// Tells a listener to stop: it stops accepting at once, asks every connection to close once its
+/// requests in flight are answered (HTTP/1.1: after the response; HTTP/2: GOAWAY), and cuts what is
+/// left at the deadline. Dropping a connection drops its requests, which releases what they hold
+/// exactly as for a client that leaves.
+#[derive(Debug)]
+pub struct Stop(tokio::sync::watch::Sender<Option<tokio::time::Instant>>);
+
+impl Default for Stop {
+    fn default() -> Self {
+        Self(tokio::sync::watch::Sender::new(None))
+    }
+}
+
+impl Stop {
+    /// What a listener watches.
+    pub fn watch(&self) -> StopSignal {
+        StopSignal(self.0.subscribe())
+    }
+
+    /// Drain: requests in flight may run until `deadline`.
+    pub fn drain_until(&self, deadline: tokio::time::Instant) {
+        self.0.send_replace(Some(deadline));
+    }
+
+    /// Stop now: connections are cut.
+    pub fn now(&self) {
+        self.drain_until(tokio::time::Instant::now());
+    }
+}
+
+/// A listener's side of [`Stop`].
+#[derive(Clone, Debug)]
+pub struct StopSignal(tokio::sync::watch::Receiver<Option<tokio::time::Instant>>);
+
+impl StopSignal {
+    /// Waits for the stop; the deadline for requests in flight.
+    async fn stopped(&mut self) -> tokio::time::Instant {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(d) => d.unwrap_or_else(tokio::time::Instant::now),
+            // The sender is gone: nobody can drain any more, so stop now.
+            Err(_) => tokio::time::Instant::now(),
+        }
+    }
+}
+
+/// How long a drain waits, once the connections are closed, for the slots of requests cut at the
+/// deadline to come back (cancels sent to the data plane, drains answered).
+pub const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// A gateway's listeners: the public ones and the admin one, each with its [`Stop`].
+#[derive(Debug)]
+pub struct Listeners {
+    pub addrs: Vec<SocketAddr>,
+    pub admin_addr: SocketAddr,
+    public: Vec<(Stop, tokio::task::JoinHandle<()>)>,
+    admin: (Stop, tokio::task::JoinHandle<()>),
+}
+
+impl Listeners {
+    /// Binds and serves `public` and the admin listener; on failure, the address that failed.
+    pub async fn start(
+        gateway: &Arc<Gateway>,
+        public: Vec<(SocketAddr, Option<tls::FrontTls>)>,
+        admin: (SocketAddr, Option<tls::FrontTls>, Surface),
+    ) -> Result<Self, (SocketAddr, std::io::Error)> {
+        let (admin_at, admin_tls, admin_surface) = admin;
+        let serve = |listener: TcpListener, tls, surface| {
+            let stop = Stop::default();
+            let task = tokio::spawn(Arc::clone(gateway).serve(listener, tls, surface, stop.watch()));
+            (stop, task)
+        };
+        let mut addrs = Vec::new();
+        let mut running = Vec::new();
+        for (at, tls) in public {
+            let listener = bind(at).await.map_err(|e| (at, e))?;
+            addrs.push(listener.local_addr().map_err(|e| (at, e))?);
+            running.push(serve(listener, tls, Surface::Public));
+        }
+        let listener = bind(admin_at).await.map_err(|e| (admin_at, e))?;
+        let admin_addr = listener.local_addr().map_err(|e| (admin_at, e))?;
+        let admin = serve(listener, admin_tls, admin_surface);
+        Ok(Self { addrs, admin_addr, public: running, admin })
+    }
+
+    /// Drains: `/ready` answers 503 at once; the public listeners stop accepting and their
+    /// requests run until `timeout`, then what is left is cut (released as a client that leaves
+    /// releases it); the slots that cut requests held are waited for ([`RELEASE_WAIT`] at most);
+    /// the admin listener stops last.
+    pub async fn drain(self, gateway: &Gateway, timeout: Duration) {
+        gateway.begin_drain();
+        let deadline = tokio::time::Instant::now() + timeout;
+        for (stop, _) in &self.public {
+            stop.drain_until(deadline);
+        }
+        for (_, task) in self.public {
+            let _ = task.await;
+        }
+        let waited = tokio::time::Instant::now();
+        while gateway.held_slots() > 0 && waited.elapsed() < RELEASE_WAIT {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let held = gateway.held_slots();
+        if held > 0 {
+            tracing::warn!(slots = held, "slots still held after the drain; their leases will free them");
+        }
+        self.admin.0.now();
+        let _ = self.admin.1.await;
+    }
+
+    /// Stops every listener now: connections are cut.
+    pub async fn stop(self) {
+        for (stop, _) in self.public.iter().chain([&self.admin]) {
+            stop.now();
+        }
+        for (_, task) in self.public.into_iter().chain([self.admin]) {
+            let _ = task.await;
+        }
+    }
 }
 
 /// What a listener serves.
@@ -93,19 +212,20 @@ pub fn digest(bytes: &[u8]) -> [u8; 32] {
 }
 
 impl Gateway {
-    /// Serves `surface` until `stop` is notified; over TLS when `tls` is given (plain HTTP only where
-    /// the caller chose it).
+    /// Serves `surface` until `stop` says so, then drains ([`Stop`]); over TLS when `tls` is given
+    /// (plain HTTP only where the caller chose it).
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
         tls: Option<tls::FrontTls>,
         surface: Surface,
-        stop: Arc<Notify>,
+        mut stop: StopSignal,
     ) {
         let mut conns = JoinSet::new();
-        loop {
+        let deadline = loop {
+            let conn_stop = stop.clone();
             tokio::select! {
-                _ = stop.notified() => break,
+                d = stop.stopped() => break d,
                 accepted = listener.accept() => {
                     let Ok((stream, _)) = accepted else {
                         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -116,12 +236,12 @@ impl Gateway {
                     let tls = tls.clone();
                     conns.spawn(async move {
                         match tls {
-                            None => this.connection(TokioIo::new(stream), surface).await,
+                            None => this.connection(TokioIo::new(stream), surface, conn_stop).await,
                             Some(t) => {
                                 // A client that cannot finish the handshake in time (or is refused:
                                 // old protocol, no certificate) is simply dropped.
                                 if let Ok(Ok(s)) = tokio::time::timeout(this.http.header_read, t.acceptor().accept(stream)).await {
-                                    this.connection(TokioIo::new(s), surface).await;
+                                    this.connection(TokioIo::new(s), surface, conn_stop).await;
                                 }
                             }
                         }
@@ -129,11 +249,17 @@ impl Gateway {
                 }
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
+        };
+        // No new connection from here on; those open finish their requests until the deadline.
+        drop(listener);
+        let _ = tokio::time::timeout_at(deadline, async { while conns.join_next().await.is_some() {} }).await;
+        if !conns.is_empty() {
+            tracing::warn!(connections = conns.len(), "drain deadline passed: cutting the connections left");
         }
         conns.shutdown().await;
     }
 
-    async fn connection<I>(self: Arc<Self>, io: I, surface: Surface)
+    async fn connection<I>(self: Arc<Self>, io: I, surface: Surface, mut stop: StopSignal)
     where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
@@ -165,6 +291,10 @@ impl Gateway {
         loop {
             tokio::select! {
                 _ = conn.as_mut() => return,
+                _ = stop.stopped(), if !closing => {
+                    closing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
                 _ = tick.tick(), if !closing => {
                     if activity.idle_for(limits.idle) {
                         closing = true;

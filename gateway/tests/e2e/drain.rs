@@ -1,0 +1,274 @@
+//! Draining on SIGTERM, on the real binaries: `baton serve` with 200 streams in flight finishes
+//! every one, refuses new connections, answers `/ready` 503 meanwhile and exits 0 with the decoders
+//! clean; with a 1 s drain timeout and 10 s streams, the streams are cut, nothing stays held and it
+//! still exits 0; `baton demo` drains the same way.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpStream;
+
+/// Killed however the test ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    fn term(&self) {
+        let pid = rustix::process::Pid::from_child(&self.0);
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    }
+
+    /// The exit code within `limit`.
+    async fn exit_code(&mut self, limit: Duration) -> i32 {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.0.try_wait().unwrap() {
+                return s.code().unwrap_or(-1);
+            }
+            assert!(start.elapsed() < limit, "still running after {limit:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Starts the binary with `args` and reads the addresses it prints: public, admin.
+fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let proc = Proc(child);
+    let (mut public, mut admin) = (None, None);
+    while public.is_none() || admin.is_none() {
+        let line = lines.next().expect("the binary printed its addresses").unwrap();
+        let after = |marker: &str| {
+            line.split(marker)
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next())
+                .map(|a| a.parse::<SocketAddr>().unwrap())
+        };
+        public = public.or(after("serving on ")).or(after("gateway on http://"));
+        admin = admin.or(after("admin (/metrics, /admin/*) on "));
+    }
+    // The rest of stdout is drained so the process never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (proc, public.unwrap(), admin.unwrap())
+}
+
+/// A streamed completion: the whole SSE text, or an error once the connection is cut.
+async fn stream(addr: SocketAddr, max_tokens: u32, started: Arc<AtomicUsize>) -> Result<String, String> {
+    let s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(s)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let body = json!({"prompt": "drain me gently", "max_tokens": max_tokens, "stream": true});
+    let req = Request::post("/v1/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = send.send_request(req).await.map_err(|e| e.to_string())?;
+    started.fetch_add(1, Ordering::SeqCst);
+    let b = res.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(String::from_utf8_lossy(&b).into_owned())
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Result<u16, String> {
+    let s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(s)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap();
+    Ok(send.send_request(req).await.map_err(|e| e.to_string())?.status().as_u16())
+}
+
+/// A prefill and a decode engine (TP 2) whose tokens take `token_delay` each.
+async fn engines(token_delay: Duration) -> (Running, Running) {
+    let g = tiny_geometry(2).unwrap();
+    let mut p = SimConfig::new(SimRole::Prefill, g);
+    p.token_delay = token_delay;
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.token_delay = token_delay;
+    d.pages = 1024;
+    (launch(p).await.unwrap(), launch(d).await.unwrap())
+}
+
+/// `baton serve` in front of them, draining for `drain_ms`.
+fn serve(
+    dir: &std::path::Path,
+    prefill: &Running,
+    decode: &Running,
+    drain_ms: u64,
+) -> (Proc, SocketAddr, SocketAddr) {
+    let text = format!(
+        r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
+
+[shutdown]
+drain_timeout_ms = {drain_ms}
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[admission]
+max_queue = 1000
+
+[[prefill]]
+name = "p"
+url = "http://{}"
+
+[[decode]]
+name = "d"
+url = "http://{}"
+dataplane = [{}]
+"#,
+        prefill.addr,
+        decode.addr,
+        super::toml_ranks(decode)
+    );
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    spawn(&["serve", "--config", file.to_str().unwrap()])
+}
+
+/// The decoder holds no page and no engine block within `within`.
+async fn decoder_clean(decode: &Running, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let s = decode.engine.stats();
+        let pages_free = s["ranks"].as_array().unwrap().iter().all(|r| r["pages_free"] == r["pages_total"]);
+        if pages_free && s["engine_blocks_held"] == 0 {
+            return;
+        }
+        assert!(start.elapsed() < within, "decoder not clean after {within:?}: {s}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("baton-drain-{name}-{}", std::process::id()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_200_streams_finish_refuses_new_connections_and_exits_0() {
+    let (prefill, decode) = engines(Duration::from_millis(10)).await;
+    let dir = tempdir("finish");
+    let (mut baton, public, admin) = serve(&dir, &prefill, &decode, 20_000);
+    let started = Arc::new(AtomicUsize::new(0));
+    let streams: Vec<_> = (0..200).map(|_| tokio::spawn(stream(public, 80, Arc::clone(&started)))).collect();
+    let t = Instant::now();
+    while started.load(Ordering::SeqCst) < 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "only {} streams started",
+            started.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(get(admin, "/ready").await, Ok(200));
+    baton.term();
+    // Not ready at once, and no new connection is taken, while the streams run on.
+    let t = Instant::now();
+    let mut saw_503 = false;
+    let mut refused = false;
+    while !(saw_503 && refused) {
+        assert!(t.elapsed() < Duration::from_secs(2), "ready 503: {saw_503}, refused: {refused}");
+        saw_503 |= get(admin, "/ready").await == Ok(503);
+        refused |= TcpStream::connect(public).await.is_err();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut done = 0;
+    for s in streams {
+        let text = s.await.unwrap().expect("a stream in flight is answered whole");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        done += 1;
+    }
+    assert_eq!(done, 200);
+    assert_eq!(baton.exit_code(Duration::from_secs(20)).await, 0);
+    decoder_clean(&decode, Duration::from_secs(2)).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_timeout_cuts_long_streams_and_releases_everything() {
+    // 100 tokens at 100 ms: 10 s streams.
+    let (prefill, decode) = engines(Duration::from_millis(100)).await;
+    let dir = tempdir("cut");
+    let (mut baton, public, _admin) = serve(&dir, &prefill, &decode, 1_000);
+    let started = Arc::new(AtomicUsize::new(0));
+    let streams: Vec<_> = (0..20).map(|_| tokio::spawn(stream(public, 100, Arc::clone(&started)))).collect();
+    let t = Instant::now();
+    while started.load(Ordering::SeqCst) < 20 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let signalled = Instant::now();
+    baton.term();
+    assert_eq!(baton.exit_code(Duration::from_secs(4)).await, 0);
+    let exit_after = signalled.elapsed();
+    assert!(exit_after >= Duration::from_millis(900), "it waited for the drain timeout: {exit_after:?}");
+    for s in streams {
+        // Cut: an error, or a body without its end.
+        if let Ok(text) = s.await.unwrap() {
+            assert!(!text.contains("[DONE]"), "a 10 s stream was cut: {text}");
+        }
+    }
+    // Released at once, not after the 120 s lease.
+    decoder_clean(&decode, Duration::from_secs(2)).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn baton_demo_drains_on_sigterm() {
+    let (mut demo, public, admin) = spawn(&[
+        "demo",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--token-delay-ms",
+        "20",
+    ]);
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = tokio::spawn(stream(public, 40, Arc::clone(&started)));
+    while started.load(Ordering::SeqCst) < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    demo.term();
+    let t = Instant::now();
+    while get(admin, "/ready").await == Ok(200) {
+        assert!(t.elapsed() < Duration::from_secs(2), "/ready stays 200");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let text = s.await.unwrap().unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(demo.exit_code(Duration::from_secs(10)).await, 0);
+}
