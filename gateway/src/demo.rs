@@ -16,7 +16,7 @@ use crate::handoff::nixl::Nixl;
 use crate::handoff::scrape::LoadTarget;
 use crate::handoff::sglang::Sglang;
 use crate::handoff::{Handoff, Limits, Prefiller, Shared};
-use crate::pipeline::{Gateway, ModelInfo};
+use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
 use crate::server::{HttpTimeouts, Listeners, Surface};
 use crate::tokenize::Tokenizer;
@@ -375,8 +375,15 @@ pub async fn start_gateway(
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
     let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http)).collect();
-    let gateway =
-        Gateway::new(model, prefills, decoders, shared, Router::new(setup.routing), setup.http, None);
+    let gateway = Gateway::new(
+        model,
+        prefills,
+        decoders,
+        shared,
+        Router::new(setup.routing),
+        setup.http,
+        Access::default(),
+    );
     let _health = gateway.start_health_checks();
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });

@@ -5,6 +5,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod auth;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;

@@ -10,7 +10,7 @@ use crate::admission::QueueConfig;
 use crate::config::{Checked, StartContext, StartError};
 use crate::handoff::lmcache::Notifications;
 use crate::handoff::{Prefiller, Shared};
-use crate::pipeline::{Gateway, ModelInfo};
+use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::Router;
 use crate::server::{HttpTimeouts, Listeners, Surface};
 
@@ -26,29 +26,21 @@ pub struct Serving {
     /// How long [`Serving::drain`] lets requests in flight run (`[shutdown] drain_timeout_ms`).
     pub drain_timeout: Duration,
     listeners: Listeners,
-    health: tokio::task::JoinHandle<()>,
-    watcher: Option<tokio::task::JoinHandle<()>>,
+    /// Health checks and the file watchers (plugins, API keys): ended with the listeners.
+    background: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Serving {
     /// Stops now: connections are cut.
     pub async fn shutdown(self) {
-        end_background(&self.health, self.watcher.as_ref());
+        self.background.iter().for_each(tokio::task::JoinHandle::abort);
         self.listeners.stop().await;
     }
 
     /// Drains ([`Listeners::drain`] with [`Serving::drain_timeout`]), then ends the background tasks.
     pub async fn drain(self) {
         self.listeners.drain(&self.gateway, self.drain_timeout).await;
-        end_background(&self.health, self.watcher.as_ref());
-    }
-}
-
-/// Ends the health checks and the plugin watcher.
-fn end_background(health: &tokio::task::JoinHandle<()>, watcher: Option<&tokio::task::JoinHandle<()>>) {
-    health.abort();
-    if let Some(w) = watcher {
-        w.abort();
+        self.background.iter().for_each(tokio::task::JoinHandle::abort);
     }
 }
 
@@ -88,7 +80,10 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         ),
         None => None,
     };
-    let watcher = plugins.as_ref().map(crate::policy::Plugins::spawn_watcher);
+    let mut background: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
+    background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
+    let access = Access { plugins, keys: c.keys };
     let gateway = Gateway::new(
         model,
         prefills,
@@ -96,9 +91,9 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         shared,
         Router::new(c.routing),
         HttpTimeouts::default(),
-        plugins,
+        access,
     );
-    let health_task = gateway.start_health_checks();
+    background.push(gateway.start_health_checks());
     let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
     let listeners = Listeners::start(&gateway, c.listeners, admin)
         .await
@@ -111,8 +106,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         lmcache,
         drain_timeout: c.drain_timeout,
         listeners,
-        health: health_task,
-        watcher,
+        background,
     })
 }
 

@@ -118,6 +118,8 @@ pub enum GatewayError {
     NotFound(String),
     #[error("unauthorized: {0}")]
     Unauthorized(&'static str),
+    #[error("a valid API key is required (Authorization: Bearer <key>)")]
+    InvalidApiKey,
     #[error("internal error: {0}")]
     Internal(String),
     /// Refused by the admission plugin, with the plugin's status (400-599) and message.
@@ -135,7 +137,7 @@ impl GatewayError {
         match self {
             Self::BadJson(_) | Self::Invalid { .. } | Self::ContextLength { .. } => 400,
             Self::UnknownModel(_) | Self::NotFound(_) => 404,
-            Self::Unauthorized(_) => 401,
+            Self::Unauthorized(_) | Self::InvalidApiKey => 401,
             Self::TooLarge { .. } | Self::BodyTooLarge { .. } => 413,
             Self::ContentType => 415,
             Self::BodyTimeout { .. } => 408,
@@ -168,6 +170,7 @@ impl GatewayError {
             Self::KvTransfer(_) => "kv_transfer_failed",
             Self::NotFound(_) => "not_found",
             Self::Unauthorized(_) => "unauthorized",
+            Self::InvalidApiKey => "invalid_api_key",
             Self::Internal(_) => "internal_error",
             Self::PolicyRejected { .. } => "rejected_by_policy",
             Self::EngineRefused { .. } => "engine_refused",
@@ -185,7 +188,8 @@ impl GatewayError {
             | Self::BodyTimeout { .. }
             | Self::ContentType
             | Self::NotFound(_)
-            | Self::Unauthorized(_) => Origin::Client,
+            | Self::Unauthorized(_)
+            | Self::InvalidApiKey => Origin::Client,
             Self::Upstream { .. }
             | Self::UpstreamTimeout { .. }
             | Self::KvTransfer(_)
@@ -272,6 +276,8 @@ pub struct GenRequest {
     pub fields: GenFields,
     /// The original JSON object.
     pub raw: serde_json::Map<String, Value>,
+    /// The tenant of the request's API key, when `[auth]` is on.
+    pub tenant: Option<std::sync::Arc<str>>,
 }
 
 /// A request body as a JSON object.
@@ -300,7 +306,7 @@ impl GenRequest {
         raw: serde_json::Map<String, Value>,
     ) -> Result<Self, GatewayError> {
         let fields = GenFields::deserialize(&raw).map_err(|e| GatewayError::BadJson(e.to_string()))?;
-        Ok(Self { endpoint, fields, raw })
+        Ok(Self { endpoint, fields, raw, tenant: None })
     }
 
     /// The prompt text (completions) or the messages rendered by the simulated/simple template.

@@ -68,6 +68,17 @@ fn check(file: &Path) -> ExitCode {
             for (addr, tls) in &c.listeners {
                 println!("  listener {addr} ({})", if tls.is_some() { "TLS" } else { "plain HTTP" });
             }
+            match &c.keys {
+                Some(k) => println!("  auth: {} API keys for {} tenants", k.len(), k.tenants()),
+                None => {
+                    println!("  auth: off (no [auth] keys_file): every request is served");
+                    if let Some((addr, _)) = c.listeners.iter().find(|(a, _)| !a.ip().is_loopback()) {
+                        println!(
+                            "  warning: {addr} serves anyone who reaches it, and quotas see whatever bearer token a client sends: set [auth] keys_file"
+                        );
+                    }
+                }
+            }
             let a = &c.admin;
             let guard = match (a.token_sha256.is_some(), a.tls.as_ref().is_some_and(|t| t.client_auth())) {
                 (true, true) => "bearer token and client certificates",

@@ -58,6 +58,18 @@ pub struct Config {
     /// What SIGTERM and SIGINT do.
     #[serde(default)]
     pub shutdown: Shutdown,
+    /// API keys (off unless set).
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+/// `[auth]`: API keys. Without it every request is served and the tenant plugins see is the
+/// client's own bearer token (or its `[admission.tenants]` name).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Auth {
+    /// The keys file (`crate::auth`): each key's SHA-256 and its tenant.
+    pub keys_file: Option<PathBuf>,
 }
 
 /// How long requests in flight may run after SIGTERM or SIGINT before they are cut: long enough
@@ -271,6 +283,8 @@ pub struct Checked {
     pub admin: CheckedAdmin,
     /// `[shutdown] drain_timeout_ms`.
     pub drain_timeout: std::time::Duration,
+    /// `[auth]`: the API keys, loaded.
+    pub keys: Option<std::sync::Arc<crate::auth::ApiKeys>>,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
@@ -360,6 +374,10 @@ impl Config {
                 .shutdown
                 .drain_timeout_ms
                 .map_or(DEFAULT_DRAIN_TIMEOUT, std::time::Duration::from_millis),
+            keys: match &self.auth.keys_file {
+                Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
+                None => None,
+            },
             model: self.model.name.clone(),
             context_length: self.model.context_length,
             decoders,
@@ -436,18 +454,9 @@ impl Config {
         };
         let token_sha256 = match &a.token_sha256 {
             None => None,
-            Some(h) => {
-                let bytes: Option<Vec<u8>> = (h.len() == 64)
-                    .then(|| (0..32).map(|i| u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok()).collect())
-                    .flatten();
-                let arr = bytes.and_then(|b| <[u8; 32]>::try_from(b).ok());
-                Some(arr.ok_or_else(|| {
-                    err(
-                        "admin.token_sha256",
-                        "must be 64 hex digits: the SHA-256 of the token, not the token",
-                    )
-                })?)
-            }
+            Some(h) => Some(crate::auth::parse_digest(h).ok_or_else(|| {
+                err("admin.token_sha256", "must be 64 hex digits: the SHA-256 of the token, not the token")
+            })?),
         };
         // (Port 0 is a fresh port each time: no clash.)
         if let Some(l) = self.listeners.iter().find(|l| l.address == addr && addr.port() != 0) {

@@ -56,6 +56,7 @@ impl Gateway {
         self: &Arc<Self>,
         prompts: Vec<Map<String, Value>>,
         headers: &hyper::HeaderMap,
+        tenant: Option<Arc<str>>,
     ) -> Result<Response<RespBody>, GatewayError> {
         let stream = prompts.first().and_then(|p| p.get("stream")).and_then(Value::as_bool) == Some(true);
         let include_usage = prompts
@@ -68,7 +69,12 @@ impl Gateway {
         // Each prompt is checked before any runs: one bad prompt refuses the request.
         let reqs = prompts
             .into_iter()
-            .map(|m| GenRequest::from_checked(Endpoint::Completions, m))
+            .map(|m| {
+                GenRequest::from_checked(Endpoint::Completions, m).map(|mut r| {
+                    r.tenant = tenant.clone();
+                    r
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         // Aborted when the request ends (answered, failed or abandoned).
         let mut legs = Vec::with_capacity(reqs.len());

@@ -24,6 +24,7 @@ use tokio::task::JoinSet;
 
 use crate::admission::Ticket;
 use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, validate};
+use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, QueueState};
@@ -73,6 +74,13 @@ pub struct ModelInfo {
     pub tokenizer: Arc<Tokenizer>,
 }
 
+/// Who may send what: the policy plugins and the API keys, each when configured.
+#[derive(Debug, Default)]
+pub struct Access {
+    pub plugins: Option<Arc<Plugins>>,
+    pub keys: Option<Arc<ApiKeys>>,
+}
+
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
 /// routing policy and the plugins.
 #[derive(Debug)]
@@ -86,6 +94,8 @@ pub struct Gateway {
     pub http: HttpTimeouts,
     /// Admission and routing plugins, when configured.
     pub plugins: Option<Arc<Plugins>>,
+    /// API keys, when `[auth]` is on: a request needs one, and its tenant is the key's.
+    pub keys: Option<Arc<ApiKeys>>,
     seq: AtomicU64,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
@@ -99,7 +109,7 @@ impl Gateway {
         shared: Arc<Shared>,
         router: Router,
         http: HttpTimeouts,
-        plugins: Option<Arc<Plugins>>,
+        access: Access,
     ) -> Arc<Self> {
         Arc::new(Self {
             model,
@@ -108,7 +118,8 @@ impl Gateway {
             shared,
             router,
             http,
-            plugins,
+            plugins: access.plugins,
+            keys: access.keys,
             seq: AtomicU64::new(0),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
@@ -209,6 +220,11 @@ impl Gateway {
         ep: Endpoint,
         req: Request<Incoming>,
     ) -> Result<Response<RespBody>, GatewayError> {
+        // Before anything is read: a request without a known key costs nothing more.
+        let tenant = match &self.keys {
+            Some(k) => Some(k.tenant_of(req.headers())?),
+            None => None,
+        };
         if let Some(ct) = req.headers().get(header::CONTENT_TYPE)
             && !ct.to_str().is_ok_and(|v| v.starts_with("application/json"))
         {
@@ -228,24 +244,27 @@ impl Gateway {
             .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
             .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
             .to_bytes();
-        self.generate_body(ep, &body, &headers).await
+        self.generate_body(ep, &body, &headers, tenant).await
     }
 
-    /// [`Gateway::generate`] for a body already read.
+    /// [`Gateway::generate`] for a body already read; `tenant`: the API key's, when auth is on.
     pub async fn generate_body(
         self: &Arc<Self>,
         ep: Endpoint,
         body: &Bytes,
         headers: &hyper::HeaderMap,
+        tenant: Option<Arc<str>>,
     ) -> Result<Response<RespBody>, GatewayError> {
         let raw = api::object(body)?;
         validate::check(ep, &raw)?;
         if ep == Endpoint::Completions
             && let Some(prompts) = batch::split(&raw)?
         {
-            return self.generate_list(prompts, headers).await;
+            return self.generate_list(prompts, headers, tenant).await;
         }
-        self.count_and_dispatch(GenRequest::from_checked(ep, raw)?, headers).await
+        let mut req = GenRequest::from_checked(ep, raw)?;
+        req.tenant = tenant;
+        self.count_and_dispatch(req, headers).await
     }
 
     /// A parsed request: its model checked, its tokens counted, then dispatched.
@@ -307,7 +326,7 @@ impl Gateway {
                 Endpoint::Completions => "completions",
                 Endpoint::Chat => "chat",
             };
-            Arc::new(p.request(&self.model.name, ep, headers, &ids, need, max_tokens))
+            Arc::new(p.request(&self.model.name, ep, headers, req.tenant.as_deref(), &ids, need, max_tokens))
         });
         // Admission: the plugin's decision, or the built-in one (class 0, the gateway's wait).
         let mut ticket = Ticket::default();

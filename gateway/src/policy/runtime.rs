@@ -102,22 +102,24 @@ impl Plugins {
         model: &str,
         endpoint: &str,
         headers: &HeaderMap,
+        tenant: Option<&str>,
         ids: &[u32],
         slots: u32,
         max_tokens: Option<u32>,
     ) -> PolicyRequest {
-        let key = headers
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .unwrap_or("");
-        let tenant = self
-            .tenants
-            .read()
-            .ok()
-            .and_then(|t| t.get(key).cloned())
-            .unwrap_or_else(|| key.chars().take(128).collect());
+        // With API keys on, the key's tenant; else `[admission.tenants]`' name for the bearer
+        // token, or the token itself.
+        let tenant = tenant.map_or_else(
+            || {
+                let key = crate::server::bearer(headers).unwrap_or("");
+                self.tenants
+                    .read()
+                    .ok()
+                    .and_then(|t| t.get(key).cloned())
+                    .unwrap_or_else(|| key.chars().take(128).collect())
+            },
+            str::to_owned,
+        );
         let text = |name: &str| {
             headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect())
         };

@@ -103,3 +103,24 @@ pub async fn reload_plugins(g: &Gateway) -> Response<RespBody> {
         .collect();
     full(if ok { 200 } else { 422 }, &json!({"reloaded": ok, "plugins": list}))
 }
+
+/// `POST /admin/keys/reload`: reads the API keys file again; a file that does not check keeps the
+/// keys in force (400 with the reason).
+pub fn reload_keys(g: &Gateway) -> Response<RespBody> {
+    match &g.keys {
+        None => error_response(&GatewayError::NotFound("API keys are off ([auth] keys_file)".into())),
+        Some(k) => match k.reload() {
+            Ok(n) => {
+                tracing::info!(keys = n, "API keys reloaded");
+                full(200, &json!({"keys": n}))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "API keys file refused; the keys in force stay");
+                full(
+                    400,
+                    &json!({"error": {"message": e, "type": "invalid_request_error", "param": null, "code": "invalid_keys_file"}}),
+                )
+            }
+        },
+    }
+}

@@ -325,6 +325,7 @@ impl Gateway {
                 return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
             }
             (&Method::POST, "/admin/plugins/reload") => return admin::reload_plugins(&self).await,
+            (&Method::POST, "/admin/keys/reload") => return admin::reload_keys(&self),
             (&Method::GET, "/metrics") => return admin::metrics(&self),
             _ => return error_response(&GatewayError::NotFound(format!("{method} {path}"))),
         }

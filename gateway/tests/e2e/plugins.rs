@@ -45,6 +45,11 @@ impl Setup {
 /// One prefiller and two decoders (`d0`, `d1`) behind `baton serve`, with `plugins` appended to the
 /// TOML (plugin paths relative to the config's directory, where the components are copied).
 async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
+    serve_with(tag, plugins, files, &[]).await
+}
+
+/// [`serve`], with `texts` (name, contents) written beside the TOML first.
+async fn serve_with(tag: &str, plugins: &str, files: &[(&str, &str)], texts: &[(&str, &str)]) -> Setup {
     let g = tiny_geometry(1).unwrap();
     let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
     let mut decoders = String::new();
@@ -63,6 +68,9 @@ async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
     std::fs::create_dir_all(&dir).unwrap();
     for (from, to) in files {
         std::fs::copy(plugin(from), dir.join(to)).unwrap();
+    }
+    for (name, text) in texts {
+        std::fs::write(dir.join(name), text).unwrap();
     }
     let text = format!(
         r#"
@@ -228,7 +236,7 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         )
         .unwrap();
         let ids = gw.model.tokenizer.token_ids(&req).unwrap();
-        let facts = plugins.request("baton-sim", "completions", &hyper::HeaderMap::new(), &ids, 1, Some(2));
+        let facts = plugins.request("baton-sim", "completions", &hyper::HeaderMap::new(), None, &ids, 1, Some(2));
         let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(ids.len()));
         let want = match direct.route(&facts, &p, &d) {
             Some(baton_gateway::routing::Decision::Route(r)) => format!("d{}", r[0].decode),
@@ -353,5 +361,96 @@ tokens_per_minute = 100000000
     let faults: Vec<_> =
         baton_gateway::policy::Fault::ALL.iter().map(|&f| (f.name(), plugin.stats.fault_count(f))).collect();
     assert_eq!(plugin.stats.total_faults(), 0, "{faults:?}");
+    s.stop().await;
+}
+
+fn key_entry(key: &str, tenant: &str) -> String {
+    format!(
+        "[[keys]]\nsha256 = \"{}\"\ntenant = \"{tenant}\"\n",
+        baton_gateway::policy::sha256_hex(key.as_bytes())
+    )
+}
+
+/// API keys: no key or an unknown one is a 401 in the OpenAI shape; two keys of one tenant share
+/// that tenant's budget in the token-budget plugin (a client cannot escape it with a second key);
+/// keys added to the file work after the admin reload and after the watcher sees the file change,
+/// and a removed key stops working, all without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_bind_tenants_and_reload_without_a_restart() {
+    let keys = key_entry("key-a1", "acme") + &key_entry("key-a2", "acme") + &key_entry("key-b", "bravo");
+    let s = serve_with(
+        "keys",
+        r#"[plugins.admission]
+path = "token_budget.wasm"
+[plugins.admission.config]
+tokens_per_minute = 200
+default_max_tokens = 16
+
+[auth]
+keys_file = "keys.toml"
+"#,
+        &[("token_budget", "token_budget.wasm")],
+        &[("keys.toml", &keys)],
+    )
+    .await;
+    let body = json!({"prompt": "a few words to count", "max_tokens": 60});
+    for key in [None, Some("key-unknown"), Some("sk-alice")] {
+        let a = post(s.addr(), "/v1/completions", key, &body).await;
+        assert_eq!(a.status, 401, "{key:?}");
+        let v: Value = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(
+            (v["error"]["code"].as_str(), v["error"]["type"].as_str()),
+            (Some("invalid_api_key"), Some("invalid_request_error")),
+            "{v}"
+        );
+    }
+    // acme's budget, spent through either of its keys.
+    let mut admitted = 0;
+    for key in ["key-a1", "key-a2"].iter().cycle() {
+        let a = post(s.addr(), "/v1/completions", Some(key), &body).await;
+        if a.status != 200 {
+            assert_eq!(a.status, 429, "{}", String::from_utf8_lossy(&a.body));
+            let v: Value = serde_json::from_slice(&a.body).unwrap();
+            assert_eq!(v["error"]["message"], "tenant acme is over its budget of 200 tokens per minute");
+            break;
+        }
+        admitted += 1;
+        assert!(admitted < 10, "the budget never ran out");
+    }
+    for key in ["key-a1", "key-a2"] {
+        assert_eq!(
+            post(s.addr(), "/v1/completions", Some(key), &body).await.status,
+            429,
+            "{key}: acme's budget is spent"
+        );
+    }
+    assert_eq!(
+        post(s.addr(), "/v1/completions", Some("key-b"), &body).await.status,
+        200,
+        "bravo has its own"
+    );
+    // A new key, by the admin call.
+    let path = s.dir.join("keys.toml");
+    std::fs::write(&path, keys.clone() + &key_entry("key-c", "charlie")).unwrap();
+    let r = post(s.admin(), "/admin/keys/reload", None, &json!({})).await;
+    assert_eq!((r.status, String::from_utf8_lossy(&r.body).into_owned()), (200, r#"{"keys":4}"#.to_owned()));
+    assert_eq!(post(s.addr(), "/v1/completions", Some("key-c"), &body).await.status, 200);
+    // A broken file keeps the keys in force.
+    std::fs::write(&path, "[[keys]]\nsha256 = \"key-d\"\ntenant = \"d\"\n").unwrap();
+    assert_eq!(post(s.admin(), "/admin/keys/reload", None, &json!({})).await.status, 400);
+    assert_eq!(post(s.addr(), "/v1/completions", Some("key-c"), &body).await.status, 200);
+    // The watcher: key-b removed, key-d added, no call.
+    let replaced = key_entry("key-a1", "acme") + &key_entry("key-d", "delta");
+    std::fs::write(&path, replaced).unwrap();
+    let t = std::time::Instant::now();
+    while post(s.addr(), "/v1/completions", Some("key-d"), &body).await.status != 200 {
+        assert!(t.elapsed() < Duration::from_secs(5), "the watcher did not pick up the file");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        post(s.addr(), "/v1/completions", Some("key-b"), &body).await.status,
+        401,
+        "a removed key stops working"
+    );
     s.stop().await;
 }
