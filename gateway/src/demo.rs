@@ -11,7 +11,7 @@ use baton_sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geom
 use crate::admission::{QueueConfig, SlotQueue};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::lmcache::{Lmcache, LmcacheTarget, Notifications};
-use crate::handoff::native::Native;
+use crate::handoff::native::{Native, RankLinks};
 use crate::handoff::nixl::Nixl;
 use crate::handoff::scrape::LoadTarget;
 use crate::handoff::sglang::Sglang;
@@ -358,8 +358,7 @@ pub async fn start_gateway(
             let mut n = Native::connect(
                 Arc::clone(&shared),
                 name.clone(),
-                ranks.clone(),
-                e.fingerprint,
+                RankLinks { addrs: ranks.clone(), fingerprint: e.fingerprint, tls: None },
                 e.chunk_tokens,
                 None,
                 queue.clone(),

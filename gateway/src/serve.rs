@@ -60,6 +60,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         queue: QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() },
         lmcache: lmcache.clone(),
         first_token: c.first_token,
+        dataplane_tls: c.dataplane_tls.clone(),
     };
     let mut decoders = Vec::new();
     for d in c.decoders {

@@ -795,7 +795,7 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
         BufferOptions, RankBuffer, RankEvent, RequestId, RequestKey, SystemClock, TerminalState,
     };
     use baton_gateway::admission::{QueueConfig, SlotQueue};
-    use baton_gateway::handoff::native::ranks::Ranks;
+    use baton_gateway::handoff::native::ranks::{RankLinks, Ranks};
 
     let g = baton_sim::tiny_geometry(1).unwrap();
     let rank = |pages: u32| {
@@ -819,9 +819,8 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     let http: SocketAddr = "127.0.0.1:9".parse().unwrap(); // not used by this test
     let _ = http;
     let queue = SlotQueue::new(0, QueueConfig::default());
-    let dec = Ranks::connect("d".into(), vec![addr], g.fingerprint(), g.chunk_tokens, None, queue.clone())
-        .await
-        .unwrap();
+    let links = RankLinks { addrs: vec![addr], fingerprint: g.fingerprint(), tls: None };
+    let dec = Ranks::connect("d".into(), links, g.chunk_tokens, None, queue.clone()).await.unwrap();
     assert_eq!(queue.stats().capacity, 8);
 
     // The rank restarts with 12 pages on the same port.
@@ -1335,6 +1334,9 @@ mod admin;
 
 #[path = "e2e/drain.rs"]
 mod drain;
+
+#[path = "e2e/dataplane_tls.rs"]
+mod dataplane_tls;
 
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the

@@ -95,7 +95,11 @@ impl DecodeEngine {
             let at = SocketAddr::new(host, port);
             let listener =
                 TcpListener::bind(at).await.map_err(|e| SimError::internal(format!("bind {at}: {e}")))?;
-            let handle = server.start(listener).map_err(SimError::internal)?;
+            let handle = match &c.dp_tls {
+                Some(t) => server.start_tls(listener, t.server.clone()),
+                None => server.start(listener),
+            }
+            .map_err(SimError::internal)?;
             let layout = CacheLayout::hnd(cache_blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
             let cache = (0..cl.layers)
                 .map(|_| device.alloc_tensor(layout.min_tensor_bytes()))

@@ -457,6 +457,7 @@ impl SimEngine {
                             "pages_reserved": s.pages.reserved, "pages_filled": s.pages.filled,
                             "pages_quarantined": s.pages.quarantined, "pages_consuming": s.pages.consuming,
                             "requests": s.requests, "accounting_errors": s.accounting_errors,
+                            "handshakes_refused": r.server.refused_handshakes(),
                         })
                     })
                     .collect();

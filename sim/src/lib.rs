@@ -122,6 +122,36 @@ pub struct SimConfig {
     pub device: DeviceKind,
     /// Also play SGLang's PD mode (prefill: bootstrap server and rooms; decode: pulls its room).
     pub sglang: Option<SglangSimConfig>,
+    /// mTLS on baton's data plane: decode ranks serve it and require client certificates from the
+    /// CA; a prefiller connects to them with it.
+    pub dp_tls: Option<DpTls>,
+}
+
+/// An engine's data-plane identity: one certificate and key, used to serve its ranks (peers must
+/// present a certificate from `ca`) and to connect to other ranks (whose name is checked).
+#[derive(Clone, Debug)]
+pub struct DpTls {
+    pub server: baton_dataplane::transport::TlsServer,
+    pub client: baton_dataplane::transport::TlsClient,
+}
+
+impl DpTls {
+    /// From PEM files: the CA, this engine's certificate and key, and the name ranks present.
+    pub fn from_pem_files(
+        ca: &std::path::Path,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        server_name: &str,
+    ) -> Result<Self, baton_dataplane::transport::TlsError> {
+        Ok(Self {
+            server: baton_dataplane::transport::TlsServer::from_pem_files(cert, key, Some(ca))?,
+            client: baton_dataplane::transport::TlsClient::from_pem_files(
+                ca,
+                server_name,
+                Some((cert, key)),
+            )?,
+        })
+    }
 }
 
 /// The SGLang PD settings of a simulated engine.
@@ -174,6 +204,7 @@ impl SimConfig {
             nixl: None,
             device: DeviceKind::Cpu,
             sglang: None,
+            dp_tls: None,
         }
     }
 }
@@ -209,6 +240,7 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
             c.block_size,
             Arc::clone(&faults),
             c.hold_ttl,
+            c.dp_tls.as_ref().map(|t| t.client.clone()),
         )?),
         SimRole::Decode => {
             let d = DecodeEngine::start(&c, &device, Arc::clone(&faults)).await?;

@@ -72,6 +72,8 @@ pub struct PrefillEngine {
     producers: Mutex<HashMap<(SocketAddr, u32), Vec<ProducerClient>>>,
     faults: Arc<Faults>,
     hold_ttl: Duration,
+    /// mTLS to the decoder ranks, when their data plane requires it.
+    tls: Option<baton_dataplane::transport::TlsClient>,
 }
 
 impl std::fmt::Debug for PrefillEngine {
@@ -91,6 +93,7 @@ impl PrefillEngine {
         block_size: u32,
         faults: Arc<Faults>,
         hold_ttl: Duration,
+        tls: Option<baton_dataplane::transport::TlsClient>,
     ) -> Result<Arc<Self>, SimError> {
         let device = Arc::new(device.clone());
         let cl = geometry.chunk_layout();
@@ -113,6 +116,7 @@ impl PrefillEngine {
             producers: Mutex::new(HashMap::new()),
             faults,
             hold_ttl,
+            tls,
         }))
     }
 
@@ -214,7 +218,7 @@ impl PrefillEngine {
             .and_then(Vec::pop);
         match pooled {
             Some(p) => Ok(p),
-            None => ProducerClient::connect(addr, self.geometry.fingerprint(), rank)
+            None => ProducerClient::connect_with(addr, self.tls.as_ref(), self.geometry.fingerprint(), rank)
                 .await
                 .map_err(|e| SimError::upstream(format!("decoder rank {rank} at {addr}: {e}"))),
         }

@@ -48,6 +48,8 @@ pub struct RankServer<D: Device> {
     /// Taken only under `held`'s lock, so a Reserve and a Cancel of one key are ordered.
     cancelled: Mutex<Tombstones>,
     events: broadcast::Sender<RankEvent>,
+    /// Connections refused at the TLS handshake.
+    refused: std::sync::atomic::AtomicU64,
 }
 
 /// How long a cancel that found no reservation is remembered.
@@ -173,7 +175,13 @@ impl<D: Device> RankServer<D> {
             held: Mutex::new(FxHashMap::default()),
             cancelled: Mutex::new(Tombstones::default()),
             events,
+            refused: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Connections refused at the TLS handshake (no certificate, one from another CA, plain TCP).
+    pub fn refused_handshakes(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// An event sink for the rank's buffer and the channel the server will publish from.
@@ -240,7 +248,7 @@ impl<D: Device> RankServer<D> {
             tokio::select! {
                 _ = stop.notified() => break,
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
+                    Ok((stream, peer)) => {
                         let _ = stream.set_nodelay(true);
                         let this = Arc::clone(&self);
                         let acceptor = acceptor.clone();
@@ -251,7 +259,15 @@ impl<D: Device> RankServer<D> {
                                 // certificate does not verify, never reaches the buffer.
                                 Some(a) => match tokio::time::timeout(DEFAULT_HANDSHAKE_TIMEOUT, a.accept(stream)).await {
                                     Ok(Ok(s)) => Box::new(s),
-                                    _ => return,
+                                    refused => {
+                                        let why = match refused {
+                                            Ok(Err(e)) => e.to_string(),
+                                            _ => format!("no handshake within {DEFAULT_HANDSHAKE_TIMEOUT:?}"),
+                                        };
+                                        this.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                        tracing::warn!(rank = this.buf.rank(), %peer, reason = %why, "data-plane TLS handshake refused");
+                                        return;
+                                    }
                                 },
                             };
                             this.connection(conn).await

@@ -17,7 +17,7 @@ use super::{ConfigError, err, ms, parse_url};
 use crate::admission::{QueueConfig, SlotQueue};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::lmcache::{Lmcache, Notifications};
-use crate::handoff::native::Native;
+use crate::handoff::native::{Native, RankLinks};
 use crate::handoff::nixl::Nixl;
 use crate::handoff::scrape::LoadTarget;
 use crate::handoff::sglang::Sglang;
@@ -192,6 +192,8 @@ pub struct StartContext {
     pub lmcache: Option<Arc<Notifications>>,
     /// `[lmcache] first_token`.
     pub first_token: bool,
+    /// `[dataplane_tls]`: how to reach `native` decoders' ranks when the data plane is authenticated.
+    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
 }
 
 /// Why a pool could not be started.
@@ -324,8 +326,11 @@ impl CheckedDecoder {
                 Native::connect(
                     shared,
                     self.name.clone(),
-                    ranks,
-                    geometry.fingerprint(),
+                    RankLinks {
+                        addrs: ranks,
+                        fingerprint: geometry.fingerprint(),
+                        tls: ctx.dataplane_tls.clone(),
+                    },
                     geometry.chunk_tokens,
                     max_slots,
                     queue.clone(),

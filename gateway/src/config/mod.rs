@@ -61,6 +61,22 @@ pub struct Config {
     /// API keys (off unless set).
     #[serde(default)]
     pub auth: Auth,
+    /// mTLS to the `native` decoders' data-plane ranks (off unless set).
+    pub dataplane_tls: Option<DataplaneTls>,
+}
+
+/// `[dataplane_tls]`: how the gateway reaches decoder ranks whose data plane requires mTLS: the CA
+/// their certificates chain to, the name they present, and the gateway's own certificate and key
+/// (signed by the CA the ranks trust). Control connections and event feeds both use it,
+/// reconnects too.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataplaneTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The name in the ranks' certificates.
+    pub server_name: String,
 }
 
 /// `[auth]`: API keys. Without it every request is served and the tenant plugins see is the
@@ -285,6 +301,8 @@ pub struct Checked {
     pub drain_timeout: std::time::Duration,
     /// `[auth]`: the API keys, loaded.
     pub keys: Option<std::sync::Arc<crate::auth::ApiKeys>>,
+    /// `[dataplane_tls]`, loaded.
+    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
@@ -374,6 +392,17 @@ impl Config {
                 .shutdown
                 .drain_timeout_ms
                 .map_or(DEFAULT_DRAIN_TIMEOUT, std::time::Duration::from_millis),
+            dataplane_tls: match &self.dataplane_tls {
+                Some(t) => Some(
+                    baton_dataplane::transport::TlsClient::from_pem_files(
+                        &path(&t.ca),
+                        &t.server_name,
+                        Some((&path(&t.cert), &path(&t.key))),
+                    )
+                    .map_err(|e| err("dataplane_tls", e.to_string()))?,
+                ),
+                None => None,
+            },
             keys: match &self.auth.keys_file {
                 Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
                 None => None,

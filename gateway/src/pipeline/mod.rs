@@ -27,7 +27,7 @@ use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, valid
 use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
-use crate::policy::{Admit, Plugins, QueueState};
+use crate::policy::{Admit, Plugins, QueueState, Sender};
 use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
 use crate::telemetry::{Phase, Timing};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
@@ -326,7 +326,8 @@ impl Gateway {
                 Endpoint::Completions => "completions",
                 Endpoint::Chat => "chat",
             };
-            Arc::new(p.request(&self.model.name, ep, headers, req.tenant.as_deref(), &ids, need, max_tokens))
+            let from = Sender { headers, tenant: req.tenant.as_deref() };
+            Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         // Admission: the plugin's decision, or the built-in one (class 0, the gateway's wait).
         let mut ticket = Ticket::default();

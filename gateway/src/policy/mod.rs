@@ -729,7 +729,7 @@ impl<W: World> Direct<W> {
 pub mod calls;
 pub mod runtime;
 pub use calls::{AdmissionPlugin, Admit, PolicyRequest, QueueState, RoutingPlugin, Usage};
-pub use runtime::{CheckedPlugins, Plugins, Reread};
+pub use runtime::{CheckedPlugins, Plugins, Reread, Sender};
 
 #[cfg(test)]
 mod tests;

@@ -62,6 +62,13 @@ pub struct Plugins {
     source: Option<Reread>,
 }
 
+/// Who sent a request: its headers, and the tenant of its API key when `[auth]` is on.
+#[derive(Clone, Copy, Debug)]
+pub struct Sender<'a> {
+    pub headers: &'a HeaderMap,
+    pub tenant: Option<&'a str>,
+}
+
 impl Plugins {
     /// Compiles, checks and starts every configured plugin; any error refuses the start.
     pub fn start(
@@ -101,12 +108,12 @@ impl Plugins {
         &self,
         model: &str,
         endpoint: &str,
-        headers: &HeaderMap,
-        tenant: Option<&str>,
+        from: Sender<'_>,
         ids: &[u32],
         slots: u32,
         max_tokens: Option<u32>,
     ) -> PolicyRequest {
+        let Sender { headers, tenant } = from;
         // With API keys on, the key's tenant; else `[admission.tenants]`' name for the bearer
         // token, or the token itself.
         let tenant = tenant.map_or_else(

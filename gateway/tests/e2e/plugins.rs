@@ -236,8 +236,9 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         )
         .unwrap();
         let ids = gw.model.tokenizer.token_ids(&req).unwrap();
-        let facts =
-            plugins.request("baton-sim", "completions", &hyper::HeaderMap::new(), None, &ids, 1, Some(2));
+        let headers = hyper::HeaderMap::new();
+        let sender = baton_gateway::policy::Sender { headers: &headers, tenant: None };
+        let facts = plugins.request("baton-sim", "completions", sender, &ids, 1, Some(2));
         let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(ids.len()));
         let want = match direct.route(&facts, &p, &d) {
             Some(baton_gateway::routing::Decision::Route(r)) => format!("d{}", r[0].decode),

@@ -24,12 +24,16 @@ const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--m
        [--lmcache] [--lmcache-buffer BYTES] [--lmcache-alloc-ports P,P] [--lmcache-init-ports P,P]
        [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
        [--sglang] [--sglang-bootstrap-port P] [--sglang-room-wait-ms N] [--device cpu|cuda]
+       [--dp-tls-ca CA.pem --dp-tls-cert CERT.pem --dp-tls-key KEY.pem [--dp-tls-server-name NAME]]
 
   --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
                alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
   --nixl       also speak vLLM's NIXL connector (producer keeps blocks N seconds unless read)
   --sglang*    also speak SGLang's PD mode: a prefiller runs a bootstrap server on P (ephemeral if
-               not given); rooms wait N ms for their other leg";
+               not given); rooms wait N ms for their other leg
+  --dp-tls-*   mTLS on baton's data plane: decode ranks serve TLS with CERT/KEY and require client
+               certificates from CA; a prefiller connects with CERT/KEY and checks that ranks present
+               NAME (default localhost)";
 
 fn parse() -> Result<SimConfig, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -72,6 +76,16 @@ fn parse() -> Result<SimConfig, String> {
     }
     if let Some(p) = get("--dp-port") {
         c.dp_base_port = Some(p.parse().map_err(|_| format!("--dp-port: not a port: {p:?}"))?);
+    }
+    match (get("--dp-tls-ca"), get("--dp-tls-cert"), get("--dp-tls-key")) {
+        (Some(ca), Some(cert), Some(key)) => {
+            let name = get("--dp-tls-server-name").unwrap_or_else(|| "localhost".into());
+            let tls = baton_sim::DpTls::from_pem_files(ca.as_ref(), cert.as_ref(), key.as_ref(), &name)
+                .map_err(|e| format!("--dp-tls-*: {e}"))?;
+            c.dp_tls = Some(tls);
+        }
+        (None, None, None) => {}
+        _ => return Err("--dp-tls-ca, --dp-tls-cert and --dp-tls-key go together".into()),
     }
     c.pages =
         u32::try_from(num(get("--pages"), "--pages", u64::from(c.pages))?).map_err(|e| e.to_string())?;

@@ -29,7 +29,7 @@ use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::GatewayError;
 use crate::telemetry::Phase;
 use crate::telemetry::request_id;
-use ranks::Ranks;
+pub use ranks::{RankLinks, Ranks};
 
 /// The mode's name in the configuration.
 pub const MODE: &str = "native";
@@ -55,13 +55,12 @@ impl Native {
     pub async fn connect(
         shared: Arc<Shared>,
         name: String,
-        ranks: Vec<std::net::SocketAddr>,
-        fingerprint: u64,
+        links: RankLinks,
         chunk_tokens: u32,
         max_slots: Option<u32>,
         queue: SlotQueue,
     ) -> Result<Self, baton_dataplane::transport::TransportError> {
-        let ranks = Ranks::connect(name, ranks, fingerprint, chunk_tokens, max_slots, queue).await?;
+        let ranks = Ranks::connect(name, links, chunk_tokens, max_slots, queue).await?;
         Ok(Self { shared, ranks: Arc::new(ranks), unprotected: false })
     }
 

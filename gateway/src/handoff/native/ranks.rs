@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use baton_dataplane::transport::{ControlClient, EventStream, TransportError};
+use baton_dataplane::transport::{ControlClient, EventStream, TlsClient, TransportError};
 use baton_dataplane::wire::RefusalCode;
 use baton_dataplane::{PageAddr, PrefixKey, RankEvent, RequestKey};
 use tokio::sync::mpsc;
@@ -21,11 +21,30 @@ type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>
 
 /// The data-plane side of one native decoder: a control connection pool and an event feed per
 /// rank.
+/// How to reach a decoder's ranks: their addresses in rank order, the geometry fingerprint they must
+/// report, and the TLS (mTLS) to speak when the data plane is authenticated (`[dataplane_tls]`).
+#[derive(Clone, Debug)]
+pub struct RankLinks {
+    pub addrs: Vec<SocketAddr>,
+    pub fingerprint: u64,
+    pub tls: Option<TlsClient>,
+}
+
+impl RankLinks {
+    async fn control(&self, addr: SocketAddr, rank: u32) -> Result<ControlClient, TransportError> {
+        ControlClient::connect_with(addr, self.tls.as_ref(), self.fingerprint, rank).await
+    }
+
+    async fn events(&self, addr: SocketAddr, rank: u32) -> Result<EventStream, TransportError> {
+        EventStream::connect_with(addr, self.tls.as_ref(), self.fingerprint, rank).await
+    }
+}
+
 pub struct Ranks {
     pub name: String,
     pub addrs: Vec<SocketAddr>,
     pub chunk_tokens: u32,
-    fingerprint: u64,
+    links: RankLinks,
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
     waiters: Waiters,
     _routers: JoinSet<()>,
@@ -52,7 +71,7 @@ const RECONNECT_MAX: Duration = Duration::from_secs(2);
 struct RankFeed {
     rank: usize,
     addr: SocketAddr,
-    fingerprint: u64,
+    links: RankLinks,
     waiters: Waiters,
     queue: SlotQueue,
     caps: Arc<Vec<AtomicU32>>,
@@ -79,11 +98,11 @@ impl RankFeed {
             feed = loop {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(RECONNECT_MAX);
-                let Ok(mut c) = ControlClient::connect(self.addr, self.fingerprint, r32).await else {
+                let Ok(mut c) = self.links.control(self.addr, r32).await else {
                     continue;
                 };
                 let Ok(info) = c.info().await else { continue };
-                let Ok(f) = EventStream::connect(self.addr, self.fingerprint, r32).await else { continue };
+                let Ok(f) = self.links.events(self.addr, r32).await else { continue };
                 if let Some(cap) = self.caps.get(self.rank) {
                     cap.store(info.pages_total, Ordering::Relaxed);
                 }
@@ -121,24 +140,24 @@ impl Ranks {
     /// `max_slots` may only lower the capacity the ranks report.
     pub async fn connect(
         name: String,
-        ranks: Vec<SocketAddr>,
-        fingerprint: u64,
+        links: RankLinks,
         chunk_tokens: u32,
         max_slots: Option<u32>,
         queue: SlotQueue,
     ) -> Result<Self, TransportError> {
+        let ranks = links.addrs.clone();
         let waiters: Waiters = Arc::default();
         let mut controls = Vec::new();
         let mut feeds = Vec::new();
         let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
         for (r, addr) in ranks.iter().enumerate() {
             let r32 = u32::try_from(r).unwrap_or(u32::MAX);
-            let mut c = ControlClient::connect(*addr, fingerprint, r32).await?;
+            let mut c = links.control(*addr, r32).await?;
             if let Some(cap) = caps.get(r) {
                 cap.store(c.info().await?.pages_total, Ordering::Relaxed);
             }
             controls.push(tokio::sync::Mutex::new(vec![c]));
-            feeds.push(EventStream::connect(*addr, fingerprint, r32).await?);
+            feeds.push(links.events(*addr, r32).await?);
         }
         queue.resize(capacity(&caps, max_slots));
         let mut routers = JoinSet::new();
@@ -146,7 +165,7 @@ impl Ranks {
             let rank = RankFeed {
                 rank: r,
                 addr: ranks.get(r).copied().ok_or(TransportError::Closed)?,
-                fingerprint,
+                links: links.clone(),
                 waiters: Arc::clone(&waiters),
                 queue: queue.clone(),
                 caps: Arc::clone(&caps),
@@ -154,7 +173,7 @@ impl Ranks {
             };
             routers.spawn(rank.run(feed));
         }
-        Ok(Self { name, addrs: ranks, chunk_tokens, fingerprint, controls, waiters, _routers: routers })
+        Ok(Self { name, addrs: ranks, chunk_tokens, links, controls, waiters, _routers: routers })
     }
 
     /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
@@ -167,11 +186,7 @@ impl Ranks {
             Some(c) => Ok((c, true)),
             None => {
                 let addr = self.addrs.get(rank).copied().ok_or(TransportError::Closed)?;
-                Ok((
-                    ControlClient::connect(addr, self.fingerprint, u32::try_from(rank).unwrap_or(u32::MAX))
-                        .await?,
-                    false,
-                ))
+                Ok((self.links.control(addr, u32::try_from(rank).unwrap_or(u32::MAX)).await?, false))
             }
         }
     }

@@ -1,0 +1,152 @@
+//! An authenticated data plane: decoder ranks serving mTLS (`baton-sim`'s data-plane TLS), a
+//! prefiller and `baton serve` (`[dataplane_tls]`) reaching them with certificates from the ranks'
+//! CA. Traffic flows; a plain TCP client, a TLS client without a certificate and one with a
+//! certificate from another CA are refused at the handshake, and nothing they sent reached the
+//! rank's pages.
+
+use baton_dataplane::transport::{ControlClient, TlsClient};
+use baton_sim::{DpTls, SimConfig, SimRole, kv::output_text, launch, tiny_geometry};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use serde_json::json;
+
+/// A CA and a function that issues leaf certificates (PEM chain, PEM key) for `localhost`.
+struct Ca {
+    pem: String,
+    der: CertificateDer<'static>,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Self {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name.push(DnType::CommonName, name);
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        let cert = p.self_signed(&key).unwrap();
+        Self { pem: cert.pem(), der: cert.der().clone(), issuer: Issuer::new(p, key) }
+    }
+
+    fn leaf(&self) -> (String, String, CertificateDer<'static>, PrivateKeyDer<'static>) {
+        let k = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        p.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let c = p.signed_by(&k, &self.issuer).unwrap();
+        (c.pem(), k.serialize_pem(), c.der().clone(), PrivateKeyDer::Pkcs8(k.serialize_der().into()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
+    let dir = std::env::temp_dir().join(format!("baton-dptls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ca = Ca::new("baton data plane CA");
+    let (engine_pem, engine_key, ..) = ca.leaf();
+    let (gateway_pem, gateway_key, ..) = ca.leaf();
+    let ca_file = write("ca.pem", &ca.pem);
+    let (engine_cert, engine_key) = (write("engine.pem", &engine_pem), write("engine.key", &engine_key));
+    write("gateway.pem", &gateway_pem);
+    write("gateway.key", &gateway_key);
+
+    let g = tiny_geometry(2).unwrap();
+    let tls = DpTls::from_pem_files(&ca_file, &engine_cert, &engine_key, "localhost").unwrap();
+    let mut p = SimConfig::new(SimRole::Prefill, g);
+    p.dp_tls = Some(tls.clone());
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.dp_tls = Some(tls);
+    let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
+    let text = format!(
+        r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
+
+[dataplane_tls]
+ca = "ca.pem"
+cert = "gateway.pem"
+key = "gateway.key"
+server_name = "localhost"
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[[prefill]]
+name = "p"
+url = "http://{}"
+
+[[decode]]
+name = "d"
+url = "http://{}"
+dataplane = [{}]
+"#,
+        prefill.addr,
+        decode.addr,
+        super::toml_ranks(&decode)
+    );
+    let file = write("baton.toml", &text);
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    // The gateway's control connections, its event feeds and the prefiller's writes all pass.
+    let prompt = super::prompt(100, 3);
+    let (s, b) =
+        super::http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": prompt, "max_tokens": 4})))
+            .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    assert_eq!(super::answer_text(&b, false, false).0, output_text(&ids, 4));
+
+    let rank0: std::net::SocketAddr =
+        decode.engine.stats()["ranks"][0]["addr"].as_str().unwrap().parse().unwrap();
+    let before = decode.engine.stats()["ranks"][0].clone();
+    let fp = g.fingerprint();
+    let other = Ca::new("someone else's CA");
+    let (_, _, rogue_cert, rogue_key) = other.leaf();
+    let strangers: [(&str, Option<TlsClient>); 3] = [
+        ("plain TCP", None),
+        ("TLS without a certificate", Some(TlsClient::new(vec![ca.der.clone()], "localhost", None).unwrap())),
+        (
+            "a certificate from another CA",
+            Some(
+                TlsClient::new(vec![ca.der.clone()], "localhost", Some((vec![rogue_cert], rogue_key)))
+                    .unwrap(),
+            ),
+        ),
+    ];
+    for (who, client) in &strangers {
+        let r = ControlClient::connect_with(rank0, client.as_ref(), fp, 0).await;
+        let refused = match r {
+            Err(_) => true,
+            // Under TLS 1.3 the server's verdict on a client certificate can arrive after the
+            // client's side of the handshake: the first call then fails.
+            Ok(mut c) => {
+                let key = baton_dataplane::RequestKey::new(baton_dataplane::RequestId(7), 0);
+                c.reserve(key, 3, std::time::Duration::from_secs(60), &[]).await.is_err()
+            }
+        };
+        assert!(refused, "{who} was served");
+    }
+    let after = decode.engine.stats()["ranks"][0].clone();
+    assert_eq!(after["pages_free"], after["pages_total"], "nothing the strangers sent took a page: {after}");
+    assert_eq!(after["requests"], before["requests"], "{after}");
+    assert!(
+        after["handshakes_refused"].as_u64().unwrap() >= 3,
+        "the rank counted (and logged) the refusals: {after}"
+    );
+    serving.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
