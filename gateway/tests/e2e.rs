@@ -40,6 +40,48 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// A `baton serve` file for one prefill and one `native` decode engine on loopback (plain HTTP,
+/// ephemeral public and admin ports, the tiny geometry); `decode_extra` goes in the `[[decode]]`
+/// table, `extra` (more tables) at the end.
+fn serve_toml(
+    prefill: &baton_sim::Running,
+    decode: &baton_sim::Running,
+    decode_extra: &str,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[[prefill]]
+name = "p"
+url = "http://{}"
+
+[[decode]]
+name = "d"
+url = "http://{}"
+dataplane = [{}]
+{decode_extra}
+
+{extra}
+"#,
+        prefill.addr,
+        decode.addr,
+        toml_ranks(decode)
+    )
+}
+
 /// `stream_options` asking for usage, set only on a streamed request (it is refused without
 /// `stream`, as vLLM and OpenAI refuse it).
 fn usage_opt(stream: bool) -> Value {
@@ -700,35 +742,7 @@ mod configs {
         let g = tiny_geometry(2).unwrap();
         let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
         let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-        let text = format!(
-            r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
-
-[[prefill]]
-name = "p"
-url = "http://{}"
-
-[[decode]]
-name = "d"
-url = "http://{}"
-dataplane = [{}]
-max_slots = 20
-"#,
-            prefill.addr,
-            decode.addr,
-            super::toml_ranks(&decode)
-        );
+        let text = super::serve_toml(&prefill, &decode, "max_slots = 20", "");
         let dir = tempdir("serve");
         let file = dir.join("baton.toml");
         std::fs::write(&file, text).unwrap();

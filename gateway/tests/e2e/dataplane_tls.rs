@@ -65,40 +65,8 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     let mut d = SimConfig::new(SimRole::Decode, g);
     d.dp_tls = Some(tls);
     let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
-    let text = format!(
-        r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
-[dataplane_tls]
-ca = "ca.pem"
-cert = "gateway.pem"
-key = "gateway.key"
-server_name = "localhost"
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
-
-[[prefill]]
-name = "p"
-url = "http://{}"
-
-[[decode]]
-name = "d"
-url = "http://{}"
-dataplane = [{}]
-"#,
-        prefill.addr,
-        decode.addr,
-        super::toml_ranks(&decode)
-    );
+    let tls = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n";
+    let text = super::serve_toml(&prefill, &decode, "", tls);
     let file = write("baton.toml", &text);
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     // The gateway's control connections, its event feeds and the prefiller's writes all pass.

@@ -119,39 +119,11 @@ fn serve(
     decode: &Running,
     drain_ms: u64,
 ) -> (Proc, SocketAddr, SocketAddr) {
-    let text = format!(
-        r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
-[shutdown]
-drain_timeout_ms = {drain_ms}
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
-
-[admission]
-max_queue = 1000
-
-[[prefill]]
-name = "p"
-url = "http://{}"
-
-[[decode]]
-name = "d"
-url = "http://{}"
-dataplane = [{}]
-"#,
-        prefill.addr,
-        decode.addr,
-        super::toml_ranks(decode)
+    let text = super::serve_toml(
+        prefill,
+        decode,
+        "",
+        &format!("[shutdown]\ndrain_timeout_ms = {drain_ms}\n\n[admission]\nmax_queue = 1000\n"),
     );
     std::fs::create_dir_all(dir).unwrap();
     let file = dir.join("baton.toml");
