@@ -1411,6 +1411,76 @@ mod cli {
             assert!(out.contains(text) || err.contains(text), "{args:?}: {text:?} not in {out}{err}");
         }
     }
+    /// `check-config` says how the admin listener and the API are guarded, and warns when either
+    /// is open beyond loopback.
+    #[test]
+    fn check_config_warns_when_the_api_or_the_admin_listener_is_open() {
+        let dir = std::env::temp_dir().join(format!("baton-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = r#"
+[[listeners]]
+address = "0.0.0.0:8080"
+plain_http = true
+
+[model]
+name = "m"
+context_length = 4096
+chunk_tokens = 16
+geometry = { layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }
+
+[[prefill]]
+name = "p"
+url = "http://10.0.0.1:8000"
+
+[[decode]]
+name = "d"
+url = "http://10.0.0.2:8000"
+dataplane = ["10.0.0.2:9000"]
+"#;
+        let key = |k: &str, t: &str| {
+            format!(
+                "[[keys]]\nsha256 = \"{}\"\ntenant = \"{t}\"\n",
+                baton_gateway::policy::sha256_hex(k.as_bytes())
+            )
+        };
+        std::fs::write(dir.join("keys.toml"), key("k1", "acme") + &key("k2", "acme")).unwrap();
+        let token = baton_gateway::policy::sha256_hex(b"admin-token");
+        // (case, tables appended, lines the output must hold, lines it must not)
+        let cases: [(&str, String, &[&str], &[&str]); 2] = [
+            (
+                "open",
+                "[admin]\nlisten = \"0.0.0.0:9090\"\n".into(),
+                &[
+                    "auth: off",
+                    "warning: 0.0.0.0:8080 serves anyone",
+                    "admin listener 0.0.0.0:9090 (plain HTTP, no authentication)",
+                    "warning: the admin listener on 0.0.0.0:9090 is open",
+                ],
+                &[],
+            ),
+            (
+                "guarded",
+                format!(
+                    "[admin]\nlisten = \"0.0.0.0:9090\"\ntoken_sha256 = \"{token}\"\n[auth]\nkeys_file = \"keys.toml\"\n"
+                ),
+                &["auth: 2 API keys for 1 tenants", "admin listener 0.0.0.0:9090 (plain HTTP, bearer token)"],
+                &["warning"],
+            ),
+        ];
+        for (case, extra, has, lacks) in cases {
+            let file = dir.join(format!("{case}.toml"));
+            std::fs::write(&file, format!("{base}\n{extra}")).unwrap();
+            let (code, out, err) = baton(&["check-config", file.to_str().unwrap()]);
+            assert_eq!(code, 0, "{case}: {out}{err}");
+            for h in has {
+                assert!(out.contains(h), "{case}: {h:?} not in\n{out}");
+            }
+            for l in lacks {
+                assert!(!out.contains(l), "{case}: {l:?} in\n{out}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// The gateway's fallback template and the simulated model's template render alike, so the demo
