@@ -979,8 +979,8 @@ mod real_tokenizers {
         p
     }
 
-    /// The official OpenAI SDK against the `baton demo` binary with its default flags (only the port
-    /// made ephemeral): a ten-turn chat over 2,000 tokens, 64 concurrent requests of 20 to 2,500
+    /// The official OpenAI SDK against the `baton demo` binary with its default flags (only the
+    /// public and admin ports made ephemeral, so tests running at once do not collide): a ten-turn chat over 2,000 tokens, 64 concurrent requests of 20 to 2,500
     /// tokens (half streamed), a prompt list of 3 whole and streamed, `n = 2`, logprobs on both
     /// endpoints, and `max_tokens = -5` refused naming `max_tokens`.
     #[test]
@@ -989,7 +989,7 @@ mod real_tokenizers {
         use std::process::{Command, Stdio};
 
         let mut demo = Command::new(env!("CARGO_BIN_EXE_baton"))
-            .args(["demo", "--listen", "127.0.0.1:0"])
+            .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -1574,7 +1574,7 @@ async fn the_demo_with_its_defaults_holds_a_real_chat() {
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["demo", "--listen", "127.0.0.1:0"])
+        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)

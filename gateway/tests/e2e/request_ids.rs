@@ -101,7 +101,7 @@ fn json_log_lines_carry_the_request_id() {
     use std::process::{Command, Stdio};
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["demo", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--log-format", "json"])
         .env("RUST_LOG", "baton_gateway=debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
