@@ -48,6 +48,19 @@ pub struct ApiKeys {
     seen: Mutex<Option<(SystemTime, u64)>>,
 }
 
+/// The token of an `Authorization: Bearer <token>` header.
+pub fn bearer(headers: &hyper::HeaderMap) -> Option<&str> {
+    let v = headers.get(hyper::header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
+}
+
+/// SHA-256 of `bytes`: how API keys and the admin token are stored and compared.
+pub fn digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
 /// A hex SHA-256 as bytes.
 pub fn parse_digest(hex: &str) -> Option<[u8; 32]> {
     if hex.len() != 64 {
@@ -120,8 +133,8 @@ impl ApiKeys {
 
     /// The tenant of the request's bearer key, or 401.
     pub fn tenant_of(&self, headers: &hyper::HeaderMap) -> Result<Arc<str>, GatewayError> {
-        let key = crate::server::bearer(headers).ok_or(GatewayError::InvalidApiKey)?;
-        let digest = crate::server::digest(key.as_bytes());
+        let key = bearer(headers).ok_or(GatewayError::InvalidApiKey)?;
+        let digest = digest(key.as_bytes());
         self.by_digest
             .read()
             .unwrap_or_else(PoisonError::into_inner)

@@ -268,7 +268,7 @@ fn the_admin_listener_defaults_to_loopback_and_checks_its_token_and_address() {
     let hash = crate::policy::sha256_hex(b"tok");
     let with = format!("{GOOD}\n[admin]\nlisten = \"0.0.0.0:9091\"\ntoken_sha256 = \"{hash}\"\n");
     let c = Config::parse(&with).unwrap().check(Path::new(".")).unwrap();
-    assert_eq!(c.admin.token_sha256, Some(crate::server::digest(b"tok")));
+    assert_eq!(c.admin.token_sha256, Some(crate::auth::digest(b"tok")));
     assert!(!c.admin.open());
     // (case, [admin] table, the field named)
     let cases = [

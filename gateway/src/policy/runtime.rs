@@ -118,7 +118,7 @@ impl Plugins {
         // token, or the token itself.
         let tenant = tenant.map_or_else(
             || {
-                let key = crate::server::bearer(headers).unwrap_or("");
+                let key = crate::auth::bearer(headers).unwrap_or("");
                 self.tenants
                     .read()
                     .ok()

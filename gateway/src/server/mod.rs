@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::api::{Endpoint, GatewayError, Origin};
+use crate::auth::{bearer, digest};
 use crate::handoff::{BoxError, RespBody};
 use crate::pipeline::Gateway;
 use crate::telemetry::request_id::{self, RequestId};
@@ -196,19 +197,6 @@ impl Surface {
         let got = digest(token.as_bytes());
         got.iter().zip(want).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
-}
-
-/// The token of an `Authorization: Bearer <token>` header.
-pub fn bearer(headers: &hyper::HeaderMap) -> Option<&str> {
-    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = v.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
-}
-
-/// SHA-256 of `bytes`.
-pub fn digest(bytes: &[u8]) -> [u8; 32] {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes).into()
 }
 
 impl Gateway {

@@ -32,7 +32,7 @@ async fn admin_routes_only_on_the_admin_listener_behind_the_token() {
         &engines,
         "127.0.0.1:0".parse().unwrap(),
         GatewaySetup {
-            admin_token_sha256: Some(baton_gateway::server::digest(token.as_bytes())),
+            admin_token_sha256: Some(baton_gateway::auth::digest(token.as_bytes())),
             ..GatewaySetup::default()
         },
     )
