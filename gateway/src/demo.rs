@@ -184,7 +184,7 @@ pub struct Demo {
 impl Demo {
     /// HTTP addresses of the decode engines.
     pub fn decode_addrs(&self) -> Vec<SocketAddr> {
-        self.gateway.decoders.iter().map(|d| d.http).collect()
+        self.gateway.decoders.iter().filter_map(|d| d.http.socket_addr()).collect()
     }
 
     /// Drains the gateway ([`Listeners::drain`]), then stops the engines.
@@ -340,9 +340,9 @@ pub async fn start_gateway(
         let queue = SlotQueue::new(0, QueueConfig::default());
         let handoff: Box<dyn Handoff> = if e.sglang {
             // The bootstrap port is read from each prefill engine's /get_server_info.
-            Box::new(Sglang::new(Arc::clone(&shared), *http, setup.nixl.clone(), None, &queue))
+            Box::new(Sglang::new(Arc::clone(&shared), (*http).into(), setup.nixl.clone(), None, &queue))
         } else if e.nixl {
-            Box::new(Nixl::new(Arc::clone(&shared), *http, setup.nixl.clone(), &queue))
+            Box::new(Nixl::new(Arc::clone(&shared), (*http).into(), setup.nixl.clone(), &queue))
         } else if let Some((target, capacity)) = e.lmcache.get(i) {
             let hub =
                 setup.lmcache.clone().ok_or("lmcache engines need the gateway's notification listener")?;
@@ -358,7 +358,7 @@ pub async fn start_gateway(
             let mut n = Native::connect(
                 Arc::clone(&shared),
                 name.clone(),
-                RankLinks { addrs: ranks.clone(), fingerprint: e.fingerprint, tls: None },
+                RankLinks::plain(ranks.clone(), e.fingerprint),
                 e.chunk_tokens,
                 None,
                 queue.clone(),
@@ -368,12 +368,12 @@ pub async fn start_gateway(
             n.unprotected = setup.unprotected;
             Box::new(n)
         };
-        decoders.push(Arc::new(Decoder::new(name.clone(), *http, queue, handoff)));
+        decoders.push(Arc::new(Decoder::new(name.clone(), (*http).into(), queue, handoff)));
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
-    let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http)).collect();
+    let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();
     let gateway = Gateway::new(
         model,
         prefills,

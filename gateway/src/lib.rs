@@ -9,6 +9,7 @@ pub mod auth;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub mod endpoints;
 pub mod handoff;
 pub mod pipeline;
 pub mod policy;

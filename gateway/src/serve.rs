@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::admission::QueueConfig;
 use crate::config::{Checked, StartContext, StartError};
+use crate::endpoints::{EngineClient, Names};
 use crate::handoff::lmcache::Notifications;
 use crate::handoff::{Prefiller, Shared};
 use crate::pipeline::{Access, Gateway, ModelInfo};
@@ -46,7 +47,18 @@ impl Serving {
 
 /// Connects and binds everything the configuration names.
 pub async fn start(c: Checked) -> Result<Serving, StartError> {
-    let shared = Shared::new(c.limits, c.health);
+    let names = Names::new(c.resolver.clone());
+    // Every name looked up before anything connects: one that has no address yet is said here, and
+    // looked up again at every refresh (a health check fails meanwhile).
+    for (field, name) in &c.names {
+        match names.addrs(name).await {
+            Ok(ips) => tracing::info!(field, name, addrs = ?ips, "engine name resolved"),
+            Err(e) => {
+                tracing::warn!(field, name, error = %e.reason, "engine name has no address yet; looked up again every refresh")
+            }
+        }
+    }
+    let shared = Shared::with_client(c.limits, c.health, EngineClient::new(names, c.engine_tls.clone()));
     let lmcache = match c.lmcache_listen {
         Some(addr) => {
             let hub = Notifications::bind(addr).await.map_err(StartError::Lmcache)?;

@@ -833,7 +833,7 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     let http: SocketAddr = "127.0.0.1:9".parse().unwrap(); // not used by this test
     let _ = http;
     let queue = SlotQueue::new(0, QueueConfig::default());
-    let links = RankLinks { addrs: vec![addr], fingerprint: g.fingerprint(), tls: None };
+    let links = RankLinks::plain(vec![addr], g.fingerprint());
     let dec = Ranks::connect("d".into(), links, g.chunk_tokens, None, queue.clone()).await.unwrap();
     assert_eq!(queue.stats().capacity, 8);
 
@@ -862,7 +862,7 @@ async fn decoder_restart_reconnects_and_rereads_capacity() {
     let mut rx = dec.listen(key);
     let addrs = dec.reserve(key, 2, Duration::from_secs(30), &[]).await.unwrap().unwrap();
     let mut p = ProducerClient::connect(addr, g.fingerprint(), 0).await.unwrap();
-    for (c, a) in &addrs[0] {
+    for (c, a) in &addrs[0].1 {
         p.write_chunk(key, *c, *a, &vec![1; g.page_bytes_per_rank() as usize]).await.unwrap();
     }
     let e = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();

@@ -72,6 +72,8 @@ async fn answer(io: &mut FrameIo<BoxConn>, within: Duration) -> Result<Frame, Tr
 pub struct ControlClient {
     io: FrameIo<BoxConn>,
     pub welcome: Welcome,
+    /// The rank's address this connection went to (a name's current one, when the rank is named).
+    pub peer: SocketAddr,
 }
 
 /// A rank's buffer as reported by `Info`.
@@ -97,7 +99,7 @@ impl ControlClient {
         rank: u32,
     ) -> Result<Self, TransportError> {
         let (io, welcome) = connect(addr, tls, Role::Control, geometry, rank).await?;
-        Ok(Self { io, welcome })
+        Ok(Self { io, welcome, peer: addr })
     }
 
     async fn call(&mut self, f: &Frame) -> Result<Frame, TransportError> {

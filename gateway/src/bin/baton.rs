@@ -54,9 +54,17 @@ enum PluginCommand {
     },
 }
 
-fn check(file: &Path) -> ExitCode {
-    match baton_gateway::config::load(file) {
+async fn check(file: &Path) -> ExitCode {
+    // Every engine and rank name must have an address now (the refresh follows it later).
+    let loaded = match baton_gateway::config::load(file) {
         Ok(c) => {
+            let names = baton_gateway::endpoints::Names::new(c.resolver.clone());
+            c.resolve(&names).await.map(|found| (c, found))
+        }
+        Err(e) => Err(e),
+    };
+    match loaded {
+        Ok((c, found)) => {
             println!("{}: ok", file.display());
             println!(
                 "  model {} (context {} tokens, tokenizer: {})",
@@ -102,6 +110,17 @@ fn check(file: &Path) -> ExitCode {
             }
             for d in &c.decoders {
                 println!("  decode {} at {}: {}", d.name, d.http, d.mode.describe());
+            }
+            let servers = if c.resolver.nameservers.is_empty() {
+                "the system's DNS servers".to_owned()
+            } else {
+                format!("{:?}", c.resolver.nameservers)
+            };
+            for (field, name, ips) in &found {
+                println!(
+                    "  {field}: {name} resolves to {ips:?} ({servers}, looked up every {:?})",
+                    c.resolver.refresh
+                );
             }
             ExitCode::SUCCESS
         }
@@ -219,7 +238,7 @@ fn plugin_check(file: &Path, config: Option<&Path>) -> ExitCode {
 async fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Serve { config } => serve(&config).await,
-        Command::CheckConfig { file } => check(&file),
+        Command::CheckConfig { file } => check(&file).await,
         Command::Plugin { command: PluginCommand::Check { file, config } } => {
             plugin_check(&file, config.as_deref())
         }

@@ -15,6 +15,7 @@ use serde::{Deserialize, Deserializer};
 use super::lmcache::{CheckedLmcache, LmcachePool, check_lmcache};
 use super::{ConfigError, err, ms, parse_url};
 use crate::admission::{QueueConfig, SlotQueue};
+use crate::endpoints::{EngineUrl, HostPort};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::lmcache::{Lmcache, Notifications};
 use crate::handoff::native::{Native, RankLinks};
@@ -68,7 +69,7 @@ impl<'de> Deserialize<'de> for DecodePool {
 #[serde(deny_unknown_fields)]
 pub struct NativePool {
     /// Data-plane address of each rank, in rank order; their count is the TP size.
-    pub dataplane: Vec<SocketAddr>,
+    pub dataplane: Vec<HostPort>,
     /// Lowers the slots the data plane reports (never raises them).
     pub max_slots: Option<u32>,
 }
@@ -158,7 +159,7 @@ impl LoadPool {
 #[derive(Debug, Clone)]
 pub struct CheckedDecoder {
     pub name: String,
-    pub http: SocketAddr,
+    pub http: EngineUrl,
     pub mode: CheckedMode,
 }
 
@@ -166,7 +167,7 @@ pub struct CheckedDecoder {
 #[derive(Debug, Clone)]
 pub enum CheckedMode {
     Native {
-        ranks: Vec<SocketAddr>,
+        ranks: Vec<HostPort>,
         /// The pool's geometry (its TP is its rank count).
         geometry: KvGeometry,
         max_slots: Option<u32>,
@@ -330,6 +331,7 @@ impl CheckedDecoder {
                         addrs: ranks,
                         fingerprint: geometry.fingerprint(),
                         tls: ctx.dataplane_tls.clone(),
+                        names: ctx.shared.client.names().clone(),
                     },
                     geometry.chunk_tokens,
                     max_slots,
@@ -347,9 +349,9 @@ impl CheckedDecoder {
                 queue.resize(max_slots.map_or(lmcache.capacity, |m| m.min(lmcache.capacity)));
                 Box::new(Lmcache::new(shared, hub, lmcache.target, lmcache.chunk_size, ctx.first_token))
             }
-            CheckedMode::VllmNixl(target) => Box::new(Nixl::new(shared, self.http, target, &queue)),
+            CheckedMode::VllmNixl(target) => Box::new(Nixl::new(shared, self.http.clone(), target, &queue)),
             CheckedMode::Sglang { target, bootstrap_port } => {
-                Box::new(Sglang::new(shared, self.http, target, bootstrap_port, &queue))
+                Box::new(Sglang::new(shared, self.http.clone(), target, bootstrap_port, &queue))
             }
         };
         Ok(Arc::new(Decoder::new(self.name, self.http, queue, handoff)))

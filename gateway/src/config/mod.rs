@@ -13,6 +13,7 @@ use baton_dataplane::KvGeometry;
 use serde::Deserialize;
 
 use crate::admission::{DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT};
+use crate::endpoints::{EngineTls, EngineUrl, Host, Names, ResolverSettings, Scheme};
 use crate::handoff::{
     DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Limits,
 };
@@ -63,6 +64,34 @@ pub struct Config {
     pub auth: Auth,
     /// mTLS to the `native` decoders' data-plane ranks (off unless set).
     pub dataplane_tls: Option<DataplaneTls>,
+    /// How engine and data-plane names are looked up.
+    #[serde(default)]
+    pub resolver: Resolver,
+    /// How `https://` engines are verified, and the gateway's certificate for them.
+    pub engine_tls: Option<EngineTlsConfig>,
+}
+
+/// `[resolver]`: the DNS servers to ask for engine and data-plane names (default: the system's,
+/// from `/etc/resolv.conf`) and how often a name in use is looked up again.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resolver {
+    /// `IP:PORT` of each server (UDP, TCP when an answer is truncated).
+    #[serde(default)]
+    pub nameservers: Vec<SocketAddr>,
+    /// Milliseconds between lookups of a name (default [`crate::endpoints::DEFAULT_REFRESH`]); a
+    /// failed connection asks for one at once.
+    pub refresh_ms: Option<u64>,
+}
+
+/// `[engine_tls]`: the CA that `https://` engines' certificates chain to (default: the system's
+/// roots), and the gateway's certificate and key when the engines ask for one (mTLS).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineTlsConfig {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
 }
 
 /// `[dataplane_tls]`: how the gateway reaches decoder ranks whose data plane requires mTLS: the CA
@@ -303,10 +332,16 @@ pub struct Checked {
     pub keys: Option<std::sync::Arc<crate::auth::ApiKeys>>,
     /// `[dataplane_tls]`, loaded.
     pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
+    /// `[resolver]`.
+    pub resolver: ResolverSettings,
+    /// `[engine_tls]`, loaded (the system's roots without it).
+    pub engine_tls: Option<EngineTls>,
+    /// Every DNS name the configuration gives an engine or a rank, with its field.
+    pub names: Vec<(String, String)>,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
-    pub prefills: Vec<(String, SocketAddr)>,
+    pub prefills: Vec<(String, EngineUrl)>,
     pub max_queue: usize,
     pub limits: Limits,
     pub tokenizer: std::sync::Arc<Tokenizer>,
@@ -322,12 +357,46 @@ pub struct Checked {
     pub source: Option<PathBuf>,
 }
 
-/// `http://host:port` → the socket address.
-pub fn parse_url(field: &str, url: &str) -> Result<SocketAddr, ConfigError> {
-    let rest =
-        url.strip_prefix("http://").ok_or_else(|| err(field, format!("{url:?} must start with http://")))?;
-    let host = rest.trim_end_matches('/');
-    host.parse().map_err(|_| err(field, format!("{url:?} must be http://IP:PORT")))
+/// An engine's `http://HOST:PORT` or `https://HOST:PORT`, the host an IP or a DNS name.
+pub fn parse_url(field: &str, url: &str) -> Result<EngineUrl, ConfigError> {
+    EngineUrl::parse(url).map_err(|e| err(field, e))
+}
+
+/// Every DNS name in the engines' URLs and the ranks' addresses, with the field that gives it.
+fn names(prefills: &[(String, EngineUrl)], decoders: &[CheckedDecoder]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut add = |field: String, host: &Host| {
+        if let Host::Name(n) = host {
+            out.push((field, n.clone()));
+        }
+    };
+    for (i, (_, u)) in prefills.iter().enumerate() {
+        add(format!("prefill[{i}].url"), &u.host_port().host);
+    }
+    for (i, d) in decoders.iter().enumerate() {
+        add(format!("decode[{i}].url"), &d.http.host_port().host);
+        if let CheckedMode::Native { ranks, .. } = &d.mode {
+            for (r, hp) in ranks.iter().enumerate() {
+                add(format!("decode[{i}].dataplane[{r}]"), &hp.host);
+            }
+        }
+    }
+    out
+}
+
+impl Checked {
+    /// Looks every name up now; the first that has no address is the error, naming its field.
+    pub async fn resolve(
+        &self,
+        names: &Names,
+    ) -> Result<Vec<(String, String, Vec<std::net::IpAddr>)>, ConfigError> {
+        let mut out = Vec::new();
+        for (field, name) in &self.names {
+            let ips = names.lookup(name).await.map_err(|e| err(field.clone(), e.to_string()))?;
+            out.push((field.clone(), name.clone(), ips));
+        }
+        Ok(out)
+    }
 }
 
 /// 1-based line and column of byte `offset` in `text`.
@@ -383,6 +452,9 @@ impl Config {
             ));
         }
         let (routing, health) = self.routing.check()?;
+        let resolver = self.check_resolver()?;
+        let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;
+        let names = names(&prefills, &decoders);
         let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
             .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
         Ok(Checked {
@@ -403,6 +475,9 @@ impl Config {
                 ),
                 None => None,
             },
+            resolver,
+            engine_tls,
+            names,
             keys: match &self.auth.keys_file {
                 Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
                 None => None,
@@ -504,7 +579,52 @@ impl Config {
         Ok(())
     }
 
-    fn check_prefills(&self) -> Result<Vec<(String, SocketAddr)>, ConfigError> {
+    fn check_resolver(&self) -> Result<ResolverSettings, ConfigError> {
+        let refresh = match self.resolver.refresh_ms {
+            Some(ms) if !(100..=3_600_000).contains(&ms) => {
+                return Err(err("resolver.refresh_ms", format!("{ms} is outside 100..=3600000")));
+            }
+            Some(ms) => std::time::Duration::from_millis(ms),
+            None => crate::endpoints::DEFAULT_REFRESH,
+        };
+        Ok(ResolverSettings { nameservers: self.resolver.nameservers.clone(), refresh })
+    }
+
+    /// `[engine_tls]` loaded; without it, an `https://` engine needs the system's roots.
+    fn check_engine_tls(
+        &self,
+        path: &dyn Fn(&Path) -> PathBuf,
+        prefills: &[(String, EngineUrl)],
+        decoders: &[CheckedDecoder],
+    ) -> Result<Option<EngineTls>, ConfigError> {
+        let https = prefills
+            .iter()
+            .map(|(_, u)| u)
+            .chain(decoders.iter().map(|d| &d.http))
+            .any(|u| u.scheme() == Scheme::Https);
+        let Some(t) = &self.engine_tls else {
+            if https {
+                EngineTls::from_pem_files(None, None).map_err(|e| {
+                    err(
+                        "engine_tls.ca",
+                        format!("an engine is https:// and {e}: name the CA its certificate chains to"),
+                    )
+                })?;
+            }
+            return Ok(None);
+        };
+        let client = match (&t.cert, &t.key) {
+            (Some(c), Some(k)) => Some((path(c), path(k))),
+            (None, None) => None,
+            _ => return Err(err("engine_tls", "cert and key go together")),
+        };
+        let ca = t.ca.as_deref().map(path);
+        EngineTls::from_pem_files(ca.as_deref(), client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())))
+            .map(Some)
+            .map_err(|e| err("engine_tls", e))
+    }
+
+    fn check_prefills(&self) -> Result<Vec<(String, EngineUrl)>, ConfigError> {
         if self.prefill.is_empty() {
             return Err(err("prefill", "at least one prefill endpoint is required"));
         }

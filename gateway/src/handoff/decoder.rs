@@ -4,7 +4,6 @@
 
 use std::any::Any;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -14,6 +13,7 @@ use serde_json::Value;
 use super::shared::{RespBody, Shared, admission_error};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::{GatewayError, GenRequest};
+use crate::endpoints::EngineUrl;
 use crate::routing::Health;
 use crate::telemetry::{Families, Timing};
 
@@ -35,7 +35,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 #[derive(Debug)]
 pub struct Decoder {
     pub name: String,
-    pub http: SocketAddr,
+    pub http: EngineUrl,
     /// Admission in slots; the mode sizes it (pages the data plane reports, chunks of an LMCache
     /// buffer, requests in flight) and may resize it while serving.
     pub queue: SlotQueue,
@@ -44,7 +44,7 @@ pub struct Decoder {
 }
 
 impl Decoder {
-    pub fn new(name: String, http: SocketAddr, queue: SlotQueue, handoff: Box<dyn Handoff>) -> Self {
+    pub fn new(name: String, http: EngineUrl, queue: SlotQueue, handoff: Box<dyn Handoff>) -> Self {
         Self { name, http, queue, health: Health::default(), handoff }
     }
 

@@ -19,7 +19,6 @@
 //! (and the blocks it names) is never lost.
 
 use std::any::Any;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -39,6 +38,7 @@ use super::shared::{
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
+use crate::endpoints::EngineUrl;
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Phase};
@@ -57,7 +57,7 @@ pub const VLLM_GAUGES: Gauges = Gauges {
 #[derive(Debug)]
 pub struct Nixl {
     shared: Arc<Shared>,
-    http: SocketAddr,
+    http: EngineUrl,
     pub target: LoadTarget,
     /// What the decoder's metrics said last.
     pub load: Arc<Load>,
@@ -69,10 +69,17 @@ pub struct Nixl {
 impl Nixl {
     /// A decoder at `http`: `target.max_in_flight` slots of one request each in `queue`, closed while
     /// its own metrics say it is full (read every `scrape_interval` until this is dropped).
-    pub fn new(shared: Arc<Shared>, http: SocketAddr, target: LoadTarget, queue: &SlotQueue) -> Self {
+    pub fn new(shared: Arc<Shared>, http: EngineUrl, target: LoadTarget, queue: &SlotQueue) -> Self {
         queue.resize(target.max_in_flight);
         let load = Arc::new(Load::default());
-        let scrape = scrape::spawn(http, target.clone(), VLLM_GAUGES, queue.clone(), Arc::clone(&load));
+        let scrape = scrape::spawn(
+            Arc::clone(&shared),
+            http.clone(),
+            target.clone(),
+            VLLM_GAUGES,
+            queue.clone(),
+            Arc::clone(&load),
+        );
         Self { shared, http, target, load, drains: Arc::default(), _scrape: scrape }
     }
 }
@@ -107,7 +114,7 @@ impl Body for Guarded {
 /// and the producer frees them.
 async fn drain(
     client: HttpClient,
-    decoder: SocketAddr,
+    decoder: EngineUrl,
     path: &'static str,
     request: Arc<Value>,
     params: Value,
@@ -124,13 +131,13 @@ async fn drain(
             o.insert("max_completion_tokens".into(), json!(1));
         }
     }
-    send_drain(&client, decoder, path, &body, timeout, &counters).await;
+    send_drain(&client, &decoder, path, &body, timeout, &counters).await;
 }
 
 /// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
 struct Owed {
     client: HttpClient,
-    decoder: SocketAddr,
+    decoder: EngineUrl,
     path: &'static str,
     /// The client's request, shared: a drain body is built from it only when one is sent.
     request: Arc<Value>,
@@ -145,7 +152,7 @@ impl Drop for Owed {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(request_id::carry(drain(
             self.client.clone(),
-            self.decoder,
+            self.decoder.clone(),
             self.path,
             Arc::clone(&self.request),
             params,
@@ -214,7 +221,7 @@ impl Nixl {
         // the params drains them when dropped.
         let mut owed = Owed {
             client: self.shared.client.clone(),
-            decoder: self.http,
+            decoder: self.http.clone(),
             path,
             request: Arc::clone(&request),
             params: None,
@@ -228,7 +235,8 @@ impl Nixl {
         let (tx, rx) = oneshot::channel::<PrefillResult>();
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
         let (client, health) = (self.shared.client.clone(), self.shared.health);
-        let (decoder, counters, task_request) = (self.http, Arc::clone(&self.drains), Arc::clone(&request));
+        let (decoder, counters, task_request) =
+            (self.http.clone(), Arc::clone(&self.drains), Arc::clone(&request));
         request_id::spawn(async move {
             let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
             if let Err(Ok(params)) = tx.send(r) {
@@ -243,7 +251,7 @@ impl Nixl {
             o.insert("kv_transfer_params".into(), params.clone());
         }
         owed.params = Some(params);
-        let resp = match self.shared.post(self.http, path, &body).await {
+        let resp = match self.shared.post(&self.http, path, &body).await {
             Ok(r) => r,
             Err(e) => {
                 self.shared.failed(&dec.name, &dec.health);

@@ -10,7 +10,6 @@
 //! of one engine's TP ranks count once.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -19,8 +18,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 
-use super::shared::AbortOnDrop;
+use super::shared::{AbortOnDrop, Shared};
 use crate::admission::SlotQueue;
+use crate::endpoints::EngineUrl;
 use crate::telemetry::Families;
 
 /// Requests in flight on one decoder when its metrics allow more.
@@ -157,36 +157,39 @@ pub fn total(text: &str, name: &str) -> Option<f64> {
 /// Reads the decoder's metrics every `interval` and opens or closes its admission, until the
 /// returned task is aborted.
 pub fn spawn(
-    http: SocketAddr,
+    shared: Arc<Shared>,
+    http: EngineUrl,
     target: LoadTarget,
     gauges: Gauges,
     queue: SlotQueue,
     load: Arc<Load>,
 ) -> AbortOnDrop {
-    AbortOnDrop(tokio::spawn(scrape_loop(http, target, gauges, queue, load)))
+    AbortOnDrop(tokio::spawn(scrape_loop(shared, http, target, gauges, queue, load)))
 }
 
 async fn scrape_loop(
-    http: SocketAddr,
+    shared: Arc<Shared>,
+    http: EngineUrl,
     target: LoadTarget,
     gauges: Gauges,
     queue: SlotQueue,
     load: Arc<Load>,
 ) {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
     let mut tick = tokio::time::interval(target.scrape_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let Ok(req) = Request::get(format!("http://{http}/metrics")).body(Full::new(Bytes::new())) else {
+        let Ok(req) = Request::get(http.uri("/metrics")).body(Full::new(Bytes::new())) else {
             return;
         };
         let text = async {
-            let r = tokio::time::timeout(target.scrape_interval.max(MIN_SCRAPE_TIMEOUT), client.request(req))
-                .await
-                .ok()?
-                .ok()?;
+            let r = tokio::time::timeout(
+                target.scrape_interval.max(MIN_SCRAPE_TIMEOUT),
+                shared.client.send(&http, req),
+            )
+            .await
+            .ok()?
+            .ok()?;
             if r.status() != 200 {
                 return None;
             }

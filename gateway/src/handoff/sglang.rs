@@ -22,7 +22,6 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,6 +42,7 @@ use super::shared::{
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
+use crate::endpoints::EngineUrl;
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase};
@@ -69,12 +69,12 @@ pub struct Aborts {
 #[derive(Debug)]
 pub struct Sglang {
     shared: Arc<Shared>,
-    http: SocketAddr,
+    http: EngineUrl,
     pub target: LoadTarget,
     /// The prefill servers' bootstrap port, when the configuration gives it.
     pub bootstrap_port: Option<u16>,
     /// Bootstrap ports learned from the prefill servers' `/get_server_info`.
-    learned: Mutex<HashMap<SocketAddr, u16>>,
+    learned: Mutex<HashMap<EngineUrl, u16>>,
     /// What the decoder's metrics said last.
     pub load: Arc<Load>,
     pub aborts: Arc<Aborts>,
@@ -86,14 +86,21 @@ impl Sglang {
     /// its metrics say it is full.
     pub fn new(
         shared: Arc<Shared>,
-        http: SocketAddr,
+        http: EngineUrl,
         target: LoadTarget,
         bootstrap_port: Option<u16>,
         queue: &SlotQueue,
     ) -> Self {
         queue.resize(target.max_in_flight);
         let load = Arc::new(Load::default());
-        let scrape = scrape::spawn(http, target.clone(), SGLANG_GAUGES, queue.clone(), Arc::clone(&load));
+        let scrape = scrape::spawn(
+            Arc::clone(&shared),
+            http.clone(),
+            target.clone(),
+            SGLANG_GAUGES,
+            queue.clone(),
+            Arc::clone(&load),
+        );
         Self {
             shared,
             http,
@@ -122,10 +129,10 @@ impl Sglang {
                 p.name
             ),
         };
-        let req = Request::get(format!("http://{}/get_server_info", p.http))
+        let req = Request::get(p.http.uri("/get_server_info"))
             .body(Full::new(Bytes::new()))
             .map_err(|e| no_port(e.to_string()))?;
-        let resp = tokio::time::timeout(INFO_TIMEOUT, self.shared.client.request(req))
+        let resp = tokio::time::timeout(INFO_TIMEOUT, self.shared.client.send(&p.http, req))
             .await
             .map_err(|_| no_port(format!("/get_server_info did not answer within {INFO_TIMEOUT:?}")))?
             .map_err(|e| no_port(format!("/get_server_info: {e}")))?;
@@ -139,7 +146,7 @@ impl Sglang {
             .ok_or_else(|| {
                 no_port(format!("/get_server_info ({status}) has no disaggregation_bootstrap_port"))
             })?;
-        self.learned.lock().unwrap_or_else(|e| e.into_inner()).insert(p.http, port);
+        self.learned.lock().unwrap_or_else(|e| e.into_inner()).insert(p.http.clone(), port);
         Ok(port)
     }
 
@@ -153,10 +160,8 @@ impl Sglang {
         let mut body = req.raw.clone();
         // At most validate::MAX_N: the request was validated.
         let choices = body.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
-        let host = match prefill.http.ip() {
-            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-            ip => ip.to_string(),
-        };
+        // The host as configured, as SGLang's router sends it: a name is resolved by the decoder.
+        let host = prefill.http.host();
         let id = key.request.0;
         let folded =
             u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
@@ -190,8 +195,11 @@ impl Sglang {
             abandoned: AtomicBool::new(false),
             decode_answered: AtomicBool::new(false),
         });
-        let abort =
-            AbortGuard { aborter: Arc::clone(&aborter), engines: vec![prefill.http, self.http], armed: true };
+        let abort = AbortGuard {
+            aborter: Arc::clone(&aborter),
+            engines: vec![prefill.http.clone(), self.http.clone()],
+            armed: true,
+        };
         let decode_body = Value::Object(body.clone());
         body.insert("stream".into(), json!(false));
         body.remove("stream_options");
@@ -214,14 +222,14 @@ impl Sglang {
         );
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
         let client = shared.client.clone();
-        let (http, timeout) = (self.http, shared.limits.upstream_timeout);
+        let (http, timeout) = (self.http.clone(), shared.limits.upstream_timeout);
         let mut decode = request_id::spawn(async move {
-            let r = post_json(&client, http, path, &decode_body, timeout, false).await;
+            let r = post_json(&client, &http, path, &decode_body, timeout, false).await;
             aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
             // abort it now and close the answer.
             if aborter.abandoned() {
-                aborter.send(http).await;
+                aborter.send(&http).await;
                 return Err(PostError {
                     message: "the request was abandoned".into(),
                     unsent: false,
@@ -299,7 +307,7 @@ impl PrefillLeg {
         let Self { client, prefill: p, path, body, timeout, health, aborter } = self;
         let started = Instant::now();
         let in_flight = p.health.start();
-        let result = match post_json(&client, p.http, path, &body, timeout, false).await {
+        let result = match post_json(&client, &p.http, path, &body, timeout, false).await {
             Ok(resp) => answer_body(&health, "prefill", &p.name, &p.health, resp).await.map(drop),
             Err(e) => {
                 count_failure(&health, &p.name, &p.health);
@@ -310,7 +318,7 @@ impl PrefillLeg {
         // The request was abandoned while this leg ran: the engine may have taken the abort before the
         // request and now holds the KV for a decoder that will not come.
         if result.is_ok() && aborter.abandoned() {
-            aborter.send(p.http).await;
+            aborter.send(&p.http).await;
         }
         let _ = tx.send(PrefillOutcome { result, took: started.elapsed() });
     }
@@ -332,7 +340,7 @@ async fn abort_decode(
     abort.armed = false;
     abort.aborter.abandoned.store(true, Ordering::Relaxed);
     if let Some(decoder) = abort.engines.last() {
-        abort.aborter.until_answered(*decoder).await;
+        abort.aborter.until_answered(decoder).await;
     }
     decode.abort();
 }
@@ -356,7 +364,7 @@ impl Aborter {
 
     /// Aborts on the decoder until its call has answered (pauses doubling), for at most
     /// [`ABORT_FOR`]; at once without an `rid`.
-    async fn until_answered(&self, decoder: SocketAddr) {
+    async fn until_answered(&self, decoder: &EngineUrl) {
         if self.rid.is_none() {
             return;
         }
@@ -372,7 +380,7 @@ impl Aborter {
         }
     }
 
-    async fn send(&self, engine: SocketAddr) {
+    async fn send(&self, engine: &EngineUrl) {
         let Some(rid) = &self.rid else { return };
         self.counters.sent.fetch_add(1, Ordering::Relaxed);
         match post_json(&self.client, engine, "/abort_request", &json!({"rid": rid}), ABORT_TIMEOUT, false)
@@ -393,7 +401,7 @@ impl Aborter {
 /// again when they end.
 struct AbortGuard {
     aborter: Arc<Aborter>,
-    engines: Vec<SocketAddr>,
+    engines: Vec<EngineUrl>,
     armed: bool,
 }
 
@@ -408,10 +416,10 @@ impl Drop for AbortGuard {
         rt.spawn(request_id::carry(async move {
             let Some((decoder, others)) = engines.split_last() else { return };
             for e in others {
-                aborter.send(*e).await;
+                aborter.send(e).await;
             }
             // A decode call still waiting (for its room) is told again until it answers.
-            aborter.until_answered(*decoder).await;
+            aborter.until_answered(decoder).await;
         }));
     }
 }

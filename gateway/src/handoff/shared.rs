@@ -3,7 +3,6 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -13,13 +12,11 @@ use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 use crate::admission::AdmissionError;
 use crate::api::GatewayError;
+use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::{Health, HealthConfig, InFlight};
 use crate::telemetry::{Families, Metrics};
 
@@ -33,13 +30,11 @@ pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
 /// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
 /// free before they are returned anyway: the decoder's lease and quarantine end them by then.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Idle keep-alive connections to the engines are closed after this long.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RespBody = BoxBody<Bytes, BoxError>;
 /// The gateway's client to the engines.
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = EngineClient;
 
 /// Timing limits of the handoff.
 #[derive(Clone, Copy, Debug)]
@@ -75,22 +70,25 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Engines by IP, or by name with the system's resolver, `https://` checked against the
+    /// system's roots.
     pub fn new(limits: Limits, health: HealthConfig) -> Arc<Self> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client =
-            Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector);
+        Self::with_client(limits, health, EngineClient::new(crate::endpoints::Names::default(), None))
+    }
+
+    /// With `client` (`[resolver]`, `[engine_tls]`).
+    pub fn with_client(limits: Limits, health: HealthConfig, client: EngineClient) -> Arc<Self> {
         Arc::new(Self { client, limits, health, keys: KeyGen::default(), metrics: Arc::default() })
     }
 
     /// POSTs `body` within the upstream timeout.
     pub(crate) async fn post(
         &self,
-        addr: SocketAddr,
+        to: &EngineUrl,
         path: &str,
         body: &Value,
     ) -> Result<Response<hyper::body::Incoming>, PostError> {
-        post_json(&self.client, addr, path, body, self.limits.upstream_timeout, false).await
+        post_json(&self.client, to, path, body, self.limits.upstream_timeout, false).await
     }
 
     /// [`prefill_in_turn`] with this gateway's client, deadline and health settings.
@@ -125,11 +123,11 @@ impl Shared {
     }
 
     /// `GET /health` answered 200 within `timeout`.
-    pub async fn health_check(&self, addr: SocketAddr, timeout: Duration) -> bool {
-        let Ok(req) = Request::get(format!("http://{addr}/health")).body(Full::new(Bytes::new())) else {
+    pub async fn health_check(&self, to: &EngineUrl, timeout: Duration) -> bool {
+        let Ok(req) = Request::get(to.uri("/health")).body(Full::new(Bytes::new())) else {
             return false;
         };
-        match tokio::time::timeout(timeout, self.client.request(req)).await {
+        match tokio::time::timeout(timeout, self.client.send(to, req)).await {
             Ok(Ok(r)) => {
                 let ok = r.status() == 200;
                 let _ = r.into_body().collect().await;
@@ -144,14 +142,13 @@ impl Shared {
 /// stops waiting (a client that leaves does not abort an engine mid-transfer).
 pub(crate) async fn post_json(
     client: &HttpClient,
-    addr: SocketAddr,
+    to: &EngineUrl,
     path: &str,
     body: &Value,
     timeout: Duration,
     detach: bool,
 ) -> Result<Response<hyper::body::Incoming>, PostError> {
-    let mut req =
-        Request::post(format!("http://{addr}{path}")).header(hyper::header::CONTENT_TYPE, "application/json");
+    let mut req = Request::post(to.uri(path)).header(hyper::header::CONTENT_TYPE, "application/json");
     // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
     if let Some(id) = crate::telemetry::request_id::current() {
         req = req.header(crate::telemetry::request_id::HEADER, id.as_str());
@@ -161,15 +158,16 @@ pub(crate) async fn post_json(
         unsent: true,
         timed_out: None,
     })?;
-    let call = tokio::time::timeout(timeout, client.request(req));
     let answer = if detach {
+        let (client, to) = (client.clone(), to.clone());
+        let call = async move { tokio::time::timeout(timeout, client.send(&to, req)).await };
         tokio::spawn(call).await.map_err(|e| PostError {
             message: format!("upstream call task: {e}"),
             unsent: false,
             timed_out: None,
         })?
     } else {
-        call.await
+        tokio::time::timeout(timeout, client.send(to, req)).await
     };
     match answer {
         Ok(Ok(r)) => Ok(r),
@@ -233,7 +231,7 @@ impl Drains {
 /// Sends a drain decode and drops its answer.
 pub(crate) async fn send_drain(
     client: &HttpClient,
-    decoder: SocketAddr,
+    decoder: &EngineUrl,
     path: &str,
     body: &Value,
     timeout: Duration,
@@ -280,7 +278,7 @@ pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
     for (attempt, prefill) in prefills.iter().map(std::borrow::Borrow::borrow).enumerate() {
         *sent = true;
         let in_flight = prefill.health.start();
-        match post_json(client, prefill.http, path, body, timeout, detach).await {
+        match post_json(client, &prefill.http, path, body, timeout, detach).await {
             Ok(resp) => return Ok((prefill, resp, in_flight)),
             Err(e) => {
                 count_failure(health, &prefill.name, &prefill.health);
@@ -313,13 +311,13 @@ impl<T> Drop for AbortOnDrop<T> {
 #[derive(Clone, Debug)]
 pub struct Prefiller {
     pub name: String,
-    pub http: SocketAddr,
+    pub http: EngineUrl,
     pub health: Arc<Health>,
 }
 
 impl Prefiller {
-    pub fn new(name: String, http: SocketAddr) -> Self {
-        Self { name, http, health: Arc::default() }
+    pub fn new(name: String, http: impl Into<EngineUrl>) -> Self {
+        Self { name, http: http.into(), health: Arc::default() }
     }
 }
 

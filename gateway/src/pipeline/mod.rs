@@ -195,9 +195,9 @@ impl Gateway {
                     let this = Arc::clone(&this);
                     checks.spawn(async move {
                         let (addr, health) = match this.prefills.get(i) {
-                            Some(p) => (p.http, &*p.health),
+                            Some(p) => (&p.http, &*p.health),
                             None => match this.decoders.get(i - this.prefills.len()) {
-                                Some(d) => (d.http, &d.health),
+                                Some(d) => (&d.http, &d.health),
                                 None => return,
                             },
                         };

@@ -22,7 +22,6 @@ pub mod notify;
 mod shape;
 
 use std::any::Any;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +39,7 @@ use super::shared::{
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
+use crate::endpoints::EngineUrl;
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase, Timing};
@@ -119,7 +119,7 @@ struct Life {
 /// The one-token decode that makes the decoder retrieve (and free) what a prefiller wrote.
 struct Drain {
     client: HttpClient,
-    http: SocketAddr,
+    http: EngineUrl,
     /// The request as a completion over the prompt's ids, shared with the prefill; the drain body is
     /// built from it only when a drain is sent.
     base: Arc<Value>,
@@ -151,7 +151,7 @@ impl Drop for Life {
                 o.insert("stream".into(), json!(false));
                 o.remove("stream_options");
             }
-            send_drain(&d.client, d.http, "/v1/completions", &body, d.upstream_timeout, &d.counters).await;
+            send_drain(&d.client, &d.http, "/v1/completions", &body, d.upstream_timeout, &d.counters).await;
             // The slots go back only now: the decoder has retrieved (freed) the chunks.
             drop(slots);
         }));
@@ -241,7 +241,7 @@ impl Lmcache {
         }
         life.drain = Some(Drain {
             client: shared.client.clone(),
-            http: dec.http,
+            http: dec.http.clone(),
             base: Arc::clone(&base),
             upstream_timeout: shared.limits.upstream_timeout,
             ready_timeout: shared.limits.upstream_timeout + shared.limits.ready_timeout,
@@ -451,7 +451,7 @@ impl DecodeCtx {
         let dec = &self.dec;
         let resp = post_json(
             &self.client,
-            dec.http,
+            &dec.http,
             "/v1/completions",
             &self.decode_body,
             self.upstream_timeout,

@@ -110,7 +110,7 @@ impl Native {
         dec: &Decoder,
         life: &mut Lifecycle,
         chunks: u32,
-    ) -> Result<Vec<Vec<(u32, baton_dataplane::PageAddr)>>, GatewayError> {
+    ) -> Result<Vec<(std::net::SocketAddr, Vec<(u32, baton_dataplane::PageAddr)>)>, GatewayError> {
         let limits = &self.shared.limits;
         let give_up = Instant::now() + limits.queue_timeout;
         let mut backoff = RESERVE_BACKOFF;
@@ -199,10 +199,9 @@ impl Native {
         let targets = addrs
             .iter()
             .enumerate()
-            .filter_map(|(r, a)| {
-                let addr = self.ranks.addrs.get(r)?;
-                Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a))
-            })
+            // Each rank's address the pages were reserved at: a named rank that moved since is
+            // not where these pages are.
+            .filter_map(|(r, (addr, a))| Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a)))
             .collect();
         let mut body = Value::Object(req.raw.clone());
         if let Some(o) = body.as_object_mut() {
@@ -229,7 +228,7 @@ impl Native {
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());
         body[contract::FIELD] = params(life.key, Vec::new(), ids);
-        let resp = shared.post(dec.http, req.endpoint.path(), &body).await.map_err(|e| {
+        let resp = shared.post(&dec.http, req.endpoint.path(), &body).await.map_err(|e| {
             shared.failed(&dec.name, &dec.health);
             e.on("decode")
         })?;

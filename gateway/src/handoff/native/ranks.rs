@@ -4,6 +4,7 @@
 //! typed by hand).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::admission::SlotQueue;
+use crate::endpoints::{Host, HostPort, Names};
 
 type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
 
@@ -23,26 +25,61 @@ type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>
 /// rank.
 /// How to reach a decoder's ranks: their addresses in rank order, the geometry fingerprint they must
 /// report, and the TLS (mTLS) to speak when the data plane is authenticated (`[dataplane_tls]`).
+/// A rank given by name is looked up at each new connection (its current addresses, tried in
+/// turn); a failed connection asks for the name to be looked up again.
 #[derive(Clone, Debug)]
 pub struct RankLinks {
-    pub addrs: Vec<SocketAddr>,
+    pub addrs: Vec<HostPort>,
     pub fingerprint: u64,
     pub tls: Option<TlsClient>,
+    pub names: Names,
 }
 
 impl RankLinks {
-    async fn control(&self, addr: SocketAddr, rank: u32) -> Result<ControlClient, TransportError> {
-        ControlClient::connect_with(addr, self.tls.as_ref(), self.fingerprint, rank).await
+    /// By IP, without TLS.
+    pub fn plain(addrs: Vec<SocketAddr>, fingerprint: u64) -> Self {
+        Self {
+            addrs: addrs.into_iter().map(HostPort::from).collect(),
+            fingerprint,
+            tls: None,
+            names: Names::default(),
+        }
     }
 
-    async fn events(&self, addr: SocketAddr, rank: u32) -> Result<EventStream, TransportError> {
-        EventStream::connect_with(addr, self.tls.as_ref(), self.fingerprint, rank).await
+    /// Connects with `f` to `at`'s addresses in turn until one answers.
+    async fn first<T, F: Future<Output = Result<T, TransportError>>>(
+        &self,
+        at: &HostPort,
+        f: impl Fn(SocketAddr) -> F,
+    ) -> Result<T, TransportError> {
+        let addrs = self.names.socket_addrs(at).await.map_err(|e| {
+            TransportError::Io(std::io::Error::new(std::io::ErrorKind::NotFound, e.to_string()))
+        })?;
+        let mut last = TransportError::Closed;
+        for a in addrs {
+            match f(a).await {
+                Ok(c) => return Ok(c),
+                Err(e) => last = e,
+            }
+        }
+        if let Host::Name(n) = &at.host {
+            self.names.failed(n);
+        }
+        Err(last)
+    }
+
+    async fn control(&self, at: &HostPort, rank: u32) -> Result<ControlClient, TransportError> {
+        self.first(at, |a| ControlClient::connect_with(a, self.tls.as_ref(), self.fingerprint, rank)).await
+    }
+
+    async fn events(&self, at: &HostPort, rank: u32) -> Result<EventStream, TransportError> {
+        self.first(at, |a| EventStream::connect_with(a, self.tls.as_ref(), self.fingerprint, rank)).await
     }
 }
 
 pub struct Ranks {
     pub name: String,
-    pub addrs: Vec<SocketAddr>,
+    pub addrs: Vec<HostPort>,
     pub chunk_tokens: u32,
     links: RankLinks,
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
@@ -70,7 +107,7 @@ const RECONNECT_MAX: Duration = Duration::from_secs(2);
 /// (the rank restarted, the network broke), reconnects and re-reads the rank's buffer size.
 struct RankFeed {
     rank: usize,
-    addr: SocketAddr,
+    addr: HostPort,
     links: RankLinks,
     waiters: Waiters,
     queue: SlotQueue,
@@ -98,11 +135,11 @@ impl RankFeed {
             feed = loop {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(RECONNECT_MAX);
-                let Ok(mut c) = self.links.control(self.addr, r32).await else {
+                let Ok(mut c) = self.links.control(&self.addr, r32).await else {
                     continue;
                 };
                 let Ok(info) = c.info().await else { continue };
-                let Ok(f) = self.links.events(self.addr, r32).await else { continue };
+                let Ok(f) = self.links.events(&self.addr, r32).await else { continue };
                 if let Some(cap) = self.caps.get(self.rank) {
                     cap.store(info.pages_total, Ordering::Relaxed);
                 }
@@ -122,7 +159,8 @@ enum Op<'a> {
 }
 
 enum OpOut {
-    Reserved(Vec<(u32, PageAddr)>),
+    /// The rank's address the pages were reserved at, and their write addresses.
+    Reserved(SocketAddr, Vec<(u32, PageAddr)>),
     Done,
     Info(baton_dataplane::transport::RankInfo),
 }
@@ -152,19 +190,19 @@ impl Ranks {
         let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
         for (r, addr) in ranks.iter().enumerate() {
             let r32 = u32::try_from(r).unwrap_or(u32::MAX);
-            let mut c = links.control(*addr, r32).await?;
+            let mut c = links.control(addr, r32).await?;
             if let Some(cap) = caps.get(r) {
                 cap.store(c.info().await?.pages_total, Ordering::Relaxed);
             }
             controls.push(tokio::sync::Mutex::new(vec![c]));
-            feeds.push(links.events(*addr, r32).await?);
+            feeds.push(links.events(addr, r32).await?);
         }
         queue.resize(capacity(&caps, max_slots));
         let mut routers = JoinSet::new();
         for (r, feed) in feeds.into_iter().enumerate() {
             let rank = RankFeed {
                 rank: r,
-                addr: ranks.get(r).copied().ok_or(TransportError::Closed)?,
+                addr: ranks.get(r).cloned().ok_or(TransportError::Closed)?,
                 links: links.clone(),
                 waiters: Arc::clone(&waiters),
                 queue: queue.clone(),
@@ -185,7 +223,7 @@ impl Ranks {
         match pooled {
             Some(c) => Ok((c, true)),
             None => {
-                let addr = self.addrs.get(rank).copied().ok_or(TransportError::Closed)?;
+                let addr = self.addrs.get(rank).ok_or(TransportError::Closed)?;
                 Ok((self.links.control(addr, u32::try_from(rank).unwrap_or(u32::MAX)).await?, false))
             }
         }
@@ -206,7 +244,7 @@ impl Ranks {
             let (mut c, pooled) = self.control(rank).await?;
             let res = match op {
                 Op::Reserve { key, chunks, lease, prefixes } => {
-                    c.reserve(key, chunks, lease, prefixes).await.map(OpOut::Reserved)
+                    c.reserve(key, chunks, lease, prefixes).await.map(|p| OpOut::Reserved(c.peer, p))
                 }
                 Op::Cancel { key, unsent } => {
                     if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await }
@@ -233,11 +271,11 @@ impl Ranks {
         chunks: u32,
         lease: Duration,
         prefixes: &[PrefixKey],
-    ) -> Result<Option<Vec<Vec<(u32, PageAddr)>>>, TransportError> {
+    ) -> Result<Option<Vec<(SocketAddr, Vec<(u32, PageAddr)>)>>, TransportError> {
         let mut got = Vec::with_capacity(self.addrs.len());
         for r in 0..self.addrs.len() {
             match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
-                Ok(OpOut::Reserved(addrs)) => got.push(addrs),
+                Ok(OpOut::Reserved(peer, addrs)) => got.push((peer, addrs)),
                 Ok(_) => {
                     return Err(TransportError::Unexpected("reserve answered with something else".into()));
                 }

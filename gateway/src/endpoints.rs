@@ -1,0 +1,697 @@
+//! The engines as the gateway reaches them: addresses by IP or DNS name (`http://decode-0.pd:8000`,
+//! `decode-0.pd:9000`), names resolved by a maintained resolver (hickory) and kept fresh, `https://`
+//! with a configurable CA, and the HTTP client every engine call goes through.
+//!
+//! A name is looked up when it is first used and then every [`DEFAULT_REFRESH`] (`[resolver]
+//! refresh_ms`), and at once after a connection to it failed. A name with several addresses spreads
+//! new connections over them (each lookup result is tried starting one further along); an address
+//! that leaves the answer gets no new connection, and a kept-alive connection to it is closed after
+//! the request that finds it stale. An IP literal is never looked up.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hickory_resolver::TokioResolver;
+use hickory_resolver::config::{NameServerConfig, NameServerConfigGroup, ResolverConfig};
+use hickory_resolver::name_server::TokioConnectionProvider;
+use hickory_resolver::proto::xfer::Protocol;
+use http_body_util::Full;
+use hyper::{Request, Response};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::dns::Name;
+use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo, capture_connection};
+use hyper_util::rt::TokioExecutor;
+use rustls::RootCertStore;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// How often a name is looked up again while nothing failed.
+pub const DEFAULT_REFRESH: Duration = Duration::from_secs(5);
+/// The shortest time between two lookups of one name that failures asked for: a dead engine that
+/// every request tries does not turn into a lookup per request.
+const FAILURE_LOOKUP_SPACING: Duration = Duration::from_millis(200);
+/// How long one lookup may take (per attempt; two attempts).
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+/// Idle keep-alive connections to the engines are closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A host as configured: an IP literal or a DNS name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Host {
+    Ip(IpAddr),
+    Name(String),
+}
+
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ip(IpAddr::V6(ip)) => write!(f, "[{ip}]"),
+            Self::Ip(ip) => write!(f, "{ip}"),
+            Self::Name(n) => f.write_str(n),
+        }
+    }
+}
+
+/// `host:port` with the host an IP (`10.0.0.5:9000`, `[::1]:9000`) or a DNS name
+/// (`decode-0.pd.svc.cluster.local:9000`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct HostPort {
+    pub host: Host,
+    pub port: u16,
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+impl From<SocketAddr> for HostPort {
+    fn from(a: SocketAddr) -> Self {
+        Self { host: Host::Ip(a.ip()), port: a.port() }
+    }
+}
+
+impl std::str::FromStr for HostPort {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(a.into());
+        }
+        let (host, port) = s.rsplit_once(':').ok_or_else(|| format!("{s:?} must be HOST:PORT"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port"))?;
+        if port == 0 {
+            return Err(format!("{s:?}: the port must not be 0"));
+        }
+        if host.starts_with('[') || host.parse::<IpAddr>().is_ok() {
+            return Err(format!("{s:?}: an IPv6 address is written [ADDR]:PORT"));
+        }
+        check_name(host).map_err(|why| format!("{s:?}: {why}"))?;
+        Ok(Self { host: Host::Name(host.to_ascii_lowercase()), port })
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for HostPort {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A DNS name by RFC 1123: labels of letters, digits and hyphens (not first or last), 63 bytes at
+/// most, 253 in all; a trailing dot (fully qualified) is allowed.
+fn check_name(name: &str) -> Result<(), String> {
+    let bare = name.strip_suffix('.').unwrap_or(name);
+    if bare.is_empty() || bare.len() > 253 {
+        return Err("a host name has 1 to 253 characters".into());
+    }
+    for label in bare.split('.') {
+        let ok = !label.is_empty()
+            && label.len() <= 63
+            && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !label.starts_with('-')
+            && !label.ends_with('-');
+        if !ok {
+            return Err(format!("{label:?} is not a DNS label (letters, digits, inner hyphens)"));
+        }
+    }
+    Ok(())
+}
+
+/// `http` or `https`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    Http,
+    Https,
+}
+
+/// An engine's HTTP base: `http://host:port` or `https://host:port`. Cheap to clone.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct EngineUrl(Arc<EngineUrlInner>);
+
+#[derive(PartialEq, Eq, Hash)]
+struct EngineUrlInner {
+    scheme: Scheme,
+    at: HostPort,
+    /// `scheme://host:port`, the prefix of every URI to it.
+    base: String,
+}
+
+impl fmt::Debug for EngineUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.base)
+    }
+}
+
+impl fmt::Display for EngineUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.base)
+    }
+}
+
+impl From<SocketAddr> for EngineUrl {
+    fn from(a: SocketAddr) -> Self {
+        Self::new(Scheme::Http, a.into())
+    }
+}
+
+impl EngineUrl {
+    pub fn new(scheme: Scheme, at: HostPort) -> Self {
+        let s = match scheme {
+            Scheme::Http => "http",
+            Scheme::Https => "https",
+        };
+        let base = format!("{s}://{at}");
+        Self(Arc::new(EngineUrlInner { scheme, at, base }))
+    }
+
+    /// `http://HOST:PORT` or `https://HOST:PORT` (a trailing `/` allowed; no path, user or query).
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let (scheme, rest) = if let Some(r) = url.strip_prefix("http://") {
+            (Scheme::Http, r)
+        } else if let Some(r) = url.strip_prefix("https://") {
+            (Scheme::Https, r)
+        } else {
+            return Err(format!("{url:?} must start with http:// or https://"));
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains(['/', '?', '#', '@']) {
+            return Err(format!("{url:?} must be SCHEME://HOST:PORT, without a path, query or user"));
+        }
+        let at = rest.parse::<HostPort>().map_err(|e| format!("{url:?}: {e}"))?;
+        Ok(Self::new(scheme, at))
+    }
+
+    pub fn scheme(&self) -> Scheme {
+        self.0.scheme
+    }
+
+    pub fn host_port(&self) -> &HostPort {
+        &self.0.at
+    }
+
+    /// The host as written (a name, or an IP with IPv6 in brackets).
+    pub fn host(&self) -> String {
+        self.0.at.host.to_string()
+    }
+
+    /// The URI of `path` (which starts with `/`) on this engine.
+    pub fn uri(&self, path: &str) -> String {
+        format!("{}{path}", self.0.base)
+    }
+
+    /// The address, when the host is an IP literal.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        match self.0.at.host {
+            Host::Ip(ip) => Some(SocketAddr::new(ip, self.0.at.port)),
+            Host::Name(_) => None,
+        }
+    }
+}
+
+/// `[resolver]`: whom to ask and how often.
+#[derive(Clone, Debug)]
+pub struct ResolverSettings {
+    /// DNS servers (`IP:PORT`, UDP with TCP fallback); empty: the system's (`/etc/resolv.conf`).
+    pub nameservers: Vec<SocketAddr>,
+    /// How often a name in use is looked up again.
+    pub refresh: Duration,
+}
+
+impl Default for ResolverSettings {
+    fn default() -> Self {
+        Self { nameservers: Vec::new(), refresh: DEFAULT_REFRESH }
+    }
+}
+
+/// A lookup that found no address, or could not ask.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{name}: {reason}")]
+pub struct LookupError {
+    pub name: String,
+    pub reason: String,
+    /// The DNS answered that the name has no address (not a transport failure).
+    pub no_address: bool,
+}
+
+/// The names in use and their addresses, kept fresh. Cheap to clone; the refresh tasks end when the
+/// last clone is dropped.
+#[derive(Clone)]
+pub struct Names(Arc<NamesInner>);
+
+struct NamesInner {
+    settings: ResolverSettings,
+    /// Built on the first name: a gateway configured by IPs never reads the system's DNS settings.
+    resolver: OnceLock<Result<TokioResolver, String>>,
+    table: Mutex<HashMap<String, Arc<Entry>>>,
+}
+
+/// One name's current addresses.
+struct Entry {
+    addrs: RwLock<Arc<[IpAddr]>>,
+    /// Where the next connection's list starts.
+    next: AtomicUsize,
+    /// A connection failed: look the name up now.
+    wake: tokio::sync::Notify,
+    last_lookup: Mutex<Option<Instant>>,
+    lookups: std::sync::atomic::AtomicU64,
+    lookup_failures: std::sync::atomic::AtomicU64,
+}
+
+impl fmt::Debug for Names {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_struct("Names").field("settings", &self.0.settings).field("names", &t.len()).finish()
+    }
+}
+
+impl Default for Names {
+    fn default() -> Self {
+        Self::new(ResolverSettings::default())
+    }
+}
+
+impl Names {
+    pub fn new(settings: ResolverSettings) -> Self {
+        Self(Arc::new(NamesInner { settings, resolver: OnceLock::new(), table: Mutex::default() }))
+    }
+
+    pub fn settings(&self) -> &ResolverSettings {
+        &self.0.settings
+    }
+
+    fn resolver(&self) -> Result<&TokioResolver, String> {
+        self.0
+            .resolver
+            .get_or_init(|| {
+                let mut builder = if self.0.settings.nameservers.is_empty() {
+                    TokioResolver::builder_tokio()
+                        .map_err(|e| format!("the system's DNS settings (/etc/resolv.conf): {e}"))?
+                } else {
+                    let mut group = NameServerConfigGroup::new();
+                    for &ns in &self.0.settings.nameservers {
+                        group.push(NameServerConfig::new(ns, Protocol::Udp));
+                        group.push(NameServerConfig::new(ns, Protocol::Tcp));
+                    }
+                    TokioResolver::builder_with_config(
+                        ResolverConfig::from_parts(None, vec![], group),
+                        TokioConnectionProvider::default(),
+                    )
+                };
+                // The system's own options (ndots, search domains) stay. Answers are cached no
+                // longer than the refresh: a moved record is seen on the next refresh whatever
+                // its TTL says.
+                let o = builder.options_mut();
+                o.positive_max_ttl = Some(self.0.settings.refresh);
+                o.negative_max_ttl = Some(self.0.settings.refresh);
+                o.timeout = LOOKUP_TIMEOUT;
+                o.attempts = 2;
+                Ok(builder.build())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Asks the DNS now (no table, no refresh): `check-config` and the refresh tasks.
+    pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, LookupError> {
+        let fail =
+            |reason: String, no_address: bool| LookupError { name: name.to_owned(), reason, no_address };
+        let resolver = self.resolver().map_err(|r| fail(r, false))?;
+        match resolver.lookup_ip(name).await {
+            Ok(found) => {
+                let mut ips: Vec<IpAddr> = found.iter().collect();
+                ips.sort_unstable();
+                ips.dedup();
+                if ips.is_empty() { Err(fail("no address".into(), true)) } else { Ok(ips) }
+            }
+            Err(e) => {
+                let none = e.is_no_records_found() || e.is_nx_domain();
+                Err(fail(if none { "no address".into() } else { e.to_string() }, none))
+            }
+        }
+    }
+
+    /// The name's entry, looked up and watched from the first call on (also when that first
+    /// lookup found nothing: the refresh keeps asking).
+    async fn entry(&self, name: &str) -> Arc<Entry> {
+        let existing = self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
+        if let Some(e) = existing {
+            return e;
+        }
+        let first = self.lookup(name).await;
+        let mut table = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = table.get(name) {
+            return Arc::clone(e);
+        }
+        let entry = Arc::new(Entry {
+            addrs: RwLock::new(first.as_deref().unwrap_or_default().into()),
+            next: AtomicUsize::new(0),
+            wake: tokio::sync::Notify::new(),
+            last_lookup: Mutex::new(Some(Instant::now())),
+            lookups: 1.into(),
+            lookup_failures: u64::from(first.is_err()).into(),
+        });
+        table.insert(name.to_owned(), Arc::clone(&entry));
+        drop(table);
+        tokio::spawn(refresh(Arc::downgrade(&self.0), name.to_owned(), Arc::downgrade(&entry)));
+        match first {
+            Ok(ips) => tracing::info!(name, addrs = ?ips, "resolved"),
+            Err(e) => {
+                tracing::warn!(name, error = %e.reason, "no address yet; looking it up again every refresh")
+            }
+        }
+        entry
+    }
+
+    /// The name's addresses, the list starting one further along at each call (connections
+    /// spread). None now: an error, and a lookup soon (spaced by [`FAILURE_LOOKUP_SPACING`]).
+    pub async fn addrs(&self, name: &str) -> Result<Vec<IpAddr>, LookupError> {
+        let entry = self.entry(name).await;
+        let now = entry.current();
+        if now.is_empty() {
+            entry.wake.notify_one();
+            return Err(LookupError { name: name.to_owned(), reason: "no address".into(), no_address: true });
+        }
+        let start = entry.next.fetch_add(1, Ordering::Relaxed) % now.len();
+        Ok(now.iter().cycle().skip(start).take(now.len()).copied().collect())
+    }
+
+    /// `at`'s socket addresses: the IP, or the name's current addresses.
+    pub async fn socket_addrs(&self, at: &HostPort) -> Result<Vec<SocketAddr>, LookupError> {
+        match &at.host {
+            Host::Ip(ip) => Ok(vec![SocketAddr::new(*ip, at.port)]),
+            Host::Name(n) => {
+                Ok(self.addrs(n).await?.into_iter().map(|ip| SocketAddr::new(ip, at.port)).collect())
+            }
+        }
+    }
+
+    /// A connection to `name` failed: look it up again now (at most every
+    /// [`FAILURE_LOOKUP_SPACING`]).
+    pub fn failed(&self, name: &str) {
+        if let Some(e) = self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+            e.wake.notify_one();
+        }
+    }
+
+    /// `ip` is among `name`'s addresses now (true for a name not watched).
+    pub fn current(&self, name: &str, ip: IpAddr) -> bool {
+        match self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+            Some(e) => e.addrs.read().unwrap_or_else(|e| e.into_inner()).contains(&ip),
+            None => true,
+        }
+    }
+
+    /// Every watched name: its addresses and lookup counts (`/admin/names`, metrics).
+    pub fn snapshot(&self) -> Vec<(String, Vec<IpAddr>, u64, u64)> {
+        let t = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = t
+            .iter()
+            .map(|(n, e)| {
+                (
+                    n.clone(),
+                    e.current().to_vec(),
+                    e.lookups.load(Ordering::Relaxed),
+                    e.lookup_failures.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+impl Entry {
+    fn current(&self) -> Arc<[IpAddr]> {
+        Arc::clone(&self.addrs.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn set(&self, ips: &[IpAddr]) {
+        *self.addrs.write().unwrap_or_else(|e| e.into_inner()) = ips.into();
+    }
+}
+
+/// Looks `name` up every refresh, and soon after a failure asked for it, until the table or the
+/// entry is gone. A transport failure keeps the last addresses; an answer of no address drops them.
+async fn refresh(names: Weak<NamesInner>, name: String, entry: Weak<Entry>) {
+    loop {
+        let (period, wake_entry) = {
+            let (Some(n), Some(e)) = (names.upgrade(), entry.upgrade()) else { return };
+            (n.settings.refresh, e)
+        };
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            () = wake_entry.wake.notified() => {
+                let last = *wake_entry.last_lookup.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(wait) = last.and_then(|t| FAILURE_LOOKUP_SPACING.checked_sub(t.elapsed())) {
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+        drop(wake_entry);
+        let (Some(n), Some(e)) = (names.upgrade(), entry.upgrade()) else { return };
+        let found = Names(n).lookup(&name).await;
+        *e.last_lookup.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        e.lookups.fetch_add(1, Ordering::Relaxed);
+        match found {
+            Ok(ips) => {
+                if *e.current() != *ips {
+                    tracing::info!(name, was = ?e.current(), now = ?ips, "name moved");
+                    e.set(&ips);
+                }
+            }
+            Err(err) if err.no_address => {
+                e.lookup_failures.fetch_add(1, Ordering::Relaxed);
+                if !e.current().is_empty() {
+                    tracing::warn!(name, was = ?e.current(), "name has no address now");
+                    e.set(&[]);
+                }
+            }
+            Err(err) => {
+                e.lookup_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(name, error = %err.reason, "lookup failed; keeping the last addresses");
+            }
+        }
+    }
+}
+
+/// hyper's connector asks this for a name's addresses.
+impl tower_service::Service<Name> for Names {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = LookupError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, LookupError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), LookupError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            // The connector sets each address's port from the URI.
+            let ips = this.addrs(name.as_str()).await?;
+            Ok(ips.into_iter().map(|ip| SocketAddr::new(ip, 0)).collect::<Vec<_>>().into_iter())
+        })
+    }
+}
+
+/// Certificates from a PEM file (at least one).
+pub(crate) fn pem_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificate in the file", path.display()));
+    }
+    Ok(certs)
+}
+
+/// `[engine_tls]`: how `https://` engines are verified, and the gateway's certificate when they
+/// ask for one (mTLS).
+#[derive(Clone)]
+pub struct EngineTls(Arc<rustls::ClientConfig>);
+
+impl fmt::Debug for EngineTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("EngineTls")
+    }
+}
+
+impl EngineTls {
+    /// Trusts `ca` (PEM), or the system's roots without one; presents `client` (certificate chain
+    /// and key, PEM) when given.
+    pub fn from_pem_files(ca: Option<&Path>, client: Option<(&Path, &Path)>) -> Result<Self, String> {
+        let mut roots = RootCertStore::empty();
+        match ca {
+            Some(p) => {
+                for c in pem_certs(p)? {
+                    roots.add(c).map_err(|e| format!("{}: {e}", p.display()))?;
+                }
+            }
+            None => {
+                let found = rustls_native_certs::load_native_certs();
+                let (added, _) = roots.add_parsable_certificates(found.certs);
+                if added == 0 {
+                    return Err("no CA given and no system root certificates found".into());
+                }
+            }
+        }
+        let client = match client {
+            Some((cert, key)) => Some((
+                pem_certs(cert)?,
+                PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?,
+            )),
+            None => None,
+        };
+        Self::build(roots, client)
+    }
+
+    fn build(
+        roots: RootCertStore,
+        client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    ) -> Result<Self, String> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots);
+        let mut config = match client {
+            Some((chain, key)) => builder.with_client_auth_cert(chain, key).map_err(|e| e.to_string())?,
+            None => builder.with_no_client_auth(),
+        };
+        // The engines' servers (uvicorn, SGLang's) speak HTTP/1.1.
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self(Arc::new(config)))
+    }
+
+    /// The system's roots (read once per process), or none: an `https://` engine then fails its
+    /// handshake, and `check-config` has said why before that.
+    fn system() -> rustls::ClientConfig {
+        static SYSTEM: OnceLock<rustls::ClientConfig> = OnceLock::new();
+        SYSTEM
+            .get_or_init(|| {
+                let t =
+                    Self::from_pem_files(None, None).or_else(|_| Self::build(RootCertStore::empty(), None));
+                t.map_or_else(
+                    |_| {
+                        rustls::ClientConfig::builder()
+                            .with_root_certificates(RootCertStore::empty())
+                            .with_no_client_auth()
+                    },
+                    |t| (*t.0).clone(),
+                )
+            })
+            .clone()
+    }
+}
+
+type Connector = HttpsConnector<HttpConnector<Names>>;
+
+/// The gateway's client to the engines: names resolved by [`Names`], `https://` by [`EngineTls`]
+/// (the system's roots when none is configured), connections kept alive.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    http: Client<Connector, Full<Bytes>>,
+    names: Names,
+}
+
+impl EngineClient {
+    pub fn new(names: Names, tls: Option<EngineTls>) -> Self {
+        let mut connector = HttpConnector::new_with_resolver(names.clone());
+        connector.set_nodelay(true);
+        // https:// URIs need the TLS layer to see them.
+        connector.enforce_http(false);
+        let builder = HttpsConnectorBuilder::new();
+        // No [engine_tls]: the system's roots.
+        let builder = builder.with_tls_config(tls.map_or_else(EngineTls::system, |t| (*t.0).clone()));
+        let connector = builder.https_or_http().enable_http1().wrap_connector(connector);
+        let http =
+            Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector);
+        Self { http, names }
+    }
+
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+
+    /// Sends `req` (its URI on `to`). A connection that failed asks for `to`'s name to be looked
+    /// up again; a kept-alive connection to an address the name no longer has is not reused.
+    pub async fn send(
+        &self,
+        to: &EngineUrl,
+        mut req: Request<Full<Bytes>>,
+    ) -> Result<Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+        let Host::Name(name) = &to.0.at.host else {
+            return self.http.request(req).await;
+        };
+        let conn = capture_connection(&mut req);
+        match self.http.request(req).await {
+            Ok(resp) => {
+                if let Some(info) = resp.extensions().get::<HttpInfo>()
+                    && !self.names.current(name, info.remote_addr().ip())
+                    && let Some(c) = conn.connection_metadata().as_ref()
+                {
+                    c.poison();
+                }
+                Ok(resp)
+            }
+            Err(e) => {
+                if e.is_connect() {
+                    self.names.failed(name);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_ports_parse() {
+        let hp: HostPort = "decode-0.pd.svc.cluster.local:9000".parse().unwrap_or_else(|e| unreachable(e));
+        assert_eq!(hp.host, Host::Name("decode-0.pd.svc.cluster.local".into()));
+        assert_eq!(hp.port, 9000);
+        let hp: HostPort = "10.0.0.5:9000".parse().unwrap_or_else(|e| unreachable(e));
+        assert_eq!(hp.host, Host::Ip("10.0.0.5".parse().unwrap_or_else(|_| unreachable("ip".into()))));
+        let hp: HostPort = "[::1]:9000".parse().unwrap_or_else(|e| unreachable(e));
+        assert_eq!(hp.to_string(), "[::1]:9000");
+        for bad in ["decode-0", "decode-0:0", "decode-0:x", "-a.b:1", "a..b:1", "::1:80", "a_b:1", ":80"] {
+            assert!(bad.parse::<HostPort>().is_err(), "{bad} parsed");
+        }
+    }
+
+    #[test]
+    fn endpoints_parse() {
+        let e = EngineUrl::parse("https://Decode-0.pd:8443/").unwrap_or_else(|e| unreachable(e));
+        assert_eq!(e.scheme(), Scheme::Https);
+        assert_eq!(e.uri("/v1/completions"), "https://decode-0.pd:8443/v1/completions");
+        assert_eq!(e.host(), "decode-0.pd");
+        let e = EngineUrl::parse("http://127.0.0.1:8000").unwrap_or_else(|e| unreachable(e));
+        assert_eq!(e.socket_addr(), Some(SocketAddr::from(([127, 0, 0, 1], 8000))));
+        for bad in
+            ["127.0.0.1:8000", "ftp://a:1", "http://a:1/v1", "http://u@a:1", "http://a", "http://a:1?x"]
+        {
+            assert!(EngineUrl::parse(bad).is_err(), "{bad} parsed");
+        }
+    }
+
+    #[allow(clippy::panic)]
+    fn unreachable(e: String) -> ! {
+        panic!("{e}")
+    }
+}
