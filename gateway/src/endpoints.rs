@@ -567,12 +567,12 @@ impl EngineTls {
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
             .map_err(|e| e.to_string())?
             .with_root_certificates(roots);
-        let mut config = match client {
+        // No ALPN here: the connector offers HTTP/1.1, which the engines' servers (uvicorn,
+        // SGLang's) speak.
+        let config = match client {
             Some((chain, key)) => builder.with_client_auth_cert(chain, key).map_err(|e| e.to_string())?,
             None => builder.with_no_client_auth(),
         };
-        // The engines' servers (uvicorn, SGLang's) speak HTTP/1.1.
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Self(Arc::new(config)))
     }
 

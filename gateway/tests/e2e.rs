@@ -1352,6 +1352,12 @@ mod drain;
 #[path = "e2e/dataplane_tls.rs"]
 mod dataplane_tls;
 
+#[path = "e2e/certs.rs"]
+mod certs;
+
+#[path = "e2e/names.rs"]
+mod names;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -6,40 +6,9 @@
 
 use baton_dataplane::transport::{ControlClient, TlsClient};
 use baton_sim::{DpTls, SimConfig, SimRole, kv::output_text, launch, tiny_geometry};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::certs::Ca;
 use serde_json::json;
-
-/// A CA and a function that issues leaf certificates (PEM chain, PEM key) for `localhost`.
-struct Ca {
-    pem: String,
-    der: CertificateDer<'static>,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let key = KeyPair::generate().unwrap();
-        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name.push(DnType::CommonName, name);
-        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-        let cert = p.self_signed(&key).unwrap();
-        Self { pem: cert.pem(), der: cert.der().clone(), issuer: Issuer::new(p, key) }
-    }
-
-    fn leaf(&self) -> (String, String, CertificateDer<'static>, PrivateKeyDer<'static>) {
-        let k = KeyPair::generate().unwrap();
-        let mut p = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-        p.extended_key_usages =
-            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        let c = p.signed_by(&k, &self.issuer).unwrap();
-        (c.pem(), k.serialize_pem(), c.der().clone(), PrivateKeyDer::Pkcs8(k.serialize_der().into()))
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
@@ -51,8 +20,8 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
         p
     };
     let ca = Ca::new("baton data plane CA");
-    let (engine_pem, engine_key, ..) = ca.leaf();
-    let (gateway_pem, gateway_key, ..) = ca.leaf();
+    let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
+    let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
     let ca_file = write("ca.pem", &ca.pem);
     let (engine_cert, engine_key) = (write("engine.pem", &engine_pem), write("engine.key", &engine_key));
     write("gateway.pem", &gateway_pem);
@@ -83,7 +52,7 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     let before = decode.engine.stats()["ranks"][0].clone();
     let fp = g.fingerprint();
     let other = Ca::new("someone else's CA");
-    let (_, _, rogue_cert, rogue_key) = other.leaf();
+    let (_, _, rogue_cert, rogue_key) = other.leaf(&["localhost"]);
     let strangers: [(&str, Option<TlsClient>); 3] = [
         ("plain TCP", None),
         ("TLS without a certificate", Some(TlsClient::new(vec![ca.der.clone()], "localhost", None).unwrap())),
