@@ -1,4 +1,4 @@
-//! The operator's routes: `/metrics`, `/admin/decoders`, `/admin/plugins/reload`. Each decoder's
+//! The operator's routes: `/metrics`, `/admin/decoders`, `/admin/names`, `/admin/plugins/reload`. Each decoder's
 //! mode contributes its own part through the [`crate::handoff::Handoff`] trait; nothing here knows
 //! a mode.
 
@@ -51,6 +51,30 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     for d in &g.decoders {
         d.handoff.metrics(&d.name, &mut families);
     }
+    for (name, ips, lookups, failures) in g.shared.client.names().snapshot() {
+        let label = format!("name=\"{name}\"");
+        families.add(
+            "baton_dns_addresses",
+            "gauge",
+            "Addresses an engine or rank name has now.",
+            label.clone(),
+            ips.len() as f64,
+        );
+        families.add(
+            "baton_dns_lookups_total",
+            "counter",
+            "Lookups of an engine or rank name.",
+            label.clone(),
+            lookups as f64,
+        );
+        families.add(
+            "baton_dns_lookup_failures_total",
+            "counter",
+            "Lookups of a name that found no address or got no answer.",
+            label,
+            failures as f64,
+        );
+    }
     families.render(&mut text);
     if let Some(p) = &g.plugins {
         p.render(&mut text);
@@ -59,6 +83,21 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     r.headers_mut()
         .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
     r
+}
+
+/// `/admin/names`: every engine and rank name in use, its addresses now and its lookups.
+pub fn names(g: &Gateway) -> Value {
+    let names: Vec<Value> = g
+        .shared
+        .client
+        .names()
+        .snapshot()
+        .into_iter()
+        .map(|(name, ips, lookups, failures)| {
+            json!({"name": name, "addrs": ips, "lookups": lookups, "lookup_failures": failures})
+        })
+        .collect();
+    json!({"refresh_ms": g.shared.client.names().settings().refresh.as_millis(), "names": names})
 }
 
 /// `/admin/decoders`: per decoder, its mode, the admission queue and what the mode reports.

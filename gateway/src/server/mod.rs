@@ -309,6 +309,7 @@ impl Gateway {
                 return r;
             }
             (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
+            (&Method::GET, "/admin/names") => return full(200, &admin::names(&self)),
             (&Method::GET, "/admin/plugins") => {
                 return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
             }

@@ -344,6 +344,15 @@ nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
     assert_eq!(received_in(&b, "only-a"), 0, "B got requests after the record moved to A");
     assert!(received_in(&a, "only-a") > 0, "A served nothing after the record moved to it");
     eprintln!("{sent} requests, none failed");
+    // The operator sees the name, its address now and its lookups; the metrics too.
+    let (_, body) = super::http(serving.admin_addr, "/admin/names", None).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    let decode = v["names"].as_array().unwrap().iter().find(|n| n["name"] == "decode.baton.test").unwrap();
+    assert_eq!(decode["addrs"], json!(["127.0.0.2"]), "{v}");
+    assert!(decode["lookups"].as_u64().unwrap() >= 3, "{v}");
+    let (_, metrics) = super::http(serving.admin_addr, "/metrics", None).await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(metrics.contains("baton_dns_addresses{name=\"decode.baton.test\"} 1"), "{metrics}");
     serving.shutdown().await;
 }
 
