@@ -325,8 +325,9 @@ nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
     // A leaves the record: its kept-alive connections are closed after the request that finds
     // them stale, new ones go to B.
     dns.set(&[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.3"])]).await;
+    // Within two refreshes (200 ms each), and a request per kept-alive connection.
     traffic.phase("settle-b");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     traffic.phase("only-b");
     tokio::time::sleep(Duration::from_millis(1000)).await;
     // Checked now: the engines keep their last 256 requests, and the next phases' push these out.
@@ -336,7 +337,7 @@ nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
     // The record moves to A.
     dns.set(&[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.2"])]).await;
     traffic.phase("settle-a");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     traffic.phase("only-a");
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let sent = traffic.stop().await;
@@ -387,6 +388,16 @@ async fn native_mode_reaches_engines_and_ranks_by_name() {
     assert!(!text.contains(&decode.addr.to_string()) && !text.contains(&prefill.addr.to_string()), "{text}");
     let file = dir.join("baton.toml");
     std::fs::write(&file, &text).unwrap();
+    // check-config passes it and says what each name resolves to.
+    let check = Command::new(env!("CARGO_BIN_EXE_baton")).arg("check-config").arg(&file).output().unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{out}{}", String::from_utf8_lossy(&check.stderr));
+    for field in ["prefill[0].url", "decode[0].url", "decode[0].dataplane[0]", "decode[0].dataplane[1]"] {
+        assert!(
+            out.contains(&format!("{field}: engines.baton.test resolves to [127.0.0.1]")),
+            "{field}: {out}"
+        );
+    }
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     super::four_shapes(serving.addrs[0], 70, 4, "native by name").await;
     super::assert_clean_at(serving.admin_addr).await;
