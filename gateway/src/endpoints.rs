@@ -255,6 +255,8 @@ struct NamesInner {
     /// Built on the first name: a gateway configured by IPs never reads the system's DNS settings.
     resolver: OnceLock<Result<TokioResolver, String>>,
     table: Mutex<HashMap<String, Arc<Entry>>>,
+    /// Counts the moves of every name: health checks run at once after one.
+    moves: tokio::sync::watch::Sender<u64>,
 }
 
 /// One name's current addresses.
@@ -267,6 +269,8 @@ struct Entry {
     last_lookup: Mutex<Option<Instant>>,
     lookups: std::sync::atomic::AtomicU64,
     lookup_failures: std::sync::atomic::AtomicU64,
+    /// Counts this name's moves (its address set changed).
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl fmt::Debug for Names {
@@ -284,7 +288,8 @@ impl Default for Names {
 
 impl Names {
     pub fn new(settings: ResolverSettings) -> Self {
-        Self(Arc::new(NamesInner { settings, resolver: OnceLock::new(), table: Mutex::default() }))
+        let (moves, _) = tokio::sync::watch::channel(0);
+        Self(Arc::new(NamesInner { settings, resolver: OnceLock::new(), table: Mutex::default(), moves }))
     }
 
     pub fn settings(&self) -> &ResolverSettings {
@@ -361,6 +366,7 @@ impl Names {
             last_lookup: Mutex::new(Some(Instant::now())),
             lookups: 1.into(),
             lookup_failures: u64::from(first.is_err()).into(),
+            generation: 0.into(),
         });
         table.insert(name.to_owned(), Arc::clone(&entry));
         drop(table);
@@ -413,6 +419,21 @@ impl Names {
         }
     }
 
+    /// Changes when any name moves (its addresses changed); ends when the names are dropped.
+    pub fn moves(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.0.moves.subscribe()
+    }
+
+    /// How many times `name` has moved (0 for a name not watched).
+    pub fn generation(&self, name: &str) -> u64 {
+        self.0
+            .table
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map_or(0, |e| e.generation.load(Ordering::Relaxed))
+    }
+
     /// Every watched name: its addresses and lookup counts (`/admin/names`, metrics).
     pub fn snapshot(&self) -> Vec<(String, Vec<IpAddr>, u64, u64)> {
         let t = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
@@ -439,6 +460,7 @@ impl Entry {
 
     fn set(&self, ips: &[IpAddr]) {
         *self.addrs.write().unwrap_or_else(|e| e.into_inner()) = ips.into();
+        self.generation.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -461,7 +483,9 @@ async fn refresh(names: Weak<NamesInner>, name: String, entry: Weak<Entry>) {
         }
         drop(wake_entry);
         let (Some(n), Some(e)) = (names.upgrade(), entry.upgrade()) else { return };
-        let found = Names(n).lookup(&name).await;
+        let names = Names(n);
+        let found = names.lookup(&name).await;
+        let moved = e.generation.load(Ordering::Relaxed);
         *e.last_lookup.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         e.lookups.fetch_add(1, Ordering::Relaxed);
         match found {
@@ -482,6 +506,9 @@ async fn refresh(names: Weak<NamesInner>, name: String, entry: Weak<Entry>) {
                 e.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(name, error = %err.reason, "lookup failed; keeping the last addresses");
             }
+        }
+        if e.generation.load(Ordering::Relaxed) != moved {
+            names.0.moves.send_modify(|n| *n += 1);
         }
     }
 }

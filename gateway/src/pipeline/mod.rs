@@ -178,16 +178,33 @@ impl Gateway {
         self.decoders.iter().map(|d| d.queue.stats().in_use).fold(0, u32::saturating_add)
     }
 
-    /// Checks every endpoint's `GET /health` each `check_interval` until the gateway is dropped.
+    /// Checks every endpoint's `GET /health` each `check_interval`, and at once when an engine's
+    /// name moved (forgetting the passive failures of its old addresses), until the gateway is
+    /// dropped.
     pub fn start_health_checks(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(self);
         let cfg = self.shared.health;
+        let mut moves = self.shared.client.names().moves();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(cfg.check_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
             loop {
-                tick.tick().await;
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    r = moves.changed() => if r.is_err() { return },
+                }
                 let Some(this) = weak.upgrade() else { return };
+                let names = this.shared.client.names();
+                let engines = this.prefills.iter().map(|p| (&p.http, &*p.health));
+                for (url, health) in engines.chain(this.decoders.iter().map(|d| (&d.http, &d.health))) {
+                    if let crate::endpoints::Host::Name(n) = &url.host_port().host {
+                        let g = names.generation(n);
+                        if seen.insert(n.clone(), g).is_some_and(|before| before != g) {
+                            health.readdressed();
+                        }
+                    }
+                }
                 // All engines at once: one that hangs until the timeout delays no other check.
                 let n = this.prefills.len() + this.decoders.len();
                 let mut checks = JoinSet::new();

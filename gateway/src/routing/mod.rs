@@ -359,6 +359,14 @@ impl Health {
         true
     }
 
+    /// The engine's name now has other addresses: what passive checks held against the old
+    /// ones (failures, an ejection) is forgotten; the active check decides.
+    pub fn readdressed(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+        self.ejections.store(0, Ordering::Relaxed);
+        self.ejected_until.store(0, Ordering::Relaxed);
+    }
+
     /// The result of an active health check.
     pub fn checked(&self, ok: bool) {
         self.check_down.store(!ok, Ordering::Relaxed);

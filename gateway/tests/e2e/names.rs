@@ -257,6 +257,44 @@ fn nixl_engine(role: SimRole, listen: SocketAddr) -> SimConfig {
     c
 }
 
+/// A `baton serve` file for the vLLM NIXL mode with the prefill at `prefill.baton.test:pp` and the
+/// decoder at `decode.baton.test:dp`, names asked of `dns` every `refresh_ms`.
+fn nixl_by_name(dir: &Path, dns: SocketAddr, refresh_ms: u64, pp: u16, dp: u16) -> PathBuf {
+    let text = format!(
+        r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
+
+[resolver]
+nameservers = ["{dns}"]
+refresh_ms = {refresh_ms}
+
+[model]
+name = "baton-sim"
+context_length = 4096
+chunk_tokens = 16
+geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+
+[[prefill]]
+name = "p"
+url = "http://prefill.baton.test:{pp}"
+
+[[decode]]
+name = "d"
+url = "http://decode.baton.test:{dp}"
+handoff = "vllm-nixl"
+nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
+"#
+    );
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
 /// vLLM NIXL mode (the decoder is HTTP only): decoders A (127.0.0.2) and B (127.0.0.3) on one port
 /// behind `decode.baton.test`. Both addresses: both get traffic. A leaves the record: after the
 /// refresh A gets nothing. The record moves to A: B gets nothing. No request fails throughout.
@@ -275,40 +313,7 @@ async fn traffic_follows_a_decoder_record_with_no_request_lost() {
     else {
         return;
     };
-    let text = format!(
-        r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
-[resolver]
-nameservers = ["{dns}"]
-refresh_ms = 200
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
-
-[[prefill]]
-name = "p"
-url = "http://prefill.baton.test:{pp}"
-
-[[decode]]
-name = "d"
-url = "http://decode.baton.test:{port}"
-handoff = "vllm-nixl"
-nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
-"#,
-        dns = dns.addr,
-        pp = prefill.addr.port(),
-    );
-    let file = dir.join("baton.toml");
-    std::fs::write(&file, text).unwrap();
+    let file = nixl_by_name(&dir, dns.addr, 200, prefill.addr.port(), port);
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     let gw = serving.addrs[0];
 
@@ -526,4 +531,47 @@ async fn check_config_names_the_field_of_a_name_without_an_address() {
         err.contains("decode[0].url") && err.contains("decode-9.baton.test") && err.contains("no address"),
         "{err}"
     );
+}
+
+/// A failed connection has the name looked up at once, not at the next refresh: with a refresh of a
+/// minute, the record moves from A to B and A stops; requests reach B within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connection_looks_the_name_up_at_once() {
+    let dir = tempdir("failed");
+    let prefill = launch(nixl_engine(SimRole::Prefill, "127.0.0.1:0".parse().unwrap())).await.unwrap();
+    let a = launch(nixl_engine(SimRole::Decode, "127.0.0.2:0".parse().unwrap())).await.unwrap();
+    let port = a.addr.port();
+    let b = launch(nixl_engine(SimRole::Decode, SocketAddr::from(([127, 0, 0, 3], port)))).await.unwrap();
+    let Some(mut dns) =
+        Dns::start(&dir, &[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.2"])])
+            .await
+    else {
+        return;
+    };
+    let file = nixl_by_name(&dir, dns.addr, 60_000, prefill.addr.port(), port);
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let gw = serving.addrs[0];
+    assert_eq!(complete(gw, "to-a-0").await.0, 200);
+    assert_eq!(received_in(&a, "to-a"), 1);
+
+    dns.set(&[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.3"])]).await;
+    a.shutdown().await;
+    let start = Instant::now();
+    let mut failed = 0;
+    loop {
+        let (s, body) = complete(gw, &format!("to-b-{failed}")).await;
+        if s == 200 {
+            break;
+        }
+        failed += 1;
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "no request reached B within 2 s ({failed} failed, the last: {s} {})",
+            String::from_utf8_lossy(&body)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(received_in(&b, "to-b") >= 1);
+    eprintln!("B reached after {:?} and {failed} failed requests (refresh 60 s)", start.elapsed());
+    serving.shutdown().await;
 }
