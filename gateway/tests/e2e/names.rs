@@ -362,14 +362,20 @@ async fn traffic_follows_a_decoder_record_with_no_request_lost() {
     serving.shutdown().await;
 }
 
+/// A native prefill and decode engine (TP 2) on 127.0.0.1, and dnsmasq answering `name` with it.
+async fn native_pair(dir: &Path, name: &str) -> Option<(baton_sim::Running, baton_sim::Running, Dns)> {
+    let g = tiny_geometry(2).unwrap();
+    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
+    let dns = Dns::start(dir, &[(name, &["127.0.0.1"])]).await?;
+    Some((prefill, decode, dns))
+}
+
 /// The native handoff with the prefill, the decoder and its ranks all given by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_mode_reaches_engines_and_ranks_by_name() {
     let dir = tempdir("native");
-    let g = tiny_geometry(2).unwrap();
-    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
-    let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-    let Some(dns) = Dns::start(&dir, &[("engines.baton.test", &["127.0.0.1"])]).await else { return };
+    let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
     let ranks: Vec<String> = decode.engine.stats()["ranks"]
         .as_array()
         .unwrap()
@@ -443,10 +449,7 @@ async fn tls_front(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_engines_are_verified_against_the_configured_ca() {
     let dir = tempdir("https");
-    let g = tiny_geometry(2).unwrap();
-    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
-    let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-    let Some(dns) = Dns::start(&dir, &[("engines.baton.test", &["127.0.0.1"])]).await else { return };
+    let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
     let ca = Ca::new("engines CA");
     let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
     let p_front = tls_front(cert.clone(), key.clone_key(), prefill.addr).await;
@@ -500,10 +503,7 @@ async fn https_engines_are_verified_against_the_configured_ca() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_config_names_the_field_of_a_name_without_an_address() {
     let dir = tempdir("check");
-    let g = tiny_geometry(2).unwrap();
-    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
-    let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
-    let Some(dns) = Dns::start(&dir, &[("prefill.baton.test", &["127.0.0.1"])]).await else { return };
+    let Some((prefill, decode, dns)) = native_pair(&dir, "prefill.baton.test").await else { return };
     let base =
         super::serve_toml(&prefill, &decode, "", &format!("[resolver]\nnameservers = [\"{}\"]\n", dns.addr))
             .replace(
