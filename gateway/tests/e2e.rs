@@ -40,17 +40,9 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
-/// A `baton serve` file for one prefill and one `native` decode engine on loopback (plain HTTP,
-/// ephemeral public and admin ports, the tiny geometry); `decode_extra` goes in the `[[decode]]`
-/// table, `extra` (more tables) at the end.
-fn serve_toml(
-    prefill: &baton_sim::Running,
-    decode: &baton_sim::Running,
-    decode_extra: &str,
-    extra: &str,
-) -> String {
-    format!(
-        r#"
+/// The head of the `baton serve` files the tests write: a plain-HTTP public listener and the admin
+/// listener on ephemeral loopback ports, and the simulator's model with the tiny geometry.
+const SERVE_HEAD: &str = r#"
 [[listeners]]
 address = "127.0.0.1:0"
 plain_http = true
@@ -62,8 +54,20 @@ listen = "127.0.0.1:0"
 name = "baton-sim"
 context_length = 4096
 chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
+geometry = { layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }
+"#;
 
+/// A `baton serve` file for one prefill and one `native` decode engine on loopback (plain HTTP,
+/// ephemeral public and admin ports, the tiny geometry); `decode_extra` goes in the `[[decode]]`
+/// table, `extra` (more tables) at the end.
+fn serve_toml(
+    prefill: &baton_sim::Running,
+    decode: &baton_sim::Running,
+    decode_extra: &str,
+    extra: &str,
+) -> String {
+    format!(
+        r#"{SERVE_HEAD}
 [[prefill]]
 name = "p"
 url = "http://{}"

@@ -288,16 +288,25 @@ health_check_interval_ms = 50
     pc.listen = prefill_at;
     pc.lmcache = Some(LmcacheSimConfig { proxy: Some(hub), ..LmcacheSimConfig::default() });
     let prefill = launch(pc).await.unwrap();
-    // The gateway's first health check ran before the prefiller existed: wait for the next one.
+    // The gateway's first health check may run before or after the prefiller exists (and a
+    // healthy() read before it has ended says nothing): until a check has found it, the gateway
+    // answers 503 no_healthy_endpoint, so the request is sent again until then.
     let started = Instant::now();
-    while !serving.gateway.prefills[0].health.healthy() {
-        assert!(started.elapsed() < Duration::from_secs(5), "prefiller never became healthy");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let text = prompt(70, 3);
-    let (status, b) =
-        http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 4}))).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let b = loop {
+        let (status, b) =
+            http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 4}))).await;
+        if status == 200 {
+            break b;
+        }
+        let waiting = status == 503 && String::from_utf8_lossy(&b).contains("no_healthy_endpoint");
+        assert!(
+            waiting && started.elapsed() < Duration::from_secs(10),
+            "{status} {}",
+            String::from_utf8_lossy(&b)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let ids = qwen3.encode(&text, true).unwrap();
     assert_eq!(answer_text(&b, false, false).0, output_text(&ids, 4));
     assert_eq!(

@@ -261,23 +261,10 @@ fn nixl_engine(role: SimRole, listen: SocketAddr) -> SimConfig {
 /// decoder at `decode.baton.test:dp`, names asked of `dns` every `refresh_ms`.
 fn nixl_by_name(dir: &Path, dns: SocketAddr, refresh_ms: u64, pp: u16, dp: u16) -> PathBuf {
     let text = format!(
-        r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
+        r#"{head}
 [resolver]
 nameservers = ["{dns}"]
 refresh_ms = {refresh_ms}
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
 
 [[prefill]]
 name = "p"
@@ -288,7 +275,8 @@ name = "d"
 url = "http://decode.baton.test:{dp}"
 handoff = "vllm-nixl"
 nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
-"#
+"#,
+        head = super::SERVE_HEAD,
     );
     let file = dir.join("baton.toml");
     std::fs::write(&file, text).unwrap();

@@ -73,20 +73,7 @@ async fn serve_with(tag: &str, plugins: &str, files: &[(&str, &str)], texts: &[(
         std::fs::write(dir.join(name), text).unwrap();
     }
     let text = format!(
-        r#"
-[[listeners]]
-address = "127.0.0.1:0"
-plain_http = true
-
-[admin]
-listen = "127.0.0.1:0"
-
-[model]
-name = "baton-sim"
-context_length = 4096
-chunk_tokens = 16
-geometry = {{ layers = 2, kv_heads = 2, head_dim = 16, dtype_bytes = 2 }}
-
+        r#"{head}
 [[prefill]]
 name = "p"
 url = "http://{}"
@@ -106,6 +93,7 @@ cache_dir = "{cache}"
 {plugins}
 "#,
         prefill.addr,
+        head = super::SERVE_HEAD,
         cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/plugin-cache-tests").display(),
     );
     sims.push(prefill);
