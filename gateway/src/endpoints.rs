@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use baton_dataplane::transport::{pem_certs, pem_key};
 use bytes::Bytes;
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfig, NameServerConfigGroup, ResolverConfig};
@@ -32,7 +33,6 @@ use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo, capture_connection};
 use hyper_util::rt::TokioExecutor;
 use rustls::RootCertStore;
-use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 /// How often a name is looked up again while nothing failed.
@@ -254,7 +254,9 @@ struct NamesInner {
     settings: ResolverSettings,
     /// Built on the first name: a gateway configured by IPs never reads the system's DNS settings.
     resolver: OnceLock<Result<TokioResolver, String>>,
-    table: Mutex<HashMap<String, Arc<Entry>>>,
+    /// Read on every request to a named engine (is the connection's address current?), written
+    /// when a name is first used.
+    table: RwLock<HashMap<String, Arc<Entry>>>,
     /// Counts the moves of every name: health checks run at once after one.
     moves: tokio::sync::watch::Sender<u64>,
 }
@@ -266,7 +268,7 @@ struct Entry {
     next: AtomicUsize,
     /// A connection failed: look the name up now.
     wake: tokio::sync::Notify,
-    last_lookup: Mutex<Option<Instant>>,
+    last_lookup: Mutex<Instant>,
     lookups: std::sync::atomic::AtomicU64,
     lookup_failures: std::sync::atomic::AtomicU64,
     /// Counts this name's moves (its address set changed).
@@ -275,7 +277,7 @@ struct Entry {
 
 impl fmt::Debug for Names {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let t = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.0.table.read().unwrap_or_else(|e| e.into_inner());
         f.debug_struct("Names").field("settings", &self.0.settings).field("names", &t.len()).finish()
     }
 }
@@ -289,7 +291,7 @@ impl Default for Names {
 impl Names {
     pub fn new(settings: ResolverSettings) -> Self {
         let (moves, _) = tokio::sync::watch::channel(0);
-        Self(Arc::new(NamesInner { settings, resolver: OnceLock::new(), table: Mutex::default(), moves }))
+        Self(Arc::new(NamesInner { settings, resolver: OnceLock::new(), table: RwLock::default(), moves }))
     }
 
     pub fn settings(&self) -> &ResolverSettings {
@@ -350,12 +352,12 @@ impl Names {
     /// The name's entry, looked up and watched from the first call on (also when that first
     /// lookup found nothing: the refresh keeps asking).
     async fn entry(&self, name: &str) -> Arc<Entry> {
-        let existing = self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
+        let existing = self.0.table.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
         if let Some(e) = existing {
             return e;
         }
         let first = self.lookup(name).await;
-        let mut table = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        let mut table = self.0.table.write().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = table.get(name) {
             return Arc::clone(e);
         }
@@ -363,7 +365,7 @@ impl Names {
             addrs: RwLock::new(first.as_deref().unwrap_or_default().into()),
             next: AtomicUsize::new(0),
             wake: tokio::sync::Notify::new(),
-            last_lookup: Mutex::new(Some(Instant::now())),
+            last_lookup: Mutex::new(Instant::now()),
             lookups: 1.into(),
             lookup_failures: u64::from(first.is_err()).into(),
             generation: 0.into(),
@@ -406,14 +408,14 @@ impl Names {
     /// A connection to `name` failed: look it up again now (at most every
     /// [`FAILURE_LOOKUP_SPACING`]).
     pub fn failed(&self, name: &str) {
-        if let Some(e) = self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+        if let Some(e) = self.0.table.read().unwrap_or_else(|e| e.into_inner()).get(name) {
             e.wake.notify_one();
         }
     }
 
     /// `ip` is among `name`'s addresses now (true for a name not watched).
     pub fn current(&self, name: &str, ip: IpAddr) -> bool {
-        match self.0.table.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+        match self.0.table.read().unwrap_or_else(|e| e.into_inner()).get(name) {
             Some(e) => e.addrs.read().unwrap_or_else(|e| e.into_inner()).contains(&ip),
             None => true,
         }
@@ -428,7 +430,7 @@ impl Names {
     pub fn generation(&self, name: &str) -> u64 {
         self.0
             .table
-            .lock()
+            .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
             .map_or(0, |e| e.generation.load(Ordering::Relaxed))
@@ -436,7 +438,7 @@ impl Names {
 
     /// Every watched name: its addresses and lookup counts (`/admin/names`, metrics).
     pub fn snapshot(&self) -> Vec<(String, Vec<IpAddr>, u64, u64)> {
-        let t = self.0.table.lock().unwrap_or_else(|e| e.into_inner());
+        let t = self.0.table.read().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<_> = t
             .iter()
             .map(|(n, e)| {
@@ -476,7 +478,7 @@ async fn refresh(names: Weak<NamesInner>, name: String, entry: Weak<Entry>) {
             () = tokio::time::sleep(period) => {}
             () = wake_entry.wake.notified() => {
                 let last = *wake_entry.last_lookup.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(wait) = last.and_then(|t| FAILURE_LOOKUP_SPACING.checked_sub(t.elapsed())) {
+                if let Some(wait) = FAILURE_LOOKUP_SPACING.checked_sub(last.elapsed()) {
                     tokio::time::sleep(wait).await;
                 }
             }
@@ -486,7 +488,7 @@ async fn refresh(names: Weak<NamesInner>, name: String, entry: Weak<Entry>) {
         let names = Names(n);
         let found = names.lookup(&name).await;
         let moved = e.generation.load(Ordering::Relaxed);
-        *e.last_lookup.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        *e.last_lookup.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         e.lookups.fetch_add(1, Ordering::Relaxed);
         match found {
             Ok(ips) => {
@@ -533,18 +535,6 @@ impl tower_service::Service<Name> for Names {
     }
 }
 
-/// Certificates from a PEM file (at least one).
-pub(crate) fn pem_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{}: no certificate in the file", path.display()));
-    }
-    Ok(certs)
-}
-
 /// `[engine_tls]`: how `https://` engines are verified, and the gateway's certificate when they
 /// ask for one (mTLS).
 #[derive(Clone)]
@@ -563,7 +553,7 @@ impl EngineTls {
         let mut roots = RootCertStore::empty();
         match ca {
             Some(p) => {
-                for c in pem_certs(p)? {
+                for c in pem_certs(p).map_err(|e| e.to_string())? {
                     roots.add(c).map_err(|e| format!("{}: {e}", p.display()))?;
                 }
             }
@@ -576,10 +566,9 @@ impl EngineTls {
             }
         }
         let client = match client {
-            Some((cert, key)) => Some((
-                pem_certs(cert)?,
-                PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?,
-            )),
+            Some((cert, key)) => {
+                Some((pem_certs(cert).map_err(|e| e.to_string())?, pem_key(key).map_err(|e| e.to_string())?))
+            }
             None => None,
         };
         Self::build(roots, client)

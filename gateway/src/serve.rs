@@ -50,8 +50,8 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let names = Names::new(c.resolver.clone());
     // Every name looked up before anything connects: one that has no address yet is said here, and
     // looked up again at every refresh (a health check fails meanwhile).
-    for (field, name) in &c.names {
-        match names.addrs(name).await {
+    for (field, name) in c.names() {
+        match names.addrs(&name).await {
             Ok(ips) => tracing::info!(field, name, addrs = ?ips, "engine name resolved"),
             Err(e) => {
                 tracing::warn!(field, name, error = %e.reason, "engine name has no address yet; looked up again every refresh")

@@ -22,7 +22,7 @@ use thiserror::Error;
 pub use client::{ControlClient, EventStream, ProducerClient, RankInfo, Welcome};
 pub use io::{FrameIo, Incoming};
 pub use server::{BroadcastSink, RankServer, ServerHandle};
-pub use tls::{ALPN, TlsClient, TlsError, TlsServer};
+pub use tls::{ALPN, TlsClient, TlsError, TlsServer, pem_certs, pem_key};
 
 /// A data-plane connection: plain TCP or TLS over TCP.
 pub trait Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}

@@ -42,7 +42,8 @@ fn roots(cas: Vec<CertificateDer<'static>>) -> Result<RootCertStore, TlsError> {
     Ok(store)
 }
 
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// The certificates of a PEM file (at least one).
+pub fn pem_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let file = |reason: String| TlsError::File { path: path.display().to_string(), reason };
     let certs = CertificateDer::pem_file_iter(path)
         .map_err(|e| file(e.to_string()))?
@@ -54,7 +55,8 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
-fn key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+/// The private key of a PEM file.
+pub fn pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     PrivateKeyDer::from_pem_file(path)
         .map_err(|e| TlsError::File { path: path.display().to_string(), reason: e.to_string() })
 }
@@ -90,7 +92,7 @@ impl TlsServer {
 
     /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
     pub fn from_pem_files(cert: &Path, key_file: &Path, client_ca: Option<&Path>) -> Result<Self, TlsError> {
-        Self::new(certs(cert)?, key(key_file)?, client_ca.map(certs).transpose()?)
+        Self::new(pem_certs(cert)?, pem_key(key_file)?, client_ca.map(pem_certs).transpose()?)
     }
 
     pub(crate) fn acceptor(&self) -> TlsAcceptor {
@@ -135,10 +137,10 @@ impl TlsClient {
         identity: Option<(&Path, &Path)>,
     ) -> Result<Self, TlsError> {
         let identity = match identity {
-            Some((c, k)) => Some((certs(c)?, key(k)?)),
+            Some((c, k)) => Some((pem_certs(c)?, pem_key(k)?)),
             None => None,
         };
-        Self::new(certs(ca)?, server_name, identity)
+        Self::new(pem_certs(ca)?, server_name, identity)
     }
 
     pub(crate) fn connector(&self) -> (TlsConnector, ServerName<'static>) {

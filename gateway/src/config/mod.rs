@@ -336,8 +336,6 @@ pub struct Checked {
     pub resolver: ResolverSettings,
     /// `[engine_tls]`, loaded (the system's roots without it).
     pub engine_tls: Option<EngineTls>,
-    /// Every DNS name the configuration gives an engine or a rank, with its field.
-    pub names: Vec<(String, String)>,
     pub model: String,
     pub context_length: u64,
     pub decoders: Vec<CheckedDecoder>,
@@ -362,38 +360,39 @@ pub fn parse_url(field: &str, url: &str) -> Result<EngineUrl, ConfigError> {
     EngineUrl::parse(url).map_err(|e| err(field, e))
 }
 
-/// Every DNS name in the engines' URLs and the ranks' addresses, with the field that gives it.
-fn names(prefills: &[(String, EngineUrl)], decoders: &[CheckedDecoder]) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut add = |field: String, host: &Host| {
-        if let Host::Name(n) = host {
-            out.push((field, n.clone()));
+impl Checked {
+    /// Every DNS name in the engines' URLs and the ranks' addresses, with the field that gives it.
+    pub fn names(&self) -> Vec<(String, String)> {
+        let (prefills, decoders) = (&self.prefills, &self.decoders);
+        let mut out = Vec::new();
+        let mut add = |field: String, host: &Host| {
+            if let Host::Name(n) = host {
+                out.push((field, n.clone()));
+            }
+        };
+        for (i, (_, u)) in prefills.iter().enumerate() {
+            add(format!("prefill[{i}].url"), &u.host_port().host);
         }
-    };
-    for (i, (_, u)) in prefills.iter().enumerate() {
-        add(format!("prefill[{i}].url"), &u.host_port().host);
-    }
-    for (i, d) in decoders.iter().enumerate() {
-        add(format!("decode[{i}].url"), &d.http.host_port().host);
-        if let CheckedMode::Native { ranks, .. } = &d.mode {
-            for (r, hp) in ranks.iter().enumerate() {
-                add(format!("decode[{i}].dataplane[{r}]"), &hp.host);
+        for (i, d) in decoders.iter().enumerate() {
+            add(format!("decode[{i}].url"), &d.http.host_port().host);
+            if let CheckedMode::Native { ranks, .. } = &d.mode {
+                for (r, hp) in ranks.iter().enumerate() {
+                    add(format!("decode[{i}].dataplane[{r}]"), &hp.host);
+                }
             }
         }
+        out
     }
-    out
-}
 
-impl Checked {
     /// Looks every name up now; the first that has no address is the error, naming its field.
     pub async fn resolve(
         &self,
         names: &Names,
     ) -> Result<Vec<(String, String, Vec<std::net::IpAddr>)>, ConfigError> {
         let mut out = Vec::new();
-        for (field, name) in &self.names {
-            let ips = names.lookup(name).await.map_err(|e| err(field.clone(), e.to_string()))?;
-            out.push((field.clone(), name.clone(), ips));
+        for (field, name) in self.names() {
+            let ips = names.lookup(&name).await.map_err(|e| err(field.clone(), e.to_string()))?;
+            out.push((field, name, ips));
         }
         Ok(out)
     }
@@ -454,7 +453,7 @@ impl Config {
         let (routing, health) = self.routing.check()?;
         let resolver = self.check_resolver()?;
         let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;
-        let names = names(&prefills, &decoders);
+
         let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
             .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
         Ok(Checked {
@@ -477,7 +476,6 @@ impl Config {
             },
             resolver,
             engine_tls,
-            names,
             keys: match &self.auth.keys_file {
                 Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
                 None => None,

@@ -34,11 +34,11 @@ use tokio::sync::oneshot;
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, Drains, HttpClient, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
+    BoxError, Drains, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
-use crate::endpoints::EngineUrl;
+use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Phase};
@@ -113,7 +113,7 @@ impl Body for Guarded {
 /// Sends the decode with `params` and one token, drops the answer: the decoder pulls the blocks
 /// and the producer frees them.
 async fn drain(
-    client: HttpClient,
+    client: EngineClient,
     decoder: EngineUrl,
     path: &'static str,
     request: Arc<Value>,
@@ -136,7 +136,7 @@ async fn drain(
 
 /// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
 struct Owed {
-    client: HttpClient,
+    client: EngineClient,
     decoder: EngineUrl,
     path: &'static str,
     /// The client's request, shared: a drain body is built from it only when one is sent.
@@ -307,7 +307,7 @@ impl Handoff for Nixl {
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
 async fn prefill_task(
-    client: &HttpClient,
+    client: &EngineClient,
     order: &[Prefiller],
     path: &str,
     body: &Value,

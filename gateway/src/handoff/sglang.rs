@@ -38,11 +38,11 @@ use tokio::sync::oneshot;
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, HttpClient, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
+    BoxError, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
-use crate::endpoints::EngineUrl;
+use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase};
@@ -292,7 +292,7 @@ struct PrefillOutcome {
 
 /// The prefill leg of one request.
 struct PrefillLeg {
-    client: HttpClient,
+    client: EngineClient,
     prefill: Prefiller,
     path: &'static str,
     body: Value,
@@ -348,7 +348,7 @@ async fn abort_decode(
 /// Tells SGLang engines to abort one request (`POST /abort_request {"rid"}`), and whether the
 /// request was abandoned (the legs still running check it when they end).
 struct Aborter {
-    client: HttpClient,
+    client: EngineClient,
     /// `None` with `n > 1` (SGLang names the choices itself): only dropping the calls aborts.
     rid: Option<String>,
     counters: Arc<Aborts>,

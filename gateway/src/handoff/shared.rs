@@ -33,8 +33,6 @@ pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RespBody = BoxBody<Bytes, BoxError>;
-/// The gateway's client to the engines.
-pub(crate) type HttpClient = EngineClient;
 
 /// Timing limits of the handoff.
 #[derive(Clone, Copy, Debug)]
@@ -62,7 +60,7 @@ impl Default for Limits {
 /// settings, request ids and the metrics.
 #[derive(Debug)]
 pub struct Shared {
-    pub(crate) client: HttpClient,
+    pub(crate) client: EngineClient,
     pub limits: Limits,
     pub health: HealthConfig,
     pub keys: KeyGen,
@@ -141,7 +139,7 @@ impl Shared {
 /// POSTs `body` as JSON within `timeout`. `detach`: the call runs to its end even if the caller
 /// stops waiting (a client that leaves does not abort an engine mid-transfer).
 pub(crate) async fn post_json(
-    client: &HttpClient,
+    client: &EngineClient,
     to: &EngineUrl,
     path: &str,
     body: &Value,
@@ -230,7 +228,7 @@ impl Drains {
 
 /// Sends a drain decode and drops its answer.
 pub(crate) async fn send_drain(
-    client: &HttpClient,
+    client: &EngineClient,
     decoder: &EngineUrl,
     path: &str,
     body: &Value,
@@ -266,7 +264,7 @@ pub(crate) fn count_failure(cfg: &HealthConfig, name: &str, h: &Health) {
 /// may have reached an engine.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
-    client: &HttpClient,
+    client: &EngineClient,
     timeout: Duration,
     health: &HealthConfig,
     prefills: &'a [P],

@@ -5,12 +5,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use baton_dataplane::transport::{pem_certs, pem_key};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
-use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-
-use crate::endpoints::pem_certs as certs;
 use tokio_rustls::TlsAcceptor;
 
 /// A listener's TLS settings.
@@ -61,7 +59,8 @@ impl FrontTls {
 
     /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
     pub fn from_pem_files(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, String> {
-        let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
+        let certs = |p: &Path| pem_certs(p).map_err(|e| e.to_string());
+        let key = pem_key(key).map_err(|e| e.to_string())?;
         Self::new(certs(cert)?, key, client_ca.map(certs).transpose()?)
     }
 

@@ -257,6 +257,15 @@ fn nixl_engine(role: SimRole, listen: SocketAddr) -> SimConfig {
     c
 }
 
+/// A NIXL prefill on 127.0.0.1, and decoders A on 127.0.0.2 and B on 127.0.0.3 on one port.
+async fn nixl_trio() -> (baton_sim::Running, baton_sim::Running, baton_sim::Running) {
+    let prefill = launch(nixl_engine(SimRole::Prefill, "127.0.0.1:0".parse().unwrap())).await.unwrap();
+    let a = launch(nixl_engine(SimRole::Decode, "127.0.0.2:0".parse().unwrap())).await.unwrap();
+    let at_b = SocketAddr::from(([127, 0, 0, 3], a.addr.port()));
+    let b = launch(nixl_engine(SimRole::Decode, at_b)).await.unwrap();
+    (prefill, a, b)
+}
+
 /// A `baton serve` file for the vLLM NIXL mode with the prefill at `prefill.baton.test:pp` and the
 /// decoder at `decode.baton.test:dp`, names asked of `dns` every `refresh_ms`.
 fn nixl_by_name(dir: &Path, dns: SocketAddr, refresh_ms: u64, pp: u16, dp: u16) -> PathBuf {
@@ -289,10 +298,8 @@ nixl = {{ scrape_interval_ms = 50, max_in_flight = 64 }}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traffic_follows_a_decoder_record_with_no_request_lost() {
     let dir = tempdir("follow");
-    let prefill = launch(nixl_engine(SimRole::Prefill, "127.0.0.1:0".parse().unwrap())).await.unwrap();
-    let a = launch(nixl_engine(SimRole::Decode, "127.0.0.2:0".parse().unwrap())).await.unwrap();
+    let (prefill, a, b) = nixl_trio().await;
     let port = a.addr.port();
-    let b = launch(nixl_engine(SimRole::Decode, SocketAddr::from(([127, 0, 0, 3], port)))).await.unwrap();
     let Some(mut dns) = Dns::start(
         &dir,
         &[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.2", "127.0.0.3"])],
@@ -526,10 +533,8 @@ async fn check_config_names_the_field_of_a_name_without_an_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_connection_looks_the_name_up_at_once() {
     let dir = tempdir("failed");
-    let prefill = launch(nixl_engine(SimRole::Prefill, "127.0.0.1:0".parse().unwrap())).await.unwrap();
-    let a = launch(nixl_engine(SimRole::Decode, "127.0.0.2:0".parse().unwrap())).await.unwrap();
+    let (prefill, a, b) = nixl_trio().await;
     let port = a.addr.port();
-    let b = launch(nixl_engine(SimRole::Decode, SocketAddr::from(([127, 0, 0, 3], port)))).await.unwrap();
     let Some(mut dns) =
         Dns::start(&dir, &[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.2"])])
             .await

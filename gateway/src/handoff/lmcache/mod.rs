@@ -33,13 +33,12 @@ use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::shared::{
-    BoxError, Drains, HttpClient, RespBody, Shared, answer_body, count_failure, post_json, refusal,
-    send_drain,
+    BoxError, Drains, RespBody, Shared, answer_body, count_failure, post_json, refusal, send_drain,
 };
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
-use crate::endpoints::EngineUrl;
+use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
 use crate::telemetry::{Families, Metrics, Phase, Timing};
@@ -118,7 +117,7 @@ struct Life {
 
 /// The one-token decode that makes the decoder retrieve (and free) what a prefiller wrote.
 struct Drain {
-    client: HttpClient,
+    client: EngineClient,
     http: EngineUrl,
     /// The request as a completion over the prompt's ids, shared with the prefill; the drain body is
     /// built from it only when a drain is sent.
@@ -417,7 +416,7 @@ impl Handoff for Lmcache {
 
 /// The decode leg of one request.
 struct DecodeCtx {
-    client: HttpClient,
+    client: EngineClient,
     dec: Arc<Decoder>,
     health: HealthConfig,
     decode_body: Value,
