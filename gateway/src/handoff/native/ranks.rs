@@ -21,8 +21,6 @@ use crate::endpoints::{Host, HostPort, Names};
 
 type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
 
-/// The data-plane side of one native decoder: a control connection pool and an event feed per
-/// rank.
 /// How to reach a decoder's ranks: their addresses in rank order, the geometry fingerprint they must
 /// report, and the TLS (mTLS) to speak when the data plane is authenticated (`[dataplane_tls]`).
 /// A rank given by name is looked up at each new connection (its current addresses, tried in
@@ -77,9 +75,10 @@ impl RankLinks {
     }
 }
 
+/// The data-plane side of one native decoder: a control connection pool and an event feed per
+/// rank.
 pub struct Ranks {
     pub name: String,
-    pub addrs: Vec<HostPort>,
     pub chunk_tokens: u32,
     links: RankLinks,
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
@@ -89,7 +88,7 @@ pub struct Ranks {
 
 impl std::fmt::Debug for Ranks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ranks").field("name", &self.name).field("addrs", &self.addrs).finish()
+        f.debug_struct("Ranks").field("name", &self.name).field("addrs", &self.links.addrs).finish()
     }
 }
 
@@ -211,7 +210,7 @@ impl Ranks {
             };
             routers.spawn(rank.run(feed));
         }
-        Ok(Self { name, addrs: ranks, chunk_tokens, links, controls, waiters, _routers: routers })
+        Ok(Self { name, chunk_tokens, links, controls, waiters, _routers: routers })
     }
 
     /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
@@ -223,7 +222,7 @@ impl Ranks {
         match pooled {
             Some(c) => Ok((c, true)),
             None => {
-                let addr = self.addrs.get(rank).ok_or(TransportError::Closed)?;
+                let addr = self.links.addrs.get(rank).ok_or(TransportError::Closed)?;
                 Ok((self.links.control(addr, u32::try_from(rank).unwrap_or(u32::MAX)).await?, false))
             }
         }
@@ -272,8 +271,8 @@ impl Ranks {
         lease: Duration,
         prefixes: &[PrefixKey],
     ) -> Result<Option<Vec<(SocketAddr, Vec<(u32, PageAddr)>)>>, TransportError> {
-        let mut got = Vec::with_capacity(self.addrs.len());
-        for r in 0..self.addrs.len() {
+        let mut got = Vec::with_capacity(self.links.addrs.len());
+        for r in 0..self.links.addrs.len() {
             match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
                 Ok(OpOut::Reserved(peer, addrs)) => got.push((peer, addrs)),
                 Ok(_) => {
@@ -300,7 +299,7 @@ impl Ranks {
     /// Cancels on every rank (idempotent; a rank that cannot be reached is skipped: its lease ends
     /// the reservation). `unsent`: no prefiller ever had the addresses.
     pub async fn cancel(&self, key: RequestKey, unsent: bool) {
-        self.cancel_ranks(key, unsent, 0..self.addrs.len()).await;
+        self.cancel_ranks(key, unsent, 0..self.links.addrs.len()).await;
     }
 
     async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
@@ -323,7 +322,7 @@ impl Ranks {
     /// What every rank reports now.
     pub async fn ranks_view(&self) -> Vec<RankView> {
         let mut out = Vec::new();
-        for r in 0..self.addrs.len() {
+        for r in 0..self.links.addrs.len() {
             if let Ok(OpOut::Info(i)) = self.call(r, Op::Info).await {
                 out.push(RankView { rank: i.rank, pages_total: i.pages_total, pages_free: i.pages_free });
             }
@@ -337,6 +336,6 @@ impl Ranks {
     }
 
     pub fn rank_count(&self) -> u32 {
-        u32::try_from(self.addrs.len()).unwrap_or(u32::MAX)
+        u32::try_from(self.links.addrs.len()).unwrap_or(u32::MAX)
     }
 }
