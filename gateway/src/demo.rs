@@ -123,6 +123,8 @@ pub struct GatewaySetup {
     pub admin_listen: Option<SocketAddr>,
     /// The admin listener's bearer token, as its SHA-256.
     pub admin_token_sha256: Option<[u8; 32]>,
+    /// `[admission.tenants]`: bearer tokens' tenant names (the token metrics count by them).
+    pub tenants: std::collections::BTreeMap<String, String>,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -334,7 +336,7 @@ pub async fn start_gateway(
     listen: SocketAddr,
     setup: GatewaySetup,
 ) -> Result<GatewayRun, String> {
-    let shared = Shared::new(setup.limits, setup.health);
+    let shared = Shared::new(setup.limits, setup.health).map_err(|e| format!("metrics: {e}"))?;
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
         let queue = SlotQueue::new(0, QueueConfig::default());
@@ -381,7 +383,7 @@ pub async fn start_gateway(
         shared,
         Router::new(setup.routing),
         setup.http,
-        Access::default(),
+        Access { plugins: None, keys: None, tenants: crate::policy::TenantNames::new(setup.tenants.clone()) },
     );
     let _health = gateway.start_health_checks();
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));

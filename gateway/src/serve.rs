@@ -14,6 +14,7 @@ use crate::handoff::{Prefiller, Shared};
 use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::Router;
 use crate::server::{HttpTimeouts, Listeners, Surface};
+use crate::telemetry::Metrics;
 
 /// A serving gateway.
 #[derive(Debug)]
@@ -58,7 +59,9 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
             }
         }
     }
-    let shared = Shared::with_client(c.limits, c.health, EngineClient::new(names, c.engine_tls.clone()));
+    let metrics = Metrics::new(c.tenant_series).map_err(|e| StartError::Metrics(e.to_string()))?;
+    let client = EngineClient::new(names, c.engine_tls.clone());
+    let shared = Shared::with_client(c.limits, c.health, client, Arc::new(metrics));
     let lmcache = match c.lmcache_listen {
         Some(addr) => {
             let hub = Notifications::bind(addr).await.map_err(StartError::Lmcache)?;
@@ -86,9 +89,10 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         );
     }
     let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
+    let tenants = crate::policy::TenantNames::new(c.tenants.clone());
     let plugins = match &c.plugins {
         Some(p) => Some(
-            crate::policy::Plugins::start(p, c.tenants.clone(), c.source.clone().map(reread))
+            crate::policy::Plugins::start(p, tenants.clone(), c.source.clone().map(reread))
                 .map_err(StartError::Plugins)?,
         ),
         None => None,
@@ -96,7 +100,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let mut background: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
-    let access = Access { plugins, keys: c.keys };
+    let access = Access { plugins, keys: c.keys, tenants };
     let gateway = Gateway::new(
         model,
         prefills,

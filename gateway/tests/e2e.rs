@@ -40,6 +40,25 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// A program from a Debian package that `scripts/test` installs, on `PATH` or in `/usr/sbin`;
+/// `None` (the test skips) outside the script, a failure inside it (`BATON_REQUIRE_VENV`).
+fn system_tool(name: &str, package: &str) -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain([std::path::PathBuf::from("/usr/sbin"), std::path::PathBuf::from("/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("BATON_REQUIRE_VENV").is_none(),
+            "{name} is missing: scripts/test installs it (apt-get install {package})"
+        );
+        eprintln!("SKIP: no {name} (scripts/test installs {package})");
+    }
+    found
+}
+
 /// The head of the `baton serve` files the tests write: a plain-HTTP public listener and the admin
 /// listener on ephemeral loopback ports, and the simulator's model with the tiny geometry.
 const SERVE_HEAD: &str = r#"
@@ -729,7 +748,11 @@ mod configs {
                 let c = baton_gateway::config::load(&copy).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
                 // Plugins are compiled and their config tables validated by the plugins themselves.
                 if let Some(p) = &c.plugins {
-                    baton_gateway::policy::Plugins::start(p, c.tenants.clone(), None)
+                    baton_gateway::policy::Plugins::start(
+                        p,
+                        baton_gateway::policy::TenantNames::new(c.tenants.clone()),
+                        None,
+                    )
                         .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
                 }
                 checked += 1;
@@ -1174,10 +1197,10 @@ mod health {
         assert!(!ga.prefills[1].health.healthy());
         let (_, m) = http(ra.admin, "/metrics", None).await;
         let m = String::from_utf8(m.to_vec()).unwrap();
-        assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-1\"} 0"), "{m}");
-        assert!(m.contains("baton_endpoint_healthy{pool=\"prefill\",endpoint=\"prefill-0\"} 1"), "{m}");
+        assert!(m.contains("baton_endpoint_healthy{endpoint=\"prefill-1\",pool=\"prefill\"} 0"), "{m}");
+        assert!(m.contains("baton_endpoint_healthy{endpoint=\"prefill-0\",pool=\"prefill\"} 1"), "{m}");
         assert!(
-            m.contains("baton_endpoint_ejections_total{pool=\"prefill\",endpoint=\"prefill-1\"} 1"),
+            m.contains("baton_endpoint_ejections_total{endpoint=\"prefill-1\",pool=\"prefill\"} 1"),
             "{m}"
         );
         assert_eq!(ga.prefills[1].health.ejected_total.load(std::sync::atomic::Ordering::Relaxed), 1);
@@ -1362,6 +1385,10 @@ mod certs;
 #[path = "e2e/names.rs"]
 mod names;
 
+/// The metrics checked by Prometheus' own tool, the latency and token series, the in-flight view.
+#[path = "e2e/observability.rs"]
+mod observability;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.
@@ -1527,7 +1554,7 @@ async fn every_mode_records_every_phase_it_passes_through() {
         (DemoHandoff::Sglang, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
     ];
     for (handoff, mut phases) in modes {
-        phases.push(Phase::Total);
+        phases.extend([Phase::Route, Phase::Total, Phase::Stream]);
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,

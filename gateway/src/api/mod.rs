@@ -133,6 +133,18 @@ pub enum GatewayError {
 }
 
 impl GatewayError {
+    /// For an engine call that failed: its leg and what became of it (the engine's HTTP status,
+    /// `timeout`, or `error` when no usable answer came); the KV's arrival counts as leg `kv`.
+    pub fn engine_failure(&self) -> Option<(&'static str, std::borrow::Cow<'static, str>)> {
+        match self {
+            Self::Upstream { leg, .. } => Some((leg, "error".into())),
+            Self::UpstreamTimeout { leg, .. } => Some((leg, "timeout".into())),
+            Self::EngineRefused { leg, status, .. } => Some((leg, status.to_string().into())),
+            Self::KvTransfer(_) => Some(("kv", "error".into())),
+            _ => None,
+        }
+    }
+
     pub fn status(&self) -> u16 {
         match self {
             Self::BadJson(_) | Self::Invalid { .. } | Self::ContextLength { .. } => 400,

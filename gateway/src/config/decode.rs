@@ -210,6 +210,8 @@ pub enum StartError {
     Lmcache(String),
     #[error("plugins: {0}")]
     Plugins(String),
+    #[error("metrics: {0}")]
+    Metrics(String),
 }
 
 /// Checks the pools; `geometry_for(tp)` is the model's geometry at a TP size.

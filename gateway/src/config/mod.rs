@@ -278,6 +278,9 @@ pub struct Telemetry {
     pub log_format: Option<String>,
     /// A `tracing` filter such as `info` or `baton_gateway=debug` (default `info`; `RUST_LOG` wins).
     pub log_level: Option<String>,
+    /// Tenants with `baton_tokens_total` series of their own (default
+    /// [`crate::telemetry::metrics::DEFAULT_TENANT_SERIES`]); the others are counted as `other`.
+    pub tenant_series: Option<usize>,
 }
 
 pub(crate) fn ms(d: Duration) -> u64 {
@@ -346,6 +349,8 @@ pub struct Checked {
     pub routing: Builtin,
     pub health: HealthConfig,
     pub log: LogConfig,
+    /// `[telemetry] tenant_series`.
+    pub tenant_series: usize,
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
@@ -490,6 +495,7 @@ impl Config {
             routing,
             health,
             log,
+            tenant_series: self.telemetry.tenant_series.unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,

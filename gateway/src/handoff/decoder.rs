@@ -15,7 +15,7 @@ use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::{GatewayError, GenRequest};
 use crate::endpoints::EngineUrl;
 use crate::routing::Health;
-use crate::telemetry::{Families, Timing};
+use crate::telemetry::{Scrape, Timing};
 
 /// `need` slots of the decoder's queue, FIFO within the ticket's class, waiting at most the
 /// ticket's wait (never more than `queue_timeout`).
@@ -118,7 +118,7 @@ pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
     }
 
     /// The mode's own series for `/metrics` (labelled with `decoder`).
-    fn metrics(&self, _decoder: &str, _out: &mut Families) {}
+    fn metrics(&self, _decoder: &str, _out: &mut Scrape) {}
 
     /// For tests and tools that need a mode's own state.
     fn as_any(&self) -> &dyn Any;

@@ -41,7 +41,7 @@ use crate::api::GatewayError;
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
-use crate::telemetry::{Families, Phase};
+use crate::telemetry::{Phase, Scrape};
 
 /// The mode's name in the configuration.
 pub const MODE: &str = "vllm-nixl";
@@ -197,6 +197,7 @@ type PrefillResult = Result<Value, GatewayError>;
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
         let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        timing.enter(Phase::Prefill);
         let path = req.endpoint.path();
         let request = Arc::new(Value::Object(req.raw.clone()));
         let mut prefill_body = (*request).clone();
@@ -245,6 +246,7 @@ impl Nixl {
         });
         let params = PrefillWait { rx: Some(rx), owed: &mut owed }.recv().await?;
         timing.mark(Phase::Prefill);
+        timing.enter(Phase::Decode);
 
         let mut body = (*request).clone();
         if let Some(o) = body.as_object_mut() {
@@ -294,7 +296,7 @@ impl Handoff for Nixl {
         Box::pin(async move { json!({"max_in_flight": self.target.max_in_flight}) })
     }
 
-    fn metrics(&self, decoder: &str, out: &mut Families) {
+    fn metrics(&self, decoder: &str, out: &mut Scrape) {
         self.load.metrics(decoder, MODE, out);
         self.drains.metrics(decoder, MODE, out);
     }

@@ -21,7 +21,7 @@ use hyper::Request;
 use super::shared::{AbortOnDrop, Shared};
 use crate::admission::SlotQueue;
 use crate::endpoints::EngineUrl;
-use crate::telemetry::Families;
+use crate::telemetry::Scrape;
 
 /// Requests in flight on one decoder when its metrics allow more.
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 256;
@@ -74,34 +74,30 @@ pub struct Load {
 
 impl Load {
     /// Adds the decoder's `baton_decoder_reported_*` series.
-    pub fn metrics(&self, decoder: &str, mode: &str, out: &mut Families) {
-        let labels = format!("decoder=\"{decoder}\",mode=\"{mode}\"");
-        out.add(
+    pub fn metrics(&self, decoder: &str, mode: &str, out: &mut Scrape) {
+        let labels = [("decoder", decoder), ("mode", mode)];
+        out.gauge(
             "baton_decoder_reported_kv_usage",
-            "gauge",
             "KV cache usage a decoder's own metrics reported last (0..1; mean over its engines).",
-            labels.clone(),
+            &labels,
             f64::from(self.kv_usage_bp.load(Ordering::Relaxed)) / 10_000.0,
         );
-        out.add(
+        out.gauge(
             "baton_decoder_reported_waiting",
-            "gauge",
             "Requests a decoder's own metrics reported waiting last (sum over its engines).",
-            labels.clone(),
+            &labels,
             self.waiting.load(Ordering::Relaxed) as f64,
         );
-        out.add(
+        out.gauge(
             "baton_decoder_admitting",
-            "gauge",
             "1 while a decoder's own metrics allow new requests.",
-            labels.clone(),
+            &labels,
             f64::from(u8::from(self.open.load(Ordering::Relaxed))),
         );
-        out.add(
+        out.counter(
             "baton_decoder_scrape_failures_total",
-            "counter",
             "Failed reads of a decoder's /metrics.",
-            labels,
+            &labels,
             self.scrape_failures.load(Ordering::Relaxed) as f64,
         );
     }

@@ -45,7 +45,7 @@ use crate::api::GatewayError;
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
-use crate::telemetry::{Families, Metrics, Phase};
+use crate::telemetry::{Metrics, Phase, Scrape};
 
 /// The mode's name in the configuration.
 pub const MODE: &str = "sglang";
@@ -152,6 +152,8 @@ impl Sglang {
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
         let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        // Both legs are sent at once: the request is in its decode from here.
+        timing.enter(Phase::Decode);
         let shared = &*self.shared;
         let prefill = prefills.first().ok_or(GatewayError::NoEndpoint("prefill"))?;
         let port = self.bootstrap_port(prefill).await?;
@@ -529,14 +531,13 @@ impl Handoff for Sglang {
         })
     }
 
-    fn metrics(&self, decoder: &str, out: &mut Families) {
+    fn metrics(&self, decoder: &str, out: &mut Scrape) {
         self.load.metrics(decoder, MODE, out);
         for (result, c) in [("sent", &self.aborts.sent), ("failed", &self.aborts.failed)] {
-            out.add(
+            out.counter(
                 "baton_sglang_aborts_total",
-                "counter",
                 "POST /abort_request sent to SGLang engines for requests that ended before their answer, by result.",
-                format!("decoder=\"{decoder}\",result=\"{result}\""),
+                &[("decoder", decoder), ("result", result)],
                 c.load(Ordering::Relaxed) as f64,
             );
         }

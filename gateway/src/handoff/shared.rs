@@ -18,7 +18,7 @@ use crate::admission::AdmissionError;
 use crate::api::GatewayError;
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::{Health, HealthConfig, InFlight};
-use crate::telemetry::{Families, Metrics};
+use crate::telemetry::{Metrics, Scrape};
 
 /// A reservation's lease on the decoder: long enough for a long prefill and the decode request to
 /// arrive, short enough that a vanished gateway strands pages for at most this long.
@@ -70,13 +70,20 @@ pub struct Shared {
 impl Shared {
     /// Engines by IP, or by name with the system's resolver, `https://` checked against the
     /// system's roots.
-    pub fn new(limits: Limits, health: HealthConfig) -> Arc<Self> {
-        Self::with_client(limits, health, EngineClient::new(crate::endpoints::Names::default(), None))
+    pub fn new(limits: Limits, health: HealthConfig) -> prometheus::Result<Arc<Self>> {
+        let client = EngineClient::new(crate::endpoints::Names::default(), None);
+        let metrics = Metrics::new(crate::telemetry::metrics::DEFAULT_TENANT_SERIES)?;
+        Ok(Self::with_client(limits, health, client, Arc::new(metrics)))
     }
 
-    /// With `client` (`[resolver]`, `[engine_tls]`).
-    pub fn with_client(limits: Limits, health: HealthConfig, client: EngineClient) -> Arc<Self> {
-        Arc::new(Self { client, limits, health, keys: KeyGen::default(), metrics: Arc::default() })
+    /// With `client` (`[resolver]`, `[engine_tls]`) and `metrics`.
+    pub fn with_client(
+        limits: Limits,
+        health: HealthConfig,
+        client: EngineClient,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        Arc::new(Self { client, limits, health, keys: KeyGen::default(), metrics })
     }
 
     /// POSTs `body` within the upstream timeout.
@@ -211,15 +218,14 @@ pub struct Drains {
 
 impl Drains {
     /// Adds `baton_drains_total{decoder,mode,result}`.
-    pub(crate) fn metrics(&self, decoder: &str, mode: &str, out: &mut Families) {
+    pub(crate) fn metrics(&self, decoder: &str, mode: &str, out: &mut Scrape) {
         for (result, c) in
             [("sent", &self.sent), ("already_free", &self.already_free), ("failed", &self.failed)]
         {
-            out.add(
+            out.counter(
                 "baton_drains_total",
-                "counter",
                 "One-token decodes sent for requests that ended between prefill and decode, by result.",
-                format!("decoder=\"{decoder}\",mode=\"{mode}\",result=\"{result}\""),
+                &[("decoder", decoder), ("mode", mode), ("result", result)],
                 c.load(Ordering::Relaxed) as f64,
             );
         }

@@ -27,11 +27,19 @@ use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, valid
 use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
-use crate::policy::{Admit, Plugins, QueueState, Sender};
+use crate::policy::{Admit, Plugins, QueueState, Sender, TenantNames};
 use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
-use crate::telemetry::{Phase, Timing};
+use crate::telemetry::{Live, Phase, Timing};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
-use usage::{Completion, UsageBody};
+use usage::{Answer, Completion, Watched};
+
+/// A request the mode answered: its response (headers in, body to come) and what its end records.
+struct Dispatched {
+    resp: Response<RespBody>,
+    mode: &'static str,
+    prompt_tokens: u64,
+    owed: Option<Completion>,
+}
 
 /// How long a client may take to send its request headers (hyper enforces it only with a timer).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -74,11 +82,13 @@ pub struct ModelInfo {
     pub tokenizer: Arc<Tokenizer>,
 }
 
-/// Who may send what: the policy plugins and the API keys, each when configured.
+/// Who may send what: the policy plugins and the API keys, each when configured, and the names of
+/// bearer tokens (`[admission.tenants]`).
 #[derive(Debug, Default)]
 pub struct Access {
     pub plugins: Option<Arc<Plugins>>,
     pub keys: Option<Arc<ApiKeys>>,
+    pub tenants: TenantNames,
 }
 
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
@@ -96,6 +106,8 @@ pub struct Gateway {
     pub plugins: Option<Arc<Plugins>>,
     /// API keys, when `[auth]` is on: a request needs one, and its tenant is the key's.
     pub keys: Option<Arc<ApiKeys>>,
+    /// `[admission.tenants]`: the tenant of a request when API keys are off.
+    tenants: TenantNames,
     seq: AtomicU64,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
@@ -120,6 +132,7 @@ impl Gateway {
             http,
             plugins: access.plugins,
             keys: access.keys,
+            tenants: access.tenants,
             seq: AtomicU64::new(0),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
@@ -284,12 +297,46 @@ impl Gateway {
         self.count_and_dispatch(req, headers).await
     }
 
-    /// A parsed request: its model checked, its tokens counted, then dispatched.
+    /// A parsed request: its model checked, its tokens counted, then dispatched; in the in-flight
+    /// table from here until its answer's body ends (or the client leaves).
     async fn count_and_dispatch(
         &self,
         req: GenRequest,
         headers: &hyper::HeaderMap,
     ) -> Result<Response<RespBody>, GatewayError> {
+        let metrics = &self.shared.metrics;
+        let mut tracked = metrics.track();
+        // The API key's tenant, else the bearer token's `[admission.tenants]` name (never the token).
+        let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
+        let stream = req.fields.stream;
+        match self.count_then_dispatch(req, headers, tracked.live()).await {
+            Ok(d) => {
+                let answer = Answer {
+                    tracked,
+                    mode: d.mode,
+                    tenant,
+                    prompt_tokens: d.prompt_tokens,
+                    stream,
+                    owed: d.owed,
+                };
+                Ok(d.resp.map(|b| Watched::new(b, answer).boxed()))
+            }
+            Err(e) => {
+                tracked.settle();
+                if let Some((leg, status)) = e.engine_failure() {
+                    metrics.engine_error(leg, &status);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn count_then_dispatch(
+        &self,
+        req: GenRequest,
+        headers: &hyper::HeaderMap,
+        live: &Arc<Live>,
+    ) -> Result<Dispatched, GatewayError> {
         if let Some(m) = req.model()
             && m != self.model.name
         {
@@ -297,7 +344,7 @@ impl Gateway {
         }
         if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
             let ids = self.model.tokenizer.token_ids(&req)?;
-            return self.dispatch(req, ids, headers).await;
+            return self.dispatch(req, ids, headers, live).await;
         }
         let tok = Arc::clone(&self.model.tokenizer);
         let (req, ids) = tokio::task::spawn_blocking(move || {
@@ -306,7 +353,7 @@ impl Gateway {
         })
         .await
         .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))?;
-        self.dispatch(req, ids?, headers).await
+        self.dispatch(req, ids?, headers, live).await
     }
 
     /// A counted request: plugin admission, routing, admission on the chosen decoder, its mode's
@@ -316,7 +363,8 @@ impl Gateway {
         req: GenRequest,
         ids: Vec<u32>,
         headers: &hyper::HeaderMap,
-    ) -> Result<Response<RespBody>, GatewayError> {
+        live: &Arc<Live>,
+    ) -> Result<Dispatched, GatewayError> {
         if ids.len() as u64 > self.model.context_length {
             return Err(GatewayError::ContextLength {
                 tokens: ids.len() as u64,
@@ -377,8 +425,10 @@ impl Gateway {
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
 
-        // Timed from the admission on: `queue` is the wait for the decoder's room.
-        let mut timing = Timing::start();
+        // `route` up to here; then `queue`, the wait for the decoder's room.
+        let mut timing = Timing::tracked(Some(Arc::clone(live)));
+        timing.record(Phase::Route, live.started.elapsed());
+        timing.enter(Phase::Queue);
         let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
@@ -394,16 +444,20 @@ impl Gateway {
             resp
         });
         self.shared.metrics.record(&timing);
-        match (r, owed) {
-            (Ok(resp), Some(mut c)) => {
-                c.status = resp.status().as_u16();
-                Ok(resp.map(|b| UsageBody { inner: b, completion: c }.boxed()))
+        let prompt_tokens = ids.len() as u64;
+        match r {
+            Ok(resp) => {
+                if let Some(c) = owed.as_mut() {
+                    c.status = resp.status().as_u16();
+                }
+                Ok(Dispatched { resp, mode: dec.mode(), prompt_tokens, owed })
             }
-            (Err(e), Some(mut c)) => {
-                c.status = e.status();
+            Err(e) => {
+                if let Some(c) = owed.as_mut() {
+                    c.status = e.status();
+                }
                 Err(e)
             }
-            (r, None) => r,
         }
     }
 

@@ -1,5 +1,8 @@
-//! The admission plugin's `on-complete`: a response body wrapper that counts the completion tokens
-//! on their way to the client and reports them once, when the body ends or the client leaves.
+//! What happens to an answer on its way to the client: a response body wrapper ([`Watched`]) that
+//! passes every frame through unchanged while it counts the completion tokens, times the stream
+//! (first chunk, gaps between chunks, the end) and, once the body ends or the client leaves,
+//! records the request's metrics, takes it out of the in-flight table and tells the admission
+//! plugin its usage (`on-complete`).
 //!
 //! The count is the `usage.completion_tokens` the engine reported when the answer carries one
 //! (every non-streamed answer; a stream with `include_usage`); otherwise the number of SSE `data:`
@@ -8,12 +11,14 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 
 use crate::handoff::{BoxError, RespBody};
 use crate::policy::{AdmissionPlugin, PolicyRequest, Usage};
+use crate::telemetry::{Phase, Tracked};
 
 /// Bytes carried from the end of one chunk, to find a marker (or a count's digits) split across two.
 const TAIL: usize = 32;
@@ -27,34 +32,85 @@ pub struct Completion {
     plugin: Arc<AdmissionPlugin>,
     req: Arc<PolicyRequest>,
     pub status: u16,
-    counting: Counting,
+    tokens: u32,
 }
 
 impl Completion {
     pub fn new(plugin: Arc<AdmissionPlugin>, req: Arc<PolicyRequest>) -> Self {
-        Self { plugin, req, status: 0, counting: Counting::default() }
-    }
-
-    fn usage(&self) -> Usage {
-        Usage {
-            prompt_tokens: self.req.prompt_tokens,
-            completion_tokens: self.counting.tokens(),
-            status: self.status,
-        }
+        Self { plugin, req, status: 0, tokens: 0 }
     }
 }
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        self.plugin.complete(Arc::clone(&self.req), self.usage());
+        let usage =
+            Usage { prompt_tokens: self.req.prompt_tokens, completion_tokens: self.tokens, status: self.status };
+        self.plugin.complete(Arc::clone(&self.req), usage);
     }
 }
 
-/// Passes the body through unchanged while counting.
+/// What [`Watched`] records when the answer ends.
 #[derive(Debug)]
-pub struct UsageBody {
-    pub inner: RespBody,
-    pub completion: Completion,
+pub struct Answer {
+    pub tracked: Tracked,
+    pub mode: &'static str,
+    pub tenant: Option<Arc<str>>,
+    pub prompt_tokens: u64,
+    pub stream: bool,
+    /// The admission plugin's `on-complete`, when it admitted the request.
+    pub owed: Option<Completion>,
+}
+
+/// Passes the body through unchanged while counting and timing it.
+#[derive(Debug)]
+pub struct Watched {
+    inner: RespBody,
+    counting: Counting,
+    answer: Answer,
+    /// When the response headers went out.
+    headers_at: Instant,
+    /// When the last chunk went out (streams).
+    last: Option<Instant>,
+    /// `ok` or `error` once the body ended.
+    outcome: Option<&'static str>,
+}
+
+impl Watched {
+    pub fn new(inner: RespBody, answer: Answer) -> Self {
+        answer.tracked.live().enter(Phase::Stream);
+        Self { inner, counting: Counting::default(), answer, headers_at: Instant::now(), last: None, outcome: None }
+    }
+
+    fn chunk(&mut self, data: &[u8]) {
+        self.counting.scan(data);
+        if !self.answer.stream || data.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let m = self.answer.tracked.metrics();
+        match self.last {
+            None => m.first_token(self.answer.mode, now - self.answer.tracked.live().started),
+            Some(before) => m.inter_token(self.answer.mode, now - before),
+        }
+        self.last = Some(now);
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let a = &mut self.answer;
+        let m = a.tracked.metrics();
+        let tokens = self.counting.tokens();
+        m.phase(Phase::Stream, self.headers_at.elapsed());
+        m.ended(a.mode, self.outcome.unwrap_or("cancelled"), a.tracked.live().started.elapsed());
+        m.tokens(a.tenant.as_deref(), a.prompt_tokens, u64::from(tokens));
+        if self.outcome.is_some() {
+            a.tracked.settle();
+        }
+        if let Some(c) = a.owed.as_mut() {
+            c.tokens = tokens;
+        }
+    }
 }
 
 /// Completion tokens seen so far: the last `usage.completion_tokens`, else the SSE events.
@@ -113,7 +169,7 @@ impl Counting {
     }
 }
 
-impl Body for UsageBody {
+impl Body for Watched {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -122,10 +178,22 @@ impl Body for UsageBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(f))) = &polled
-            && let Some(d) = f.data_ref()
-        {
-            self.completion.counting.scan(d);
+        match &polled {
+            Poll::Ready(Some(Ok(f))) => {
+                if let Some(d) = f.data_ref() {
+                    self.chunk(d);
+                }
+                // hyper polls no further once the body says it has ended.
+                if self.inner.is_end_stream() {
+                    self.outcome = Some("ok");
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                self.outcome = Some("error");
+                self.answer.tracked.metrics().engine_error("decode", "stream");
+            }
+            Poll::Ready(None) => self.outcome = Some("ok"),
+            Poll::Pending => {}
         }
         polled
     }

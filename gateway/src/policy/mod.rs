@@ -275,11 +275,11 @@ impl Fault {
 }
 
 /// A plugin's counters (cumulative across versions).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     pub calls: AtomicU64,
-    /// Sum of call times (µs), queue wait included.
-    pub call_us: AtomicU64,
+    /// `baton_plugin_call_seconds{plugin,world}`: call times, queue wait included.
+    pub call_seconds: prometheus::Histogram,
     pub faults: [AtomicU64; 5],
     /// Decisions left to the built-in: the plugin was off or busy.
     pub disabled_skips: AtomicU64,
@@ -289,6 +289,31 @@ pub struct Stats {
 }
 
 impl Stats {
+    fn new(plugin: &str, world: &str) -> prometheus::Result<Self> {
+        let opts = prometheus::HistogramOpts::new(
+            "baton_plugin_call_seconds",
+            "Time a policy plugin call took, the wait for a plugin thread included.",
+        )
+        .const_label("plugin", plugin)
+        .const_label("world", world)
+        .buckets(crate::telemetry::metrics::BUCKETS.to_vec());
+        Ok(Self {
+            calls: AtomicU64::new(0),
+            call_seconds: prometheus::Histogram::with_opts(opts)?,
+            faults: Default::default(),
+            disabled_skips: AtomicU64::new(0),
+            busy: AtomicU64::new(0),
+            reloads: AtomicU64::new(0),
+            reload_failures: AtomicU64::new(0),
+        })
+    }
+
+    /// One call, begun at `started`.
+    fn called(&self, started: Instant) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.call_seconds.observe(started.elapsed().as_secs_f64());
+    }
+
     pub fn fault_count(&self, f: Fault) -> u64 {
         self.faults.get(f as usize).map_or(0, |a| a.load(Ordering::Relaxed))
     }
@@ -375,6 +400,8 @@ impl<W: World> Plugin<W> {
             world: W::KIND.name(),
             error: format!("{e:#}"),
         })?;
+        let stats = Stats::new(&spec.name, W::KIND.name())
+            .map_err(|e| LoadError::Instantiate { name: spec.name.clone(), error: e.to_string() })?;
         let state = Arc::new(SharedState::new(host.clock.clone()));
         let stamp = file_stamp(&spec.path);
         let version = Self::build(host, &linker, &state, spec.clone(), 1)?;
@@ -407,7 +434,7 @@ impl<W: World> Plugin<W> {
             tx: Mutex::new(Some(tx)),
             idle: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(2),
-            stats: Arc::new(Stats::default()),
+            stats: Arc::new(stats),
             seen: Mutex::new(stamp),
         }))
     }
@@ -629,11 +656,7 @@ impl<W: World> Plugin<W> {
         let started = Instant::now();
         if v.spec.inline {
             let r = self.call_inline(&v, f);
-            self.stats.calls.fetch_add(1, Ordering::Relaxed);
-            self.stats.call_us.fetch_add(
-                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-                Ordering::Relaxed,
-            );
+            self.stats.called(started);
             return r;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -648,10 +671,7 @@ impl<W: World> Plugin<W> {
             return None;
         }
         let r = tokio::time::timeout(wait, rx).await.ok().and_then(Result::ok).flatten();
-        self.stats.calls.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .call_us
-            .fetch_add(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.stats.called(started);
         r
     }
 
@@ -729,7 +749,7 @@ impl<W: World> Direct<W> {
 pub mod calls;
 pub mod runtime;
 pub use calls::{AdmissionPlugin, Admit, PolicyRequest, QueueState, RoutingPlugin, Usage};
-pub use runtime::{CheckedPlugins, Plugins, Reread, Sender};
+pub use runtime::{CheckedPlugins, Plugins, Reread, Sender, TenantNames};
 
 #[cfg(test)]
 mod tests;

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use super::{
     AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World,
 };
-use crate::telemetry::family;
+use crate::telemetry::Scrape;
 
 /// `[plugins]`, checked.
 #[derive(Debug, Clone)]
@@ -49,6 +49,27 @@ pub fn prefix_hash(ids: &[u32]) -> u32 {
     h
 }
 
+/// `[admission.tenants]`: a bearer token's tenant name, for the plugins and the token metrics;
+/// replaced by a plugin reload.
+#[derive(Clone, Debug, Default)]
+pub struct TenantNames(Arc<std::sync::RwLock<BTreeMap<String, String>>>);
+
+impl TenantNames {
+    pub fn new(names: BTreeMap<String, String>) -> Self {
+        Self(Arc::new(std::sync::RwLock::new(names)))
+    }
+
+    fn set(&self, names: BTreeMap<String, String>) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = names;
+    }
+
+    /// The name given to the request's bearer token, if any.
+    pub fn of(&self, headers: &HeaderMap) -> Option<String> {
+        let key = crate::auth::bearer(headers)?;
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).cloned()
+    }
+}
+
 /// The admission and routing plugins of one gateway.
 #[derive(Debug)]
 pub struct Plugins {
@@ -56,7 +77,7 @@ pub struct Plugins {
     pub admission: Option<Arc<AdmissionPlugin>>,
     pub routing: Option<Arc<RoutingPlugin>>,
     headers: Vec<String>,
-    tenants: std::sync::RwLock<BTreeMap<String, String>>,
+    tenants: TenantNames,
     watch_interval: std::time::Duration,
     /// Re-reads the gateway TOML for [`Plugins::reload`]: the plugins' tables and the tenants.
     source: Option<Reread>,
@@ -73,7 +94,7 @@ impl Plugins {
     /// Compiles, checks and starts every configured plugin; any error refuses the start.
     pub fn start(
         c: &CheckedPlugins,
-        tenants: BTreeMap<String, String>,
+        tenants: TenantNames,
         source: Option<Reread>,
     ) -> Result<Arc<Self>, String> {
         let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
@@ -97,7 +118,7 @@ impl Plugins {
             admission,
             routing,
             headers: c.headers.clone(),
-            tenants: std::sync::RwLock::new(tenants),
+            tenants,
             watch_interval: c.watch_interval,
             source,
         }))
@@ -118,12 +139,9 @@ impl Plugins {
         // token, or the token itself.
         let tenant = tenant.map_or_else(
             || {
-                let key = crate::auth::bearer(headers).unwrap_or("");
-                self.tenants
-                    .read()
-                    .ok()
-                    .and_then(|t| t.get(key).cloned())
-                    .unwrap_or_else(|| key.chars().take(128).collect())
+                self.tenants.of(headers).unwrap_or_else(|| {
+                    crate::auth::bearer(headers).unwrap_or("").chars().take(128).collect()
+                })
             },
             str::to_owned,
         );
@@ -159,9 +177,7 @@ impl Plugins {
             if adm.is_some() != self.admission.is_some() || rt.is_some() != self.routing.is_some() {
                 return Err("adding or removing a plugin needs a restart".into());
             }
-            if let Ok(mut t) = self.tenants.write() {
-                *t = tenants;
-            }
+            self.tenants.set(tenants);
         }
         let mut out = Vec::new();
         if let Some(p) = &self.admission {
@@ -210,64 +226,45 @@ impl Plugins {
         json!({"plugins": list, "compile_cache": {"hits": hits, "misses": misses}})
     }
 
-    /// Prometheus lines.
-    pub fn render(&self, o: &mut String) {
-        let mut rows: Vec<Row> = Vec::new();
+    /// Each plugin's series.
+    pub fn scrape(&self, s: &mut Scrape) {
         if let Some(p) = &self.admission {
-            rows.extend(rows_of(p));
+            scrape_of(p, s);
         }
         if let Some(p) = &self.routing {
-            rows.extend(rows_of(p));
-        }
-        for (name, kind, help) in FAMILIES {
-            let samples = rows.iter().filter(|r| r.0 == name).map(|r| (r.1.clone(), r.2.clone()));
-            family(o, name, kind, help, samples);
+            scrape_of(p, s);
         }
     }
 }
 
-/// `(family, labels, value)`.
-type Row = (&'static str, String, String);
-
-const FAMILIES: [(&str, &str, &str); 6] = [
-    ("baton_plugin_calls_total", "counter", "Calls made to a policy plugin."),
-    ("baton_plugin_call_seconds_sum", "counter", "Time spent in plugin calls, queue wait included."),
-    ("baton_plugin_faults_total", "counter", "Plugin faults by kind; each made the built-in policy decide."),
-    (
-        "baton_plugin_builtin_decisions_total",
-        "counter",
-        "Decisions left to the built-in policy because the plugin was busy or switched off.",
-    ),
-    ("baton_plugin_reloads_total", "counter", "Plugin reloads by result."),
-    ("baton_plugin_disabled", "gauge", "1 while a plugin is switched off after repeated faults."),
-];
-
-fn rows_of<W: World>(p: &Plugin<W>) -> Vec<Row> {
+fn scrape_of<W: World>(p: &Plugin<W>, s: &mut Scrape) {
     let i = p.info();
-    let s = &p.stats;
-    let l = format!("plugin=\"{}\",world=\"{}\"", i.name, i.world);
-    let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed).to_string();
-    let mut rows = vec![
-        ("baton_plugin_calls_total", l.clone(), n(&s.calls)),
-        (
-            "baton_plugin_call_seconds_sum",
-            l.clone(),
-            format!("{:.6}", s.call_us.load(Ordering::Relaxed) as f64 / 1e6),
-        ),
-        ("baton_plugin_builtin_decisions_total", format!("{l},reason=\"busy\""), n(&s.busy)),
-        ("baton_plugin_builtin_decisions_total", format!("{l},reason=\"disabled\""), n(&s.disabled_skips)),
-        ("baton_plugin_reloads_total", format!("{l},result=\"ok\""), n(&s.reloads)),
-        ("baton_plugin_reloads_total", format!("{l},result=\"refused\""), n(&s.reload_failures)),
-        ("baton_plugin_disabled", l.clone(), u8::from(i.disabled).to_string()),
-    ];
+    let st = &p.stats;
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed) as f64;
+    let l = [("plugin", i.name.as_str()), ("world", i.world)];
+    let with = |k: &'static str, v: &'static str| [l[0], l[1], (k, v)];
+    s.counter("baton_plugin_calls_total", "Calls made to a policy plugin.", &l, n(&st.calls));
+    s.extend(prometheus::core::Collector::collect(&st.call_seconds));
+    let builtin = "Decisions left to the built-in policy because the plugin was busy or switched off.";
+    s.counter("baton_plugin_builtin_decisions_total", builtin, &with("reason", "busy"), n(&st.busy));
+    s.counter("baton_plugin_builtin_decisions_total", builtin, &with("reason", "disabled"), n(&st.disabled_skips));
+    let reloads = "Plugin reloads by result.";
+    s.counter("baton_plugin_reloads_total", reloads, &with("result", "ok"), n(&st.reloads));
+    s.counter("baton_plugin_reloads_total", reloads, &with("result", "refused"), n(&st.reload_failures));
+    s.gauge(
+        "baton_plugin_disabled",
+        "1 while a plugin is switched off after repeated faults.",
+        &l,
+        f64::from(u8::from(i.disabled)),
+    );
     for f in Fault::ALL {
-        rows.push((
+        s.counter(
             "baton_plugin_faults_total",
-            format!("{l},kind=\"{}\"", f.name()),
-            s.fault_count(f).to_string(),
-        ));
+            "Plugin faults by kind; each made the built-in policy decide.",
+            &with("kind", f.name()),
+            st.fault_count(f) as f64,
+        );
     }
-    rows
 }
 
 fn view_of<W: World>(p: &Plugin<W>) -> Value {

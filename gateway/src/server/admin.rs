@@ -13,75 +13,72 @@ use super::{error_response, full};
 use crate::api::GatewayError;
 use crate::handoff::{BoxError, RespBody};
 use crate::pipeline::Gateway;
-use crate::telemetry::{DecoderGauges, EndpointHealth, Families, render_endpoints};
+use crate::admission::QueueStats;
+use crate::telemetry::Scrape;
+use crate::telemetry::scrape::CONTENT_TYPE;
 
-/// `GET /metrics`: the Prometheus text exposition.
+/// `GET /metrics`: the Prometheus text exposition: the recorded families, then what is read now
+/// (each decoder's queue, each engine's health, what each mode reports, names, plugins).
 pub fn metrics(g: &Gateway) -> Response<RespBody> {
-    let gauges: Vec<DecoderGauges> = g
-        .decoders
-        .iter()
-        .map(|d| {
-            let s = d.queue.stats();
-            DecoderGauges {
-                name: d.name.clone(),
-                capacity: s.capacity,
-                reserved: s.in_use,
-                waiting: s.waiting,
-                waiting_slots: s.waiting_slots,
-                oldest_wait: s.oldest_wait,
-            }
-        })
-        .collect();
-    let mut text = g.shared.metrics.render(&gauges);
-    let endpoints: Vec<EndpointHealth> = g
-        .prefills
-        .iter()
-        .map(|p| ("prefill", &p.name, &*p.health))
-        .chain(g.decoders.iter().map(|d| ("decode", &d.name, &d.health)))
-        .map(|(pool, name, h)| EndpointHealth {
-            pool,
-            name: name.clone(),
-            healthy: h.healthy(),
-            in_flight: h.in_flight(),
-            ejections: h.ejected_total.load(Ordering::Relaxed),
-        })
-        .collect();
-    render_endpoints(&mut text, &endpoints);
-    let mut families = Families::default();
+    let mut s = Scrape::default();
+    g.shared.metrics.scrape(&mut s);
+    type DecoderGauge = (&'static str, &'static str, fn(&QueueStats) -> f64);
+    let gauges: [DecoderGauge; 5] = [
+        (
+            "baton_decoder_slots_capacity",
+            "Slots (PD buffer pages) the decoder's data plane reports.",
+            |q| f64::from(q.capacity),
+        ),
+        ("baton_decoder_slots_reserved", "Slots held by admitted requests.", |q| f64::from(q.in_use)),
+        ("baton_decoder_waiting_requests", "Requests waiting for slots.", |q| q.waiting as f64),
+        ("baton_decoder_waiting_slots", "Slots the waiting requests need.", |q| q.waiting_slots as f64),
+        ("baton_decoder_oldest_wait_seconds", "How long the oldest waiter has waited.", |q| {
+            q.oldest_wait.map_or(0.0, |w| w.as_secs_f64())
+        }),
+    ];
     for d in &g.decoders {
-        d.handoff.metrics(&d.name, &mut families);
+        let q = d.queue.stats();
+        for (name, help, get) in gauges {
+            s.gauge(name, help, &[("decoder", &d.name)], get(&q));
+        }
+    }
+    let engines = g.prefills.iter().map(|p| ("prefill", &p.name, &*p.health));
+    for (pool, name, h) in engines.chain(g.decoders.iter().map(|d| ("decode", &d.name, &d.health))) {
+        let labels = [("pool", pool), ("endpoint", name.as_str())];
+        s.gauge(
+            "baton_endpoint_healthy",
+            "1 when the engine is routable (not ejected, health check passing).",
+            &labels,
+            f64::from(u8::from(h.healthy())),
+        );
+        s.gauge("baton_endpoint_in_flight", "Prefill requests in flight on the engine.", &labels, f64::from(h.in_flight()));
+        s.counter(
+            "baton_endpoint_ejections_total",
+            "Passive ejections after consecutive failures.",
+            &labels,
+            h.ejected_total.load(Ordering::Relaxed) as f64,
+        );
+    }
+    for d in &g.decoders {
+        d.handoff.metrics(&d.name, &mut s);
     }
     for (name, ips, lookups, failures) in g.shared.client.names().snapshot() {
-        let label = format!("name=\"{name}\"");
-        families.add(
-            "baton_dns_addresses",
-            "gauge",
-            "Addresses an engine or rank name has now.",
-            label.clone(),
-            ips.len() as f64,
-        );
-        families.add(
-            "baton_dns_lookups_total",
-            "counter",
-            "Lookups of an engine or rank name.",
-            label.clone(),
-            lookups as f64,
-        );
-        families.add(
+        let labels = [("name", name.as_str())];
+        s.gauge("baton_dns_addresses", "Addresses an engine or rank name has now.", &labels, ips.len() as f64);
+        s.counter("baton_dns_lookups_total", "Lookups of an engine or rank name.", &labels, lookups as f64);
+        s.counter(
             "baton_dns_lookup_failures_total",
-            "counter",
             "Lookups of a name that found no address or got no answer.",
-            label,
+            &labels,
             failures as f64,
         );
     }
-    families.render(&mut text);
     if let Some(p) = &g.plugins {
-        p.render(&mut text);
+        p.scrape(&mut s);
     }
+    let text = s.encode();
     let mut r = Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
+    r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(CONTENT_TYPE));
     r
 }
 

@@ -52,7 +52,7 @@ async fn admin_routes_only_on_the_admin_listener_behind_the_token() {
     }
     let (s, _, b) = get(run.admin, "/metrics", Some(token)).await;
     assert_eq!(s, 200);
-    assert!(String::from_utf8_lossy(&b).contains("baton_requests_total"), "the exposition");
+    assert!(String::from_utf8_lossy(&b).contains("baton_phase_seconds_count"), "the exposition");
     // Probes answer on both, with no token.
     for addr in [run.addr, run.admin] {
         assert_eq!(get(addr, "/health", None).await.0, 200);

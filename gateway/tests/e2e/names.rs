@@ -40,20 +40,7 @@ impl Drop for Dns {
 }
 
 fn dnsmasq() -> Option<PathBuf> {
-    let found = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-        .map(|d| d.join("dnsmasq"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("BATON_REQUIRE_VENV").is_none(),
-            "dnsmasq is missing: scripts/test installs it (apt-get install dnsmasq-base)"
-        );
-        eprintln!("SKIP: no dnsmasq (scripts/test installs dnsmasq-base)");
-    }
-    found
+    super::system_tool("dnsmasq", "dnsmasq-base")
 }
 
 fn hosts_text(records: &[(&str, &[&str])]) -> String {

@@ -103,13 +103,14 @@ cache_dir = "{cache}"
     Setup { serving, _sims: sims, dir }
 }
 
-struct Answer {
-    status: u16,
-    headers: hyper::HeaderMap,
-    body: Bytes,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) headers: hyper::HeaderMap,
+    pub(crate) body: Bytes,
 }
 
-async fn post(addr: SocketAddr, path: &str, key: Option<&str>, body: &Value) -> Answer {
+/// POSTs `body`, with `Authorization: Bearer <key>` when given.
+pub(crate) async fn post(addr: SocketAddr, path: &str, key: Option<&str>, body: &Value) -> Answer {
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
     tokio::spawn(conn);
@@ -132,7 +133,8 @@ async fn get(addr: SocketAddr, path: &str) -> String {
     String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
 }
 
-fn metric(text: &str, line: &str) -> f64 {
+/// The value of the sample that `line` (name and labels) starts.
+pub(crate) fn metric(text: &str, line: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(line))
         .unwrap_or_else(|| panic!("no {line} in\n{text}"))
@@ -184,7 +186,7 @@ default_max_tokens = 16
     assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(&a.body));
     let m = get(s.admin(), "/metrics").await;
     assert_eq!(
-        metric(&m, "baton_plugin_faults_total{plugin=\"admission\",world=\"admission\",kind=\"trap\"}"),
+        metric(&m, "baton_plugin_faults_total{kind=\"trap\",plugin=\"admission\",world=\"admission\"}"),
         0.0
     );
     // The operator raises the budget in the TOML and reloads: the plugin gets its new table.
@@ -266,7 +268,7 @@ max_faults = 100
     let faults = |m: &str, kind: &str| {
         metric(
             m,
-            &format!("baton_plugin_faults_total{{plugin=\"admission\",world=\"admission\",kind=\"{kind}\"}}"),
+            &format!("baton_plugin_faults_total{{kind=\"{kind}\",plugin=\"admission\",world=\"admission\"}}"),
         )
     };
     for (key, kind) in

@@ -41,7 +41,7 @@ use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
-use crate::telemetry::{Families, Metrics, Phase, Timing};
+use crate::telemetry::{Live, Metrics, Phase, Scrape, Timing};
 pub use notify::{Expect, Notifications, NotifyStats};
 use shape::{Shaper, now_secs, sse};
 
@@ -206,6 +206,7 @@ fn set_max_tokens(body: &mut Value, n: Option<u32>) {
 impl Lmcache {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
         let Leg { dec, prefills, req, ids, slots, timing } = leg;
+        timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
         let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
         let mut life = Life {
@@ -323,6 +324,7 @@ impl Lmcache {
             ready_timeout: shared.limits.ready_timeout,
             finished_early,
             metrics: Arc::clone(&shared.metrics),
+            live: timing.live(),
         };
 
         if req.fields.stream {
@@ -404,7 +406,7 @@ impl Handoff for Lmcache {
         })
     }
 
-    fn metrics(&self, decoder: &str, out: &mut Families) {
+    fn metrics(&self, decoder: &str, out: &mut Scrape) {
         self.hub.metrics(out);
         self.drains.metrics(decoder, MODE, out);
     }
@@ -426,6 +428,8 @@ struct DecodeCtx {
     finished_early: bool,
     /// A streamed answer's later phases (the KV wait, the decode) end after the response started.
     metrics: Arc<Metrics>,
+    /// The request's in-flight entry: those phases are shown there too.
+    live: Option<Arc<Live>>,
 }
 
 impl DecodeCtx {
@@ -436,6 +440,7 @@ impl DecodeCtx {
         life: &mut Life,
         timing: &mut Timing,
     ) -> Result<Response<hyper::body::Incoming>, GatewayError> {
+        timing.enter(Phase::KvReady);
         if let Some(e) = life.expect.as_mut() {
             let need = e.need();
             let deadline = life.notify_deadline.unwrap_or_else(|| Instant::now() + self.ready_timeout);
@@ -446,7 +451,8 @@ impl DecodeCtx {
                 ))
             })?;
         }
-        timing.mark(Phase::KvReady);
+        self.metrics.kv_transfer(MODE, timing.mark(Phase::KvReady));
+        timing.enter(Phase::Decode);
         let dec = &self.dec;
         let resp = post_json(
             &self.client,
@@ -502,9 +508,10 @@ impl DecodeCtx {
         include_usage: bool,
     ) -> Result<(), GatewayError> {
         // The response started at the first token: the KV wait and the decode are timed from there.
-        let mut timing = Timing::start();
+        let mut timing = Timing::tracked(self.live.clone());
         let resp = self.dispatch(life, &mut timing).await?;
         timing.mark(Phase::Decode);
+        timing.enter(Phase::Stream);
         self.metrics.record(&timing);
         let mut body = resp.into_body();
         let mut split = SseSplitter::default();

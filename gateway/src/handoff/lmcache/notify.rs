@@ -13,7 +13,7 @@ use baton_dataplane::compat::zmtp::{DEFAULT_MAX_MESSAGE, DEFAULT_MAX_PEERS, Pull
 use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::telemetry::Families;
+use crate::telemetry::Scrape;
 
 /// Counters of the notification listener.
 #[derive(Debug, Default)]
@@ -166,7 +166,7 @@ impl Expect {
 
 impl Notifications {
     /// Adds the listener's series.
-    pub fn metrics(&self, out: &mut Families) {
+    pub fn metrics(&self, out: &mut Scrape) {
         let st = &self.stats;
         for (k, c) in [
             ("counted", &st.counted),
@@ -174,19 +174,17 @@ impl Notifications {
             ("unmatched", &st.unmatched),
             ("malformed", &st.malformed),
         ] {
-            out.add(
+            out.counter(
                 "baton_lmcache_notifications_total",
-                "counter",
                 "LMCache ProxyNotif messages received, by what became of them.",
-                format!("outcome=\"{k}\""),
+                &[("outcome", k)],
                 c.load(Ordering::Relaxed) as f64,
             );
         }
-        out.add(
+        out.gauge(
             "baton_lmcache_waiting_requests",
-            "gauge",
             "Requests waiting for their prefill ranks' notifications.",
-            String::new(),
+            &[],
             self.waiting() as f64,
         );
     }

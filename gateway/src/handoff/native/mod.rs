@@ -122,6 +122,7 @@ impl Native {
             match self.ranks.reserve(life.key, chunks, limits.lease, &[]).await {
                 Ok(Some(a)) => return Ok(a),
                 Ok(None) if Instant::now() < give_up => {
+                    self.shared.metrics.reservation_refused(&dec.name, true);
                     // The ranks that had reserved this attempt were cancelled and report the key
                     // as cancelled, possibly after the next attempt succeeded: the next attempt is
                     // a new epoch of the request, so no report of this one can reach it.
@@ -132,6 +133,7 @@ impl Native {
                     backoff = (backoff * 2).min(RESERVE_BACKOFF_MAX);
                 }
                 Ok(None) => {
+                    self.shared.metrics.reservation_refused(&dec.name, false);
                     return Err(GatewayError::QueueTimeout(format!(
                         "decoder {} had no free pages in time",
                         dec.name
@@ -146,7 +148,7 @@ impl Native {
     }
 
     /// Waits until every rank holds the whole KV (or one fails, or the deadline passes).
-    async fn wait_ready(&self, life: &mut Lifecycle) -> Result<(), GatewayError> {
+    async fn wait_ready(&self, dec: &Decoder, life: &mut Lifecycle) -> Result<(), GatewayError> {
         let ready_timeout = self.shared.limits.ready_timeout;
         let deadline = Instant::now() + ready_timeout;
         let mut agg = Aggregator::new(life.key, self.ranks.rank_count(), deadline)
@@ -169,6 +171,9 @@ impl Native {
         match outcome {
             Outcome::Ready => Ok(()),
             Outcome::Failed { rank, state } => {
+                if state == baton_dataplane::events::TerminalState::Expired {
+                    self.shared.metrics.lease_expired(&dec.name);
+                }
                 Err(GatewayError::KvTransfer(format!("decoder rank {rank} reported {}", state.as_str())))
             }
             Outcome::TimedOut { missing } => Err(GatewayError::KvTransfer(format!(
@@ -192,8 +197,10 @@ impl Native {
             released: 0,
             release_timeout: shared.limits.release_timeout,
         };
+        timing.enter(Phase::Reserve);
         let addrs = self.reserve(dec, &mut life, chunks).await?;
         timing.mark(Phase::Reserve);
+        timing.enter(Phase::Prefill);
 
         // Prefill: the engines agree on the token ids; the prefill leg is never streamed.
         let targets = addrs
@@ -221,9 +228,11 @@ impl Native {
         prefill.health.success();
         drop(in_flight);
         timing.mark(Phase::Prefill);
+        timing.enter(Phase::KvReady);
 
-        self.wait_ready(&mut life).await?;
-        timing.mark(Phase::KvReady);
+        self.wait_ready(dec, &mut life).await?;
+        shared.metrics.kv_transfer(MODE, timing.mark(Phase::KvReady));
+        timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());

@@ -1,0 +1,150 @@
+//! What an operator reads: `/metrics` after traffic through every handoff mode, checked by
+//! Prometheus' own `promtool` (Debian's `prometheus`, installed by `scripts/test`), with a tenant
+//! whose name needs escaping; the stream latency, token and cancellation series.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use baton_gateway::demo::{DemoConfig, DemoHandoff, GatewaySetup, start};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpStream;
+
+use super::plugins::{metric, post};
+use super::{http, prompt, system_tool};
+
+/// A tenant name with a quote, a backslash and a newline.
+const AWKWARD: &str = "acme \"eu\"\\prod\nblue";
+
+/// `text` through `promtool check metrics`: its findings (empty when it passes).
+fn promtool_check(promtool: &std::path::Path, text: &str) -> Result<(), String> {
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if out.status.success() && said.trim().is_empty() { Ok(()) } else { Err(format!("{}: {said}", out.status)) }
+}
+
+/// Reads a streamed answer's headers and first chunk, then leaves.
+async fn leave_mid_stream(addr: std::net::SocketAddr, key: &str) {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let body = json!({"prompt": prompt(40, 9), "max_tokens": 400, "stream": true});
+    let req = Request::post("/v1/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {key}"))
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = send.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let mut b = res.into_body();
+    let first = b.frame().await.unwrap().unwrap();
+    assert!(first.data_ref().is_some_and(|d| !d.is_empty()));
+    drop(b);
+    drop(send);
+    conn.abort();
+}
+
+/// Every mode's `/metrics` after completions and chat, streamed and whole, one client leaving a
+/// stream part-way, and a refused request: promtool finds nothing to say; the tenant's tokens are
+/// counted under its escaped name; each streamed answer's time to first token and the gaps after
+/// it, each answer's end with its outcome, the KV transfer where the gateway sees it, and the
+/// cancellation in the phase it happened in are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_exposes_metrics_promtool_accepts() {
+    let Some(promtool) = system_tool("promtool", "prometheus") else { return };
+    // `[admission.tenants]`: bearer tokens' names (no API keys: any token is let in).
+    let tenants = [("tok-awkward", AWKWARD), ("tok-plain", "plain")];
+    let tenants: std::collections::BTreeMap<String, String> =
+        tenants.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    let escaped = AWKWARD.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+
+    for handoff in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
+        let mode = handoff.name();
+        let setup = GatewaySetup { tenants: tenants.clone(), ..GatewaySetup::default() };
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            handoff,
+            token_delay: Duration::from_millis(2),
+            gateway: setup,
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        for (path, stream) in
+            [("/v1/completions", false), ("/v1/completions", true), ("/v1/chat/completions", false), ("/v1/chat/completions", true)]
+        {
+            // Streams ask for usage: the completion tokens are then the engine's count, not the
+            // events (a chat stream's role chunk is an event).
+            let mut body = if path.contains("chat") {
+                json!({"messages": [{"role": "user", "content": prompt(30, 1)}], "max_tokens": 4, "stream": stream})
+            } else {
+                json!({"prompt": prompt(40, 2), "max_tokens": 4, "stream": stream})
+            };
+            if stream {
+                body["stream_options"] = super::usage_opt(true);
+            }
+            for key in ["tok-awkward", "tok-plain"] {
+                let a = post(d.addr, path, Some(key), &body).await;
+                assert_eq!(a.status, 200, "{mode} {path}: {}", String::from_utf8_lossy(&a.body));
+            }
+        }
+        leave_mid_stream(d.addr, "tok-plain").await;
+        let refused = post(d.addr, "/v1/completions", Some("tok-plain"), &json!({"prompt": "x", "max_tokens": -1})).await;
+        assert_eq!(refused.status, 400);
+
+        // The stream left part-way ends when the gateway notices; its series follow.
+        let started = Instant::now();
+        let m = loop {
+            let (_, m) = http(d.admin, "/metrics", None).await;
+            let m = String::from_utf8(m.to_vec()).unwrap();
+            // In the stream, or (lmcache, whose headers and first token go out before its
+            // decode) in the KV wait or decode the stream was still waiting on.
+            let cancelled: f64 = ["stream", "kv_ready", "decode"]
+                .iter()
+                .map(|p| metric(&m, &format!("baton_cancellations_total{{phase=\"{p}\"}} ")))
+                .sum();
+            if cancelled == 1.0 {
+                break m;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "{mode}: no cancellation counted:\n{m}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if let Err(e) = promtool_check(&promtool, &m) {
+            panic!("{mode}: promtool check metrics: {e}\n{m}");
+        }
+        // 4 answers of 4 tokens each per tenant; the plain one also has the stream it left.
+        let completion = |tenant: &str| {
+            metric(&m, &format!("baton_tokens_total{{kind=\"completion\",tenant=\"{tenant}\"}} "))
+        };
+        assert_eq!(completion(&escaped), 16.0, "{mode}:\n{m}");
+        assert!(completion("plain") >= 16.0, "{mode}:\n{m}");
+        assert!(metric(&m, &format!("baton_tokens_total{{kind=\"prompt\",tenant=\"{escaped}\"}} ")) > 0.0);
+        let count = |name: &str, labels: &str| metric(&m, &format!("{name}_count{{{labels}}} "));
+        let mode_label = format!("mode=\"{mode}\"");
+        // 4 streamed answers and the one left part-way.
+        assert_eq!(count("baton_time_to_first_token_seconds", &mode_label), 5.0, "{mode}:\n{m}");
+        assert!(count("baton_inter_token_seconds", &mode_label) >= 4.0, "{mode}:\n{m}");
+        assert_eq!(count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"ok\"")), 8.0);
+        assert_eq!(count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"cancelled\"")), 1.0);
+        if matches!(handoff, DemoHandoff::Native | DemoHandoff::Lmcache) {
+            assert!(count("baton_kv_transfer_seconds", &mode_label) >= 8.0, "{mode}:\n{m}");
+        }
+        assert_eq!(metric(&m, "baton_requests_in_phase{phase=\"stream\"} "), 0.0);
+        assert_eq!(metric(&m, "baton_requests_total{status=\"400\"} "), 1.0);
+        drop(d);
+    }
+}
