@@ -40,13 +40,15 @@ async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes
     (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
-/// A program from a Debian package that `scripts/test` installs, on `PATH` or in `/usr/sbin`;
-/// `None` (the test skips) outside the script, a failure inside it (`BATON_REQUIRE_VENV`).
+/// A program from a Debian package that `scripts/test` installs: on `PATH`, in `/usr/sbin`, or
+/// unpacked under `.cache/` (promtool); `None` (the test skips) outside the script, a failure
+/// inside it (`BATON_REQUIRE_VENV`).
 fn system_tool(name: &str, package: &str) -> Option<std::path::PathBuf> {
+    let unpacked = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/prometheus/usr/bin");
     let found = std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .chain([std::path::PathBuf::from("/usr/sbin"), std::path::PathBuf::from("/sbin")])
+        .chain([std::path::PathBuf::from("/usr/sbin"), std::path::PathBuf::from("/sbin"), unpacked])
         .map(|d| d.join(name))
         .find(|p| p.is_file());
     if found.is_none() {
