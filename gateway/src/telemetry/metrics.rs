@@ -42,20 +42,25 @@ pub struct Metrics {
     tokens: IntCounterVec,
     tenants: Tenants,
     flight: Flight,
+    /// Every family registered, whether or not it has a sample yet.
+    names: Vec<String>,
 }
 
 impl Metrics {
     /// Every family registered; `tenant_series` caps the tenants with series of their own.
     pub fn new(tenant_series: usize) -> prometheus::Result<Self> {
         let registry = Registry::new();
+        let names = std::cell::RefCell::new(Vec::new());
         let hist = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<HistogramVec> {
             let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(BUCKETS.to_vec()), labels)?;
             registry.register(Box::new(h.clone()))?;
+            names.borrow_mut().push(name.to_owned());
             Ok(h)
         };
         let counter = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<IntCounterVec> {
             let c = IntCounterVec::new(Opts::new(name, help), labels)?;
             registry.register(Box::new(c.clone()))?;
+            names.borrow_mut().push(name.to_owned());
             Ok(c)
         };
         let phase = hist(
@@ -63,7 +68,7 @@ impl Metrics {
             "Time spent in each phase of a request (route: plugin admission and routing; total: to the response headers; stream: headers to the last byte).",
             &["phase"],
         )?;
-        let m = Self {
+        let mut m = Self {
             phases: Phase::ALL.iter().map(|p| phase.with_label_values(&[p.as_str()])).collect(),
             answered: counter("baton_requests_total", "Requests answered, by HTTP status.", &["status"])?,
             first_token: hist(
@@ -93,7 +98,7 @@ impl Metrics {
             )?,
             engine_errors: counter(
                 "baton_engine_errors_total",
-                "Engine calls that failed, by leg and status (the engine's HTTP status, timeout, or error: no usable answer).",
+                "Engine calls that failed, by leg and status: the engine's HTTP status, timeout, error (no usable answer), stream (the answer broke off); leg kv: the KV never arrived.",
                 &["leg", "status"],
             )?,
             lease_expirations: counter(
@@ -118,14 +123,22 @@ impl Metrics {
             )?,
             tenants: Tenants { cap: tenant_series, seen: RwLock::default() },
             flight: Flight::default(),
+            names: Vec::new(),
             registry,
         };
+        m.names = names.into_inner();
         // Every phase's series from the start, so a rate over the first cancellation has a zero
         // before it.
         for p in Phase::LIVE {
             m.cancelled.with_label_values(&[p.as_str()]);
         }
         Ok(m)
+    }
+
+    /// The families recorded as requests run (a family appears in a scrape from its first sample;
+    /// the in-flight gauges, always there, are not listed).
+    pub fn family_names(&self) -> &[String] {
+        &self.names
     }
 
     /// Records a phase duration.

@@ -2,6 +2,7 @@
 //! Prometheus' own `promtool` (Debian's `prometheus`, installed by `scripts/test`), with a tenant
 //! whose name needs escaping; the stream latency, token and cancellation series.
 
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -71,6 +72,9 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         tenants.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
     let escaped = AWKWARD.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
 
+    // Every family some mode's scrape had, and those recorded only once something happens.
+    let mut exported: BTreeSet<String> =
+        baton_gateway::telemetry::Metrics::new(1).unwrap().family_names().iter().cloned().collect();
     for handoff in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
         let mode = handoff.name();
         let setup = GatewaySetup { tenants: tenants.clone(), ..GatewaySetup::default() };
@@ -123,6 +127,7 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
             assert!(started.elapsed() < Duration::from_secs(10), "{mode}: no cancellation counted:\n{m}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        exported.extend(m.lines().filter_map(|l| Some(l.strip_prefix("# TYPE ")?.split(' ').next()?.to_owned())));
         if let Err(e) = promtool_check(&promtool, &m) {
             panic!("{mode}: promtool check metrics: {e}\n{m}");
         }
@@ -146,5 +151,50 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         assert_eq!(metric(&m, "baton_requests_in_phase{phase=\"stream\"} "), 0.0);
         assert_eq!(metric(&m, "baton_requests_total{status=\"400\"} "), 1.0);
         drop(d);
+    }
+    // The dashboard and the alert rules ask only for what the gateway exports.
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    for file in ["grafana/baton-dashboard.json", "prometheus/baton-alerts.yml"] {
+        let text = std::fs::read_to_string(deploy.join(file)).unwrap();
+        let asked = metric_names(&text);
+        assert!(asked.len() >= 5, "{file}: {asked:?}");
+        let unknown: Vec<&String> = asked.iter().filter(|n| !exported.contains(family_of(n))).collect();
+        assert!(unknown.is_empty(), "{file} asks for metrics the gateway does not export: {unknown:?}\nexported: {exported:?}");
+    }
+}
+
+/// The `baton_*` names in a dashboard's or a rule file's queries.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("baton_") {
+        let name: String =
+            rest[at..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        rest = &rest[at + name.len()..];
+        out.insert(name);
+    }
+    out
+}
+
+/// A histogram's sample name's family (`_bucket`, `_sum`, `_count` taken off).
+fn family_of(sample: &str) -> &str {
+    ["_bucket", "_sum", "_count"].iter().find_map(|s| sample.strip_suffix(s)).unwrap_or(sample)
+}
+
+/// The alert rules load in Prometheus' own checker, and their unit tests (alerts that fire on a
+/// stuck request, a lease expiration, an engine error rate, a full buffer, and stay quiet
+/// otherwise) pass.
+#[test]
+fn alert_rules_check_and_their_tests_pass() {
+    let Some(promtool) = system_tool("promtool", "prometheus") else { return };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus");
+    for args in [["check", "rules", "baton-alerts.yml"], ["test", "rules", "baton-alerts.test.yml"]] {
+        let out = Command::new(&promtool).args(args).current_dir(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
