@@ -755,7 +755,7 @@ mod configs {
                         baton_gateway::policy::TenantNames::new(c.tenants.clone()),
                         None,
                     )
-                        .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+                    .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
                 }
                 checked += 1;
             }

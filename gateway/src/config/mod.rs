@@ -495,7 +495,10 @@ impl Config {
             routing,
             health,
             log,
-            tenant_series: self.telemetry.tenant_series.unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
+            tenant_series: self
+                .telemetry
+                .tenant_series
+                .unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,

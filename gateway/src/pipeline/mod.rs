@@ -424,6 +424,7 @@ impl Gateway {
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
+        live.routed(&dec.name);
 
         // `route` up to here; then `queue`, the wait for the decoder's room.
         let mut timing = Timing::tracked(Some(Arc::clone(live)));

@@ -43,8 +43,11 @@ impl Completion {
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        let usage =
-            Usage { prompt_tokens: self.req.prompt_tokens, completion_tokens: self.tokens, status: self.status };
+        let usage = Usage {
+            prompt_tokens: self.req.prompt_tokens,
+            completion_tokens: self.tokens,
+            status: self.status,
+        };
         self.plugin.complete(Arc::clone(&self.req), usage);
     }
 }
@@ -78,7 +81,14 @@ pub struct Watched {
 impl Watched {
     pub fn new(inner: RespBody, answer: Answer) -> Self {
         answer.tracked.live().enter(Phase::Stream);
-        Self { inner, counting: Counting::default(), answer, headers_at: Instant::now(), last: None, outcome: None }
+        Self {
+            inner,
+            counting: Counting::default(),
+            answer,
+            headers_at: Instant::now(),
+            last: None,
+            outcome: None,
+        }
     }
 
     fn chunk(&mut self, data: &[u8]) {

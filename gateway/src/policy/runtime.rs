@@ -139,9 +139,9 @@ impl Plugins {
         // token, or the token itself.
         let tenant = tenant.map_or_else(
             || {
-                self.tenants.of(headers).unwrap_or_else(|| {
-                    crate::auth::bearer(headers).unwrap_or("").chars().take(128).collect()
-                })
+                self.tenants
+                    .of(headers)
+                    .unwrap_or_else(|| crate::auth::bearer(headers).unwrap_or("").chars().take(128).collect())
             },
             str::to_owned,
         );
@@ -247,7 +247,12 @@ fn scrape_of<W: World>(p: &Plugin<W>, s: &mut Scrape) {
     s.extend(prometheus::core::Collector::collect(&st.call_seconds));
     let builtin = "Decisions left to the built-in policy because the plugin was busy or switched off.";
     s.counter("baton_plugin_builtin_decisions_total", builtin, &with("reason", "busy"), n(&st.busy));
-    s.counter("baton_plugin_builtin_decisions_total", builtin, &with("reason", "disabled"), n(&st.disabled_skips));
+    s.counter(
+        "baton_plugin_builtin_decisions_total",
+        builtin,
+        &with("reason", "disabled"),
+        n(&st.disabled_skips),
+    );
     let reloads = "Plugin reloads by result.";
     s.counter("baton_plugin_reloads_total", reloads, &with("result", "ok"), n(&st.reloads));
     s.counter("baton_plugin_reloads_total", reloads, &with("result", "refused"), n(&st.reload_failures));

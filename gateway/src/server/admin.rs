@@ -10,10 +10,10 @@ use hyper::{Response, header};
 use serde_json::{Value, json};
 
 use super::{error_response, full};
+use crate::admission::QueueStats;
 use crate::api::GatewayError;
 use crate::handoff::{BoxError, RespBody};
 use crate::pipeline::Gateway;
-use crate::admission::QueueStats;
 use crate::telemetry::Scrape;
 use crate::telemetry::scrape::CONTENT_TYPE;
 
@@ -24,11 +24,9 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     g.shared.metrics.scrape(&mut s);
     type DecoderGauge = (&'static str, &'static str, fn(&QueueStats) -> f64);
     let gauges: [DecoderGauge; 5] = [
-        (
-            "baton_decoder_slots_capacity",
-            "Slots (PD buffer pages) the decoder's data plane reports.",
-            |q| f64::from(q.capacity),
-        ),
+        ("baton_decoder_slots_capacity", "Slots (PD buffer pages) the decoder's data plane reports.", |q| {
+            f64::from(q.capacity)
+        }),
         ("baton_decoder_slots_reserved", "Slots held by admitted requests.", |q| f64::from(q.in_use)),
         ("baton_decoder_waiting_requests", "Requests waiting for slots.", |q| q.waiting as f64),
         ("baton_decoder_waiting_slots", "Slots the waiting requests need.", |q| q.waiting_slots as f64),
@@ -51,7 +49,12 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
             &labels,
             f64::from(u8::from(h.healthy())),
         );
-        s.gauge("baton_endpoint_in_flight", "Prefill requests in flight on the engine.", &labels, f64::from(h.in_flight()));
+        s.gauge(
+            "baton_endpoint_in_flight",
+            "Prefill requests in flight on the engine.",
+            &labels,
+            f64::from(h.in_flight()),
+        );
         s.counter(
             "baton_endpoint_ejections_total",
             "Passive ejections after consecutive failures.",
@@ -64,7 +67,12 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     }
     for (name, ips, lookups, failures) in g.shared.client.names().snapshot() {
         let labels = [("name", name.as_str())];
-        s.gauge("baton_dns_addresses", "Addresses an engine or rank name has now.", &labels, ips.len() as f64);
+        s.gauge(
+            "baton_dns_addresses",
+            "Addresses an engine or rank name has now.",
+            &labels,
+            ips.len() as f64,
+        );
         s.counter("baton_dns_lookups_total", "Lookups of an engine or rank name.", &labels, lookups as f64);
         s.counter(
             "baton_dns_lookup_failures_total",
@@ -80,6 +88,43 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     let mut r = Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
     r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(CONTENT_TYPE));
     r
+}
+
+/// `GET /admin/requests?older_than_ms=N`: the requests in flight for longer than N ms (default 0:
+/// all), oldest first, each with the phase it is in: where a stuck request is stuck.
+pub fn requests(g: &Gateway, query: Option<&str>) -> Response<RespBody> {
+    let mut older_than = std::time::Duration::ZERO;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        match (k.as_ref(), v.parse::<u64>()) {
+            ("older_than_ms", Ok(ms)) => older_than = std::time::Duration::from_millis(ms),
+            ("older_than_ms", Err(_)) => {
+                return error_response(&GatewayError::Invalid {
+                    param: "older_than_ms".into(),
+                    problem: crate::api::Problem::Value,
+                    reason: format!("{v:?} is not a whole number of milliseconds"),
+                });
+            }
+            _ => {}
+        }
+    }
+    let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let list: Vec<Value> = g
+        .shared
+        .metrics
+        .in_flight()
+        .into_iter()
+        .filter(|l| l.started.elapsed() >= older_than)
+        .map(|l| {
+            json!({
+                "id": l.id.as_ref().map(|i| i.as_str()),
+                "phase": l.phase().as_str(),
+                "age_ms": ms(l.started.elapsed()),
+                "in_phase_ms": ms(l.in_phase()),
+                "decoder": l.decoder(),
+            })
+        })
+        .collect();
+    full(200, &json!({"older_than_ms": ms(older_than), "requests": list}))
 }
 
 /// `/admin/names`: every engine and rank name in use, its addresses now and its lookups.

@@ -208,6 +208,7 @@ impl Metrics {
         let live = Arc::new(Live {
             id: request_id::current(),
             started: Instant::now(),
+            decoder: std::sync::OnceLock::new(),
             phase: AtomicU8::new(Phase::Route as u8),
             since_us: AtomicU64::new(0),
         });
@@ -236,7 +237,12 @@ impl Metrics {
         for p in Phase::LIVE {
             let (n, oldest) = by_phase.get(&p).copied().unwrap_or_default();
             let labels = [("phase", p.as_str())];
-            s.gauge("baton_requests_in_phase", "Requests in flight, by the phase they are in.", &labels, n as f64);
+            s.gauge(
+                "baton_requests_in_phase",
+                "Requests in flight, by the phase they are in.",
+                &labels,
+                n as f64,
+            );
             s.gauge(
                 "baton_oldest_request_age_seconds",
                 "Age of the oldest request in flight in each phase (0 when none).",
@@ -290,6 +296,8 @@ impl Flight {
 pub struct Live {
     pub id: Option<RequestId>,
     pub started: Instant,
+    /// The decoder it was routed to, once routed.
+    decoder: std::sync::OnceLock<String>,
     phase: AtomicU8,
     /// When the phase began, in µs after `started`.
     since_us: AtomicU64,
@@ -301,6 +309,15 @@ impl Live {
         self.phase.store(p as u8, Ordering::Relaxed);
         let us = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.since_us.store(us, Ordering::Relaxed);
+    }
+
+    /// The request was routed to `decoder`.
+    pub fn routed(&self, decoder: &str) {
+        let _ = self.decoder.set(decoder.to_owned());
+    }
+
+    pub fn decoder(&self) -> Option<&str> {
+        self.decoder.get().map(String::as_str)
     }
 
     pub fn phase(&self) -> Phase {

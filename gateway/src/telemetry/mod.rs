@@ -53,15 +53,8 @@ impl Phase {
     ];
 
     /// The phases a request in flight can be in.
-    pub const LIVE: [Phase; 7] = [
-        Self::Route,
-        Self::Queue,
-        Self::Reserve,
-        Self::Prefill,
-        Self::KvReady,
-        Self::Decode,
-        Self::Stream,
-    ];
+    pub const LIVE: [Phase; 7] =
+        [Self::Route, Self::Queue, Self::Reserve, Self::Prefill, Self::KvReady, Self::Decode, Self::Stream];
 
     pub fn as_str(self) -> &'static str {
         match self {

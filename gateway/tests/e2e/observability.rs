@@ -33,7 +33,11 @@ fn promtool_check(promtool: &std::path::Path, text: &str) -> Result<(), String> 
     child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    if out.status.success() && said.trim().is_empty() { Ok(()) } else { Err(format!("{}: {said}", out.status)) }
+    if out.status.success() && said.trim().is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{}: {said}", out.status))
+    }
 }
 
 /// Reads a streamed answer's headers and first chunk, then leaves.
@@ -88,9 +92,12 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         })
         .await
         .unwrap();
-        for (path, stream) in
-            [("/v1/completions", false), ("/v1/completions", true), ("/v1/chat/completions", false), ("/v1/chat/completions", true)]
-        {
+        for (path, stream) in [
+            ("/v1/completions", false),
+            ("/v1/completions", true),
+            ("/v1/chat/completions", false),
+            ("/v1/chat/completions", true),
+        ] {
             // Streams ask for usage: the completion tokens are then the engine's count, not the
             // events (a chat stream's role chunk is an event).
             let mut body = if path.contains("chat") {
@@ -107,7 +114,9 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
             }
         }
         leave_mid_stream(d.addr, "tok-plain").await;
-        let refused = post(d.addr, "/v1/completions", Some("tok-plain"), &json!({"prompt": "x", "max_tokens": -1})).await;
+        let refused =
+            post(d.addr, "/v1/completions", Some("tok-plain"), &json!({"prompt": "x", "max_tokens": -1}))
+                .await;
         assert_eq!(refused.status, 400);
 
         // The stream left part-way ends when the gateway notices; its series follow.
@@ -127,7 +136,8 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
             assert!(started.elapsed() < Duration::from_secs(10), "{mode}: no cancellation counted:\n{m}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        exported.extend(m.lines().filter_map(|l| Some(l.strip_prefix("# TYPE ")?.split(' ').next()?.to_owned())));
+        exported
+            .extend(m.lines().filter_map(|l| Some(l.strip_prefix("# TYPE ")?.split(' ').next()?.to_owned())));
         if let Err(e) = promtool_check(&promtool, &m) {
             panic!("{mode}: promtool check metrics: {e}\n{m}");
         }
@@ -144,7 +154,10 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         assert_eq!(count("baton_time_to_first_token_seconds", &mode_label), 5.0, "{mode}:\n{m}");
         assert!(count("baton_inter_token_seconds", &mode_label) >= 4.0, "{mode}:\n{m}");
         assert_eq!(count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"ok\"")), 8.0);
-        assert_eq!(count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"cancelled\"")), 1.0);
+        assert_eq!(
+            count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"cancelled\"")),
+            1.0
+        );
         if matches!(handoff, DemoHandoff::Native | DemoHandoff::Lmcache) {
             assert!(count("baton_kv_transfer_seconds", &mode_label) >= 8.0, "{mode}:\n{m}");
         }
@@ -159,7 +172,10 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         let asked = metric_names(&text);
         assert!(asked.len() >= 5, "{file}: {asked:?}");
         let unknown: Vec<&String> = asked.iter().filter(|n| !exported.contains(family_of(n))).collect();
-        assert!(unknown.is_empty(), "{file} asks for metrics the gateway does not export: {unknown:?}\nexported: {exported:?}");
+        assert!(
+            unknown.is_empty(),
+            "{file} asks for metrics the gateway does not export: {unknown:?}\nexported: {exported:?}"
+        );
     }
 }
 
@@ -197,4 +213,67 @@ fn alert_rules_check_and_their_tests_pass() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// A request held in the KV wait (a decoder rank drops its READY) is listed by
+/// `GET /admin/requests?older_than_ms=N` with its phase, age and decoder while it waits, counted in
+/// the in-flight gauges, and gone once its wait times out; a younger threshold hides it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stuck_view_lists_a_request_held_in_the_kv_wait() {
+    let limits = baton_gateway::handoff::Limits {
+        ready_timeout: Duration::from_secs(3),
+        ..baton_gateway::handoff::Limits::default()
+    };
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        gateway: GatewaySetup { limits, ..GatewaySetup::default() },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let decoder = d.decode_addrs()[0];
+    let (s, b) =
+        http(decoder, "/sim/faults", Some(&json!({"drop_ready_rank": 1, "drop_ready_events": 1}))).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let addr = d.addr;
+    let held = tokio::spawn(async move {
+        http(addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 3), "max_tokens": 2}))).await
+    });
+    let started = Instant::now();
+    let listed = loop {
+        let (s, b) = http(d.admin, "/admin/requests?older_than_ms=500", None).await;
+        assert_eq!(s, 200);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        if let Some(r) = v["requests"].as_array().and_then(|l| l.first()) {
+            break r.clone();
+        }
+        assert!(started.elapsed() < Duration::from_secs(2), "never listed: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(listed["phase"], "kv_ready", "{listed}");
+    assert_eq!(listed["decoder"], "decode-0", "{listed}");
+    assert!(listed["age_ms"].as_u64().unwrap() >= 500, "{listed}");
+    assert!(listed["in_phase_ms"].as_u64().unwrap() <= listed["age_ms"].as_u64().unwrap(), "{listed}");
+    assert_eq!(listed["id"].as_str().map(str::len), Some(32), "{listed}");
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8(m.to_vec()).unwrap();
+    assert_eq!(metric(&m, "baton_requests_in_phase{phase=\"kv_ready\"} "), 1.0, "{m}");
+    assert!(metric(&m, "baton_oldest_request_age_seconds{phase=\"kv_ready\"} ") >= 0.5, "{m}");
+    // A threshold past its age hides it.
+    let (_, b) = http(d.admin, "/admin/requests?older_than_ms=60000", None).await;
+    let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["requests"], json!([]), "{v}");
+    let (s, _) = http(d.admin, "/admin/requests?older_than_ms=soon", None).await;
+    assert_eq!(s, 400);
+    // The wait times out: 502, and the request leaves the view.
+    let (s, b) = held.await.unwrap();
+    assert_eq!(s, 502, "{}", String::from_utf8_lossy(&b));
+    let (_, b) = http(d.admin, "/admin/requests", None).await;
+    let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["requests"], json!([]), "{v}");
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8(m.to_vec()).unwrap();
+    assert_eq!(metric(&m, "baton_engine_errors_total{leg=\"kv\",status=\"error\"} "), 1.0, "{m}");
+    super::assert_clean(&d).await;
 }
