@@ -59,7 +59,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
             }
         }
     }
-    let metrics = Metrics::new(c.tenant_series).map_err(|e| StartError::Metrics(e.to_string()))?;
+    let metrics = Metrics::new(c.tenant_series, c.records).map_err(|e| StartError::Metrics(e.to_string()))?;
     let client = EngineClient::new(names, c.engine_tls.clone());
     let shared = Shared::with_client(c.limits, c.health, client, Arc::new(metrics));
     let lmcache = match c.lmcache_listen {

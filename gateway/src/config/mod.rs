@@ -281,11 +281,12 @@ pub struct Telemetry {
     /// Tenants with `baton_tokens_total` series of their own (default
     /// [`crate::telemetry::metrics::DEFAULT_TENANT_SERIES`]); the others are counted as `other`.
     pub tenant_series: Option<usize>,
+    /// Finished requests whose decision records `GET /admin/requests/{id}` keeps (default
+    /// [`crate::telemetry::metrics::DEFAULT_RECORDS`]; 0: none).
+    pub records: Option<usize>,
 }
 
-pub(crate) fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
+pub(crate) use crate::telemetry::metrics::ms;
 
 impl Default for Admission {
     fn default() -> Self {
@@ -351,6 +352,8 @@ pub struct Checked {
     pub log: LogConfig,
     /// `[telemetry] tenant_series`.
     pub tenant_series: usize,
+    /// `[telemetry] records`.
+    pub records: usize,
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
@@ -499,6 +502,7 @@ impl Config {
                 .telemetry
                 .tenant_series
                 .unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
+            records: self.telemetry.records.unwrap_or(crate::telemetry::metrics::DEFAULT_RECORDS),
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,

@@ -72,7 +72,10 @@ impl Shared {
     /// system's roots.
     pub fn new(limits: Limits, health: HealthConfig) -> prometheus::Result<Arc<Self>> {
         let client = EngineClient::new(crate::endpoints::Names::default(), None);
-        let metrics = Metrics::new(crate::telemetry::metrics::DEFAULT_TENANT_SERIES)?;
+        let metrics = Metrics::new(
+            crate::telemetry::metrics::DEFAULT_TENANT_SERIES,
+            crate::telemetry::metrics::DEFAULT_RECORDS,
+        )?;
         Ok(Self::with_client(limits, health, client, Arc::new(metrics)))
     }
 

@@ -20,6 +20,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Request, Response, header};
+use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
 use crate::admission::Ticket;
@@ -28,7 +29,7 @@ use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, QueueState, Sender, TenantNames};
-use crate::routing::{Candidates, DecodeView, NoRoute, PrefillView, RouteFacts, Router};
+use crate::routing::{Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router};
 use crate::telemetry::{Live, Phase, Timing};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 use usage::{Answer, Completion, Watched};
@@ -309,6 +310,10 @@ impl Gateway {
         // The API key's tenant, else the bearer token's `[admission.tenants]` name (never the token).
         let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
         let stream = req.fields.stream;
+        tracked.live().note(
+            "request",
+            json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream, "tenant": tenant.as_deref()}),
+        );
         match self.count_then_dispatch(req, headers, tracked.live()).await {
             Ok(d) => {
                 let answer = Answer {
@@ -317,6 +322,7 @@ impl Gateway {
                     tenant,
                     prompt_tokens: d.prompt_tokens,
                     stream,
+                    status: d.resp.status().as_u16(),
                     owed: d.owed,
                 };
                 Ok(d.resp.map(|b| Watched::new(b, answer).boxed()))
@@ -326,6 +332,11 @@ impl Gateway {
                 if let Some((leg, status)) = e.engine_failure() {
                     metrics.engine_error(leg, &status);
                 }
+                tracked.live().note(
+                    "outcome",
+                    json!({"end": "error", "status": e.status(), "code": e.code(), "origin": e.origin().as_str(),
+                           "message": e.to_string()}),
+                );
                 Err(e)
             }
         }
@@ -378,6 +389,8 @@ impl Gateway {
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens();
+        live.note("prompt_tokens", json!(ids.len()));
+        live.note("max_tokens", json!(max_tokens));
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -398,22 +411,46 @@ impl Gateway {
         let mut ticket = Ticket::default();
         let mut owed = None;
         if let (Some(p), Some(preq)) = (plugins.and_then(|p| p.admission.as_ref()), &preq) {
+            let by = p.info().name;
             match p.admit(Arc::clone(preq), self.queue_state()).await {
                 Some(Admit::Reject { status, message, retry_after_s }) => {
+                    live.note(
+                        "admission",
+                        json!({"by": by, "verdict": "reject", "status": status, "message": message,
+                               "retry_after_s": retry_after_s}),
+                    );
                     return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
                 }
                 Some(Admit::Queue { class, max_wait }) => {
+                    live.note(
+                        "admission",
+                        json!({"by": by, "verdict": "queue", "class": class,
+                               "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)}),
+                    );
                     ticket = Ticket { class, max_wait };
                     owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
                 }
-                None => {}
+                None => {
+                    live.note("admission", json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"}));
+                }
             }
+        } else {
+            live.note("admission", json!({"by": "built-in", "verdict": "queue"}));
         }
         let cands = self.candidates(ids.len());
+        let mut by_plugin = None;
         let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
             (Some(p), Some(preq)) => {
                 let decision = p.route(Arc::clone(preq), &cands).await;
-                self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why))
+                let first = match &decision {
+                    Some(Decision::Route(r)) => r.first().copied(),
+                    _ => None,
+                };
+                let routed = self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why));
+                if first.is_some() && routed.as_ref().is_ok_and(|r| r.first().copied() == first) {
+                    by_plugin = Some(p.info().name);
+                }
+                routed
             }
             _ => self.router.route(&facts, &cands),
         };
@@ -422,6 +459,7 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
+        live.note("route", self.route_record(&facts, &cands, *route, by_plugin.as_deref()));
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(&dec.name);
@@ -445,6 +483,12 @@ impl Gateway {
             resp
         });
         self.shared.metrics.record(&timing);
+        let phases: serde_json::Map<String, Value> = timing
+            .phases()
+            .iter()
+            .map(|(p, d)| (p.as_str().to_owned(), json!((d.as_secs_f64() * 1e6).round() / 1e3)))
+            .collect();
+        live.note("phases_ms", Value::Object(phases));
         let prompt_tokens = ids.len() as u64;
         match r {
             Ok(resp) => {
@@ -460,6 +504,49 @@ impl Gateway {
                 Err(e)
             }
         }
+    }
+
+    /// The route decision's record: every candidate with the numbers the policy compared, which
+    /// won, and why each other decoder lost.
+    fn route_record(&self, f: &RouteFacts<'_>, c: &Candidates, chosen: Route, plugin: Option<&str>) -> Value {
+        let why = match plugin {
+            Some(_) => Vec::new(),
+            None => self.router.builtin.why_not(f, c, chosen.decode),
+        };
+        let d = &c.decode;
+        let decoders: Vec<Value> = self
+            .decoders
+            .iter()
+            .enumerate()
+            .map(|(i, dec)| {
+                let lost = match (i == chosen.decode, plugin) {
+                    (true, _) => None,
+                    (false, Some(p)) => Some(format!("the routing plugin {p} chose another")),
+                    (false, None) => why.get(i).cloned().flatten(),
+                };
+                json!({"name": dec.name, "mode": dec.mode(), "won": i == chosen.decode, "why_not": lost,
+                       "healthy": d.healthy.get(i), "slots_needed": d.slots_needed.get(i),
+                       "capacity_slots": d.capacity_slots.get(i), "free_slots": d.free_slots.get(i),
+                       "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i)})
+            })
+            .collect();
+        let p = &c.prefill;
+        let prefills: Vec<Value> = self
+            .prefills
+            .iter()
+            .enumerate()
+            .map(|(i, pf)| {
+                json!({"name": pf.name, "won": i == chosen.prefill, "healthy": p.healthy.get(i),
+                       "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i)})
+            })
+            .collect();
+        json!({
+            "policy": plugin.map_or_else(|| self.router.builtin.name().to_owned(), |p| format!("plugin {p}")),
+            "prefill": self.prefills.get(chosen.prefill).map(|p| &p.name),
+            "decode": self.decoders.get(chosen.decode).map(|d| &d.name),
+            "decoders": decoders,
+            "prefills": prefills,
+        })
     }
 
     /// The routed prefillers, then every other healthy one: tried in turn only while a prefiller
@@ -487,8 +574,13 @@ impl Gateway {
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
-        let slots = dec.handoff.admit(dec, dec.slots_for(ids.len()), ticket).await?;
-        timing.mark(Phase::Queue);
+        let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
+        let slots = dec.handoff.admit(dec, need, ticket).await?;
+        let wait = timing.mark(Phase::Queue);
+        timing.note(
+            "queue",
+            json!({"decoder": dec.name, "slots": need, "waiting_ahead": ahead, "wait_ms": (wait.as_secs_f64() * 1e6).round() / 1e3}),
+        );
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await
     }
 

@@ -60,6 +60,8 @@ pub struct Answer {
     pub tenant: Option<Arc<str>>,
     pub prompt_tokens: u64,
     pub stream: bool,
+    /// The response's status.
+    pub status: u16,
     /// The admission plugin's `on-complete`, when it admitted the request.
     pub owed: Option<Completion>,
 }
@@ -114,7 +116,13 @@ impl Drop for Watched {
         m.phase(Phase::Stream, self.headers_at.elapsed());
         m.ended(a.mode, self.outcome.unwrap_or("cancelled"), a.tracked.live().started.elapsed());
         m.tokens(a.tenant.as_deref(), a.prompt_tokens, u64::from(tokens));
-        if self.outcome.is_some() {
+        if let Some(end) = self.outcome {
+            let live = a.tracked.live();
+            live.note(
+                "outcome",
+                serde_json::json!({"end": end, "status": a.status, "completion_tokens": tokens,
+                                   "stream_ms": crate::telemetry::metrics::ms(self.headers_at.elapsed())}),
+            );
             a.tracked.settle();
         }
         if let Some(c) = a.owed.as_mut() {

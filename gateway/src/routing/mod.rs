@@ -180,6 +180,55 @@ impl RoutingPolicy for Builtin {
     }
 }
 
+impl Builtin {
+    /// Why each decoder other than `chosen` lost under this policy, in the numbers it compared
+    /// (`None` for the chosen one).
+    pub fn why_not(self, f: &RouteFacts<'_>, c: &Candidates, chosen: usize) -> Vec<Option<String>> {
+        let d = &c.decode;
+        let get = |v: &[u32], i: usize| v.get(i).copied().unwrap_or(0);
+        let waiting = |i: usize| d.waiting_slots.get(i).copied().unwrap_or(0);
+        let held = |i: usize| {
+            u64::from(get(&d.capacity_slots, i).saturating_sub(get(&d.free_slots, i))) + waiting(i)
+        };
+        let need = |i: usize| d.slots_needed.get(i).copied().unwrap_or(f.slots);
+        (0..d.healthy.len())
+            .map(|i| {
+                if i == chosen {
+                    return None;
+                }
+                if d.healthy.get(i) != Some(&true) {
+                    return Some("not routable: ejected or failing its health check".to_owned());
+                }
+                let w = Some(match self {
+                    Self::RoundRobin => format!("not its turn (round robin, request {})", f.seq),
+                    Self::LeastLoaded if held(i) > held(chosen) => {
+                        format!("more slots held or waiting: {} against {}", held(i), held(chosen))
+                    }
+                    Self::KvAware if get(&d.capacity_slots, i) < need(i) => {
+                        format!(
+                            "cannot hold the request: it needs {} slots, the buffer has {}",
+                            need(i),
+                            get(&d.capacity_slots, i)
+                        )
+                    }
+                    Self::KvAware if waiting(i) > waiting(chosen) => {
+                        format!("more slots waiting: {} against {}", waiting(i), waiting(chosen))
+                    }
+                    Self::KvAware if get(&d.free_slots, i) < get(&d.free_slots, chosen) => {
+                        format!(
+                            "fewer slots free: {} against {}",
+                            get(&d.free_slots, i),
+                            get(&d.free_slots, chosen)
+                        )
+                    }
+                    _ => "tied with the chosen one, which comes first".to_owned(),
+                });
+                w
+            })
+            .collect()
+    }
+}
+
 /// Why no route was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NoRoute {

@@ -107,7 +107,7 @@ pub fn requests(g: &Gateway, query: Option<&str>) -> Response<RespBody> {
             _ => {}
         }
     }
-    let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let ms = crate::telemetry::metrics::ms;
     let list: Vec<Value> = g
         .shared
         .metrics
@@ -125,6 +125,18 @@ pub fn requests(g: &Gateway, query: Option<&str>) -> Response<RespBody> {
         })
         .collect();
     full(200, &json!({"older_than_ms": ms(older_than), "requests": list}))
+}
+
+/// `GET /admin/requests/{id}`: one request's decision record, in flight or among the last
+/// `[telemetry] records` finished.
+pub fn request(g: &Gateway, id: &str) -> Response<RespBody> {
+    match g.shared.metrics.record_of(id) {
+        Some(r) => full(200, &r),
+        None => error_response(&GatewayError::NotFound(format!(
+            "request {:?}: not in flight and not among the records kept",
+            id.chars().take(128).collect::<String>()
+        ))),
+    }
 }
 
 /// `/admin/names`: every engine and rank name in use, its addresses now and its lookups.

@@ -311,6 +311,9 @@ impl Gateway {
             (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
             (&Method::GET, "/admin/names") => return full(200, &admin::names(&self)),
             (&Method::GET, "/admin/requests") => return admin::requests(&self, req.uri().query()),
+            (&Method::GET, p) if p.starts_with("/admin/requests/") => {
+                return admin::request(&self, p.trim_start_matches("/admin/requests/"));
+            }
             (&Method::GET, "/admin/plugins") => {
                 return full(200, &self.plugins.as_ref().map_or(json!({"plugins": []}), |p| p.view()));
             }

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use serde_json::{Map, Value, json};
 
 use super::Phase;
 use super::request_id::{self, RequestId};
@@ -17,6 +18,9 @@ use super::scrape::Scrape;
 /// Histogram bounds in seconds: 100 µs to 60 s.
 pub const BUCKETS: [f64; 16] =
     [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+
+/// Finished requests whose decision records are kept for `GET /admin/requests/{id}`.
+pub const DEFAULT_RECORDS: usize = 1024;
 
 /// Distinct tenants given their own `baton_tokens_total` series; the others share [`OTHER_TENANT`].
 pub const DEFAULT_TENANT_SERIES: usize = 100;
@@ -42,13 +46,17 @@ pub struct Metrics {
     tokens: IntCounterVec,
     tenants: Tenants,
     flight: Flight,
+    /// The decision records of the last finished requests, newest last.
+    records: Mutex<std::collections::VecDeque<Arc<Value>>>,
+    keep_records: usize,
     /// Every family registered, whether or not it has a sample yet.
     names: Vec<String>,
 }
 
 impl Metrics {
-    /// Every family registered; `tenant_series` caps the tenants with series of their own.
-    pub fn new(tenant_series: usize) -> prometheus::Result<Self> {
+    /// Every family registered; `tenant_series` caps the tenants with series of their own, `records`
+    /// the finished requests whose decision records are kept.
+    pub fn new(tenant_series: usize, records: usize) -> prometheus::Result<Self> {
         let registry = Registry::new();
         let names = std::cell::RefCell::new(Vec::new());
         let hist = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<HistogramVec> {
@@ -123,6 +131,8 @@ impl Metrics {
             )?,
             tenants: Tenants { cap: tenant_series, seen: RwLock::default() },
             flight: Flight::default(),
+            records: Mutex::default(),
+            keep_records: records,
             names: Vec::new(),
             registry,
         };
@@ -211,10 +221,33 @@ impl Metrics {
             decoder: std::sync::OnceLock::new(),
             phase: AtomicU8::new(Phase::Route as u8),
             since_us: AtomicU64::new(0),
+            record: Mutex::default(),
         });
         let key = self.flight.next.fetch_add(1, Ordering::Relaxed);
         self.flight.table().insert(key, Arc::clone(&live));
         Tracked { metrics: Arc::clone(self), key, live, settled: false }
+    }
+
+    /// A request's decision record: in flight (so far) or among the last finished.
+    pub fn record_of(&self, id: &str) -> Option<Value> {
+        let live =
+            self.flight.table().values().find(|l| l.id.as_ref().is_some_and(|i| i.as_str() == id)).cloned();
+        if let Some(l) = live {
+            return Some(l.record());
+        }
+        let kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.iter().rev().find(|r| r["id"].as_str() == Some(id)).map(|r| (**r).clone())
+    }
+
+    fn keep(&self, record: Value) {
+        if self.keep_records == 0 {
+            return;
+        }
+        let mut kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.len() >= self.keep_records {
+            kept.pop_front();
+        }
+        kept.push_back(Arc::new(record));
     }
 
     /// The requests in flight now, oldest first.
@@ -251,6 +284,11 @@ impl Metrics {
             );
         }
     }
+}
+
+/// Whole milliseconds.
+pub fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The tenants given series of their own.
@@ -301,6 +339,8 @@ pub struct Live {
     phase: AtomicU8,
     /// When the phase began, in µs after `started`.
     since_us: AtomicU64,
+    /// What was decided for it so far (its decision record's parts, by name).
+    record: Mutex<Map<String, Value>>,
 }
 
 impl Live {
@@ -322,6 +362,32 @@ impl Live {
 
     pub fn phase(&self) -> Phase {
         Phase::ALL.get(usize::from(self.phase.load(Ordering::Relaxed))).copied().unwrap_or(Phase::Route)
+    }
+
+    /// Adds a part of the decision record (`route`, `admission`, `queue`, …).
+    pub fn note(&self, part: &str, v: Value) {
+        self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(part.to_owned(), v);
+    }
+
+    /// Whether the record has `part` already.
+    pub fn noted(&self, part: &str) -> bool {
+        self.record.lock().unwrap_or_else(PoisonError::into_inner).contains_key(part)
+    }
+
+    /// The decision record now: the parts noted, with the id, phase and age.
+    pub fn record(&self) -> Value {
+        let mut r = Map::new();
+        r.insert("id".into(), json!(self.id.as_ref().map(RequestId::as_str)));
+        r.insert("phase".into(), json!(self.phase().as_str()));
+        r.insert("age_ms".into(), json!(ms(self.started.elapsed())));
+        r.extend(
+            self.record
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        Value::Object(r)
     }
 
     /// How long the request has been in its phase.
@@ -358,8 +424,17 @@ impl Drop for Tracked {
     fn drop(&mut self) {
         self.metrics.flight.table().remove(&self.key);
         if !self.settled {
-            self.metrics.cancelled.with_label_values(&[self.live.phase().as_str()]).inc();
+            let phase = self.live.phase().as_str();
+            self.metrics.cancelled.with_label_values(&[phase]).inc();
+            self.live.note("outcome", json!({"end": "cancelled", "phase": phase}));
         }
+        let mut record = self.live.record();
+        if let Some(r) = record.as_object_mut() {
+            r.shift_remove("phase");
+            let age = r.shift_remove("age_ms").unwrap_or(Value::Null);
+            r.insert("duration_ms".into(), age);
+        }
+        self.metrics.keep(record);
     }
 }
 
@@ -375,7 +450,7 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative_and_counts_add_up() -> prometheus::Result<()> {
-        let m = Metrics::new(DEFAULT_TENANT_SERIES)?;
+        let m = Metrics::new(DEFAULT_TENANT_SERIES, DEFAULT_RECORDS)?;
         m.phase(Phase::Queue, Duration::from_micros(50));
         m.phase(Phase::Queue, Duration::from_millis(3));
         m.answered(200);
@@ -393,7 +468,7 @@ mod tests {
 
     #[test]
     fn tenants_past_the_cap_are_other() -> prometheus::Result<()> {
-        let m = Metrics::new(2)?;
+        let m = Metrics::new(2, 0)?;
         for t in ["a", "b", "c", "a", "d"] {
             m.tokens(Some(t), 10, 1);
         }
@@ -406,7 +481,7 @@ mod tests {
 
     #[test]
     fn a_guard_dropped_unsettled_is_a_cancellation_in_its_phase() -> prometheus::Result<()> {
-        let m = Arc::new(Metrics::new(DEFAULT_TENANT_SERIES)?);
+        let m = Arc::new(Metrics::new(DEFAULT_TENANT_SERIES, DEFAULT_RECORDS)?);
         let a = m.track();
         a.live().enter(Phase::KvReady);
         let mut b = m.track();

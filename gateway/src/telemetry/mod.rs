@@ -105,6 +105,13 @@ impl Timing {
         }
     }
 
+    /// Adds a part to the request's decision record.
+    pub fn note(&self, part: &str, v: serde_json::Value) {
+        if let Some(l) = &self.live {
+            l.note(part, v);
+        }
+    }
+
     /// The request's in-flight entry, for a part of it that runs on after the response headers.
     pub fn live(&self) -> Option<Arc<Live>> {
         self.live.clone()

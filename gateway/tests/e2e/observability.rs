@@ -78,7 +78,7 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
 
     // Every family some mode's scrape had, and those recorded only once something happens.
     let mut exported: BTreeSet<String> =
-        baton_gateway::telemetry::Metrics::new(1).unwrap().family_names().iter().cloned().collect();
+        baton_gateway::telemetry::Metrics::new(1, 0).unwrap().family_names().iter().cloned().collect();
     for handoff in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
         let mode = handoff.name();
         let setup = GatewaySetup { tenants: tenants.clone(), ..GatewaySetup::default() };
@@ -276,4 +276,111 @@ async fn the_stuck_view_lists_a_request_held_in_the_kv_wait() {
     let m = String::from_utf8(m.to_vec()).unwrap();
     assert_eq!(metric(&m, "baton_engine_errors_total{leg=\"kv\",status=\"error\"} "), 1.0, "{m}");
     super::assert_clean(&d).await;
+}
+
+/// A request's decision record from `GET /admin/requests/{id}`.
+async fn record(admin: std::net::SocketAddr, id: &str) -> serde_json::Value {
+    let (s, b) = http(admin, &format!("/admin/requests/{id}"), None).await;
+    assert_eq!(s, 200, "{id}: {}", String::from_utf8_lossy(&b));
+    serde_json::from_slice(&b).unwrap()
+}
+
+/// Prefills that wait before their first chunk, so a request holds its decoder's pages for a while.
+fn stalling_prefills(ms: u64) -> baton_sim::faults::FaultConfig {
+    baton_sim::faults::FaultConfig { stall_chunk: Some(0), stall_ms: ms, ..Default::default() }
+}
+
+/// A request that waited for its decoder's room: its record says the built-in admission queued it,
+/// how long it waited and who was ahead, the reservation, its phases and its outcome; a request
+/// unknown here is a 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_of_a_request_queued_then_admitted() {
+    // 16 pages of 16 tokens per rank; each request needs 10, so the second waits for the first.
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 16,
+        prefill_faults: stalling_prefills(300),
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let body = json!({"prompt": prompt(150, 4), "max_tokens": 2});
+    let first = {
+        let (addr, body) = (d.addr, body.clone());
+        tokio::spawn(
+            async move { super::request_ids::post(addr, "/v1/completions", &body, Some("held-1")).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (s, id, b) = super::request_ids::post(d.addr, "/v1/completions", &body, Some("queued-1")).await;
+    assert_eq!((s, id.as_str()), (200, "queued-1"), "{}", String::from_utf8_lossy(&b));
+    assert_eq!(first.await.unwrap().0, 200);
+
+    let r = record(d.admin, "queued-1").await;
+    assert_eq!(r["id"], "queued-1", "{r}");
+    assert_eq!(r["admission"]["verdict"], "queue", "{r}");
+    assert_eq!(r["admission"]["by"], "built-in", "{r}");
+    assert_eq!(r["queue"]["decoder"], "decode-0", "{r}");
+    assert_eq!(r["queue"]["slots"], 10, "{r}");
+    assert!(r["queue"]["wait_ms"].as_f64().unwrap() >= 100.0, "waited for the first: {r}");
+    assert_eq!(r["reservation"]["pages_per_rank"], 10, "{r}");
+    assert_eq!(r["reservation"]["ranks"], 2, "{r}");
+    assert_eq!(r["route"]["decode"], "decode-0", "{r}");
+    assert_eq!(r["prompt_tokens"], 150, "{r}");
+    for phase in ["route", "queue", "reserve", "prefill", "kv_ready", "decode"] {
+        assert!(r["phases_ms"][phase].is_number(), "{phase}: {r}");
+    }
+    assert_eq!(r["outcome"]["end"], "ok", "{r}");
+    assert_eq!(r["outcome"]["status"], 200, "{r}");
+    assert_eq!(r["outcome"]["completion_tokens"], 2, "{r}");
+    assert!(r["duration_ms"].as_u64().unwrap() >= r["queue"]["wait_ms"].as_f64().unwrap() as u64, "{r}");
+    // The first did not wait behind anyone.
+    let h = record(d.admin, "held-1").await;
+    assert_eq!(h["queue"]["waiting_ahead"], 0, "{h}");
+    assert!(h["queue"]["wait_ms"].as_f64().unwrap() < 100.0, "{h}");
+    let (s, _) = http(d.admin, "/admin/requests/nobody", None).await;
+    assert_eq!(s, 404);
+}
+
+/// Three decoders, one holding a request's pages: the next request's record names the decoder it
+/// went to and why each of the other two lost, in the numbers the built-in kv-aware policy compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_among_three_decoders_says_why_two_lost() {
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        decoders: 3,
+        tp: 1,
+        pages: 64,
+        prefill_faults: stalling_prefills(400),
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let body = json!({"prompt": prompt(150, 5), "max_tokens": 2});
+    let first = {
+        let (addr, body) = (d.addr, body.clone());
+        tokio::spawn(async move { super::request_ids::post(addr, "/v1/completions", &body, Some("a")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (s, _, _) = super::request_ids::post(d.addr, "/v1/completions", &body, Some("b")).await;
+    assert_eq!(s, 200);
+    assert_eq!(first.await.unwrap().0, 200);
+    let a = record(d.admin, "a").await;
+    assert_eq!(a["route"]["decode"], "decode-0", "{a}");
+    let r = record(d.admin, "b").await;
+    let route = &r["route"];
+    assert_eq!(route["policy"], "kv-aware", "{r}");
+    assert_eq!(route["decode"], "decode-1", "{r}");
+    let decoders = route["decoders"].as_array().unwrap();
+    assert_eq!(decoders.len(), 3, "{r}");
+    let by_name = |n: &str| decoders.iter().find(|d| d["name"] == n).unwrap();
+    assert_eq!(by_name("decode-1")["won"], true);
+    assert!(by_name("decode-1")["why_not"].is_null(), "{r}");
+    assert_eq!(by_name("decode-0")["free_slots"], 54, "{r}");
+    assert_eq!(by_name("decode-0")["why_not"], "fewer slots free: 54 against 64", "{r}");
+    assert_eq!(by_name("decode-2")["why_not"], "tied with the chosen one, which comes first", "{r}");
+    for n in ["decode-0", "decode-2"] {
+        assert_eq!(by_name(n)["won"], false, "{r}");
+    }
 }

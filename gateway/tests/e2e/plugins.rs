@@ -173,6 +173,18 @@ default_max_tokens = 16
     assert_eq!(v["error"]["message"], "tenant alice is over its budget of 200 tokens per minute");
     let retry: u64 = refused.headers["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=60).contains(&retry), "retry-after {retry}");
+    // Its decision record: the plugin's verdict and reason, never routed or queued.
+    let id = refused.headers["x-request-id"].to_str().unwrap();
+    let r: Value = serde_json::from_str(&get(s.admin(), &format!("/admin/requests/{id}")).await).unwrap();
+    assert_eq!(r["admission"]["by"], "admission", "{r}");
+    assert_eq!(r["admission"]["verdict"], "reject", "{r}");
+    assert_eq!(r["admission"]["status"], 429, "{r}");
+    assert_eq!(r["admission"]["message"], "tenant alice is over its budget of 200 tokens per minute", "{r}");
+    assert_eq!(r["admission"]["retry_after_s"], retry, "{r}");
+    assert!(r.get("route").is_none() && r.get("queue").is_none(), "{r}");
+    assert_eq!(r["outcome"]["end"], "error", "{r}");
+    assert_eq!(r["outcome"]["origin"], "policy", "{r}");
+    assert_eq!(r["outcome"]["code"], "rejected_by_policy", "{r}");
     // Another tenant has its own budget.
     assert_eq!(post(s.addr(), "/v1/completions", Some("sk-bob"), &body).await.status, 200);
     // Streamed answers are admitted the same way.

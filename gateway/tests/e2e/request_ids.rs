@@ -13,7 +13,12 @@ use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
 /// POSTs `body` with an optional `x-request-id`; the status, the id header and the body.
-async fn post(addr: SocketAddr, path: &str, body: &Value, id: Option<&str>) -> (u16, String, Bytes) {
+pub(crate) async fn post(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    id: Option<&str>,
+) -> (u16, String, Bytes) {
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
     tokio::spawn(conn);

@@ -110,6 +110,7 @@ impl Native {
         dec: &Decoder,
         life: &mut Lifecycle,
         chunks: u32,
+        refusals: &mut u32,
     ) -> Result<Vec<(std::net::SocketAddr, Vec<(u32, baton_dataplane::PageAddr)>)>, GatewayError> {
         let limits = &self.shared.limits;
         let give_up = Instant::now() + limits.queue_timeout;
@@ -123,6 +124,7 @@ impl Native {
                 Ok(Some(a)) => return Ok(a),
                 Ok(None) if Instant::now() < give_up => {
                     self.shared.metrics.reservation_refused(&dec.name, true);
+                    *refusals += 1;
                     // The ranks that had reserved this attempt were cancelled and report the key
                     // as cancelled, possibly after the next attempt succeeded: the next attempt is
                     // a new epoch of the request, so no report of this one can reach it.
@@ -134,6 +136,7 @@ impl Native {
                 }
                 Ok(None) => {
                     self.shared.metrics.reservation_refused(&dec.name, false);
+                    *refusals += 1;
                     return Err(GatewayError::QueueTimeout(format!(
                         "decoder {} had no free pages in time",
                         dec.name
@@ -198,7 +201,14 @@ impl Native {
             release_timeout: shared.limits.release_timeout,
         };
         timing.enter(Phase::Reserve);
-        let addrs = self.reserve(dec, &mut life, chunks).await?;
+        let mut refusals = 0;
+        let reserved = self.reserve(dec, &mut life, chunks, &mut refusals).await;
+        timing.note(
+            "reservation",
+            json!({"pages_per_rank": chunks, "ranks": self.ranks.rank_count(), "refusals": refusals,
+                   "reserved": reserved.is_ok()}),
+        );
+        let addrs = reserved?;
         timing.mark(Phase::Reserve);
         timing.enter(Phase::Prefill);
 
