@@ -125,6 +125,8 @@ pub struct GatewaySetup {
     pub admin_token_sha256: Option<[u8; 32]>,
     /// `[admission.tenants]`: bearer tokens' tenant names (the token metrics count by them).
     pub tenants: std::collections::BTreeMap<String, String>,
+    /// `[telemetry] explain`: `x-baton-explain: 1` gets the request's decision record.
+    pub explain: bool,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -383,7 +385,12 @@ pub async fn start_gateway(
         shared,
         Router::new(setup.routing),
         setup.http,
-        Access { plugins: None, keys: None, tenants: crate::policy::TenantNames::new(setup.tenants.clone()) },
+        Access {
+            plugins: None,
+            keys: None,
+            tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
+            explain: setup.explain,
+        },
     );
     let _health = gateway.start_health_checks();
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));

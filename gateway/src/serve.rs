@@ -100,7 +100,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let mut background: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
-    let access = Access { plugins, keys: c.keys, tenants };
+    let access = Access { plugins, keys: c.keys, tenants, explain: c.explain };
     let gateway = Gateway::new(
         model,
         prefills,

@@ -284,6 +284,9 @@ pub struct Telemetry {
     /// Finished requests whose decision records `GET /admin/requests/{id}` keeps (default
     /// [`crate::telemetry::metrics::DEFAULT_RECORDS`]; 0: none).
     pub records: Option<usize>,
+    /// Lets a client ask for its request's decision record with `x-baton-explain: 1` (default off:
+    /// the record names the engines and their load).
+    pub explain: Option<bool>,
 }
 
 pub(crate) use crate::telemetry::metrics::ms;
@@ -354,6 +357,8 @@ pub struct Checked {
     pub tenant_series: usize,
     /// `[telemetry] records`.
     pub records: usize,
+    /// `[telemetry] explain`.
+    pub explain: bool,
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
@@ -503,6 +508,7 @@ impl Config {
                 .tenant_series
                 .unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
             records: self.telemetry.records.unwrap_or(crate::telemetry::metrics::DEFAULT_RECORDS),
+            explain: self.telemetry.explain.unwrap_or(false),
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,

@@ -75,6 +75,11 @@ impl Default for HttpTimeouts {
 /// first in line: a fallback may have served the prefill).
 pub const ROUTE_HEADER: &str = "x-baton-route";
 
+/// Request header asking for the request's decision record (`1`), when `[telemetry] explain` allows
+/// it: a whole answer gets it in the response header of the same name (JSON, ASCII), a stream as an
+/// SSE comment line `: baton-explain {…}` before its `data: [DONE]`.
+pub const EXPLAIN_HEADER: &str = "x-baton-explain";
+
 /// The model this gateway serves.
 #[derive(Clone, Debug)]
 pub struct ModelInfo {
@@ -90,6 +95,8 @@ pub struct Access {
     pub plugins: Option<Arc<Plugins>>,
     pub keys: Option<Arc<ApiKeys>>,
     pub tenants: TenantNames,
+    /// `[telemetry] explain`: a request with `x-baton-explain: 1` gets its decision record.
+    pub explain: bool,
 }
 
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
@@ -109,6 +116,7 @@ pub struct Gateway {
     pub keys: Option<Arc<ApiKeys>>,
     /// `[admission.tenants]`: the tenant of a request when API keys are off.
     tenants: TenantNames,
+    explain: bool,
     seq: AtomicU64,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
@@ -134,6 +142,7 @@ impl Gateway {
             plugins: access.plugins,
             keys: access.keys,
             tenants: access.tenants,
+            explain: access.explain,
             seq: AtomicU64::new(0),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
@@ -310,12 +319,19 @@ impl Gateway {
         // The API key's tenant, else the bearer token's `[admission.tenants]` name (never the token).
         let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
         let stream = req.fields.stream;
+        let explain = self.explain && headers.get(EXPLAIN_HEADER).is_some_and(|v| v == "1");
         tracked.live().note(
             "request",
             json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream, "tenant": tenant.as_deref()}),
         );
         match self.count_then_dispatch(req, headers, tracked.live()).await {
-            Ok(d) => {
+            Ok(mut d) => {
+                if explain
+                    && !stream
+                    && let Ok(v) = header::HeaderValue::from_str(&usage::ascii_json(&tracked.live().record()))
+                {
+                    d.resp.headers_mut().insert(EXPLAIN_HEADER, v);
+                }
                 let answer = Answer {
                     tracked,
                     mode: d.mode,
@@ -323,6 +339,7 @@ impl Gateway {
                     prompt_tokens: d.prompt_tokens,
                     stream,
                     status: d.resp.status().as_u16(),
+                    explain: explain && stream,
                     owed: d.owed,
                 };
                 Ok(d.resp.map(|b| Watched::new(b, answer).boxed()))

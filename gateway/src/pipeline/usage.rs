@@ -62,6 +62,8 @@ pub struct Answer {
     pub stream: bool,
     /// The response's status.
     pub status: u16,
+    /// Send the decision record as an SSE comment before `data: [DONE]` (or at the end).
+    pub explain: bool,
     /// The admission plugin's `on-complete`, when it admitted the request.
     pub owed: Option<Completion>,
 }
@@ -78,11 +80,14 @@ pub struct Watched {
     last: Option<Instant>,
     /// `ok` or `error` once the body ended.
     outcome: Option<&'static str>,
+    /// The decision record is still to be sent (a stream that asked for it).
+    explain: bool,
 }
 
 impl Watched {
     pub fn new(inner: RespBody, answer: Answer) -> Self {
         answer.tracked.live().enter(Phase::Stream);
+        let explain = answer.explain;
         Self {
             inner,
             counting: Counting::default(),
@@ -90,7 +95,26 @@ impl Watched {
             headers_at: Instant::now(),
             last: None,
             outcome: None,
+            explain,
         }
+    }
+
+    /// The decision record as an SSE comment.
+    fn explanation(&mut self) -> Bytes {
+        self.explain = false;
+        let json = ascii_json(&self.answer.tracked.live().record());
+        Bytes::from(format!(": baton-explain {json}\n\n"))
+    }
+
+    /// A frame with the decision record put before its `data: [DONE]`, if it has one.
+    fn explained(&mut self, data: &Bytes) -> Option<Bytes> {
+        let at = starts(data, DONE).next()?;
+        let note = self.explanation();
+        let mut out = Vec::with_capacity(data.len() + note.len());
+        out.extend_from_slice(data.get(..at).unwrap_or_default());
+        out.extend_from_slice(&note);
+        out.extend_from_slice(data.get(at..).unwrap_or_default());
+        Some(Bytes::from(out))
     }
 
     fn chunk(&mut self, data: &[u8]) {
@@ -129,6 +153,24 @@ impl Drop for Watched {
             c.tokens = tokens;
         }
     }
+}
+
+/// JSON with every character outside ASCII escaped (`\uXXXX`): a valid HTTP header value.
+pub fn ascii_json(v: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let text = v.to_string();
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                let _ = write!(out, "\\u{u:04x}");
+            }
+        }
+    }
+    out
 }
 
 /// Completion tokens seen so far: the last `usage.completion_tokens`, else the SSE events.
@@ -195,7 +237,22 @@ impl Body for Watched {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let mut polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if self.explain {
+            match &polled {
+                Poll::Ready(Some(Ok(f))) => {
+                    if let Some(with) = f.data_ref().and_then(|d| self.explained(d)) {
+                        polled = Poll::Ready(Some(Ok(Frame::data(with))));
+                    }
+                }
+                // `[DONE]` never came whole: the record goes last.
+                Poll::Ready(None) => {
+                    self.outcome = Some("ok");
+                    return Poll::Ready(Some(Ok(Frame::data(self.explanation()))));
+                }
+                _ => {}
+            }
+        }
         match &polled {
             Poll::Ready(Some(Ok(f))) => {
                 if let Some(d) = f.data_ref() {
@@ -217,7 +274,7 @@ impl Body for Watched {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        !self.explain && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -246,6 +303,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn ascii_json_is_a_header_value_and_the_same_json() {
+        let v = serde_json::json!({"tenant": "café \"😀\"\n"});
+        let text = ascii_json(&v);
+        assert_eq!(text, r#"{"tenant":"caf\u00e9 \"\ud83d\ude00\"\n"}"#);
+        assert!(hyper::header::HeaderValue::from_str(&text).is_ok());
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&text).ok(), Some(v));
     }
 
     fn counted(chunks: &[&[u8]]) -> u32 {

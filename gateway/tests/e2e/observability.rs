@@ -384,3 +384,62 @@ async fn a_route_among_three_decoders_says_why_two_lost() {
         assert_eq!(by_name(n)["won"], false, "{r}");
     }
 }
+
+/// `x-baton-explain: 1`: a whole answer carries its decision record in the response header, a stream
+/// as an SSE comment just before `data: [DONE]`, the answer itself unchanged; without
+/// `[telemetry] explain` the header is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_sends_the_record_only_when_allowed() {
+    for allowed in [true, false] {
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            gateway: GatewaySetup { explain: allowed, ..GatewaySetup::default() },
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        for stream in [false, true] {
+            let stream_conn = TcpStream::connect(d.addr).await.unwrap();
+            let (mut send, conn) =
+                hyper::client::conn::http1::handshake(TokioIo::new(stream_conn)).await.unwrap();
+            tokio::spawn(conn);
+            let body = json!({"prompt": prompt(40, 6), "max_tokens": 3, "stream": stream});
+            let req = Request::post("/v1/completions")
+                .header("host", d.addr.to_string())
+                .header("content-type", "application/json")
+                .header("x-request-id", format!("explain-{stream}"))
+                .header("x-baton-explain", "1")
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap();
+            let res = send.send_request(req).await.unwrap();
+            assert_eq!(res.status(), 200);
+            let header = res.headers().get("x-baton-explain").map(|v| v.to_str().unwrap().to_owned());
+            let text =
+                String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+            let comment = text.lines().find_map(|l| l.strip_prefix(": baton-explain ")).map(str::to_owned);
+            if !allowed {
+                assert!(header.is_none() && comment.is_none(), "explain is off: {header:?} {text}");
+                continue;
+            }
+            let json = if stream {
+                assert!(header.is_none());
+                let at = text.find(": baton-explain ").unwrap();
+                assert!(at < text.find("data: [DONE]").unwrap(), "the record comes before [DONE]: {text}");
+                comment.unwrap()
+            } else {
+                assert!(comment.is_none());
+                header.unwrap()
+            };
+            let r: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(r["id"], format!("explain-{stream}"), "{r}");
+            assert_eq!(r["route"]["decode"], "decode-0", "{r}");
+            assert!(r["phases_ms"]["prefill"].is_number(), "{r}");
+            // The whole answer still parses as what the client asked for.
+            if !stream {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert!(v["choices"][0]["text"].is_string(), "{v}");
+            }
+        }
+    }
+}
