@@ -199,7 +199,7 @@ impl Builtin {
                 if d.healthy.get(i) != Some(&true) {
                     return Some("not routable: ejected or failing its health check".to_owned());
                 }
-                let w = Some(match self {
+                Some(match self {
                     Self::RoundRobin => format!("not its turn (round robin, request {})", f.seq),
                     Self::LeastLoaded if held(i) > held(chosen) => {
                         format!("more slots held or waiting: {} against {}", held(i), held(chosen))
@@ -222,8 +222,7 @@ impl Builtin {
                         )
                     }
                     _ => "tied with the chosen one, which comes first".to_owned(),
-                });
-                w
+                })
             })
             .collect()
     }
@@ -495,6 +494,28 @@ mod tests {
         fn route(&self, _: &RouteFacts<'_>, _: &Candidates) -> Decision {
             self.0.clone()
         }
+    }
+
+    #[test]
+    fn each_loser_is_told_why_in_the_numbers_compared() {
+        let mut c = cands();
+        // kv-aware with 40 slots: decoder 2 (32) cannot hold it; 0 has more free than 1.
+        let f = facts(40, 0);
+        let Decision::Route(r) = Builtin::KvAware.route(&f, &c) else { panic!("no route") };
+        assert_eq!(r[0].decode, 0);
+        let why = Builtin::KvAware.why_not(&f, &c, 0);
+        assert_eq!(why[0], None);
+        assert_eq!(why[1].as_deref(), Some("fewer slots free: 10 against 60"));
+        assert_eq!(why[2].as_deref(), Some("cannot hold the request: it needs 40 slots, the buffer has 32"));
+        // least-loaded: held plus waiting, 4 / 118 / 4; the tie goes to the first.
+        let why = Builtin::LeastLoaded.why_not(&facts(1, 0), &c, 0);
+        assert_eq!(why[1].as_deref(), Some("more slots held or waiting: 118 against 4"));
+        assert_eq!(why[2].as_deref(), Some("tied with the chosen one, which comes first"));
+        c.decode.healthy[1] = false;
+        let why = Builtin::RoundRobin.why_not(&facts(1, 7), &c, 2);
+        assert_eq!(why[0].as_deref(), Some("not its turn (round robin, request 7)"));
+        assert_eq!(why[1].as_deref(), Some("not routable: ejected or failing its health check"));
+        assert_eq!(why[2], None);
     }
 
     #[test]
