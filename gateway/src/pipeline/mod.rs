@@ -34,6 +34,11 @@ use crate::telemetry::{Live, Phase, Timing};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 use usage::{Answer, Completion, Watched};
 
+/// Milliseconds to the microsecond.
+fn round_ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
 /// A request the mode answered: its response (headers in, body to come) and what its end records.
 struct Dispatched {
     resp: Response<RespBody>,
@@ -320,9 +325,7 @@ impl Gateway {
         let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
         let stream = req.fields.stream;
         let explain = self.explain && headers.get(EXPLAIN_HEADER).is_some_and(|v| v == "1");
-        tracked.live().note(
-            "request",
-            json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream, "tenant": tenant.as_deref()}),
+        tracked.live().note("request", || json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream, "tenant": tenant.as_deref()}),
         );
         match self.count_then_dispatch(req, headers, tracked.live()).await {
             Ok(mut d) => {
@@ -349,9 +352,7 @@ impl Gateway {
                 if let Some((leg, status)) = e.engine_failure() {
                     metrics.engine_error(leg, &status);
                 }
-                tracked.live().note(
-                    "outcome",
-                    json!({"end": "error", "status": e.status(), "code": e.code(), "origin": e.origin().as_str(),
+                tracked.live().note("outcome", || json!({"end": "error", "status": e.status(), "code": e.code(), "origin": e.origin().as_str(),
                            "message": e.to_string()}),
                 );
                 Err(e)
@@ -406,8 +407,8 @@ impl Gateway {
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens();
-        live.note("prompt_tokens", json!(ids.len()));
-        live.note("max_tokens", json!(max_tokens));
+        live.note("prompt_tokens", || json!(ids.len()));
+        live.note("max_tokens", || json!(max_tokens));
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -431,28 +432,26 @@ impl Gateway {
             let by = p.info().name;
             match p.admit(Arc::clone(preq), self.queue_state()).await {
                 Some(Admit::Reject { status, message, retry_after_s }) => {
-                    live.note(
-                        "admission",
+                    live.note("admission", || {
                         json!({"by": by, "verdict": "reject", "status": status, "message": message,
-                               "retry_after_s": retry_after_s}),
-                    );
+                               "retry_after_s": retry_after_s})
+                    });
                     return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
                 }
                 Some(Admit::Queue { class, max_wait }) => {
-                    live.note(
-                        "admission",
+                    live.note("admission", || {
                         json!({"by": by, "verdict": "queue", "class": class,
-                               "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)}),
-                    );
+                               "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)})
+                    });
                     ticket = Ticket { class, max_wait };
                     owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
                 }
                 None => {
-                    live.note("admission", json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"}));
+                    live.note("admission", || json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"}));
                 }
             }
         } else {
-            live.note("admission", json!({"by": "built-in", "verdict": "queue"}));
+            live.note("admission", || json!({"by": "built-in", "verdict": "queue"}));
         }
         let cands = self.candidates(ids.len());
         let mut by_plugin = None;
@@ -476,7 +475,7 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        live.note("route", self.route_record(&facts, &cands, *route, by_plugin.as_deref()));
+        live.note("route", || self.route_record(&facts, &cands, *route, by_plugin.as_deref()));
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(&dec.name);
@@ -500,12 +499,10 @@ impl Gateway {
             resp
         });
         self.shared.metrics.record(&timing);
-        let phases: serde_json::Map<String, Value> = timing
-            .phases()
-            .iter()
-            .map(|(p, d)| (p.as_str().to_owned(), json!((d.as_secs_f64() * 1e6).round() / 1e3)))
-            .collect();
-        live.note("phases_ms", Value::Object(phases));
+        live.note("phases_ms", || {
+            let phases = timing.phases().iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));
+            Value::Object(phases.collect())
+        });
         let prompt_tokens = ids.len() as u64;
         match r {
             Ok(resp) => {
@@ -596,7 +593,7 @@ impl Gateway {
         let wait = timing.mark(Phase::Queue);
         timing.note(
             "queue",
-            json!({"decoder": dec.name, "slots": need, "waiting_ahead": ahead, "wait_ms": (wait.as_secs_f64() * 1e6).round() / 1e3}),
+            || json!({"decoder": dec.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)}),
         );
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await
     }

@@ -142,11 +142,10 @@ impl Drop for Watched {
         m.tokens(a.tenant.as_deref(), a.prompt_tokens, u64::from(tokens));
         if let Some(end) = self.outcome {
             let live = a.tracked.live();
-            live.note(
-                "outcome",
+            live.note("outcome", || {
                 serde_json::json!({"end": end, "status": a.status, "completion_tokens": tokens,
-                                   "stream_ms": crate::telemetry::metrics::ms(self.headers_at.elapsed())}),
-            );
+                                   "stream_ms": crate::telemetry::metrics::ms(self.headers_at.elapsed())})
+            });
             a.tracked.settle();
         }
         if let Some(c) = a.owed.as_mut() {

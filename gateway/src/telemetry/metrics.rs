@@ -222,6 +222,7 @@ impl Metrics {
             phase: AtomicU8::new(Phase::Route as u8),
             since_us: AtomicU64::new(0),
             record: Mutex::default(),
+            recording: self.keep_records > 0,
         });
         let key = self.flight.next.fetch_add(1, Ordering::Relaxed);
         self.flight.table().insert(key, Arc::clone(&live));
@@ -240,14 +241,15 @@ impl Metrics {
     }
 
     fn keep(&self, record: Value) {
-        if self.keep_records == 0 {
-            return;
-        }
-        let mut kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        if kept.len() >= self.keep_records {
-            kept.pop_front();
-        }
-        kept.push_back(Arc::new(record));
+        let record = Arc::new(record);
+        let oldest = {
+            let mut kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+            let oldest = if kept.len() >= self.keep_records { kept.pop_front() } else { None };
+            kept.push_back(record);
+            oldest
+        };
+        // Freed outside the lock.
+        drop(oldest);
     }
 
     /// The requests in flight now, oldest first.
@@ -341,6 +343,8 @@ pub struct Live {
     since_us: AtomicU64,
     /// What was decided for it so far (its decision record's parts, by name).
     record: Mutex<Map<String, Value>>,
+    /// Decision records are on (`[telemetry] records` > 0): parts are noted.
+    recording: bool,
 }
 
 impl Live {
@@ -365,13 +369,13 @@ impl Live {
     }
 
     /// Adds a part of the decision record (`route`, `admission`, `queue`, …).
-    pub fn note(&self, part: &str, v: Value) {
+    /// Built only when records are on.
+    pub fn note(&self, part: &str, v: impl FnOnce() -> Value) {
+        if !self.recording {
+            return;
+        }
+        let v = v();
         self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(part.to_owned(), v);
-    }
-
-    /// Whether the record has `part` already.
-    pub fn noted(&self, part: &str) -> bool {
-        self.record.lock().unwrap_or_else(PoisonError::into_inner).contains_key(part)
     }
 
     /// The decision record now: the parts noted, with the id, phase and age.
@@ -426,15 +430,18 @@ impl Drop for Tracked {
         if !self.settled {
             let phase = self.live.phase().as_str();
             self.metrics.cancelled.with_label_values(&[phase]).inc();
-            self.live.note("outcome", json!({"end": "cancelled", "phase": phase}));
+            self.live.note("outcome", || json!({"end": "cancelled", "phase": phase}));
         }
-        let mut record = self.live.record();
-        if let Some(r) = record.as_object_mut() {
-            r.shift_remove("phase");
-            let age = r.shift_remove("age_ms").unwrap_or(Value::Null);
-            r.insert("duration_ms".into(), age);
+        if self.metrics.keep_records == 0 {
+            return;
         }
-        self.metrics.keep(record);
+        // The parts are taken, not copied: nobody notes anything once the request has ended.
+        let parts = std::mem::take(&mut *self.live.record.lock().unwrap_or_else(PoisonError::into_inner));
+        let mut r = Map::new();
+        r.insert("id".into(), json!(self.live.id.as_ref().map(RequestId::as_str)));
+        r.extend(parts);
+        r.insert("duration_ms".into(), json!(ms(self.live.started.elapsed())));
+        self.metrics.keep(Value::Object(r));
     }
 }
 
@@ -476,6 +483,27 @@ mod tests {
         assert!(text.contains("baton_tokens_total{kind=\"prompt\",tenant=\"a\"} 20"), "{text}");
         assert!(text.contains("baton_tokens_total{kind=\"prompt\",tenant=\"other\"} 20"), "{text}");
         assert!(!text.contains("tenant=\"c\""), "{text}");
+        Ok(())
+    }
+
+    #[test]
+    fn records_are_kept_for_the_last_n_and_none_when_off() -> prometheus::Result<()> {
+        let id = |s: &'static str| RequestId::from_header(Some(&hyper::header::HeaderValue::from_static(s)));
+        for keep in [0, 2] {
+            let m = Arc::new(Metrics::new(DEFAULT_TENANT_SERIES, keep)?);
+            for n in ["r1", "r2", "r3"] {
+                let mut t = super::request_id::scope_sync(id(n), || m.track());
+                t.live().note("queue", || json!({"wait_ms": 1}));
+                // In flight: found, with its parts only when records are on.
+                let r = m.record_of(n);
+                assert_eq!(r.as_ref().map(|r| r.get("queue").is_some()), Some(keep > 0), "{n} in flight");
+                t.settle();
+            }
+            // Ended: the last two kept, or none.
+            let kept = |n| m.record_of(n).map(|r| r["queue"]["wait_ms"] == 1);
+            let want = if keep > 0 { [None, Some(true), Some(true)] } else { [None, None, None] };
+            assert_eq!([kept("r1"), kept("r2"), kept("r3")], want, "keep {keep}");
+        }
         Ok(())
     }
 

@@ -106,7 +106,7 @@ impl Timing {
     }
 
     /// Adds a part to the request's decision record.
-    pub fn note(&self, part: &str, v: serde_json::Value) {
+    pub fn note(&self, part: &str, v: impl FnOnce() -> serde_json::Value) {
         if let Some(l) = &self.live {
             l.note(part, v);
         }

@@ -83,6 +83,12 @@ pub fn scope<F: Future>(id: RequestId, fut: F) -> impl Future<Output = F::Output
     CURRENT.scope(id, fut.instrument(span))
 }
 
+/// Runs `f` as request `id`'s (tests of what reads [`current`]).
+#[cfg(test)]
+pub(crate) fn scope_sync<R>(id: RequestId, f: impl FnOnce() -> R) -> R {
+    CURRENT.sync_scope(id, f)
+}
+
 /// `fut` made to run as the current request's (its id and span), wherever it is spawned.
 pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     let id = current();

@@ -203,11 +203,10 @@ impl Native {
         timing.enter(Phase::Reserve);
         let mut refusals = 0;
         let reserved = self.reserve(dec, &mut life, chunks, &mut refusals).await;
-        timing.note(
-            "reservation",
+        timing.note("reservation", || {
             json!({"pages_per_rank": chunks, "ranks": self.ranks.rank_count(), "refusals": refusals,
-                   "reserved": reserved.is_ok()}),
-        );
+                   "reserved": reserved.is_ok()})
+        });
         let addrs = reserved?;
         timing.mark(Phase::Reserve);
         timing.enter(Phase::Prefill);
