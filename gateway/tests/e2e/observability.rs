@@ -290,6 +290,24 @@ fn stalling_prefills(ms: u64) -> baton_sim::faults::FaultConfig {
     baton_sim::faults::FaultConfig { stall_chunk: Some(0), stall_ms: ms, ..Default::default() }
 }
 
+/// Sends `body` as request `first`, then `after_ms` later as request `second`; both must answer 200.
+async fn one_behind_another(
+    d: &baton_gateway::demo::Demo,
+    body: &serde_json::Value,
+    first: &str,
+    second: &str,
+    after_ms: u64,
+) {
+    let held = {
+        let (addr, body, id) = (d.addr, body.clone(), first.to_owned());
+        tokio::spawn(async move { super::request_ids::post(addr, "/v1/completions", &body, Some(&id)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(after_ms)).await;
+    let (s, id, b) = super::request_ids::post(d.addr, "/v1/completions", body, Some(second)).await;
+    assert_eq!((s, id.as_str()), (200, second), "{}", String::from_utf8_lossy(&b));
+    assert_eq!(held.await.unwrap().0, 200);
+}
+
 /// A request that waited for its decoder's room: its record says the built-in admission queued it,
 /// how long it waited and who was ahead, the reservation, its phases and its outcome; a request
 /// unknown here is a 404.
@@ -305,17 +323,8 @@ async fn the_record_of_a_request_queued_then_admitted() {
     })
     .await
     .unwrap();
-    let body = json!({"prompt": prompt(150, 4), "max_tokens": 2});
-    let first = {
-        let (addr, body) = (d.addr, body.clone());
-        tokio::spawn(
-            async move { super::request_ids::post(addr, "/v1/completions", &body, Some("held-1")).await },
-        )
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let (s, id, b) = super::request_ids::post(d.addr, "/v1/completions", &body, Some("queued-1")).await;
-    assert_eq!((s, id.as_str()), (200, "queued-1"), "{}", String::from_utf8_lossy(&b));
-    assert_eq!(first.await.unwrap().0, 200);
+    one_behind_another(&d, &json!({"prompt": prompt(150, 4), "max_tokens": 2}), "held-1", "queued-1", 100)
+        .await;
 
     let r = record(d.admin, "queued-1").await;
     assert_eq!(r["id"], "queued-1", "{r}");
@@ -357,15 +366,7 @@ async fn a_route_among_three_decoders_says_why_two_lost() {
     })
     .await
     .unwrap();
-    let body = json!({"prompt": prompt(150, 5), "max_tokens": 2});
-    let first = {
-        let (addr, body) = (d.addr, body.clone());
-        tokio::spawn(async move { super::request_ids::post(addr, "/v1/completions", &body, Some("a")).await })
-    };
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let (s, _, _) = super::request_ids::post(d.addr, "/v1/completions", &body, Some("b")).await;
-    assert_eq!(s, 200);
-    assert_eq!(first.await.unwrap().0, 200);
+    one_behind_another(&d, &json!({"prompt": prompt(150, 5), "max_tokens": 2}), "a", "b", 150).await;
     let a = record(d.admin, "a").await;
     assert_eq!(a["route"]["decode"], "decode-0", "{a}");
     let r = record(d.admin, "b").await;
