@@ -325,8 +325,10 @@ impl Gateway {
         let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
         let stream = req.fields.stream;
         let explain = self.explain && headers.get(EXPLAIN_HEADER).is_some_and(|v| v == "1");
-        tracked.live().note("request", || json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream, "tenant": tenant.as_deref()}),
-        );
+        tracked.live().note("request", || {
+            json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream,
+                   "tenant": tenant.as_deref()})
+        });
         match self.count_then_dispatch(req, headers, tracked.live()).await {
             Ok(mut d) => {
                 if explain
@@ -352,9 +354,10 @@ impl Gateway {
                 if let Some((leg, status)) = e.engine_failure() {
                     metrics.engine_error(leg, &status);
                 }
-                tracked.live().note("outcome", || json!({"end": "error", "status": e.status(), "code": e.code(), "origin": e.origin().as_str(),
-                           "message": e.to_string()}),
-                );
+                tracked.live().note("outcome", || {
+                    json!({"end": "error", "status": e.status(), "code": e.code(),
+                           "origin": e.origin().as_str(), "message": e.to_string()})
+                });
                 Err(e)
             }
         }
@@ -447,7 +450,9 @@ impl Gateway {
                     owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
                 }
                 None => {
-                    live.note("admission", || json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"}));
+                    live.note("admission", || {
+                        json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"})
+                    });
                 }
             }
         } else {
@@ -478,7 +483,7 @@ impl Gateway {
         live.note("route", || self.route_record(&facts, &cands, *route, by_plugin.as_deref()));
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        live.routed(&dec.name);
+        live.routed(route.decode);
 
         // `route` up to here; then `queue`, the wait for the decoder's room.
         let mut timing = Timing::tracked(Some(Arc::clone(live)));

@@ -120,7 +120,7 @@ pub fn requests(g: &Gateway, query: Option<&str>) -> Response<RespBody> {
                 "phase": l.phase().as_str(),
                 "age_ms": ms(l.started.elapsed()),
                 "in_phase_ms": ms(l.in_phase()),
-                "decoder": l.decoder(),
+                "decoder": l.decoder().and_then(|i| g.decoders.get(i)).map(|d| &d.name),
             })
         })
         .collect();

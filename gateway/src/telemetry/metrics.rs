@@ -4,7 +4,7 @@
 //! [`DEFAULT_TENANT_SERIES`] distinct tenants, the rest are counted as [`OTHER_TENANT`].
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,7 @@ impl Metrics {
             answered: counter("baton_requests_total", "Requests answered, by HTTP status.", &["status"])?,
             first_token: hist(
                 "baton_time_to_first_token_seconds",
-                "From the request's tokens being counted to the first streamed chunk sent to the client.",
+                "From the parsed request (before its tokens are counted) to the first streamed chunk sent to the client.",
                 &["mode"],
             )?,
             inter_token: hist(
@@ -91,7 +91,7 @@ impl Metrics {
             )?,
             duration: hist(
                 "baton_request_duration_seconds",
-                "A generation request from its tokens being counted to the last byte sent (or the client leaving), by outcome.",
+                "A generation request from its parsing (before its tokens are counted) to the last byte sent (or the client leaving), by outcome.",
                 &["mode", "outcome"],
             )?,
             kv_transfer: hist(
@@ -218,11 +218,10 @@ impl Metrics {
         let live = Arc::new(Live {
             id: request_id::current(),
             started: Instant::now(),
-            decoder: std::sync::OnceLock::new(),
+            decoder: AtomicU32::new(NOT_ROUTED),
             phase: AtomicU8::new(Phase::Route as u8),
             since_us: AtomicU64::new(0),
-            record: Mutex::default(),
-            recording: self.keep_records > 0,
+            record: (self.keep_records > 0).then(Mutex::default),
         });
         let key = self.flight.next.fetch_add(1, Ordering::Relaxed);
         self.flight.table().insert(key, Arc::clone(&live));
@@ -336,16 +335,18 @@ impl Flight {
 pub struct Live {
     pub id: Option<RequestId>,
     pub started: Instant,
-    /// The decoder it was routed to, once routed.
-    decoder: std::sync::OnceLock<String>,
+    /// The index of the decoder it was routed to ([`NOT_ROUTED`] before).
+    decoder: AtomicU32,
     phase: AtomicU8,
     /// When the phase began, in µs after `started`.
     since_us: AtomicU64,
-    /// What was decided for it so far (its decision record's parts, by name).
-    record: Mutex<Map<String, Value>>,
-    /// Decision records are on (`[telemetry] records` > 0): parts are noted.
-    recording: bool,
+    /// What was decided for it so far (its decision record's parts, by name); `None` when
+    /// `[telemetry] records` is 0.
+    record: Option<Mutex<Map<String, Value>>>,
 }
+
+/// [`Live::decoder`] before the request is routed.
+const NOT_ROUTED: u32 = u32::MAX;
 
 impl Live {
     /// The request is in `p` from now.
@@ -355,13 +356,15 @@ impl Live {
         self.since_us.store(us, Ordering::Relaxed);
     }
 
-    /// The request was routed to `decoder`.
-    pub fn routed(&self, decoder: &str) {
-        let _ = self.decoder.set(decoder.to_owned());
+    /// The request was routed to the decoder at `index` (in the gateway's list).
+    pub fn routed(&self, index: usize) {
+        self.decoder.store(u32::try_from(index).unwrap_or(NOT_ROUTED), Ordering::Relaxed);
     }
 
-    pub fn decoder(&self) -> Option<&str> {
-        self.decoder.get().map(String::as_str)
+    /// The index of the decoder it was routed to, once routed.
+    pub fn decoder(&self) -> Option<usize> {
+        let i = self.decoder.load(Ordering::Relaxed);
+        (i != NOT_ROUTED).then_some(i as usize)
     }
 
     pub fn phase(&self) -> Phase {
@@ -371,26 +374,25 @@ impl Live {
     /// Adds a part of the decision record (`route`, `admission`, `queue`, …).
     /// Built only when records are on.
     pub fn note(&self, part: &str, v: impl FnOnce() -> Value) {
-        if !self.recording {
-            return;
+        if let Some(r) = &self.record {
+            let v = v();
+            r.lock().unwrap_or_else(PoisonError::into_inner).insert(part.to_owned(), v);
         }
-        let v = v();
-        self.record.lock().unwrap_or_else(PoisonError::into_inner).insert(part.to_owned(), v);
     }
 
-    /// The decision record now: the parts noted, with the id, phase and age.
+    /// The decision record now: the id, the parts noted, the phase and the age.
     pub fn record(&self) -> Value {
-        let mut r = Map::new();
+        let parts = self.record.as_ref().map(|r| r.lock().unwrap_or_else(PoisonError::into_inner).clone());
+        let now = [("phase", json!(self.phase().as_str())), ("age_ms", json!(ms(self.started.elapsed())))];
+        self.assembled(parts.unwrap_or_default(), now)
+    }
+
+    /// `parts` between the id and `last`.
+    fn assembled<const N: usize>(&self, parts: Map<String, Value>, last: [(&str, Value); N]) -> Value {
+        let mut r = Map::with_capacity(parts.len() + N + 1);
         r.insert("id".into(), json!(self.id.as_ref().map(RequestId::as_str)));
-        r.insert("phase".into(), json!(self.phase().as_str()));
-        r.insert("age_ms".into(), json!(ms(self.started.elapsed())));
-        r.extend(
-            self.record
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone())),
-        );
+        r.extend(parts);
+        r.extend(last.into_iter().map(|(k, v)| (k.to_owned(), v)));
         Value::Object(r)
     }
 
@@ -432,16 +434,12 @@ impl Drop for Tracked {
             self.metrics.cancelled.with_label_values(&[phase]).inc();
             self.live.note("outcome", || json!({"end": "cancelled", "phase": phase}));
         }
-        if self.metrics.keep_records == 0 {
-            return;
+        if let Some(r) = &self.live.record {
+            // Taken, not copied: nothing is noted once the request has ended.
+            let parts = std::mem::take(&mut *r.lock().unwrap_or_else(PoisonError::into_inner));
+            let end = [("duration_ms", json!(ms(self.live.started.elapsed())))];
+            self.metrics.keep(self.live.assembled(parts, end));
         }
-        // The parts are taken, not copied: nobody notes anything once the request has ended.
-        let parts = std::mem::take(&mut *self.live.record.lock().unwrap_or_else(PoisonError::into_inner));
-        let mut r = Map::new();
-        r.insert("id".into(), json!(self.live.id.as_ref().map(RequestId::as_str)));
-        r.extend(parts);
-        r.insert("duration_ms".into(), json!(ms(self.live.started.elapsed())));
-        self.metrics.keep(Value::Object(r));
     }
 }
 
