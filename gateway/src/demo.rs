@@ -127,6 +127,8 @@ pub struct GatewaySetup {
     pub tenants: std::collections::BTreeMap<String, String>,
     /// `[telemetry] explain`: `x-baton-explain: 1` gets the request's decision record.
     pub explain: bool,
+    /// `[telemetry] otlp_endpoint` and the rest: requests are traced.
+    pub trace: Option<crate::telemetry::trace::TraceConfig>,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -142,11 +144,13 @@ impl GatewayRun {
     /// Stops both listeners now.
     pub async fn stop(self) {
         self.listeners.stop().await;
+        crate::serve::flush_traces(&self.gateway).await;
     }
 
-    /// Drains the listeners ([`Listeners::drain`]).
+    /// Drains the listeners ([`Listeners::drain`]), then sends the spans still held.
     pub async fn drain(self, timeout: Duration) {
         self.listeners.drain(&self.gateway, timeout).await;
+        crate::serve::flush_traces(&self.gateway).await;
     }
 }
 
@@ -339,6 +343,10 @@ pub async fn start_gateway(
     setup: GatewaySetup,
 ) -> Result<GatewayRun, String> {
     let shared = Shared::new(setup.limits, setup.health).map_err(|e| format!("metrics: {e}"))?;
+    let tracing = match &setup.trace {
+        Some(t) => Some(Arc::new(crate::telemetry::trace::Tracing::start(t, shared.client.clone())?)),
+        None => None,
+    };
     let mut decoders = Vec::new();
     for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
         let queue = SlotQueue::new(0, QueueConfig::default());
@@ -390,6 +398,7 @@ pub async fn start_gateway(
             keys: None,
             tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
             explain: setup.explain,
+            tracing,
         },
     );
     let _health = gateway.start_health_checks();

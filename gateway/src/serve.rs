@@ -37,12 +37,22 @@ impl Serving {
     pub async fn shutdown(self) {
         self.background.iter().for_each(tokio::task::JoinHandle::abort);
         self.listeners.stop().await;
+        flush_traces(&self.gateway).await;
     }
 
     /// Drains ([`Listeners::drain`] with [`Serving::drain_timeout`]), then ends the background tasks.
     pub async fn drain(self) {
         self.listeners.drain(&self.gateway, self.drain_timeout).await;
         self.background.iter().for_each(tokio::task::JoinHandle::abort);
+        flush_traces(&self.gateway).await;
+    }
+}
+
+/// Sends the spans still held and stops the exporter (off the runtime's threads: it waits for
+/// the export, which runs on them).
+pub async fn flush_traces(gateway: &Gateway) {
+    if let Some(t) = gateway.tracing.clone() {
+        let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
     }
 }
 
@@ -61,6 +71,15 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     }
     let metrics = Metrics::new(c.tenant_series, c.records).map_err(|e| StartError::Metrics(e.to_string()))?;
     let client = EngineClient::new(names, c.engine_tls.clone());
+    let tracing = match &c.trace {
+        Some(t) => {
+            let started =
+                crate::telemetry::trace::Tracing::start(t, client.clone()).map_err(StartError::Tracing)?;
+            tracing::info!(to = t.endpoint, ratio = t.sampling_ratio, "tracing requests (OTLP/HTTP)");
+            Some(Arc::new(started))
+        }
+        None => None,
+    };
     let shared = Shared::with_client(c.limits, c.health, client, Arc::new(metrics));
     let lmcache = match c.lmcache_listen {
         Some(addr) => {
@@ -100,7 +119,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let mut background: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
-    let access = Access { plugins, keys: c.keys, tenants, explain: c.explain };
+    let access = Access { plugins, keys: c.keys, tenants, explain: c.explain, tracing };
     let gateway = Gateway::new(
         model,
         prefills,

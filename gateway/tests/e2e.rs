@@ -1391,6 +1391,11 @@ mod names;
 #[path = "e2e/observability.rs"]
 mod observability;
 
+/// Traces exported as OTLP/HTTP to a receiver of the test's own: the span tree, the GenAI
+/// attributes, the `traceparent` each engine received.
+#[path = "e2e/traces.rs"]
+mod traces;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -310,6 +310,15 @@ mod demo {
         /// Where the engines keep their caches and PD buffers: cpu or cuda (GPU 0)
         #[arg(long, value_parser = device, default_value = "cpu")]
         device: DeviceKind,
+        /// Trace requests to this OpenTelemetry collector (OTLP/HTTP), e.g. http://127.0.0.1:4318
+        #[arg(long, value_name = "URL")]
+        otlp_endpoint: Option<String>,
+        /// With --otlp-endpoint: the share of requests traced, 0 to 1
+        #[arg(long, default_value_t = baton_gateway::telemetry::trace::DEFAULT_SAMPLING_RATIO, requires = "otlp_endpoint")]
+        sampling_ratio: f64,
+        /// With --otlp-endpoint: the spans' service.name
+        #[arg(long, default_value = baton_gateway::telemetry::trace::DEFAULT_SERVICE_NAME, requires = "otlp_endpoint")]
+        service_name: String,
     }
 
     fn routing(s: &str) -> Result<Builtin, String> {
@@ -346,6 +355,15 @@ mod demo {
                 c.gateway.tokenizer = Some(Arc::new(t));
             }
             c.gateway.routing = self.routing;
+            if let Some(endpoint) = self.otlp_endpoint {
+                let t = baton_gateway::telemetry::trace::TraceConfig {
+                    endpoint,
+                    sampling_ratio: self.sampling_ratio,
+                    service_name: self.service_name,
+                };
+                t.check().map_err(|(field, reason)| format!("--{}: {reason}", field.replace('_', "-")))?;
+                c.gateway.trace = Some(t);
+            }
             c.gateway.admin_listen = Some(self.admin_listen);
             LogConfig::parse(self.log_format.as_deref(), None)
                 .map_err(|(_, reason)| format!("--log-format: {reason}"))?

@@ -212,6 +212,8 @@ pub enum StartError {
     Plugins(String),
     #[error("metrics: {0}")]
     Metrics(String),
+    #[error("tracing: {0}")]
+    Tracing(String),
 }
 
 /// Checks the pools; `geometry_for(tp)` is the model's geometry at a TP size.

@@ -287,9 +287,41 @@ pub struct Telemetry {
     /// Lets a client ask for its request's decision record with `x-baton-explain: 1` (default off:
     /// the record names the engines and their load).
     pub explain: Option<bool>,
+    /// Traces requests to this OpenTelemetry collector (OTLP/HTTP protobuf), e.g.
+    /// `http://127.0.0.1:4318` (`/v1/traces` added when the URL has no path). Unset: no tracing.
+    pub otlp_endpoint: Option<String>,
+    /// The share of requests traced when the client's `traceparent` did not decide (default
+    /// [`crate::telemetry::trace::DEFAULT_SAMPLING_RATIO`]).
+    pub sampling_ratio: Option<f64>,
+    /// The spans' `service.name` (default [`crate::telemetry::trace::DEFAULT_SERVICE_NAME`]).
+    pub service_name: Option<String>,
 }
 
 pub(crate) use crate::telemetry::metrics::ms;
+
+impl Telemetry {
+    /// The trace settings, checked; `None` without an endpoint (the ratio and name alone say
+    /// nothing, and are refused so an operator does not think requests are traced).
+    fn trace(&self) -> Result<Option<crate::telemetry::trace::TraceConfig>, ConfigError> {
+        use crate::telemetry::trace::{DEFAULT_SAMPLING_RATIO, DEFAULT_SERVICE_NAME, TraceConfig};
+        let Some(endpoint) = &self.otlp_endpoint else {
+            if self.sampling_ratio.is_some() || self.service_name.is_some() {
+                return Err(err(
+                    "telemetry.otlp_endpoint",
+                    "sampling_ratio and service_name need an otlp_endpoint",
+                ));
+            }
+            return Ok(None);
+        };
+        let c = TraceConfig {
+            endpoint: endpoint.clone(),
+            sampling_ratio: self.sampling_ratio.unwrap_or(DEFAULT_SAMPLING_RATIO),
+            service_name: self.service_name.clone().unwrap_or_else(|| DEFAULT_SERVICE_NAME.to_owned()),
+        };
+        c.check().map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
+        Ok(Some(c))
+    }
+}
 
 impl Default for Admission {
     fn default() -> Self {
@@ -359,6 +391,8 @@ pub struct Checked {
     pub records: usize,
     /// `[telemetry] explain`.
     pub explain: bool,
+    /// `[telemetry] otlp_endpoint`, `sampling_ratio`, `service_name`: requests are traced.
+    pub trace: Option<crate::telemetry::trace::TraceConfig>,
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
@@ -509,6 +543,7 @@ impl Config {
                 .unwrap_or(crate::telemetry::metrics::DEFAULT_TENANT_SERIES),
             records: self.telemetry.records.unwrap_or(crate::telemetry::metrics::DEFAULT_RECORDS),
             explain: self.telemetry.explain.unwrap_or(false),
+            trace: self.telemetry.trace()?,
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
             plugins: self.plugins.check(base)?,

@@ -253,7 +253,7 @@ impl Nixl {
             o.insert("kv_transfer_params".into(), params.clone());
         }
         owed.params = Some(params);
-        let resp = match self.shared.post(&self.http, path, &body).await {
+        let resp = match self.shared.post(&self.http, "decode", path, &body).await {
             Ok(r) => r,
             Err(e) => {
                 self.shared.failed(&dec.name, &dec.health);

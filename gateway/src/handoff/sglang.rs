@@ -226,7 +226,7 @@ impl Sglang {
         let client = shared.client.clone();
         let (http, timeout) = (self.http.clone(), shared.limits.upstream_timeout);
         let mut decode = request_id::spawn(async move {
-            let r = post_json(&client, &http, path, &decode_body, timeout, false).await;
+            let r = post_json(&client, &http, "decode", path, &decode_body, timeout, false).await;
             aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
             // abort it now and close the answer.
@@ -309,7 +309,7 @@ impl PrefillLeg {
         let Self { client, prefill: p, path, body, timeout, health, aborter } = self;
         let started = Instant::now();
         let in_flight = p.health.start();
-        let result = match post_json(&client, &p.http, path, &body, timeout, false).await {
+        let result = match post_json(&client, &p.http, "prefill", path, &body, timeout, false).await {
             Ok(resp) => answer_body(&health, "prefill", &p.name, &p.health, resp).await.map(drop),
             Err(e) => {
                 count_failure(&health, &p.name, &p.health);
@@ -385,8 +385,16 @@ impl Aborter {
     async fn send(&self, engine: &EngineUrl) {
         let Some(rid) = &self.rid else { return };
         self.counters.sent.fetch_add(1, Ordering::Relaxed);
-        match post_json(&self.client, engine, "/abort_request", &json!({"rid": rid}), ABORT_TIMEOUT, false)
-            .await
+        match post_json(
+            &self.client,
+            engine,
+            "abort",
+            "/abort_request",
+            &json!({"rid": rid}),
+            ABORT_TIMEOUT,
+            false,
+        )
+        .await
         {
             Ok(r) if r.status().is_success() => {
                 let _ = r.into_body().collect().await;

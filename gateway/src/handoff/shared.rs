@@ -93,10 +93,11 @@ impl Shared {
     pub(crate) async fn post(
         &self,
         to: &EngineUrl,
+        leg: &'static str,
         path: &str,
         body: &Value,
     ) -> Result<Response<hyper::body::Incoming>, PostError> {
-        post_json(&self.client, to, path, body, self.limits.upstream_timeout, false).await
+        post_json(&self.client, to, leg, path, body, self.limits.upstream_timeout, false).await
     }
 
     /// [`prefill_in_turn`] with this gateway's client, deadline and health settings.
@@ -148,9 +149,14 @@ impl Shared {
 
 /// POSTs `body` as JSON within `timeout`. `detach`: the call runs to its end even if the caller
 /// stops waiting (a client that leaves does not abort an engine mid-transfer).
+///
+/// `leg` (`prefill`, `decode`, `drain`, `abort`) names the call in the request's trace: a traced
+/// request's call is a span of its own, whose `traceparent` the engine gets.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn post_json(
     client: &EngineClient,
     to: &EngineUrl,
+    leg: &'static str,
     path: &str,
     body: &Value,
     timeout: Duration,
@@ -161,6 +167,10 @@ pub(crate) async fn post_json(
     if let Some(id) = crate::telemetry::request_id::current() {
         req = req.header(crate::telemetry::request_id::HEADER, id.as_str());
     }
+    let span = match (crate::telemetry::trace::current(), req.headers_mut()) {
+        (Some(t), Some(h)) => Some(t.leg(leg, to, path, h)),
+        _ => None,
+    };
     let req = req.body(Full::new(Bytes::from(body.to_string()))).map_err(|e| PostError {
         message: e.to_string(),
         unsent: true,
@@ -177,7 +187,7 @@ pub(crate) async fn post_json(
     } else {
         tokio::time::timeout(timeout, client.send(to, req)).await
     };
-    match answer {
+    let answer = match answer {
         Ok(Ok(r)) => Ok(r),
         Ok(Err(e)) => Err(PostError { message: e.to_string(), unsent: e.is_connect(), timed_out: None }),
         Err(_) => Err(PostError {
@@ -185,7 +195,14 @@ pub(crate) async fn post_json(
             unsent: false,
             timed_out: Some(timeout),
         }),
+    };
+    if let Some(span) = span {
+        match &answer {
+            Ok(r) => span.answered(r.status().as_u16()),
+            Err(e) => span.failed(if e.timed_out.is_some() { "timeout" } else { "error" }, &e.message),
+        }
     }
+    answer
 }
 
 /// An upstream call that got no response.
@@ -245,7 +262,7 @@ pub(crate) async fn send_drain(
     counters: &Drains,
 ) {
     counters.sent.fetch_add(1, Ordering::Relaxed);
-    let status = match post_json(client, decoder, path, body, timeout, false).await {
+    let status = match post_json(client, decoder, "drain", path, body, timeout, false).await {
         Ok(r) => {
             let s = r.status().as_u16();
             let _ = r.into_body().collect().await;
@@ -285,7 +302,7 @@ pub(crate) async fn prefill_in_turn<'a, P: std::borrow::Borrow<Prefiller>>(
     for (attempt, prefill) in prefills.iter().map(std::borrow::Borrow::borrow).enumerate() {
         *sent = true;
         let in_flight = prefill.health.start();
-        match post_json(client, &prefill.http, path, body, timeout, detach).await {
+        match post_json(client, &prefill.http, "prefill", path, body, timeout, detach).await {
             Ok(resp) => return Ok((prefill, resp, in_flight)),
             Err(e) => {
                 count_failure(health, &prefill.name, &prefill.health);

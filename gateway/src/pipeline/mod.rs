@@ -20,6 +20,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Request, Response, header};
+use opentelemetry::KeyValue;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
@@ -30,7 +31,8 @@ use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, QueueState, Sender, TenantNames};
 use crate::routing::{Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router};
-use crate::telemetry::{Live, Phase, Timing};
+use crate::telemetry::trace::{self, End, RequestFacts, Tracing};
+use crate::telemetry::{Live, Phase, Timing, request_id};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
 use usage::{Answer, Completion, Watched};
 
@@ -102,6 +104,8 @@ pub struct Access {
     pub tenants: TenantNames,
     /// `[telemetry] explain`: a request with `x-baton-explain: 1` gets its decision record.
     pub explain: bool,
+    /// `[telemetry] otlp_endpoint`: requests are traced.
+    pub tracing: Option<Arc<Tracing>>,
 }
 
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
@@ -122,6 +126,8 @@ pub struct Gateway {
     /// `[admission.tenants]`: the tenant of a request when API keys are off.
     tenants: TenantNames,
     explain: bool,
+    /// The tracer, when requests are traced.
+    pub tracing: Option<Arc<Tracing>>,
     seq: AtomicU64,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
@@ -148,6 +154,7 @@ impl Gateway {
             keys: access.keys,
             tenants: access.tenants,
             explain: access.explain,
+            tracing: access.tracing,
             seq: AtomicU64::new(0),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
@@ -329,7 +336,23 @@ impl Gateway {
             json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream,
                    "tenant": tenant.as_deref()})
         });
-        match self.count_then_dispatch(req, headers, tracked.live()).await {
+        let trace = self.tracing.as_ref().map(|t| {
+            let id = request_id::current();
+            let facts = RequestFacts {
+                operation: match req.endpoint {
+                    Endpoint::Chat => "chat",
+                    Endpoint::Completions => "text_completion",
+                },
+                model: req.model().unwrap_or(&self.model.name),
+                path: req.endpoint.path(),
+                request_id: id.as_ref().map_or("", |id| id.as_str()),
+                stream,
+                max_tokens: req.fields.max_tokens(),
+            };
+            t.request(headers, facts)
+        });
+        let dispatched = trace::scope(trace.clone(), self.count_then_dispatch(req, headers, tracked.live()));
+        match dispatched.await {
             Ok(mut d) => {
                 if explain
                     && !stream
@@ -346,6 +369,7 @@ impl Gateway {
                     status: d.resp.status().as_u16(),
                     explain: explain && stream,
                     owed: d.owed,
+                    trace,
                 };
                 Ok(d.resp.map(|b| Watched::new(b, answer).boxed()))
             }
@@ -358,6 +382,10 @@ impl Gateway {
                     json!({"end": "error", "status": e.status(), "code": e.code(),
                            "origin": e.origin().as_str(), "message": e.to_string()})
                 });
+                if let Some(t) = trace {
+                    let message = e.to_string();
+                    t.finish(End { status: e.status(), error: Some((e.code(), &message)), ..End::default() });
+                }
                 Err(e)
             }
         }
@@ -411,6 +439,10 @@ impl Gateway {
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens();
         live.note("prompt_tokens", || json!(ids.len()));
+        let trace = trace::current();
+        if let Some(t) = &trace {
+            t.set([KeyValue::new("gen_ai.usage.input_tokens", ids.len() as i64)]);
+        }
         live.note("max_tokens", || json!(max_tokens));
         let facts = RouteFacts {
             model: &self.model.name,
@@ -433,7 +465,17 @@ impl Gateway {
         let mut owed = None;
         if let (Some(p), Some(preq)) = (plugins.and_then(|p| p.admission.as_ref()), &preq) {
             let by = p.info().name;
-            match p.admit(Arc::clone(preq), self.queue_state()).await {
+            let asked = Instant::now();
+            let verdict = p.admit(Arc::clone(preq), self.queue_state()).await;
+            if let Some(t) = &trace {
+                t.span(
+                    "plugin admit",
+                    asked,
+                    Instant::now(),
+                    vec![KeyValue::new("baton.plugin", by.clone())],
+                );
+            }
+            match verdict {
                 Some(Admit::Reject { status, message, retry_after_s }) => {
                     live.note("admission", || {
                         json!({"by": by, "verdict": "reject", "status": status, "message": message,
@@ -462,7 +504,12 @@ impl Gateway {
         let mut by_plugin = None;
         let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
             (Some(p), Some(preq)) => {
+                let asked = Instant::now();
                 let decision = p.route(Arc::clone(preq), &cands).await;
+                if let Some(t) = &trace {
+                    let name = p.info().name;
+                    t.span("plugin route", asked, Instant::now(), vec![KeyValue::new("baton.plugin", name)]);
+                }
                 let first = match &decision {
                     Some(Decision::Route(r)) => r.first().copied(),
                     _ => None,
@@ -484,9 +531,12 @@ impl Gateway {
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(route.decode);
+        if let Some(t) = &trace {
+            t.routed(dec.mode(), &dec.name, prefills.first().map(|p| p.name.as_str()));
+        }
 
         // `route` up to here; then `queue`, the wait for the decoder's room.
-        let mut timing = Timing::tracked(Some(Arc::clone(live)));
+        let mut timing = Timing::tracked(Some(Arc::clone(live)), trace);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
         let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;

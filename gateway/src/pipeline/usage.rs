@@ -18,6 +18,7 @@ use hyper::body::{Body, Frame, SizeHint};
 
 use crate::handoff::{BoxError, RespBody};
 use crate::policy::{AdmissionPlugin, PolicyRequest, Usage};
+use crate::telemetry::trace::{End, RequestTrace};
 use crate::telemetry::{Phase, Tracked};
 
 /// Bytes carried from the end of one chunk, to find a marker (or a count's digits) split across two.
@@ -25,6 +26,9 @@ const TAIL: usize = 32;
 const KEY: &[u8] = b"\"completion_tokens\":";
 const EVENT: &[u8] = b"data: ";
 const DONE: &[u8] = b"data: [DONE]";
+const FINISH: &[u8] = b"\"finish_reason\":";
+/// Longest finish reason read (`stop`, `length`, `tool_calls`, `abort`).
+const MAX_REASON: usize = 24;
 
 /// A request the admission plugin admitted: told its usage exactly once, in `Drop`.
 #[derive(Debug)]
@@ -66,6 +70,8 @@ pub struct Answer {
     pub explain: bool,
     /// The admission plugin's `on-complete`, when it admitted the request.
     pub owed: Option<Completion>,
+    /// The request's trace, ended with the body.
+    pub trace: Option<Arc<RequestTrace>>,
 }
 
 /// Passes the body through unchanged while counting and timing it.
@@ -87,16 +93,15 @@ pub struct Watched {
 impl Watched {
     pub fn new(inner: RespBody, answer: Answer) -> Self {
         answer.tracked.live().enter(Phase::Stream);
-        let explain = answer.explain;
-        Self {
-            inner,
-            counting: Counting::default(),
-            answer,
-            headers_at: Instant::now(),
-            last: None,
-            outcome: None,
-            explain,
+        let now = Instant::now();
+        let mut counting = Counting::default();
+        if let Some(t) = &answer.trace {
+            t.enter(Phase::Stream, now);
+            // Read only for the trace's `gen_ai.response.finish_reasons`.
+            counting.reasons = Some(Vec::new());
         }
+        let explain = answer.explain;
+        Self { inner, counting, answer, headers_at: now, last: None, outcome: None, explain }
     }
 
     /// The decision record as an SSE comment.
@@ -125,7 +130,12 @@ impl Watched {
         let now = Instant::now();
         let m = self.answer.tracked.metrics();
         match self.last {
-            None => m.first_token(self.answer.mode, now - self.answer.tracked.live().started),
+            None => {
+                m.first_token(self.answer.mode, now - self.answer.tracked.live().started);
+                if let Some(t) = &self.answer.trace {
+                    t.first_token(now);
+                }
+            }
             Some(before) => m.inter_token(self.answer.mode, now - before),
         }
         self.last = Some(now);
@@ -150,6 +160,15 @@ impl Drop for Watched {
         }
         if let Some(c) = a.owed.as_mut() {
             c.tokens = tokens;
+        }
+        if let Some(t) = &a.trace {
+            let error = match self.outcome {
+                Some("ok") => None,
+                Some(_) => Some(("stream", "the engine's answer broke off")),
+                None => Some(("cancelled", "the client left before the answer ended")),
+            };
+            let reasons = self.counting.reasons.as_deref().unwrap_or_default();
+            t.finish(End { status: a.status, output_tokens: Some(tokens), finish_reasons: reasons, error });
         }
     }
 }
@@ -178,6 +197,8 @@ struct Counting {
     events: usize,
     done: usize,
     usage: Option<u32>,
+    /// The distinct `finish_reason`s, when they are read.
+    reasons: Option<Vec<String>>,
     /// The last bytes seen (at most [`TAIL`]).
     tail: Vec<u8>,
 }
@@ -223,6 +244,21 @@ impl Counting {
             if rest.first().is_some_and(u8::is_ascii_digit) {
                 let n = digits.fold(0u64, |n, d| n.saturating_mul(10).saturating_add(u64::from(d - b'0')));
                 self.usage = Some(u32::try_from(n).unwrap_or(u32::MAX));
+            }
+        }
+        let Some(reasons) = self.reasons.as_mut() else { return };
+        for at in starts(hay, FINISH).filter(|&i| key_at(i)) {
+            let rest = hay.get(at + FINISH.len()..).unwrap_or_default();
+            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+            let Some(rest) = rest.strip_prefix(b"\"") else { continue };
+            // Whole only: a reason cut by the chunk's end is read again from the next window.
+            let Some(len) = rest.iter().take(MAX_REASON + 1).position(|&b| b == b'"') else { continue };
+            let r = rest.get(..len).unwrap_or_default();
+            if r.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'_')
+                && !reasons.iter().any(|x| x.as_bytes() == r)
+                && let Ok(r) = std::str::from_utf8(r)
+            {
+                reasons.push(r.to_owned());
             }
         }
     }

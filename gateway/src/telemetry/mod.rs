@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 pub mod metrics;
 pub mod request_id;
 pub mod scrape;
+pub mod trace;
 
 pub use metrics::{Live, Metrics, Tracked};
 pub use scrape::Scrape;
@@ -79,6 +80,8 @@ pub struct Timing {
     phases: SmallVec<[(Phase, Duration); 8]>,
     /// The request's entry in the in-flight table, told each phase it enters.
     live: Option<Arc<Live>>,
+    /// The request's trace, when it is traced: a span per phase.
+    trace: Option<Arc<trace::RequestTrace>>,
 }
 
 impl Default for Timing {
@@ -89,12 +92,12 @@ impl Default for Timing {
 
 impl Timing {
     pub fn start() -> Self {
-        Self { last: Instant::now(), phases: SmallVec::new(), live: None }
+        Self { last: Instant::now(), phases: SmallVec::new(), live: None, trace: None }
     }
 
-    /// Timing from now for a request in the in-flight table.
-    pub fn tracked(live: Option<Arc<Live>>) -> Self {
-        Self { live, ..Self::start() }
+    /// Timing from now for a request in the in-flight table, and in its trace.
+    pub fn tracked(live: Option<Arc<Live>>, trace: Option<Arc<trace::RequestTrace>>) -> Self {
+        Self { live, trace, ..Self::start() }
     }
 
     /// The request is in `phase` from now (what the in-flight gauges and the stuck-request view
@@ -102,6 +105,9 @@ impl Timing {
     pub fn enter(&self, phase: Phase) {
         if let Some(l) = &self.live {
             l.enter(phase);
+        }
+        if let Some(t) = &self.trace {
+            t.enter(phase, Instant::now());
         }
     }
 
@@ -117,18 +123,30 @@ impl Timing {
         self.live.clone()
     }
 
+    /// The request's trace, for the same.
+    pub fn trace(&self) -> Option<Arc<trace::RequestTrace>> {
+        self.trace.clone()
+    }
+
     /// Ends `phase` now: its duration (returned) is the time since the previous mark.
     pub fn mark(&mut self, phase: Phase) -> Duration {
         let now = Instant::now();
         let d = now - self.last;
         self.phases.push((phase, d));
+        if let Some(t) = &self.trace {
+            t.mark(phase, self.last, now);
+        }
         self.last = now;
         d
     }
 
-    /// Records a phase that ran beside the others (a leg sent concurrently).
+    /// Records a phase that ran beside the others (a leg sent concurrently), ending now.
     pub fn record(&mut self, phase: Phase, d: Duration) {
         self.phases.push((phase, d));
+        if let Some(t) = &self.trace {
+            let now = Instant::now();
+            t.mark(phase, now.checked_sub(d).unwrap_or(now), now);
+        }
     }
 
     pub fn phases(&self) -> &[(Phase, Duration)] {

@@ -89,10 +89,12 @@ pub(crate) fn scope_sync<R>(id: RequestId, f: impl FnOnce() -> R) -> R {
     CURRENT.sync_scope(id, f)
 }
 
-/// `fut` made to run as the current request's (its id and span), wherever it is spawned.
+/// `fut` made to run as the current request's (its id, its log span and its trace), wherever it is
+/// spawned.
 pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
-    let id = current();
+    let (id, trace) = (current(), super::trace::current());
     async move {
+        let fut = super::trace::scope(trace, fut);
         match id {
             Some(id) => CURRENT.scope(id, fut).await,
             None => fut.await,
@@ -101,7 +103,7 @@ pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     .instrument(tracing::Span::current())
 }
 
-/// `tokio::spawn` for a task of the current request: it carries the request's id and span.
+/// `tokio::spawn` for a task of the current request: it carries the request's id, span and trace.
 pub fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>
 where
     F: Future + Send + 'static,

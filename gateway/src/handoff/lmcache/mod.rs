@@ -41,6 +41,7 @@ use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
+use crate::telemetry::trace::RequestTrace;
 use crate::telemetry::{Live, Metrics, Phase, Scrape, Timing};
 pub use notify::{Expect, Notifications, NotifyStats};
 use shape::{Shaper, now_secs, sse};
@@ -325,6 +326,7 @@ impl Lmcache {
             finished_early,
             metrics: Arc::clone(&shared.metrics),
             live: timing.live(),
+            trace: timing.trace(),
         };
 
         if req.fields.stream {
@@ -430,6 +432,7 @@ struct DecodeCtx {
     metrics: Arc<Metrics>,
     /// The request's in-flight entry: those phases are shown there too.
     live: Option<Arc<Live>>,
+    trace: Option<Arc<RequestTrace>>,
 }
 
 impl DecodeCtx {
@@ -457,6 +460,7 @@ impl DecodeCtx {
         let resp = post_json(
             &self.client,
             &dec.http,
+            "decode",
             "/v1/completions",
             &self.decode_body,
             self.upstream_timeout,
@@ -508,7 +512,7 @@ impl DecodeCtx {
         include_usage: bool,
     ) -> Result<(), GatewayError> {
         // The response started at the first token: the KV wait and the decode are timed from there.
-        let mut timing = Timing::tracked(self.live.clone());
+        let mut timing = Timing::tracked(self.live.clone(), self.trace.clone());
         let resp = self.dispatch(life, &mut timing).await?;
         timing.mark(Phase::Decode);
         timing.enter(Phase::Stream);

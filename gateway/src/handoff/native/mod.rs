@@ -246,7 +246,7 @@ impl Native {
         // Decode, streamed straight back.
         let mut body = Value::Object(req.raw.clone());
         body[contract::FIELD] = params(life.key, Vec::new(), ids);
-        let resp = shared.post(&dec.http, req.endpoint.path(), &body).await.map_err(|e| {
+        let resp = shared.post(&dec.http, "decode", req.endpoint.path(), &body).await.map_err(|e| {
             shared.failed(&dec.name, &dec.health);
             e.on("decode")
         })?;
