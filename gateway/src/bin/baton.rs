@@ -73,6 +73,13 @@ async fn check(file: &Path) -> ExitCode {
                 c.tokenizer.describe()
             );
             println!("  routing {}, logs {:?} at {:?}", c.routing.name(), c.log.format, c.log.filter);
+            match &c.trace {
+                Some(t) => println!(
+                    "  traces to {} (OTLP/HTTP, {} of requests, service {:?})",
+                    t.endpoint, t.sampling_ratio, t.service_name
+                ),
+                None => println!("  traces: off (no [telemetry] otlp_endpoint)"),
+            }
             for (addr, tls) in &c.listeners {
                 println!("  listener {addr} ({})", if tls.is_some() { "TLS" } else { "plain HTTP" });
             }

@@ -30,6 +30,11 @@ fn a_good_file_checks_with_defaults() {
     assert_eq!(geometry.tp_size, 2);
     assert_eq!(c.limits.lease, DEFAULT_LEASE);
     assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
+    assert_eq!(c.trace, None, "no tracing unless an endpoint is given");
+    let text = format!("{GOOD}\n[telemetry]\notlp_endpoint = \"http://otel.local:4318\"\n");
+    let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap();
+    let t = c.trace.unwrap();
+    assert_eq!((t.sampling_ratio, t.service_name.as_str()), (1.0, "baton"));
 }
 
 const LMCACHE: &str = r#"
@@ -161,6 +166,21 @@ tls_key = "nope.key""#,
         ),
         ("bad log format", format!("{GOOD}\n[telemetry]\nlog_format = \"xml\"\n"), "telemetry.log_format"),
         ("bad log filter", format!("{GOOD}\n[telemetry]\nlog_level = \"a=b=c\"\n"), "telemetry.log_level"),
+        (
+            "otlp endpoint without a port",
+            format!("{GOOD}\n[telemetry]\notlp_endpoint = \"http://collector\"\n"),
+            "telemetry.otlp_endpoint",
+        ),
+        (
+            "sampling ratio above 1",
+            format!("{GOOD}\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318\"\nsampling_ratio = 2.0\n"),
+            "telemetry.sampling_ratio",
+        ),
+        (
+            "sampling ratio without an endpoint",
+            format!("{GOOD}\n[telemetry]\nsampling_ratio = 0.5\n"),
+            "telemetry.otlp_endpoint",
+        ),
         (
             "missing tokenizer",
             GOOD.replace("chunk_tokens = 16", "chunk_tokens = 16\ntokenizer = \"nope/tokenizer.json\""),

@@ -189,6 +189,11 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
                           "stream": true, "stream_options": {"include_usage": true}});
         let (status, body) = send(d.addr, "/v1/chat/completions", &[], &chat).await;
         assert_eq!(status, 200, "{mode}: {}", String::from_utf8_lossy(&body));
+        // Refused before it is routed: its span says why.
+        let (status, _) =
+            send(d.addr, "/v1/completions", &[], &json!({"model": "nope", "prompt": "x", "max_tokens": 1}))
+                .await;
+        assert_eq!(status, 404);
         let received = engine_traceparents(&d);
         let decoder = d.gateway.decoders[0].name.clone();
         // The drain sends what the exporter holds.
@@ -197,7 +202,7 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
         let started = Instant::now();
         let spans = loop {
             let s = got.spans();
-            if s.iter().filter(|s| s.kind == SpanKind::Server as i32).count() >= 2 {
+            if s.iter().filter(|s| s.kind == SpanKind::Server as i32).count() >= 3 {
                 break s;
             }
             assert!(started.elapsed() < Duration::from_secs(10), "{mode}: spans: {s:#?}");
@@ -208,7 +213,12 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
         let by_id: HashMap<String, &Span> = spans.iter().map(|s| (hex(&s.span_id), s)).collect();
 
         let servers: Vec<&Span> = spans.iter().filter(|s| s.kind == SpanKind::Server as i32).collect();
-        assert_eq!(servers.len(), 2, "{mode}: {servers:#?}");
+        assert_eq!(servers.len(), 3, "{mode}: {servers:#?}");
+        let refused =
+            servers.iter().find(|s| s.name == "text_completion nope").expect("the refused request's span");
+        assert_eq!(attr_int(refused, "http.response.status_code"), Some(404));
+        assert_eq!(attr_str(refused, "error.type").as_deref(), Some("model_not_found"));
+        assert_eq!(refused.status.as_ref().map(|s| s.code), Some(2), "{mode}: status error");
         let completion =
             servers.iter().find(|s| s.name == "text_completion baton-sim").expect("completion span");
         let streamed = servers.iter().find(|s| s.name == "chat baton-sim").expect("chat span");
