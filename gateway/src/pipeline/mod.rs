@@ -49,6 +49,69 @@ struct Dispatched {
     owed: Option<Completion>,
 }
 
+/// What a decision record names the engines by, shared by the records (written when read).
+#[derive(Debug)]
+struct Roster {
+    model: String,
+    /// Each decoder's name and mode, in the gateway's order.
+    decoders: Vec<(String, &'static str)>,
+    prefills: Vec<String>,
+    builtin: crate::routing::Builtin,
+}
+
+impl Roster {
+    /// The route decision's record: every candidate with the numbers the policy compared, which
+    /// won, and why each other decoder lost. `facts`: prompt tokens, slots, max tokens, sequence.
+    fn route_record(
+        &self,
+        facts: (u32, u32, Option<u32>, u64),
+        c: &Candidates,
+        chosen: Route,
+        plugin: Option<&str>,
+    ) -> Value {
+        let (prompt_tokens, slots, max_tokens, seq) = facts;
+        let f = RouteFacts { model: &self.model, prompt_tokens, slots, max_tokens, seq };
+        let why = match plugin {
+            Some(_) => Vec::new(),
+            None => self.builtin.why_not(&f, c, chosen.decode),
+        };
+        let d = &c.decode;
+        let decoders: Vec<Value> = self
+            .decoders
+            .iter()
+            .enumerate()
+            .map(|(i, (name, mode))| {
+                let lost = match (i == chosen.decode, plugin) {
+                    (true, _) => None,
+                    (false, Some(p)) => Some(format!("the routing plugin {p} chose another")),
+                    (false, None) => why.get(i).cloned().flatten(),
+                };
+                json!({"name": name, "mode": mode, "won": i == chosen.decode, "why_not": lost,
+                       "healthy": d.healthy.get(i), "slots_needed": d.slots_needed.get(i),
+                       "capacity_slots": d.capacity_slots.get(i), "free_slots": d.free_slots.get(i),
+                       "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i)})
+            })
+            .collect();
+        let p = &c.prefill;
+        let prefills: Vec<Value> = self
+            .prefills
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                json!({"name": name, "won": i == chosen.prefill, "healthy": p.healthy.get(i),
+                       "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i)})
+            })
+            .collect();
+        json!({
+            "policy": plugin.map_or_else(|| self.builtin.name().to_owned(), |p| format!("plugin {p}")),
+            "prefill": self.prefills.get(chosen.prefill),
+            "decode": self.decoders.get(chosen.decode).map(|d| &d.0),
+            "decoders": decoders,
+            "prefills": prefills,
+        })
+    }
+}
+
 /// How long a client may take to send its request headers (hyper enforces it only with a timer).
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client may take to send its request body once the headers are in (then 408).
@@ -126,6 +189,8 @@ pub struct Gateway {
     /// `[admission.tenants]`: the tenant of a request when API keys are off.
     tenants: TenantNames,
     explain: bool,
+    /// The engines' names for the decision records.
+    roster: Arc<Roster>,
     /// The tracer, when requests are traced.
     pub tracing: Option<Arc<Tracing>>,
     seq: AtomicU64,
@@ -143,7 +208,14 @@ impl Gateway {
         http: HttpTimeouts,
         access: Access,
     ) -> Arc<Self> {
+        let roster = Arc::new(Roster {
+            model: model.name.clone(),
+            decoders: decoders.iter().map(|d| (d.name.clone(), d.mode())).collect(),
+            prefills: prefills.iter().map(|p| p.name.clone()).collect(),
+            builtin: router.builtin,
+        });
         Arc::new(Self {
+            roster,
             model,
             prefills,
             decoders,
@@ -332,10 +404,11 @@ impl Gateway {
         let tenant = req.tenant.clone().or_else(|| self.tenants.of(headers).map(Arc::from));
         let stream = req.fields.stream;
         let explain = self.explain && headers.get(EXPLAIN_HEADER).is_some_and(|v| v == "1");
-        tracked.live().note("request", || {
-            json!({"endpoint": req.endpoint.path(), "model": req.model(), "stream": stream,
-                   "tenant": tenant.as_deref()})
-        });
+        let (path, model, who) = (req.endpoint.path(), req.model().map(str::to_owned), tenant.clone());
+        tracked.live().note(
+            "request",
+            move || json!({"endpoint": path, "model": model, "stream": stream, "tenant": who.as_deref()}),
+        );
         let trace = self.tracing.as_ref().map(|t| {
             let id = request_id::current();
             let facts = RequestFacts {
@@ -378,9 +451,10 @@ impl Gateway {
                 if let Some((leg, status)) = e.engine_failure() {
                     metrics.engine_error(leg, &status);
                 }
-                tracked.live().note("outcome", || {
-                    json!({"end": "error", "status": e.status(), "code": e.code(),
-                           "origin": e.origin().as_str(), "message": e.to_string()})
+                let (status, code, origin, message) =
+                    (e.status(), e.code(), e.origin().as_str(), e.to_string());
+                tracked.live().note("outcome", move || {
+                    json!({"end": "error", "status": status, "code": code, "origin": origin, "message": message})
                 });
                 if let Some(t) = trace {
                     let message = e.to_string();
@@ -438,12 +512,13 @@ impl Gateway {
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens();
-        live.note("prompt_tokens", || json!(ids.len()));
+        let prompt_tokens = ids.len();
+        live.note("prompt_tokens", move || json!(prompt_tokens));
         let trace = trace::current();
         if let Some(t) = &trace {
             t.set([KeyValue::new("gen_ai.usage.input_tokens", ids.len() as i64)]);
         }
-        live.note("max_tokens", || json!(max_tokens));
+        live.note("max_tokens", move || json!(max_tokens));
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -477,14 +552,16 @@ impl Gateway {
             }
             match verdict {
                 Some(Admit::Reject { status, message, retry_after_s }) => {
-                    live.note("admission", || {
-                        json!({"by": by, "verdict": "reject", "status": status, "message": message,
+                    let (by, said) = (by.clone(), message.clone());
+                    live.note("admission", move || {
+                        json!({"by": by, "verdict": "reject", "status": status, "message": said,
                                "retry_after_s": retry_after_s})
                     });
                     return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
                 }
                 Some(Admit::Queue { class, max_wait }) => {
-                    live.note("admission", || {
+                    let by = by.clone();
+                    live.note("admission", move || {
                         json!({"by": by, "verdict": "queue", "class": class,
                                "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)})
                     });
@@ -527,7 +604,9 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        live.note("route", || self.route_record(&facts, &cands, *route, by_plugin.as_deref()));
+        let (roster, chosen) = (Arc::clone(&self.roster), *route);
+        let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
+        live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(route.decode);
@@ -554,8 +633,9 @@ impl Gateway {
             resp
         });
         self.shared.metrics.record(&timing);
-        live.note("phases_ms", || {
-            let phases = timing.phases().iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));
+        let phases: smallvec::SmallVec<[(Phase, Duration); 8]> = timing.phases().iter().copied().collect();
+        live.note("phases_ms", move || {
+            let phases = phases.iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));
             Value::Object(phases.collect())
         });
         let prompt_tokens = ids.len() as u64;
@@ -573,49 +653,6 @@ impl Gateway {
                 Err(e)
             }
         }
-    }
-
-    /// The route decision's record: every candidate with the numbers the policy compared, which
-    /// won, and why each other decoder lost.
-    fn route_record(&self, f: &RouteFacts<'_>, c: &Candidates, chosen: Route, plugin: Option<&str>) -> Value {
-        let why = match plugin {
-            Some(_) => Vec::new(),
-            None => self.router.builtin.why_not(f, c, chosen.decode),
-        };
-        let d = &c.decode;
-        let decoders: Vec<Value> = self
-            .decoders
-            .iter()
-            .enumerate()
-            .map(|(i, dec)| {
-                let lost = match (i == chosen.decode, plugin) {
-                    (true, _) => None,
-                    (false, Some(p)) => Some(format!("the routing plugin {p} chose another")),
-                    (false, None) => why.get(i).cloned().flatten(),
-                };
-                json!({"name": dec.name, "mode": dec.mode(), "won": i == chosen.decode, "why_not": lost,
-                       "healthy": d.healthy.get(i), "slots_needed": d.slots_needed.get(i),
-                       "capacity_slots": d.capacity_slots.get(i), "free_slots": d.free_slots.get(i),
-                       "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i)})
-            })
-            .collect();
-        let p = &c.prefill;
-        let prefills: Vec<Value> = self
-            .prefills
-            .iter()
-            .enumerate()
-            .map(|(i, pf)| {
-                json!({"name": pf.name, "won": i == chosen.prefill, "healthy": p.healthy.get(i),
-                       "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i)})
-            })
-            .collect();
-        json!({
-            "policy": plugin.map_or_else(|| self.router.builtin.name().to_owned(), |p| format!("plugin {p}")),
-            "prefill": self.prefills.get(chosen.prefill).map(|p| &p.name),
-            "decode": self.decoders.get(chosen.decode).map(|d| &d.name),
-            "decoders": decoders,
-            "prefills": prefills,
-        })
     }
 
     /// The routed prefillers, then every other healthy one: tried in turn only while a prefiller
@@ -646,10 +683,10 @@ impl Gateway {
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
         let slots = dec.handoff.admit(dec, need, ticket).await?;
         let wait = timing.mark(Phase::Queue);
-        timing.note(
-            "queue",
-            || json!({"decoder": dec.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)}),
-        );
+        let named = Arc::clone(dec);
+        timing.note("queue", move || {
+            json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
+        });
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await
     }
 

@@ -152,9 +152,10 @@ impl Drop for Watched {
         m.tokens(a.tenant.as_deref(), a.prompt_tokens, u64::from(tokens));
         if let Some(end) = self.outcome {
             let live = a.tracked.live();
-            live.note("outcome", || {
-                serde_json::json!({"end": end, "status": a.status, "completion_tokens": tokens,
-                                   "stream_ms": crate::telemetry::metrics::ms(self.headers_at.elapsed())})
+            let (status, stream_ms) = (a.status, crate::telemetry::metrics::ms(self.headers_at.elapsed()));
+            live.note("outcome", move || {
+                serde_json::json!({"end": end, "status": status, "completion_tokens": tokens,
+                                   "stream_ms": stream_ms})
             });
             a.tracked.settle();
         }

@@ -47,7 +47,7 @@ pub struct Metrics {
     tenants: Tenants,
     flight: Flight,
     /// The decision records of the last finished requests, newest last.
-    records: Mutex<std::collections::VecDeque<Arc<Value>>>,
+    records: Mutex<std::collections::VecDeque<Arc<Kept>>>,
     keep_records: usize,
     /// Every family registered, whether or not it has a sample yet.
     names: Vec<String>,
@@ -230,16 +230,20 @@ impl Metrics {
 
     /// A request's decision record: in flight (so far) or among the last finished.
     pub fn record_of(&self, id: &str) -> Option<Value> {
-        let live =
-            self.flight.table().values().find(|l| l.id.as_ref().is_some_and(|i| i.as_str() == id)).cloned();
+        let named = |i: &Option<RequestId>| i.as_ref().is_some_and(|i| i.as_str() == id);
+        let live = self.flight.table().values().find(|l| named(&l.id)).cloned();
         if let Some(l) = live {
             return Some(l.record());
         }
-        let kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        kept.iter().rev().find(|r| r["id"].as_str() == Some(id)).map(|r| (**r).clone())
+        let kept = {
+            let kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+            kept.iter().rev().find(|r| named(&r.id)).cloned()
+        };
+        // Rendered outside the ring's lock.
+        kept.map(|k| render(k.id.as_ref(), &k.parts, [("duration_ms", json!(k.duration_ms))]))
     }
 
-    fn keep(&self, record: Value) {
+    fn keep(&self, record: Kept) {
         let record = Arc::new(record);
         let oldest = {
             let mut kept = self.records.lock().unwrap_or_else(PoisonError::into_inner);
@@ -331,7 +335,6 @@ impl Flight {
 }
 
 /// One request in flight: its id, age and the phase it is in.
-#[derive(Debug)]
 pub struct Live {
     pub id: Option<RequestId>,
     pub started: Instant,
@@ -340,9 +343,44 @@ pub struct Live {
     phase: AtomicU8,
     /// When the phase began, in µs after `started`.
     since_us: AtomicU64,
-    /// What was decided for it so far (its decision record's parts, by name); `None` when
-    /// `[telemetry] records` is 0.
-    record: Option<Mutex<Map<String, Value>>>,
+    /// What was decided for it so far (its decision record's parts, in the order first noted);
+    /// `None` when `[telemetry] records` is 0.
+    record: Option<Mutex<Parts>>,
+}
+
+/// A part of a decision record: what was decided, kept as the values it was decided on and
+/// written as JSON only when the record is read (most never are).
+pub type Part = Box<dyn Fn() -> Value + Send + Sync>;
+
+/// A record's parts by name.
+type Parts = Vec<(&'static str, Part)>;
+
+/// A finished request's decision record.
+struct Kept {
+    id: Option<RequestId>,
+    parts: Parts,
+    duration_ms: u64,
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kept").field("id", &self.id).field("parts", &self.parts.len()).finish()
+    }
+}
+
+/// The record: the id, then `parts`, then `last`.
+fn render<const N: usize>(id: Option<&RequestId>, parts: &Parts, last: [(&str, Value); N]) -> Value {
+    let mut r = Map::with_capacity(parts.len() + N + 1);
+    r.insert("id".into(), json!(id.map(RequestId::as_str)));
+    r.extend(parts.iter().map(|(k, v)| ((*k).to_owned(), v())));
+    r.extend(last.into_iter().map(|(k, v)| (k.to_owned(), v)));
+    Value::Object(r)
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live").field("id", &self.id).field("phase", &self.phase()).finish_non_exhaustive()
+    }
 }
 
 /// [`Live::decoder`] before the request is routed.
@@ -371,29 +409,27 @@ impl Live {
         Phase::ALL.get(usize::from(self.phase.load(Ordering::Relaxed))).copied().unwrap_or(Phase::Route)
     }
 
-    /// Adds a part of the decision record (`route`, `admission`, `queue`, …).
-    /// Built only when records are on.
-    pub fn note(&self, part: &str, v: impl FnOnce() -> Value) {
+    /// Adds a part of the decision record (`route`, `admission`, `queue`, …), replacing one of the
+    /// same name: `v` keeps what it needs and writes the JSON when the record is read. Nothing is
+    /// kept when records are off.
+    pub fn note(&self, part: &'static str, v: impl Fn() -> Value + Send + Sync + 'static) {
         if let Some(r) = &self.record {
-            let v = v();
-            r.lock().unwrap_or_else(PoisonError::into_inner).insert(part.to_owned(), v);
+            let v: Part = Box::new(v);
+            let mut parts = r.lock().unwrap_or_else(PoisonError::into_inner);
+            match parts.iter_mut().find(|(k, _)| *k == part) {
+                Some(slot) => slot.1 = v,
+                None => parts.push((part, v)),
+            }
         }
     }
 
     /// The decision record now: the id, the parts noted, the phase and the age.
     pub fn record(&self) -> Value {
-        let parts = self.record.as_ref().map(|r| r.lock().unwrap_or_else(PoisonError::into_inner).clone());
         let now = [("phase", json!(self.phase().as_str())), ("age_ms", json!(ms(self.started.elapsed())))];
-        self.assembled(parts.unwrap_or_default(), now)
-    }
-
-    /// `parts` between the id and `last`.
-    fn assembled<const N: usize>(&self, parts: Map<String, Value>, last: [(&str, Value); N]) -> Value {
-        let mut r = Map::with_capacity(parts.len() + N + 1);
-        r.insert("id".into(), json!(self.id.as_ref().map(RequestId::as_str)));
-        r.extend(parts);
-        r.extend(last.into_iter().map(|(k, v)| (k.to_owned(), v)));
-        Value::Object(r)
+        match &self.record {
+            Some(r) => render(self.id.as_ref(), &r.lock().unwrap_or_else(PoisonError::into_inner), now),
+            None => render(self.id.as_ref(), &Vec::new(), now),
+        }
     }
 
     /// How long the request has been in its phase.
@@ -432,13 +468,13 @@ impl Drop for Tracked {
         if !self.settled {
             let phase = self.live.phase().as_str();
             self.metrics.cancelled.with_label_values(&[phase]).inc();
-            self.live.note("outcome", || json!({"end": "cancelled", "phase": phase}));
+            self.live.note("outcome", move || json!({"end": "cancelled", "phase": phase}));
         }
         if let Some(r) = &self.live.record {
             // Taken, not copied: nothing is noted once the request has ended.
             let parts = std::mem::take(&mut *r.lock().unwrap_or_else(PoisonError::into_inner));
-            let end = [("duration_ms", json!(ms(self.live.started.elapsed())))];
-            self.metrics.keep(self.live.assembled(parts, end));
+            let duration_ms = ms(self.live.started.elapsed());
+            self.metrics.keep(Kept { id: self.live.id.clone(), parts, duration_ms });
         }
     }
 }

@@ -112,7 +112,7 @@ impl Timing {
     }
 
     /// Adds a part to the request's decision record.
-    pub fn note(&self, part: &str, v: impl FnOnce() -> serde_json::Value) {
+    pub fn note(&self, part: &'static str, v: impl Fn() -> serde_json::Value + Send + Sync + 'static) {
         if let Some(l) = &self.live {
             l.note(part, v);
         }

@@ -203,10 +203,11 @@ impl Native {
         timing.enter(Phase::Reserve);
         let mut refusals = 0;
         let reserved = self.reserve(dec, &mut life, chunks, &mut refusals).await;
-        timing.note("reservation", || {
-            json!({"pages_per_rank": chunks, "ranks": self.ranks.rank_count(), "refusals": refusals,
-                   "reserved": reserved.is_ok()})
-        });
+        let (ranks, ok) = (self.ranks.rank_count(), reserved.is_ok());
+        timing.note(
+            "reservation",
+            move || json!({"pages_per_rank": chunks, "ranks": ranks, "refusals": refusals, "reserved": ok}),
+        );
         let addrs = reserved?;
         timing.mark(Phase::Reserve);
         timing.enter(Phase::Prefill);
