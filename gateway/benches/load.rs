@@ -9,6 +9,8 @@
 //! whole handoff: admission, reservation on the decoder's data plane, the prefill engine deriving
 //! and writing 4 KV chunks (256 tokens each, TP 1), readiness, the decode engine verifying and
 //! scattering them, then the same generation. `BATON_BENCH_QUICK=1` runs a few requests only.
+//! `BATON_BENCH_TRACE=RATIO` traces that share of the requests (0 to 1), exported as OTLP/HTTP to a
+//! collector stand-in in the same process that reads each export and answers 200.
 
 #![allow(
     clippy::print_stdout,
@@ -140,6 +142,32 @@ async fn load(name: &str, addr: SocketAddr, concurrency: usize, per_client: usiz
     }
 }
 
+/// Exports the collector stand-in received, and their bytes.
+static EXPORTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static EXPORTED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// An OTLP/HTTP collector stand-in: reads each export whole and answers 200.
+async fn collector() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                    let body = req.into_body().collect().await?.to_bytes();
+                    EXPORTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    EXPORTED_BYTES.fetch_add(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    Ok::<_, hyper::Error>(hyper::Response::new(Full::new(Bytes::new())))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
@@ -147,12 +175,20 @@ fn main() {
     let (n1, n64) = if quick { (10, 2) } else { (1000, 40) };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let runs = rt.block_on(async move {
-        let config = DemoConfig {
+        let mut config = DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             pages: 512,
             chunk_tokens: 256,
             ..DemoConfig::default()
         };
+        if let Some(ratio) = std::env::var("BATON_BENCH_TRACE").ok().and_then(|r| r.parse::<f64>().ok()) {
+            config.gateway.trace = Some(baton_gateway::telemetry::trace::TraceConfig {
+                endpoint: format!("http://{}", collector().await),
+                sampling_ratio: ratio,
+                service_name: "baton-bench".into(),
+            });
+            println!("tracing {ratio} of the requests");
+        }
         let demo = start(config).await.unwrap();
         let direct = demo.decode_addrs()[0];
         let mut runs = Vec::new();
@@ -161,6 +197,11 @@ fn main() {
             runs.push(load("through the gateway", demo.addr, c, n).await);
         }
         demo.shutdown().await;
+        let exports = EXPORTS.load(std::sync::atomic::Ordering::Relaxed);
+        if exports > 0 {
+            let bytes = EXPORTED_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+            println!("the collector received {exports} exports, {bytes} bytes of spans");
+        }
         runs
     });
     let mut rows = Vec::new();

@@ -269,8 +269,9 @@ impl RequestTrace {
 
     /// The request was routed: its mode and decoder go on the server span and every span after.
     pub fn routed(&self, mode: &'static str, decoder: &str, prefill: Option<&str>) {
-        let mut kv =
-            vec![KeyValue::new("baton.mode", mode), KeyValue::new("baton.decoder", decoder.to_owned())];
+        // Shared, not copied, by every span after.
+        let decoder: Arc<str> = Arc::from(decoder);
+        let mut kv = vec![KeyValue::new("baton.mode", mode), KeyValue::new("baton.decoder", decoder)];
         self.set(kv.iter().cloned());
         if let Some(p) = prefill {
             self.set([KeyValue::new("baton.prefill", p.to_owned())]);
@@ -281,7 +282,7 @@ impl RequestTrace {
 
     fn start(
         &self,
-        name: String,
+        name: impl Into<std::borrow::Cow<'static, str>>,
         kind: SpanKind,
         at: Instant,
         parent: &Context,
@@ -304,8 +305,7 @@ impl RequestTrace {
         if st.ended {
             return;
         }
-        let cx =
-            || self.start(phase.as_str().to_owned(), SpanKind::Internal, at, &self.server, st.routed.clone());
+        let cx = || self.start(phase.as_str(), SpanKind::Internal, at, &self.server, st.routed.clone());
         if phase == Phase::Stream {
             if st.stream.is_none() {
                 st.stream = Some(cx());
@@ -331,8 +331,7 @@ impl RequestTrace {
             cx.span().end_with_timestamp(self.wall(to));
             return;
         }
-        let cx =
-            self.start(phase.as_str().to_owned(), SpanKind::Internal, from, &self.server, st.routed.clone());
+        let cx = self.start(phase.as_str(), SpanKind::Internal, from, &self.server, st.routed.clone());
         cx.span().end_with_timestamp(self.wall(to));
     }
 
@@ -344,7 +343,7 @@ impl RequestTrace {
             return;
         }
         let cx = self.start(
-            Phase::FirstToken.as_str().to_owned(),
+            Phase::FirstToken.as_str(),
             SpanKind::Internal,
             self.anchor.0,
             &self.server,
@@ -354,8 +353,8 @@ impl RequestTrace {
     }
 
     /// A span beside the phases (a plugin call), under the server span.
-    pub fn span(&self, name: &str, from: Instant, to: Instant, attrs: Vec<KeyValue>) {
-        let cx = self.start(name.to_owned(), SpanKind::Internal, from, &self.server, attrs);
+    pub fn span(&self, name: &'static str, from: Instant, to: Instant, attrs: Vec<KeyValue>) {
+        let cx = self.start(name, SpanKind::Internal, from, &self.server, attrs);
         cx.span().end_with_timestamp(self.wall(to));
     }
 
@@ -382,7 +381,14 @@ impl RequestTrace {
             KeyValue::new("url.full", to.uri(path)),
         ];
         attrs.extend(st.routed.iter().cloned());
-        let cx = self.start(format!("POST {leg}"), SpanKind::Client, Instant::now(), parent, attrs);
+        let name = match leg {
+            "prefill" => "POST prefill",
+            "decode" => "POST decode",
+            "drain" => "POST drain",
+            "abort" => "POST abort",
+            _ => "POST",
+        };
+        let cx = self.start(name, SpanKind::Client, Instant::now(), parent, attrs);
         drop(st);
         self.propagator.inject_context(&cx, &mut HeaderInjector(headers));
         LegSpan(cx)
