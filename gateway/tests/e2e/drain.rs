@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::net::TcpStream;
 
 /// Killed however the test ends.
-struct Proc(Child);
+pub(super) struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -29,13 +29,13 @@ impl Drop for Proc {
 }
 
 impl Proc {
-    fn term(&self) {
+    pub(super) fn term(&self) {
         let pid = rustix::process::Pid::from_child(&self.0);
         rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     }
 
     /// The exit code within `limit`.
-    async fn exit_code(&mut self, limit: Duration) -> i32 {
+    pub(super) async fn exit_code(&mut self, limit: Duration) -> i32 {
         let start = Instant::now();
         loop {
             if let Some(s) = self.0.try_wait().unwrap() {
@@ -48,7 +48,7 @@ impl Proc {
 }
 
 /// Starts the binary with `args` and reads the addresses it prints: public, admin.
-fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
+pub(super) fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(args)
         .stdout(Stdio::piped())
@@ -102,7 +102,7 @@ async fn get(addr: SocketAddr, path: &str) -> Result<u16, String> {
 }
 
 /// A prefill and a decode engine (TP 2) whose tokens take `token_delay` each.
-async fn engines(token_delay: Duration) -> (Running, Running) {
+pub(super) async fn engines(token_delay: Duration) -> (Running, Running) {
     let g = tiny_geometry(2).unwrap();
     let mut p = SimConfig::new(SimRole::Prefill, g);
     p.token_delay = token_delay;

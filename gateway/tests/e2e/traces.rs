@@ -348,3 +348,61 @@ async fn unsampled_requests_export_nothing_and_off_sends_nothing() {
     assert!(got.spans().is_empty());
     receiver.abort();
 }
+
+/// The operator's two ways in: `baton serve` with `[telemetry] otlp_endpoint` in its file, and the
+/// `baton` binary's `demo --otlp-endpoint --service-name`, stopped by SIGTERM: the spans held at the
+/// end are sent before the process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_and_the_binary_send_their_spans_before_they_stop() {
+    let (collector, got, receiver) = otlp_receiver().await;
+    let (prefill, decode) = super::drain::engines(Duration::ZERO).await;
+    let extra = format!(
+        "[telemetry]\notlp_endpoint = \"http://{collector}/v1/traces\"\nservice_name = \"from-file\"\n"
+    );
+    let dir = std::env::temp_dir().join(format!("baton-traces-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, super::serve_toml(&prefill, &decode, "", &extra)).unwrap();
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let (status, _) =
+        send(serving.addrs[0], "/v1/completions", &[], &json!({"prompt": prompt(20, 1), "max_tokens": 2}))
+            .await;
+    assert_eq!(status, 200);
+    serving.drain().await;
+
+    let (mut proc, addr, _) = super::drain::spawn(&[
+        "demo",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--otlp-endpoint",
+        &format!("http://{collector}"),
+        "--service-name",
+        "from-flags",
+    ]);
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let (status, _) = send(addr, "/v1/chat/completions", &[], &chat).await;
+    assert_eq!(status, 200);
+    proc.term();
+    assert_eq!(proc.exit_code(Duration::from_secs(20)).await, 0);
+
+    let servers: Vec<(String, String)> = got
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| s.kind == SpanKind::Server as i32)
+        .map(|(service, s)| (service.clone(), s.name.clone()))
+        .collect();
+    assert_eq!(
+        servers,
+        [
+            ("from-file".to_owned(), "text_completion baton-sim".to_owned()),
+            ("from-flags".to_owned(), "chat baton-sim".to_owned())
+        ],
+        "the serve request's span, then the demo's"
+    );
+    receiver.abort();
+    let _ = std::fs::remove_dir_all(&dir);
+}
