@@ -199,26 +199,6 @@ impl Reservation {
             Err(NotReady::Closed(e)) => Err(LeaseError::new_err(e.to_string())),
         }
     }
-
-    /// Cancels the request now (the pages come back, or wait in quarantine for a producer that may
-    /// still write). Closing twice does nothing.
-    fn close(&self) {
-        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
-    }
-
-    #[getter]
-    fn closed(&self) -> bool {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner).is_none()
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
-        self.close();
-        false
-    }
 }
 
 /// Every chunk of the request is in the buffer. Closing it frees the pages unconsumed.
@@ -235,19 +215,6 @@ impl Ready {
     fn consume(&self) -> PyResult<Consuming> {
         let c = take(&self.inner)?.consume().map_err(err(LeaseError::new_err))?;
         Ok(Consuming { inner: Mutex::new(Some(c)), page_bytes: self.buffer.page_bytes() })
-    }
-
-    fn close(&self) {
-        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
-        self.close();
-        false
     }
 }
 
@@ -268,21 +235,39 @@ impl Consuming {
         py.detach(|| c.read_chunk(chunk, &mut out)).map_err(err(DeviceError::new_err))?;
         Ok(PyBytes::new(py, &out))
     }
-
-    /// Done: the pages go back.
-    fn close(&self) {
-        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
-        self.close();
-        false
-    }
 }
+
+/// What every guard has: `close()` (releases what it holds now; twice does nothing; what
+/// dropping a Reservation does is cancel, a Ready free the pages unconsumed, a Consuming free them
+/// after the copies), `closed`, and the `with` protocol, which closes it at the block's end.
+macro_rules! guard {
+    ($t:ty) => {
+        #[pymethods]
+        impl $t {
+            fn close(&self) {
+                drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
+            }
+
+            #[getter]
+            fn closed(&self) -> bool {
+                self.inner.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+            }
+
+            fn __enter__(slf: Py<Self>) -> Py<Self> {
+                slf
+            }
+
+            fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
+                self.close();
+                false
+            }
+        }
+    };
+}
+
+guard!(Reservation);
+guard!(Ready);
+guard!(Consuming);
 
 #[pymodule(name = "_native")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -85,6 +85,7 @@ def test_a_guard_is_used_once():
         ready.consume()
     moving.close()
     moving.close()
+    assert moving.closed and ready.closed and r.closed
     assert free(buf) == 8
 
 
