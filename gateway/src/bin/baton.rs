@@ -147,6 +147,10 @@ async fn serve(file: &Path) -> ExitCode {
         }
     };
     checked.log.install();
+    let signals = match signals() {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
     let serving = match baton_gateway::serve::start(checked).await {
         Ok(s) => s,
         Err(e) => {
@@ -159,7 +163,7 @@ async fn serve(file: &Path) -> ExitCode {
     }
     println!("baton: admin (/metrics, /admin/*) on {}", serving.admin_addr);
     let timeout = serving.drain_timeout;
-    drain_on_signal(serving.drain(), timeout).await
+    drain_on_signal(signals, serving.drain(), timeout).await
 }
 
 /// SIGTERM and SIGINT, listened for from the start so that a second one is caught too.
@@ -182,19 +186,22 @@ impl Signals {
     }
 }
 
+/// SIGTERM and SIGINT, listened for before anything starts: a signal sent as soon as the process
+/// says where it listens is a drain, not the default action's kill.
+fn signals() -> Result<Signals, ExitCode> {
+    Signals::new().map_err(|e| {
+        eprintln!("baton: cannot listen for signals: {e}");
+        ExitCode::FAILURE
+    })
+}
+
 /// Waits for SIGTERM or SIGINT, then runs `drain` (exit 0 when it is done); a second signal during
 /// the drain exits at once with 130.
 async fn drain_on_signal(
+    mut signals: Signals,
     drain: impl std::future::Future<Output = ()>,
     timeout: std::time::Duration,
 ) -> ExitCode {
-    let mut signals = match Signals::new() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("baton: cannot listen for signals: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
     let sig = signals.next().await;
     println!("baton: {sig}: draining (requests in flight have {timeout:?}); a second signal stops at once");
     tokio::select! {
@@ -388,6 +395,10 @@ mod demo {
                 return ExitCode::from(2);
             }
         };
+        let signals = match super::signals() {
+            Ok(s) => s,
+            Err(code) => return code,
+        };
         let demo = match start(config.clone()).await {
             Ok(d) => d,
             Err(e) => {
@@ -413,6 +424,6 @@ mod demo {
             "  curl -s http://{}/admin/decoders    # the admin listener: /metrics, /admin/*\nCtrl-C stops it.",
             demo.admin
         );
-        super::drain_on_signal(demo.drain(drain_timeout), drain_timeout).await
+        super::drain_on_signal(signals, demo.drain(drain_timeout), drain_timeout).await
     }
 }

@@ -224,6 +224,23 @@ async fn a_drain_timeout_cuts_long_streams_and_releases_everything() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// SIGTERM the moment the binary says where it listens (an orchestrator stopping a process it just
+/// started): a drain and exit 0, not the default action's kill, for `serve` and `demo` alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_as_soon_as_it_listens_is_a_drain() {
+    let (prefill, decode) = engines(Duration::ZERO).await;
+    let dir = std::env::temp_dir().join(format!("baton-early-signal-{}", std::process::id()));
+    for round in 0..3 {
+        let (mut p, _, _) = serve(&dir, &prefill, &decode, 1000);
+        p.term();
+        assert_eq!(p.exit_code(Duration::from_secs(10)).await, 0, "serve, round {round}");
+        let (mut d, _, _) = spawn(&["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+        d.term();
+        assert_eq!(d.exit_code(Duration::from_secs(10)).await, 0, "demo, round {round}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn baton_demo_drains_on_sigterm() {
     let (mut demo, public, admin) = spawn(&[
