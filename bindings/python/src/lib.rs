@@ -116,7 +116,7 @@ impl RankBuffer {
             .inner
             .reserve(ReserveRequest { key: key(request_id, epoch), chunks, prefixes: &[], lease })
             .map_err(err(ReserveError::new_err))?;
-        Ok(Reservation { inner: Mutex::new(Some(r)), buffer: self.inner.clone() })
+        Ok(Reservation { inner: Mutex::new(Some(r)), page_bytes: self.inner.page_bytes() })
     }
 
     /// Writes one whole chunk (`data`: `page_bytes` bytes; a numpy array's `.tobytes()`) at the address
@@ -174,7 +174,8 @@ impl RankBuffer {
 #[pyclass(module = "baton_dataplane", frozen)]
 struct Reservation {
     inner: Mutex<Option<DpReservation<Device>>>,
-    buffer: dp::RankBuffer<Device>,
+    /// For the copies of the guards after it (the pages themselves are held by the guard).
+    page_bytes: usize,
 }
 
 #[pymethods]
@@ -191,7 +192,7 @@ impl Reservation {
     fn try_ready(&self) -> PyResult<Option<Ready>> {
         let r = take(&self.inner)?;
         match r.try_ready() {
-            Ok(ready) => Ok(Some(Ready { inner: Mutex::new(Some(ready)), buffer: self.buffer.clone() })),
+            Ok(ready) => Ok(Some(Ready { inner: Mutex::new(Some(ready)), page_bytes: self.page_bytes })),
             Err(NotReady::Pending(r)) => {
                 *self.inner.lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
                 Ok(None)
@@ -205,7 +206,7 @@ impl Reservation {
 #[pyclass(module = "baton_dataplane", frozen)]
 struct Ready {
     inner: Mutex<Option<DpReady<Device>>>,
-    buffer: dp::RankBuffer<Device>,
+    page_bytes: usize,
 }
 
 #[pymethods]
@@ -214,7 +215,7 @@ impl Ready {
     /// if the lease passed while the request waited.
     fn consume(&self) -> PyResult<Consuming> {
         let c = take(&self.inner)?.consume().map_err(err(LeaseError::new_err))?;
-        Ok(Consuming { inner: Mutex::new(Some(c)), page_bytes: self.buffer.page_bytes() })
+        Ok(Consuming { inner: Mutex::new(Some(c)), page_bytes: self.page_bytes })
     }
 }
 

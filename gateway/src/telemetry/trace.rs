@@ -256,12 +256,6 @@ impl RequestTrace {
         self.anchor.1 + at.saturating_duration_since(self.anchor.0)
     }
 
-    /// Whether the trace is recorded (sampled): attributes that cost something to build are built
-    /// only then.
-    pub fn recording(&self) -> bool {
-        self.server.span().is_recording()
-    }
-
     /// Sets attributes on the server span.
     pub fn set(&self, attrs: impl IntoIterator<Item = KeyValue>) {
         self.server.span().set_attributes(attrs);
