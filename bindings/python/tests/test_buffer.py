@@ -9,8 +9,11 @@ import pytest
 import baton_dataplane as bd
 
 
+TINY = bd.KvGeometry(layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16)
+
+
 def buffer(pages=8):
-    return bd.RankBuffer(pages=pages, layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16)
+    return bd.RankBuffer(TINY, pages=pages)
 
 
 def chunk_bytes(buf, request_id, chunk):
@@ -139,4 +142,8 @@ def test_refusals_are_data_plane_errors():
         with pytest.raises(bd.ReserveError):
             buf.reserve(10, 1, 60_000)
     with pytest.raises(ValueError):
-        bd.RankBuffer(pages=1, layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16, tp_size=2, rank=2)
+        bd.RankBuffer(
+            bd.KvGeometry(layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16, tp_size=2),
+            pages=1,
+            rank=2,
+        )

@@ -1,0 +1,377 @@
+//! The data plane over TCP: a decode rank's server ([`RankServer`]), a prefill rank's connection to
+//! one decoder rank ([`Producer`], over the socket or the rank's shared-memory export), and the
+//! gateway's control connection ([`Control`]; engines do not need it, tests and tools do).
+//!
+//! One tokio runtime per process, started on first use, runs the servers; blocking calls from Python
+//! wait on it with the GIL released.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use ::baton_dataplane as dp;
+use dp::transport::{ControlClient, ProducerClient, ServerHandle, TransportError as DpTransportError};
+use dp::{PageAddr, RequestKey};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{
+    DataPlaneError, Device, GuardClosed, RankBuffer, Reservation, ReserveError, TransportError, WriteError,
+    key, make_buffer, stats_dict,
+};
+
+/// The process's runtime for the data plane's sockets.
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("baton-dataplane")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| DataPlaneError::new_err(format!("cannot start the data plane's runtime: {e}")))
+}
+
+fn parse_addr(address: &str) -> PyResult<SocketAddr> {
+    address.parse().map_err(|_| PyValueError::new_err(format!("not an IP:port address: {address:?}")))
+}
+
+/// A transport error as Python sees it: a refused write is a `WriteError`, a refused reservation a
+/// `ReserveError`, anything else (closed, timed out, a bad peer) a `TransportError`.
+fn transport(e: DpTransportError, refused: fn(String) -> PyErr) -> PyErr {
+    match e {
+        DpTransportError::Refused { .. } => refused(e.to_string()),
+        e => TransportError::new_err(e.to_string()),
+    }
+}
+
+/// Runs `f` on the runtime, the GIL released, within `limit`.
+fn block_on<T: Send>(
+    py: Python<'_>,
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, DpTransportError>> + Send,
+) -> PyResult<Result<T, DpTransportError>> {
+    let rt = runtime()?;
+    Ok(py.detach(|| {
+        rt.block_on(async {
+            tokio::time::timeout(limit, f).await.unwrap_or(Err(DpTransportError::Timeout(limit)))
+        })
+    }))
+}
+
+/// A decode rank's PD buffer served over TCP: the gateway reserves pages through it, prefill ranks
+/// write chunks into them (over the socket, or into the shared-memory export on the same host), and
+/// the engine takes each request's reservation to consume it. Closing it stops the server.
+#[pyclass(module = "baton_dataplane", frozen)]
+pub(crate) struct RankServer {
+    server: Arc<dp::transport::RankServer<Device>>,
+    handle: Mutex<Option<ServerHandle>>,
+    addr: SocketAddr,
+}
+
+#[pymethods]
+impl RankServer {
+    /// Rank `rank` of `geometry.tp_size`, with `pages` pages, listening on `host:port` (`port=0`: an
+    /// ephemeral port; see `address`).
+    #[new]
+    #[pyo3(signature = (geometry, *, pages, rank = 0, host = "127.0.0.1", port = 0, quarantine_ms = None))]
+    fn new(
+        py: Python<'_>,
+        geometry: &crate::Geometry,
+        pages: u32,
+        rank: u32,
+        host: &str,
+        port: u16,
+        quarantine_ms: Option<u64>,
+    ) -> PyResult<Self> {
+        let (sink, tx) = dp::transport::RankServer::<Device>::sink();
+        let buf = make_buffer(geometry.inner, rank, pages, quarantine_ms, sink)?;
+        let server = dp::transport::RankServer::new(buf, geometry.inner.tp_size, tx);
+        let at =
+            parse_addr(&format!("{host}:{port}")).or_else(|_| parse_addr(&format!("[{host}]:{port}")))?;
+        let rt = runtime()?;
+        let handle = py
+            .detach(|| {
+                rt.block_on(async {
+                    let listener = tokio::net::TcpListener::bind(at).await?;
+                    server.start(listener)
+                })
+            })
+            .map_err(|e| TransportError::new_err(format!("listen on {at}: {e}")))?;
+        Ok(Self { server, addr: handle.addr, handle: Mutex::new(Some(handle)) })
+    }
+
+    /// `"ip:port"` the rank listens on: what goes in the gateway's `dataplane = [...]` list.
+    #[getter]
+    fn address(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// The rank's buffer (the same pages the server hands out).
+    #[getter]
+    fn buffer(&self) -> RankBuffer {
+        RankBuffer { inner: self.server.buffer().clone() }
+    }
+
+    /// The reservation the gateway made for the request on this rank, handed to the engine to
+    /// consume (once: a second call returns `None`); `None` when the rank holds none.
+    #[pyo3(signature = (request_id, *, epoch = 0))]
+    fn take(&self, request_id: u128, epoch: u32) -> Option<Reservation> {
+        let layout = self.server.buffer().chunk_layout();
+        self.server.take(key(request_id, epoch)).map(|r| Reservation { inner: Mutex::new(Some(r)), layout })
+    }
+
+    /// The buffer's pages by state (as `RankBuffer.stats`) and the TLS handshakes refused.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = stats_dict(py, self.server.buffer())?;
+        d.set_item("handshakes_refused", self.server.refused_handshakes())?;
+        Ok(d)
+    }
+
+    /// Stops serving: closes every connection and waits for them. The buffer's pages held by
+    /// reservations the engine took stay with their guards.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = self.handle.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(h) = handle {
+            let rt = runtime()?;
+            py.detach(|| rt.block_on(h.shutdown()));
+        }
+        Ok(())
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.handle.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+}
+
+impl Drop for RankServer {
+    fn drop(&mut self) {
+        let handle = self.handle.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let (Some(h), Ok(rt)) = (handle, runtime()) {
+            // Collected without close(): stop it without waiting here.
+            rt.spawn(h.shutdown());
+        }
+    }
+}
+
+/// A prefill rank's connection to one decoder rank: writes whole chunks to the addresses the
+/// gateway gave, and fences a request once nothing more will come for it. Not shared between
+/// threads at once (calls queue on it); open one per concurrent transfer, or pool them.
+#[pyclass(module = "baton_dataplane", frozen)]
+pub(crate) struct Producer {
+    inner: Mutex<Option<ProducerClient>>,
+    timeout: Duration,
+}
+
+/// Runs one call on the connection in `slot`, the GIL released, within `limit`: `f` gets the
+/// connection and gives it back with the result. A refusal keeps the connection; any other failure
+/// (closed, timed out mid-frame) closes it, as its state is then unknown.
+fn call<C: Send, T: Send, F>(
+    py: Python<'_>,
+    slot: &Mutex<Option<C>>,
+    limit: Duration,
+    refused: fn(String) -> PyErr,
+    f: impl FnOnce(C) -> F + Send,
+) -> PyResult<T>
+where
+    F: std::future::Future<Output = (C, Result<T, DpTransportError>)> + Send,
+{
+    let rt = runtime()?;
+    py.detach(|| {
+        let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        let c = slot.take().ok_or(None)?;
+        let r = rt.block_on(async { tokio::time::timeout(limit, f(c)).await });
+        match r {
+            Ok((c, r)) => {
+                if matches!(r, Ok(_) | Err(DpTransportError::Refused { .. })) {
+                    *slot = Some(c);
+                }
+                r.map_err(Some)
+            }
+            Err(_) => Err(Some(DpTransportError::Timeout(limit))),
+        }
+    })
+    .map_err(|e| match e {
+        None => GuardClosed::new_err("the connection is closed"),
+        Some(e) => transport(e, refused),
+    })
+}
+
+#[pymethods]
+impl Producer {
+    /// Connects to decoder rank `rank` at `address` (`"ip:port"`, as the gateway names it in
+    /// `baton.decoders[].addr`). The rank checks the geometry and its rank number before anything
+    /// else. `shared_memory=True` writes chunks into the rank's shared-memory export (same host,
+    /// same user) and fails if it has none; the socket still carries the grants and acks.
+    #[new]
+    #[pyo3(signature = (address, geometry, *, rank = 0, shared_memory = false, timeout_ms = 10_000))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        geometry: &crate::Geometry,
+        rank: u32,
+        shared_memory: bool,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let at = parse_addr(address)?;
+        let limit = Duration::from_millis(timeout_ms);
+        let fp = geometry.inner.fingerprint();
+        let mut c = block_on(py, limit, ProducerClient::connect(at, fp, rank))?
+            .map_err(|e| transport(e, TransportError::new_err))?;
+        if shared_memory {
+            c.use_shared_memory().map_err(|e| TransportError::new_err(e.to_string()))?;
+        }
+        Ok(Self { inner: Mutex::new(Some(c)), timeout: limit })
+    }
+
+    /// Whether chunks go through the rank's shared-memory export.
+    #[getter]
+    fn shared_memory(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|c| c.is_shared_memory())
+    }
+
+    /// Bytes of one page on the rank (every chunk written is exactly this long).
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map_or(0, |c| c.welcome.page_bytes)
+    }
+
+    /// Writes chunk `chunk` of the request into `(page, generation)` and waits for the rank's ack;
+    /// `True` when the rank already had it (a retry). A stale generation, another request's page or
+    /// an ended request is refused (`WriteError`) with nothing changed.
+    #[pyo3(signature = (request_id, chunk, page, generation, data, *, epoch = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_chunk(
+        &self,
+        py: Python<'_>,
+        request_id: u128,
+        chunk: u32,
+        page: u32,
+        generation: u32,
+        data: &[u8],
+        epoch: u32,
+    ) -> PyResult<bool> {
+        let k = key(request_id, epoch);
+        let addr = PageAddr { page, generation };
+        call(py, &self.inner, self.timeout, WriteError::new_err, move |mut c| async move {
+            let r = c.write_chunk(k, chunk, addr, data).await;
+            (c, r)
+        })
+    }
+
+    /// Nothing more will be written for the request: pages its cancel quarantined come back now.
+    #[pyo3(signature = (request_id, *, epoch = 0))]
+    fn fence(&self, py: Python<'_>, request_id: u128, epoch: u32) -> PyResult<()> {
+        let k = key(request_id, epoch);
+        call(py, &self.inner, self.timeout, TransportError::new_err, move |mut c| async move {
+            let r = c.fence(k).await;
+            (c, r)
+        })
+    }
+
+    /// Closes the connection (a chunk write in flight on the rank is aborted).
+    fn close(&self) {
+        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
+        self.close();
+        false
+    }
+}
+
+/// The gateway's side of a decoder rank: reserve, renew, cancel. An engine does not use it; tests and
+/// tools that play the gateway do.
+#[pyclass(module = "baton_dataplane", frozen)]
+pub(crate) struct Control {
+    inner: Mutex<Option<ControlClient>>,
+    timeout: Duration,
+}
+
+#[pymethods]
+impl Control {
+    #[new]
+    #[pyo3(signature = (address, geometry, *, rank = 0, timeout_ms = 10_000))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        geometry: &crate::Geometry,
+        rank: u32,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let at = parse_addr(address)?;
+        let limit = Duration::from_millis(timeout_ms);
+        let c = block_on(py, limit, ControlClient::connect(at, geometry.inner.fingerprint(), rank))?
+            .map_err(|e| transport(e, TransportError::new_err))?;
+        Ok(Self { inner: Mutex::new(Some(c)), timeout: limit })
+    }
+
+    /// Reserves `chunks` pages for the request, all or nothing, for `lease_ms`: the write
+    /// addresses `[(chunk, page, generation)]`. No room: `ReserveError`.
+    #[pyo3(signature = (request_id, chunks, lease_ms, *, epoch = 0))]
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        request_id: u128,
+        chunks: u32,
+        lease_ms: u64,
+        epoch: u32,
+    ) -> PyResult<Vec<(u32, u32, u32)>> {
+        let k: RequestKey = key(request_id, epoch);
+        let lease = Duration::from_millis(lease_ms);
+        let addrs = call(py, &self.inner, self.timeout, ReserveError::new_err, move |mut c| async move {
+            let r = c.reserve(k, chunks, lease, &[]).await;
+            (c, r)
+        })?;
+        Ok(addrs.into_iter().map(|(c, a)| (c, a.page, a.generation)).collect())
+    }
+
+    /// Cancels the request's reservation (idempotent). Its pages stay quarantined until the
+    /// producer fences or the quarantine passes, unless `unsent`: the write addresses were never
+    /// given to any producer, so they come back at once.
+    #[pyo3(signature = (request_id, *, epoch = 0, unsent = false))]
+    fn cancel(&self, py: Python<'_>, request_id: u128, epoch: u32, unsent: bool) -> PyResult<()> {
+        let k = key(request_id, epoch);
+        if unsent {
+            return call(py, &self.inner, self.timeout, TransportError::new_err, move |mut c| async move {
+                let r = c.cancel_unsent(k).await;
+                (c, r)
+            });
+        }
+        call(py, &self.inner, self.timeout, TransportError::new_err, move |mut c| async move {
+            let r = c.cancel(k).await;
+            (c, r)
+        })
+    }
+
+    fn close(&self) {
+        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
+    }
+}

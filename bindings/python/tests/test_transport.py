@@ -1,0 +1,129 @@
+"""A decode rank's server and a prefill rank's producer in two processes, over TCP and over the
+rank's shared-memory export; this process plays the gateway (reserve, cancel) and the decode
+engine (take, ready, consume), and checks every byte the other process wrote."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import baton_dataplane as bd
+
+G = bd.KvGeometry(layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16, tp_size=2)
+
+# The producer process: connects to rank RANK at ADDR, writes the chunks it is told to, each page
+# the bytes `page(request, chunk)` below, then fences; prints what it did as one JSON line.
+PRODUCER = textwrap.dedent(
+    """
+    import json, sys
+    import baton_dataplane as bd
+    job = json.loads(sys.argv[1])
+    g = bd.KvGeometry(**job["geometry"])
+    def page(request, chunk, n):
+        seed = bytes((request * 131 + chunk * 17 + i) % 251 for i in range(97))
+        return (seed * (n // len(seed) + 1))[:n]
+    out = {"acks": [], "refused": []}
+    with bd.Producer(job["addr"], g, rank=job["rank"], shared_memory=job["shm"]) as p:
+        out["shared_memory"] = p.shared_memory
+        for request, chunk, pg, gen in job["writes"]:
+            try:
+                out["acks"].append(p.write_chunk(request, chunk, pg, gen, page(request, chunk, p.page_bytes)))
+            except bd.WriteError as e:
+                out["refused"].append([request, chunk, str(e)])
+        for request in sorted({w[0] for w in job["writes"]}):
+            p.fence(request)
+    print(json.dumps(out))
+    """
+)
+
+
+def page(request, chunk, n):
+    seed = bytes((request * 131 + chunk * 17 + i) % 251 for i in range(97))
+    return (seed * (n // len(seed) + 1))[:n]
+
+
+def produce(server, rank, writes, shm):
+    job = {
+        "geometry": {"layers": 2, "kv_heads": 2, "head_dim": 16, "dtype_bytes": 2, "chunk_tokens": 16, "tp_size": 2},
+        "addr": server.address,
+        "rank": rank,
+        "writes": writes,
+        "shm": shm,
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", PRODUCER, json.dumps(job)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shared-memory"])
+def test_two_processes_move_every_byte(shm):
+    with bd.RankServer(G, pages=16, rank=1) as server:
+        gateway = bd.Control(server.address, G, rank=1)
+        plan = {10: 3, 11: 5, 12: 1}
+        addrs = {rid: gateway.reserve(rid, n, 60_000) for rid, n in plan.items()}
+        assert server.stats()["reserved"] == 9
+        writes = [[rid, c, pg, gen] for rid, a in addrs.items() for c, pg, gen in a]
+        out = produce(server, 1, writes, shm)
+        assert out["shared_memory"] is shm
+        assert out["acks"] == [False] * 9 and out["refused"] == []
+        for rid, n in plan.items():
+            r = server.take(rid)
+            assert r is not None and r.chunks == n and r.is_ready()
+            assert server.take(rid) is None, "a reservation is handed out once"
+            with r.try_ready().consume() as c:
+                for chunk in range(n):
+                    assert c.read_chunk(chunk) == page(rid, chunk, G.page_bytes), (rid, chunk)
+        s = server.stats()
+        assert (s["free"], s["requests"], s["accounting_errors"]) == (16, 0, 0), s
+        gateway.close()
+
+
+def test_a_cancelled_request_refuses_the_late_writes_and_the_fence_frees_its_pages():
+    with bd.RankServer(G, pages=4, rank=0, quarantine_ms=60_000) as server:
+        gateway = bd.Control(server.address, G, rank=0)
+        a = gateway.reserve(20, 2, 60_000)
+        gateway.cancel(20)
+        # Pages whose addresses were handed out stay quarantined until the producer fences.
+        assert server.stats()["quarantined"] == 2
+        out = produce(server, 0, [[20, c, pg, gen] for c, pg, gen in a], False)
+        assert out["acks"] == [] and len(out["refused"]) == 2
+        s = server.stats()
+        assert (s["free"], s["quarantined"]) == (4, 0), s
+        # A write to a page reused by a newer reservation names an old generation: refused.
+        b = gateway.reserve(21, 4, 60_000)
+        old = [[21, c, pg, gen] for (c, pg, gen) in a[:1]]
+        assert all(gen_new != gen for (_, pg_new, gen_new) in b for (_, _, pg, gen) in old if pg_new == pg)
+        out = produce(server, 0, old, False)
+        assert len(out["refused"]) == 1
+        assert server.take(21) is not None
+        gateway.close()
+
+
+def test_refusals_at_the_handshake_are_transport_errors():
+    with bd.RankServer(G, pages=2, rank=0) as server:
+        other = bd.KvGeometry(layers=3, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16, tp_size=2)
+        with pytest.raises(bd.TransportError):
+            bd.Producer(server.address, other, rank=0)
+        with pytest.raises(bd.TransportError):
+            bd.Producer(server.address, G, rank=1)
+        with pytest.raises(ValueError):
+            bd.Producer("not an address", G)
+    assert server.closed
+    with pytest.raises(bd.TransportError):
+        bd.Producer(server.address, G, rank=0, timeout_ms=2_000)
+
+
+def test_a_full_buffer_refuses_a_reservation_whole():
+    with bd.RankServer(G, pages=3) as server:
+        gateway = bd.Control(server.address, G)
+        gateway.reserve(1, 2, 60_000)
+        with pytest.raises(bd.ReserveError, match="need 2"):
+            gateway.reserve(2, 2, 60_000)
+        assert server.stats()["reserved"] == 2
+        # Addresses never handed to a producer: the pages come back at once.
+        gateway.cancel(1, unsent=True)
+        assert server.stats()["free"] == 3
