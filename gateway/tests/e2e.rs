@@ -1396,6 +1396,11 @@ mod observability;
 #[path = "e2e/traces.rs"]
 mod traces;
 
+/// `baton serve` in front of the reference Python engine (the data plane's Python package), alone
+/// and paired with the simulator either way round.
+#[path = "e2e/python_engine.rs"]
+mod python_engine;
+
 /// The demo with the engines' caches and PD buffers on the GPU (`--device cuda`): the native
 /// handoff end to end, every byte gathered, written and scattered by the kernels and checked by the
 /// decoder. SKIP without a GPU; with `BATON_REQUIRE_GPU=1` it fails instead.

@@ -1,0 +1,210 @@
+//! `baton serve` in front of the reference Python engine (`examples/python-engine`, embedding the
+//! data plane's Python package): completions and chat, streamed and not, with the model's exact
+//! text and usage; the deadlock scenario; clients that leave at random; and pairs of one Python and
+//! one simulated engine either way round, each decoder checking every byte of KV it received.
+//!
+//! The engines run in the test venv (`scripts/test` builds the wheel into it). Without the venv the
+//! tests skip, unless `BATON_REQUIRE_VENV` is set (as `scripts/test` does).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
+use serde_json::Value;
+
+use super::drain::{Proc, spawn};
+use super::{SERVE_HEAD, assert_clean_at, deadlock_scenario, disconnect_storm, four_shapes, http};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The venv's Python when it has the package; `None` (skip) without it outside `scripts/test`.
+fn python() -> Option<PathBuf> {
+    let p = std::env::var_os("BATON_TEST_PYTHON")
+        .map_or_else(|| repo().join(".cache/venv/bin/python"), PathBuf::from);
+    let ok = p.exists()
+        && Command::new(&p)
+            .args(["-c", "import baton_dataplane, numpy"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("BATON_REQUIRE_VENV").is_none(),
+            "{} cannot import baton_dataplane and numpy: scripts/test builds the wheel into the venv",
+            p.display()
+        );
+        eprintln!("SKIP: no venv with baton_dataplane (scripts/test builds it)");
+        return None;
+    }
+    Some(p)
+}
+
+/// A Python engine process, killed however the test ends.
+struct PyEngine {
+    child: Child,
+    /// What it printed on start: `listen`, and for a decoder `ranks[].addr`.
+    hello: Value,
+}
+
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl PyEngine {
+    fn start(python: &PathBuf, args: &[&str]) -> Self {
+        let mut child = Command::new(python)
+            .arg(repo().join("examples/python-engine/engine.py"))
+            .args(["--model", "baton-sim", "--tp", "2"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().expect("the engine printed its hello").unwrap();
+        let hello: Value = serde_json::from_str(&line).unwrap();
+        Self { child, hello }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.hello["listen"].as_str().unwrap().parse().unwrap()
+    }
+
+    fn ranks(&self) -> Vec<String> {
+        self.hello["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["addr"].as_str().unwrap().to_owned())
+            .collect()
+    }
+}
+
+/// `baton serve` in front of `prefill` and `decode` (its ranks at `ranks`).
+fn serve(
+    dir: &std::path::Path,
+    prefill: SocketAddr,
+    decode: SocketAddr,
+    ranks: &[String],
+) -> (Proc, SocketAddr, SocketAddr) {
+    let ranks: Vec<String> = ranks.iter().map(|r| format!("{r:?}")).collect();
+    let text = format!(
+        "{SERVE_HEAD}\n[[prefill]]\nname = \"p\"\nurl = \"http://{prefill}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{decode}\"\ndataplane = [{}]\n\n[admission]\nmax_queue = 1000\n",
+        ranks.join(", ")
+    );
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    spawn(&["serve", "--config", file.to_str().unwrap()])
+}
+
+/// Waits until a Python engine holds nothing: every PD page free, no cache block, no request
+/// running, no accounting error.
+async fn assert_engine_clean(engine: SocketAddr) {
+    let start = Instant::now();
+    loop {
+        let (_, body) = http(engine, "/engine/stats", None).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let ranks_clean = v["ranks"].as_array().is_none_or(|rs| {
+            rs.iter().all(|r| {
+                r["pages_free"] == r["pages_total"] && r["requests"] == 0 && r["accounting_errors"] == 0
+            })
+        });
+        if ranks_clean && v["engine_blocks_held"] == 0 && v["running"] == 0 {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "engine not clean: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn sim_ranks(sim: &Running) -> Vec<String> {
+    sim.engine.stats()["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["addr"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Python prefill and Python decode (TP 2, a 64-page buffer per rank): the four request shapes with
+/// the model's text and usage, then the deadlock scenario (300 concurrent requests of 1 to 60
+/// pages) completes; afterwards the gateway and both engines hold nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_engines_serve_every_shape_and_the_deadlock_scenario() {
+    let Some(py) = python() else { return };
+    let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "64"]);
+    let prefill = PyEngine::start(&py, &["--role", "prefill"]);
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-{}", std::process::id()));
+    let (_gw, public, admin) = serve(&dir, prefill.addr(), decode.addr(), &decode.ranks());
+    four_shapes(public, 200, 6, "python engines").await;
+    four_shapes(public, 16, 1, "python engines, one chunk").await;
+    let done = std::sync::Arc::default();
+    let started = Instant::now();
+    let mut tasks = deadlock_scenario(public, &done);
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    assert_eq!(done.load(std::sync::atomic::Ordering::Relaxed), 300);
+    eprintln!("deadlock scenario behind the Python engines: {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(120), "took {:?}", started.elapsed());
+    assert_clean_at(admin).await;
+    assert_engine_clean(decode.addr()).await;
+    assert_engine_clean(prefill.addr()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// 200 clients that leave at random points (queued, during the prefill, waiting for the KV,
+/// mid-stream) in front of Python engines with a 16-page buffer and slow tokens: afterwards nothing
+/// is held anywhere, and the gateway still serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_engines_leave_nothing_held_after_random_disconnects() {
+    let Some(py) = python() else { return };
+    let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "16", "--token-delay-ms", "3"]);
+    let prefill = PyEngine::start(&py, &["--role", "prefill", "--token-delay-ms", "3"]);
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-storm-{}", std::process::id()));
+    let (_gw, public, admin) = serve(&dir, prefill.addr(), decode.addr(), &decode.ranks());
+    disconnect_storm(public, |x| (1 + (x % 12) as usize) * 16 - 3, 150).await;
+    assert_clean_at(admin).await;
+    assert_engine_clean(decode.addr()).await;
+    assert_engine_clean(prefill.addr()).await;
+    four_shapes(public, 40, 3, "after the storm").await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One Python and one simulated engine, either way round: the decoder (Rust or Python) checks every
+/// byte the other wrote into its buffer, and the text is the same model's, so neither side can tell
+/// the other apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_and_simulated_engines_pair_either_way() {
+    let Some(py) = python() else { return };
+    let g = tiny_geometry(2).unwrap();
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-mixed-{}", std::process::id()));
+
+    let py_decode = PyEngine::start(&py, &["--role", "decode", "--pages", "64"]);
+    let sim_prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    let (gw, public, admin) = serve(&dir.join("a"), sim_prefill.addr, py_decode.addr(), &py_decode.ranks());
+    four_shapes(public, 200, 6, "baton-sim prefill, Python decode").await;
+    assert_clean_at(admin).await;
+    assert_engine_clean(py_decode.addr()).await;
+    drop(gw);
+
+    let py_prefill = PyEngine::start(&py, &["--role", "prefill", "--shared-memory"]);
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.pages = 64;
+    let sim_decode = launch(d).await.unwrap();
+    let (_gw, public, admin) =
+        serve(&dir.join("b"), py_prefill.addr(), sim_decode.addr, &sim_ranks(&sim_decode));
+    four_shapes(public, 200, 6, "Python prefill (shared memory), baton-sim decode").await;
+    assert_clean_at(admin).await;
+    assert_engine_clean(py_prefill.addr()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
