@@ -429,6 +429,7 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Geometry>()?;
     m.add_class::<RankBuffer>()?;
     m.add_class::<net::RankServer>()?;
+    m.add_class::<net::Events>()?;
     m.add_class::<net::Producer>()?;
     m.add_class::<net::Control>()?;
     m.add_class::<cache::PagedCache>()?;

@@ -125,6 +125,12 @@ impl RankServer {
         self.server.take(key(request_id, epoch)).map(|r| Reservation { inner: Mutex::new(Some(r)), layout })
     }
 
+    /// A subscription to the rank's events from now on: one terminal status per request
+    /// (`ready`, `failed`, `cancelled`, `expired`) and one `released` once its pages are back.
+    fn events(&self) -> Events {
+        Events { rx: Mutex::new(self.server.subscribe()) }
+    }
+
     /// The buffer's pages by state (as `RankBuffer.stats`) and the TLS handshakes refused.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = stats_dict(py, self.server.buffer())?;
@@ -164,6 +170,75 @@ impl Drop for RankServer {
         if let (Some(h), Ok(rt)) = (handle, runtime()) {
             // Collected without close(): stop it without waiting here.
             rt.spawn(h.shutdown());
+        }
+    }
+}
+
+/// A rank's events, in order, as dicts: `{"type": "status", "request_id", "epoch", "rank", "state",
+/// "chunks", "bytes"}` and `{"type": "released", "request_id", "epoch", "rank", "pages", "reason"}`.
+/// A subscriber that falls more than 65,536 events behind gets a `TransportError` saying how many
+/// it missed (then the next ones); reconcile through `stats()`.
+#[pyclass(module = "baton_dataplane", frozen)]
+pub(crate) struct Events {
+    rx: Mutex<tokio::sync::broadcast::Receiver<dp::events::RankEvent>>,
+}
+
+fn event_dict<'py>(py: Python<'py>, e: &dp::events::RankEvent) -> PyResult<Bound<'py, PyDict>> {
+    use dp::events::{RankEvent, ReleaseReason};
+    let d = PyDict::new(py);
+    match e {
+        RankEvent::Status(s) => {
+            d.set_item("type", "status")?;
+            d.set_item("request_id", s.request.0)?;
+            d.set_item("epoch", s.epoch)?;
+            d.set_item("rank", s.rank)?;
+            d.set_item("state", s.state.as_str())?;
+            d.set_item("chunks", s.chunks)?;
+            d.set_item("bytes", s.bytes)?;
+        }
+        RankEvent::Released(r) => {
+            d.set_item("type", "released")?;
+            d.set_item("request_id", r.key.request.0)?;
+            d.set_item("epoch", r.key.epoch)?;
+            d.set_item("rank", r.rank)?;
+            d.set_item("pages", r.pages)?;
+            let reason = match r.reason {
+                ReleaseReason::Consumed => "consumed",
+                ReleaseReason::Dropped => "dropped",
+                ReleaseReason::Cancelled => "cancelled",
+                ReleaseReason::Expired => "expired",
+                ReleaseReason::Fenced => "fenced",
+                ReleaseReason::QuarantineTimeout => "quarantine_timeout",
+            };
+            d.set_item("reason", reason)?;
+        }
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl Events {
+    /// The next event, waiting up to `timeout_ms` (forever when `None`); `None` when none came.
+    #[pyo3(signature = (timeout_ms = None))]
+    fn next<'py>(&self, py: Python<'py>, timeout_ms: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        use tokio::sync::broadcast::error::RecvError;
+        let rt = runtime()?;
+        let got = py.detach(|| {
+            let mut rx = self.rx.lock().unwrap_or_else(PoisonError::into_inner);
+            rt.block_on(async {
+                match timeout_ms {
+                    Some(ms) => tokio::time::timeout(Duration::from_millis(ms), rx.recv()).await.ok(),
+                    None => Some(rx.recv().await),
+                }
+            })
+        });
+        match got {
+            None => Ok(None),
+            Some(Ok(e)) => event_dict(py, &e).map(Some),
+            Some(Err(RecvError::Lagged(n))) => {
+                Err(TransportError::new_err(format!("fell {n} events behind; reconcile through stats()")))
+            }
+            Some(Err(RecvError::Closed)) => Err(GuardClosed::new_err("the rank server is gone")),
         }
     }
 }

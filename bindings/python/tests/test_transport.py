@@ -127,3 +127,31 @@ def test_a_full_buffer_refuses_a_reservation_whole():
         # Addresses never handed to a producer: the pages come back at once.
         gateway.cancel(1, unsent=True)
         assert server.stats()["free"] == 3
+
+
+def test_events_say_each_request_ready_once_and_its_pages_released_once():
+    with bd.RankServer(G, pages=8, rank=0) as server:
+        events = server.events()
+        gateway = bd.Control(server.address, G, rank=0)
+        a = gateway.reserve(30, 2, 60_000)
+        with bd.Producer(server.address, G, rank=0) as p:
+            for c, pg, gen in a:
+                p.write_chunk(30, c, pg, gen, page(30, c, G.page_bytes))
+        assert events.next(5_000) == {
+            "type": "status", "request_id": 30, "epoch": 0, "rank": 0, "state": "ready", "chunks": 2,
+            "bytes": 2 * G.page_bytes,
+        }
+        with server.take(30).try_ready().consume():
+            pass
+        released = events.next(5_000)
+        assert (released["type"], released["request_id"], released["pages"], released["reason"]) == (
+            "released", 30, 2, "consumed",
+        )
+        gateway.reserve(31, 3, 60_000, epoch=2)
+        gateway.cancel(31, epoch=2, unsent=True)
+        got = [events.next(5_000), events.next(5_000)]
+        assert [(e["type"], e["epoch"]) for e in got] == [("status", 2), ("released", 2)]
+        # An unsent cancel is a cancel and a fence at once: the pages come back as fenced.
+        assert got[0]["state"] == "cancelled" and got[1]["reason"] == "fenced"
+        assert events.next(50) is None, "one status and one release per request, nothing more"
+        gateway.close()
