@@ -504,8 +504,12 @@ def main(argv=None):
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         pass
+    server.server_close()
+    # Stopping the ranks and dropping them removes their shared-memory files now (a killed
+    # process's files are reclaimed by the next buffer made on the host).
     for s in engine.servers:
         s.close()
+    engine.servers.clear()
     return 0
 
 

@@ -155,3 +155,31 @@ def test_events_say_each_request_ready_once_and_its_pages_released_once():
         assert got[0]["state"] == "cancelled" and got[1]["reason"] == "fenced"
         assert events.next(50) is None, "one status and one release per request, nothing more"
         gateway.close()
+
+
+def test_a_killed_ranks_shared_memory_is_reclaimed_by_the_next_buffer():
+    import os
+    import signal
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import sys, time
+            import baton_dataplane as bd
+            g = bd.KvGeometry(layers=2, kv_heads=2, head_dim=16, dtype_bytes=2, chunk_tokens=16)
+            s = bd.RankServer(g, pages=4)
+            print(s.buffer.export, flush=True)
+            time.sleep(60)
+            """
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        export = child.stdout.readline().strip()
+        assert export and os.path.exists(export)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    assert os.path.exists(export), "a killed process cannot remove its own file"
+    bd.RankBuffer(G, pages=1)
+    assert not os.path.exists(export), "the next buffer reclaims it"

@@ -6,7 +6,13 @@
 //! page straight into it ([`ShmWriter`], the one `unsafe` copy). The file is created `0600` with a
 //! unique name, sized to the buffer, and removed when the buffer is dropped. Who may write which page is
 //! still decided by the page table: a producer gets a grant (generation-checked) before it writes
-//! and commits after, exactly as over TCP. The file's permissions are the trust boundary, as a CUDA
+//! and commits after, exactly as over TCP.
+//!
+//! A process killed outright (SIGKILL, a crash) cannot remove its file, and tmpfs would keep the
+//! memory. So the owner holds a shared `flock` on its file for as long as the buffer lives (taken
+//! before the file appears under its name), and every new buffer first removes the files in the
+//! directory whose exclusive lock can be taken: those no live process owns. The lock is on the file,
+//! so this holds across processes and PID namespaces alike. The file's permissions are the trust boundary, as a CUDA
 //! IPC handle's is: a process that can open the file can write any page, so only run producers you
 //! trust as the same user on the same host.
 
@@ -20,6 +26,26 @@ use super::{Device, DeviceError, KvSpan};
 use crate::geometry::ChunkLayout;
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// Every buffer file's name starts with it.
+const PREFIX: &str = "baton-pd-";
+
+/// Removes the buffer files in `dir` that no live process owns (their owner's shared lock is gone,
+/// so an exclusive one can be taken). Best effort: a file it cannot open or lock is left.
+fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if !entry.file_name().to_str().is_some_and(|n| n.starts_with(PREFIX)) {
+            continue;
+        }
+        let path = entry.path();
+        if let Ok(f) = File::open(&path)
+            && f.try_lock().is_ok()
+        {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
 
 /// Host memory shared through a tmpfs file.
 #[derive(Debug, Clone)]
@@ -91,19 +117,33 @@ impl Device for ShmDevice {
     }
 
     fn alloc_buffer(&self, pages: u32, page_bytes: usize) -> Result<ShmBuffer, DeviceError> {
+        sweep(&self.dir);
         let bytes = pages as u64 * page_bytes as u64;
-        let name = format!("baton-pd-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let path = self.dir.join(name);
-        let file =
-            OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path).map_err(
-                |e| DeviceError::Alloc {
-                    bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
-                    reason: format!("{}: {e}", path.display()),
-                },
-            )?;
-        let buf = ShmBuffer { file, path, pages, page_bytes };
-        buf.file.set_len(bytes).map_err(io)?;
-        Ok(buf)
+        let name = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let path = self.dir.join(&name);
+        // Created and locked under a name the sweep ignores, then renamed: a file under its real
+        // name always has its owner's lock.
+        let staging = self.dir.join(format!(".{name}.new"));
+        let alloc = |e: std::io::Error| DeviceError::Alloc {
+            bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
+            reason: format!("{}: {e}", path.display()),
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&staging)
+            .map_err(alloc)?;
+        let ready = file
+            .lock_shared()
+            .and_then(|()| file.set_len(bytes))
+            .and_then(|()| std::fs::rename(&staging, &path));
+        if let Err(e) = ready {
+            let _ = std::fs::remove_file(&staging);
+            return Err(alloc(e));
+        }
+        Ok(ShmBuffer { file, path, pages, page_bytes })
     }
 
     fn alloc_tensor(&self, bytes: usize) -> Result<CpuTensor, DeviceError> {

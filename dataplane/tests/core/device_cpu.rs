@@ -186,3 +186,30 @@ fn bad_spans_are_refused_before_any_byte_moves() {
         Err(DeviceError::OutOfBounds { .. })
     ));
 }
+
+/// A buffer file whose owner died without removing it (killed: no `Drop` ran) is removed when the
+/// next buffer is made in the directory; a live owner's file, and files that are not buffers, stay.
+#[test]
+fn a_dead_owners_shared_memory_file_is_swept_and_a_live_ones_kept() {
+    use baton_dataplane::device::shm::ShmDevice;
+    let dir = std::env::temp_dir().join(format!("baton-shm-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dev = ShmDevice::new(&dir);
+    let live = dev.alloc_buffer(2, 64).unwrap();
+    // What a killed process leaves: a buffer file nobody holds a lock on.
+    let dead = dir.join("baton-pd-4000000-0");
+    std::fs::write(&dead, vec![0u8; 128]).unwrap();
+    let other = dir.join("notes.txt");
+    std::fs::write(&other, b"not a buffer").unwrap();
+    let next = dev.alloc_buffer(2, 64).unwrap();
+    assert!(!dead.exists(), "the dead owner's file was left");
+    assert!(live.path().exists(), "a live buffer's file was removed");
+    assert!(other.exists());
+    let names = |d: &std::path::Path| -> usize {
+        std::fs::read_dir(d).unwrap().filter(|e| e.as_ref().unwrap().file_name() != "notes.txt").count()
+    };
+    assert_eq!(names(&dir), 2, "only the two live buffers' files");
+    drop((live, next));
+    assert_eq!(names(&dir), 0, "a dropped buffer removes its file");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

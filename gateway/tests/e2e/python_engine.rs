@@ -52,7 +52,18 @@ struct PyEngine {
 }
 
 impl Drop for PyEngine {
+    /// SIGTERM (the engine stops its ranks and removes their shared-memory files), then SIGKILL
+    /// if it is still there after 5 s.
     fn drop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
