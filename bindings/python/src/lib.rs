@@ -393,7 +393,8 @@ impl Consuming {
 
 /// What every guard has: `close()` (releases what it holds now; twice does nothing; what
 /// dropping a Reservation does is cancel, a Ready free the pages unconsumed, a Consuming free them
-/// after the copies), `closed`, and the `with` protocol, which closes it at the block's end.
+/// after the copies, a Producer or Control close its connection), `closed`, and the `with`
+/// protocol, which closes it at the block's end.
 macro_rules! guard {
     ($t:ty) => {
         #[pymethods]
@@ -422,6 +423,8 @@ macro_rules! guard {
 guard!(Reservation);
 guard!(Ready);
 guard!(Consuming);
+guard!(net::Producer);
+guard!(net::Control);
 
 #[pymodule(name = "_native")]
 fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

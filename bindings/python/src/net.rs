@@ -245,10 +245,11 @@ impl Events {
 
 /// A prefill rank's connection to one decoder rank: writes whole chunks to the addresses the
 /// gateway gave, and fences a request once nothing more will come for it. Not shared between
-/// threads at once (calls queue on it); open one per concurrent transfer, or pool them.
+/// threads at once (calls queue on it); open one per concurrent transfer, or pool them. `close()`
+/// (or the end of a `with` block) closes the connection, aborting a chunk write in flight.
 #[pyclass(module = "baton_dataplane", frozen)]
 pub(crate) struct Producer {
-    inner: Mutex<Option<ProducerClient>>,
+    pub(crate) inner: Mutex<Option<ProducerClient>>,
     timeout: Duration,
 }
 
@@ -361,32 +362,13 @@ impl Producer {
             (c, r)
         })
     }
-
-    /// Closes the connection (a chunk write in flight on the rank is aborted).
-    fn close(&self) {
-        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
-    }
-
-    #[getter]
-    fn closed(&self) -> bool {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner).is_none()
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(&self, _t: Py<PyAny>, _v: Py<PyAny>, _tb: Py<PyAny>) -> bool {
-        self.close();
-        false
-    }
 }
 
 /// The gateway's side of a decoder rank: reserve, renew, cancel. An engine does not use it; tests and
 /// tools that play the gateway do.
 #[pyclass(module = "baton_dataplane", frozen)]
 pub(crate) struct Control {
-    inner: Mutex<Option<ControlClient>>,
+    pub(crate) inner: Mutex<Option<ControlClient>>,
     timeout: Duration,
 }
 
@@ -444,9 +426,5 @@ impl Control {
             let r = c.cancel(k).await;
             (c, r)
         })
-    }
-
-    fn close(&self) {
-        drop(self.inner.lock().unwrap_or_else(PoisonError::into_inner).take());
     }
 }
