@@ -424,8 +424,11 @@ impl Gateway {
             };
             t.request(headers, facts)
         });
+        let unanswered = trace::UntilAnswered::new(trace.clone());
         let dispatched = trace::scope(trace.clone(), self.count_then_dispatch(req, headers, tracked.live()));
-        match dispatched.await {
+        let dispatched = dispatched.await;
+        unanswered.answered();
+        match dispatched {
             Ok(mut d) => {
                 if explain
                     && !stream

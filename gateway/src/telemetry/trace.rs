@@ -401,7 +401,10 @@ impl RequestTrace {
         }
         drop(st);
         let span = self.server.span();
-        span.set_attribute(KeyValue::new("http.response.status_code", i64::from(end.status)));
+        // 0: no response was sent (the client left before its headers).
+        if end.status != 0 {
+            span.set_attribute(KeyValue::new("http.response.status_code", i64::from(end.status)));
+        }
         if let Some(n) = end.output_tokens {
             span.set_attribute(KeyValue::new("gen_ai.usage.output_tokens", i64::from(n)));
         }
@@ -421,9 +424,37 @@ impl RequestTrace {
     }
 }
 
+/// Ends the request's spans as cancelled when dropped armed: the request's future was dropped
+/// before it answered (the client left while it was queued, prefilling or waiting for its KV).
+/// Disarmed once the response's headers go out; from then on the answer's body ends the trace.
+#[derive(Debug)]
+pub struct UntilAnswered(Option<Arc<RequestTrace>>);
+
+impl UntilAnswered {
+    pub fn new(trace: Option<Arc<RequestTrace>>) -> Self {
+        Self(trace)
+    }
+
+    pub fn answered(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for UntilAnswered {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            t.finish(End {
+                error: Some(("cancelled", "the client left before the response")),
+                ..End::default()
+            });
+        }
+    }
+}
+
 /// How a request ended, for its server span.
 #[derive(Debug, Default)]
 pub struct End<'a> {
+    /// The response's status; 0 when none was sent.
     pub status: u16,
     pub output_tokens: Option<u32>,
     pub finish_reasons: &'a [String],

@@ -406,3 +406,51 @@ async fn serve_and_the_binary_send_their_spans_before_they_stop() {
     receiver.abort();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A client that leaves before the response's headers (its non-streamed answer takes 2 s of
+/// tokens): the request's span still ends, as cancelled, without a status code, since no response
+/// went out; the next request's span is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_left_before_its_answer_ends_its_span_as_cancelled() {
+    let (collector, got, receiver) = otlp_receiver().await;
+    let trace = TraceConfig {
+        endpoint: format!("http://{collector}"),
+        sampling_ratio: 1.0,
+        service_name: "baton-test".into(),
+    };
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token_delay: Duration::from_millis(100),
+        gateway: GatewaySetup { trace: Some(trace), ..GatewaySetup::default() },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let slow = json!({"prompt": prompt(40, 5), "max_tokens": 20});
+    let left =
+        tokio::time::timeout(Duration::from_millis(300), send(d.addr, "/v1/completions", &[], &slow)).await;
+    assert!(left.is_err(), "the answer came before the client left");
+    let (status, _) = send(d.addr, "/v1/completions", &[], &json!({"prompt": "hi", "max_tokens": 1})).await;
+    assert_eq!(status, 200);
+    d.drain(Duration::from_secs(10)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let servers = loop {
+        let servers: Vec<Span> =
+            got.spans().into_iter().filter(|s| s.kind == SpanKind::Server as i32).collect();
+        if servers.len() >= 2 || Instant::now() > deadline {
+            break servers;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(servers.len(), 2, "{servers:?}");
+    let by_tokens =
+        |n: i64| servers.iter().find(|s| attr_int(s, "gen_ai.request.max_tokens") == Some(n)).unwrap();
+    let gone = by_tokens(20);
+    assert_eq!(attr_str(gone, "error.type").as_deref(), Some("cancelled"), "{gone:?}");
+    assert_eq!(attr_int(gone, "http.response.status_code"), None, "no response was sent");
+    assert_eq!(gone.status.as_ref().map(|s| s.code), Some(2), "error status");
+    let ok = by_tokens(1);
+    assert_eq!(attr_int(ok, "http.response.status_code"), Some(200));
+    assert_eq!(attr_str(ok, "error.type"), None);
+    receiver.abort();
+}
