@@ -46,6 +46,9 @@ pub struct DemoConfig {
     pub cache_blocks: u32,
     /// Tokens per chunk (page) of the simulated model.
     pub chunk_tokens: u32,
+    /// The model's KV shape `[layers, kv_heads, head_dim, dtype_bytes]` (baton-sim's tiny model
+    /// unless set).
+    pub shape: Option<[u32; 4]>,
     pub token_delay: Duration,
     /// How the KV reaches the decoders.
     pub handoff: DemoHandoff,
@@ -164,6 +167,7 @@ impl Default for DemoConfig {
             pages: 64,
             cache_blocks: baton_sim::DEFAULT_SIM_CACHE_BLOCKS,
             chunk_tokens: 16,
+            shape: None,
             token_delay: Duration::ZERO,
             handoff: DemoHandoff::Native,
             device: baton_sim::DeviceKind::Cpu,
@@ -243,16 +247,12 @@ pub async fn start_engines_with(
     c: &DemoConfig,
     lmcache_proxy: Option<SocketAddr>,
 ) -> Result<Engines, String> {
-    let g = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
-    let geometry = baton_dataplane::KvGeometry::new(
-        g.layers,
-        g.kv_heads,
-        g.head_dim,
-        g.dtype_bytes,
-        c.chunk_tokens,
-        c.tp,
-    )
-    .map_err(|e| e.to_string())?;
+    let tiny = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
+    let [layers, kv_heads, head_dim, dtype_bytes] =
+        c.shape.unwrap_or([tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype_bytes]);
+    let geometry =
+        baton_dataplane::KvGeometry::new(layers, kv_heads, head_dim, dtype_bytes, c.chunk_tokens, c.tp)
+            .map_err(|e| e.to_string())?;
     let mut running = Vec::new();
     let mut prefills = Vec::new();
     for i in 0..c.prefills {

@@ -493,10 +493,11 @@ impl SimEngine {
         let mut kv_params = None;
         match (&self.nixl, req.nixl_params()?) {
             (Some(NixlRole::Producer(p)), Some(np)) if np.do_remote_decode => {
+                // Neutral: the same answer, but no blocks kept for a pull that will not come.
                 kv_params = Some(p.hold(&ids)?);
                 n = 1;
             }
-            (Some(NixlRole::Consumer), Some(np)) if np.do_remote_prefill => {
+            (Some(NixlRole::Consumer), Some(np)) if np.do_remote_prefill && !super::kv::neutral() => {
                 if let Role::Decode(d) = &self.role {
                     super::nixl::pull(&d.geometry(), &ids, &np).await?;
                 }
@@ -505,11 +506,15 @@ impl SimEngine {
         }
         let tracked = self.sglang.as_ref().map(|s| s.track(req.rid()));
         if let (Some(s), Some(p), Some(t)) = (&self.sglang, req.sglang_params()?, &tracked) {
+            // Neutral: no room kept for a pull that will not come.
             match &self.role {
                 Role::Prefill(_) => {
-                    s.hold(&p, &ids, req.rid());
+                    if !super::kv::neutral() {
+                        s.hold(&p, &ids, req.rid());
+                    }
                     n = 1;
                 }
+                Role::Decode(_) if super::kv::neutral() => {}
                 Role::Decode(_) => {
                     tokio::select! {
                         r = s.pull(&p, &ids) => r?,
@@ -541,7 +546,7 @@ impl SimEngine {
                     first_tok = output_tokens(&ids, 1).first().map(|t| t.0);
                 }
             }
-            (Some(LmcacheRole::Receiver(r)), _) if req.baton.is_none() => {
+            (Some(LmcacheRole::Receiver(r)), _) if req.baton.is_none() && !super::kv::neutral() => {
                 r.retrieve(&ids).await?;
             }
             _ => {}

@@ -5,8 +5,28 @@
 //! rank `r` is derived from a hash of every token id up to and including `t` (as in a real model, the
 //! same prefix gives the same KV), `l`, K/V, `r` and `h`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use baton_dataplane::device::{CacheLayout, Device, DeviceError};
 use baton_dataplane::geometry::KvGeometry;
+
+/// Neutral engines (`baton-sim --neutral`; the proxy benchmark's): no KV is derived or checked,
+/// pages move as zeros. Process-wide, so set it only in a process of its own.
+static NEUTRAL: AtomicBool = AtomicBool::new(false);
+
+/// Makes every engine in this process neutral: the KV bytes are not derived from the tokens (pages
+/// stay zero) and a decoder does not check them; where the gateway takes no part in moving the KV
+/// (vLLM NIXL's and SGLang's pulls, LMCache's chunk writes) nothing moves at all, only what the
+/// gateway sees is said (LMCache's notifications). An engine then costs what its protocol with the
+/// gateway costs. For measuring what sits in front of the engines, never for testing them.
+pub fn set_neutral(on: bool) {
+    NEUTRAL.store(on, Ordering::Relaxed);
+}
+
+/// Whether this process's engines are neutral ([`set_neutral`]).
+pub fn neutral() -> bool {
+    NEUTRAL.load(Ordering::Relaxed)
+}
 
 /// Words the simulated model speaks; output token `i` of a request is one of them.
 const WORDS: [&str; 32] = [
@@ -114,6 +134,9 @@ pub fn write_kv<D: Device>(
     hashes: &[u64],
     rank: u32,
 ) -> Result<(), DeviceError> {
+    if neutral() {
+        return Ok(());
+    }
     let mut buf = vec![0u8; layout.head_bytes()];
     let bs = layout.block_size as usize;
     for (layer, tensor) in cache.iter().enumerate() {
@@ -143,6 +166,9 @@ pub fn verify_chunk(
     chunk: u32,
     page: &[u8],
 ) -> Result<(), String> {
+    if neutral() {
+        return Ok(());
+    }
     let cl = g.chunk_layout();
     let first = chunk as usize * cl.chunk_tokens as usize;
     let valid = hashes.len().saturating_sub(first).min(cl.chunk_tokens as usize);
@@ -228,6 +254,9 @@ pub fn top_tokens(id: u32, pos: u32, k: u32) -> Vec<(&'static str, f64)> {
 pub fn chunk_page(g: &KvGeometry, rank: u32, hashes: &[u64], chunk: u32) -> Vec<u8> {
     let cl = g.chunk_layout();
     let mut page = vec![0u8; cl.page_bytes()];
+    if neutral() {
+        return page;
+    }
     let first = chunk as usize * cl.chunk_tokens as usize;
     let valid = hashes.len().saturating_sub(first).min(cl.chunk_tokens as usize);
     let n = cl.head_bytes();

@@ -471,6 +471,10 @@ impl Sender {
         req_id: &str,
         ids: &[u32],
     ) -> Result<(), SimError> {
+        if super::kv::neutral() {
+            // Only what the gateway sees: the notification.
+            return self.notify_proxy(rank, req_id).await;
+        }
         let g = &self.geometry;
         let keys = chunk_keys(&self.model, g, rank, ids);
         let c = g.chunk_tokens as usize;

@@ -128,16 +128,20 @@ impl Producer {
 
     /// Keeps the prompt's blocks for a remote decode and returns the `kv_transfer_params` to answer.
     pub fn hold(&self, ids: &[u32]) -> Result<Value, SimError> {
-        let need = ids.len().div_ceil(self.block_size as usize);
-        let blocks = self.pool.alloc(need).ok_or_else(|| {
-            SimError::busy(format!("no room for {need} KV blocks ({} held)", self.pool.held()))
-        })?;
-        let block_ids = blocks.ids().to_vec();
         let id = format!("{}-{}", self.engine_id, self.next.fetch_add(1, Ordering::Relaxed));
-        lock(&self.pending).insert(
-            id.clone(),
-            Transfer { ids: ids.into(), _blocks: blocks, expires: Instant::now() + self.abort_timeout },
-        );
+        let mut block_ids = Vec::new();
+        // Neutral engines keep nothing: no pull will come.
+        if !super::kv::neutral() {
+            let need = ids.len().div_ceil(self.block_size as usize);
+            let blocks = self.pool.alloc(need).ok_or_else(|| {
+                SimError::busy(format!("no room for {need} KV blocks ({} held)", self.pool.held()))
+            })?;
+            block_ids = blocks.ids().to_vec();
+            lock(&self.pending).insert(
+                id.clone(),
+                Transfer { ids: ids.into(), _blocks: blocks, expires: Instant::now() + self.abort_timeout },
+            );
+        }
         Ok(json!({
             "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": block_ids,
             "remote_engine_id": self.engine_id, "remote_host": self.side.ip().to_string(),

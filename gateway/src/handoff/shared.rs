@@ -171,7 +171,15 @@ pub(crate) async fn post_json(
         (Some(t), Some(h)) => Some(t.leg(leg, to, path, h)),
         _ => None,
     };
-    let req = req.body(Full::new(Bytes::from(body.to_string()))).map_err(|e| PostError {
+    // `to_vec` writes straight into the buffer; `to_string` goes through `fmt::Write` a piece at a
+    // time, which cost 15% of the gateway's CPU with a 1,024-token `prompt_token_ids` (the proxy
+    // benchmark's profile).
+    let bytes = serde_json::to_vec(body).map_err(|e| PostError {
+        message: format!("request body: {e}"),
+        unsent: true,
+        timed_out: None,
+    })?;
+    let req = req.body(Full::new(Bytes::from(bytes))).map_err(|e| PostError {
         message: e.to_string(),
         unsent: true,
         timed_out: None,

@@ -25,6 +25,7 @@ const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--m
        [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
        [--sglang] [--sglang-bootstrap-port P] [--sglang-room-wait-ms N] [--device cpu|cuda]
        [--dp-tls-ca CA.pem --dp-tls-cert CERT.pem --dp-tls-key KEY.pem [--dp-tls-server-name NAME]]
+       [--neutral]
 
   --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
                alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
@@ -33,7 +34,9 @@ const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--m
                not given); rooms wait N ms for their other leg
   --dp-tls-*   mTLS on baton's data plane: decode ranks serve TLS with CERT/KEY and require client
                certificates from CA; a prefiller connects with CERT/KEY and checks that ranks present
-               NAME (default localhost)";
+               NAME (default localhost)
+  --neutral    derive and check no KV (pages move as zeros): an engine that costs only its protocol,
+               for measuring a proxy in front of it";
 
 fn parse() -> Result<SimConfig, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -162,6 +165,9 @@ fn parse() -> Result<SimConfig, String> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    if std::env::args().any(|a| a == "--neutral") {
+        baton_sim::kv::set_neutral(true);
+    }
     let config = match parse() {
         Ok(c) => c,
         Err(e) => {

@@ -1,0 +1,480 @@
+//! What the gateway itself adds: `baton serve` in front of neutral engines, beside nginx forwarding
+//! one leg to the same engine, and the engine called directly.
+//!
+//! `cargo bench -p baton-gateway --bench proxy -- [--secs 10] [--modes vllm-nixl,lmcache,native,sglang]
+//!  [--layouts A,B] [--out FILE]`
+//!
+//! Processes, each pinned with `taskset`:
+//! - the engines (this binary again, in a role of its own): one prefill and one decode `baton-sim`
+//!   engine (TP 1) in **neutral** mode (no KV derived or checked; pages move as zeros) with a small
+//!   model (1 layer, 1 KV head of 4 one-byte values, 256-token chunks: a 1 KB prompt is 4 pages of 2
+//!   KB), on one current-thread runtime, speaking the mode's protocol;
+//! - `baton serve` (the real binary) with a TOML for the mode;
+//! - nginx (Debian's, unpacked by `scripts/fetch-nginx` into `.cache/nginx`, or on `PATH`) forwarding
+//!   one leg to the decode engine with upstream keep-alive;
+//! - the load generator: this process (one current-thread runtime).
+//!
+//! Layout A: the gateway and nginx alone on core 1; engines and load on core 0. Layout B: everything
+//! on core 0 (no cross-core wake-ups: the gateway's own work).
+//!
+//! Per mode and layout: c=1 latency p50/p99 of a 1 KB completion of one token straight to the
+//! engine, through nginx (one leg) and through baton (two legs), the added p50/p99 over straight; the
+//! same with a 20 ms pause between requests (a person with curl); c=64 req/s and p99 through baton;
+//! c=16 streamed time to the first token (4 tokens) straight, through nginx and through baton; and
+//! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run), beside nginx's
+//! for one leg under the same load.
+//! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
+//! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
+//! empty unless `BATON_REQUIRE_NGINX=1`.
+
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::cast_possible_truncation,
+    clippy::cast_precision_loss
+)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use baton_gateway::demo::{DemoConfig, DemoHandoff, start_engines_with};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+/// Set in the engines' process: the mode to play.
+const ROLE_ENV: &str = "BATON_PROXY_BENCH_ENGINES";
+/// Set in the engines' process for `lmcache`: where prefillers send their notifications.
+const NOTIFY_ENV: &str = "BATON_PROXY_BENCH_NOTIFY";
+const CHUNK_TOKENS: u32 = 256;
+const SHAPE: [u32; 4] = [1, 1, 4, 1];
+const PROMPT_BYTES: usize = 1000;
+
+/// Killed however the bench ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn pin(cmd: &mut Command, cpu: u32) -> &mut Command {
+    cmd.args(["-c", &cpu.to_string()])
+}
+
+/// The engines' role: start them, print their addresses, run until stdin closes.
+fn engines_main(mode: &str) {
+    baton_sim::kv::set_neutral(true);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let handoff = DemoHandoff::parse(mode).expect("a handoff mode");
+        let c = DemoConfig {
+            handoff,
+            pages: 4096,
+            cache_blocks: 65_536,
+            chunk_tokens: CHUNK_TOKENS,
+            shape: Some(SHAPE),
+            ..DemoConfig::default()
+        };
+        let notify: Option<SocketAddr> = std::env::var(NOTIFY_ENV).ok().map(|a| a.parse().unwrap());
+        let e = start_engines_with(&c, notify).await.unwrap();
+        let (_, decode, ranks) = &e.decoders[0];
+        let lmcache = e
+            .lmcache
+            .first()
+            .map(|(t, cap)| json!({"init": t.init_ports, "alloc": t.alloc_ports, "capacity": cap}));
+        let hello = json!({
+            "prefill": e.running[0].addr.to_string(), "decode": decode.to_string(),
+            "ranks": ranks.iter().map(ToString::to_string).collect::<Vec<_>>(), "lmcache": lmcache,
+        });
+        println!("{hello}");
+        // Until the bench closes our stdin.
+        tokio::task::spawn_blocking(|| {
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        })
+        .await
+        .unwrap();
+        drop(e);
+    });
+}
+
+struct Setup {
+    _procs: Vec<Proc>,
+    engine: SocketAddr,
+    /// nginx's address and process.
+    nginx: Option<(SocketAddr, u32)>,
+    baton: SocketAddr,
+    baton_pid: u32,
+}
+
+fn free_port() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+fn nginx_binary() -> Option<PathBuf> {
+    let cached = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/nginx/usr/sbin/nginx");
+    let found = std::iter::once(cached)
+        .chain(
+            std::env::var_os("PATH")
+                .into_iter()
+                .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+                .map(|d| d.join("nginx")),
+        )
+        .chain([PathBuf::from("/usr/sbin/nginx")])
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var("BATON_REQUIRE_NGINX").as_deref() != Ok("1"),
+            "nginx is missing: scripts/fetch-nginx"
+        );
+        eprintln!("no nginx (scripts/fetch-nginx unpacks Debian's): its columns stay empty");
+    }
+    found
+}
+
+/// Engines, gateway and nginx for `mode` in `layout`.
+fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
+    let front = if layout == 'A' { 1 } else { 0 };
+    std::fs::create_dir_all(dir).unwrap();
+    let notify = free_port();
+    let mut cmd = Command::new("taskset");
+    pin(&mut cmd, 0)
+        .arg(std::env::current_exe().unwrap())
+        .env(ROLE_ENV, mode)
+        .env(NOTIFY_ENV, notify.to_string());
+    let mut child =
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let engines = Proc(child);
+    let hello: Value = serde_json::from_str(&line).expect("the engines' addresses");
+    let s = |k: &str| hello[k].as_str().unwrap().to_owned();
+    let mut decode_table = format!("[[decode]]\nname = \"d\"\nurl = \"http://{}\"\n", s("decode"));
+    let mut tail = String::new();
+    let mut model_extra = String::new();
+    match mode {
+        "native" => {
+            let ranks: Vec<String> = hello["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| format!("{:?}", r.as_str().unwrap()))
+                .collect();
+            decode_table.push_str(&format!("dataplane = [{}]\n", ranks.join(", ")));
+        }
+        "lmcache" => {
+            let l = &hello["lmcache"];
+            let list = |k: &str| {
+                l[k].as_array().unwrap().iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            };
+            let page = u64::from(CHUNK_TOKENS) * 2 * u64::from(SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]);
+            std::fs::write(
+                dir.join("decoder.yaml"),
+                format!(
+                    "enable_pd: True\npd_role: \"receiver\"\npd_peer_host: \"127.0.0.1\"\npd_peer_init_port: [{}]\npd_peer_alloc_port: [{}]\npd_buffer_size: {}\nchunk_size: {CHUNK_TOKENS}\n",
+                    list("init"),
+                    list("alloc"),
+                    l["capacity"].as_u64().unwrap() * page
+                ),
+            )
+            .unwrap();
+            decode_table.push_str("handoff = \"lmcache\"\nlmcache = { config = \"decoder.yaml\" }\n");
+            // The mode sends the gateway's token ids, so it needs the model's tokenizer (Qwen3's,
+            // from scripts/fetch-tokenizers; the neutral engines take any ids).
+            let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3/tokenizer.json");
+            assert!(t.exists(), "{} is missing: scripts/fetch-tokenizers", t.display());
+            model_extra = format!("tokenizer = {:?}\n", t.display().to_string());
+            tail = format!("[lmcache]\nnotify_listen = \"{notify}\"\n");
+        }
+        other => decode_table.push_str(&format!("handoff = \"{other}\"\n")),
+    }
+    let toml = format!(
+        "[[listeners]]\naddress = \"127.0.0.1:0\"\nplain_http = true\n\n[admin]\nlisten = \"127.0.0.1:0\"\n\n\
+         [model]\nname = \"baton-sim\"\ncontext_length = 32768\nchunk_tokens = {CHUNK_TOKENS}\n\
+         geometry = {{ layers = {}, kv_heads = {}, head_dim = {}, dtype_bytes = {} }}\n{model_extra}\n\
+         [[prefill]]\nname = \"p\"\nurl = \"http://{}\"\n\n{decode_table}\n[admission]\nmax_queue = 4096\n\n{tail}",
+        SHAPE[0],
+        SHAPE[1],
+        SHAPE[2],
+        SHAPE[3],
+        s("prefill")
+    );
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, toml).unwrap();
+    let mut cmd = Command::new("taskset");
+    // BATON_PROXY_BENCH_BATON: another `baton` binary (a before/after comparison in one build).
+    let baton = std::env::var("BATON_PROXY_BENCH_BATON").unwrap_or_else(|_| env!("CARGO_BIN_EXE_baton").into());
+    pin(&mut cmd, front).args([baton.as_str(), "serve", "--config", file.to_str().unwrap()]);
+    let log = std::fs::File::create(dir.join("baton.log")).unwrap();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(log).spawn().unwrap();
+    let baton_pid = child.id();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let baton = loop {
+        let Some(Ok(l)) = lines.next() else {
+            panic!(
+                "baton serve stopped: {}",
+                std::fs::read_to_string(dir.join("baton.log")).unwrap_or_default()
+            )
+        };
+        if let Some(a) = l.split("serving on ").nth(1).and_then(|r| r.split_whitespace().next()) {
+            break a.parse::<SocketAddr>().unwrap();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let mut procs = vec![engines, Proc(child)];
+    let engine: SocketAddr = s("decode").parse().unwrap();
+    let nginx = nginx.map(|bin| {
+        let at = free_port();
+        std::fs::write(
+            dir.join("nginx.conf"),
+            format!(
+                "worker_processes 1;\ndaemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log crit;\n\
+                 events {{ worker_connections 4096; }}\n\
+                 http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+                 fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+                 upstream engine {{ server {engine}; keepalive 128; keepalive_requests 100000000; }}\n\
+                 server {{\n    listen {at};\n    keepalive_requests 100000000;\n    location / {{\n      proxy_pass http://engine;\n\
+                 proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new("taskset");
+        pin(&mut cmd, front).arg(bin).args(["-p", dir.to_str().unwrap(), "-e", "/dev/null", "-c"]).arg(dir.join("nginx.conf"));
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let pid = child.id();
+        procs.push(Proc(child));
+        (at, pid)
+    });
+    Setup { _procs: procs, engine, nginx, baton, baton_pid }
+}
+
+async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let start = Instant::now();
+    loop {
+        if let Ok(stream) = TcpStream::connect(addr).await {
+            stream.set_nodelay(true).unwrap();
+            let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+            tokio::spawn(conn);
+            return send;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{addr} never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One request on `send`: its latency, and its time to the first SSE event with text when streamed;
+/// `None` when the server closed the connection before it (the caller reconnects).
+async fn one(
+    send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    body: &Bytes,
+) -> Option<(Duration, Duration)> {
+    let req = Request::post("/v1/completions")
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .unwrap();
+    let t0 = Instant::now();
+    send.ready().await.ok()?;
+    let res = send.send_request(req).await.ok()?;
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    let mut first = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.unwrap();
+        if first.is_none() && frame.data_ref().is_some_and(|d| d.windows(6).any(|w| w == b"\"text\"")) {
+            first = Some(t0.elapsed());
+        }
+    }
+    let total = t0.elapsed();
+    Some((total, first.unwrap_or(total)))
+}
+
+fn pct(v: &mut [Duration], p: f64) -> f64 {
+    v.sort();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i].as_secs_f64() * 1e3
+}
+
+/// `c` connections sending requests back to back (with `gap` between each connection's requests)
+/// for `secs`: the latencies and times to first token.
+async fn run(
+    addr: SocketAddr,
+    body: &Bytes,
+    c: usize,
+    secs: f64,
+    gap: Duration,
+) -> (Vec<Duration>, Vec<Duration>, f64) {
+    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = tokio::task::JoinSet::new();
+    let t0 = Instant::now();
+    for _ in 0..c {
+        let body = body.clone();
+        tasks.spawn(async move {
+            let mut send = connect(addr).await;
+            let mut out = Vec::new();
+            while Instant::now() < until {
+                match one(&mut send, &body).await {
+                    Some(x) => out.push(x),
+                    None => send = connect(addr).await,
+                }
+                if !gap.is_zero() {
+                    tokio::time::sleep(gap).await;
+                }
+            }
+            out
+        });
+    }
+    let mut lat = Vec::new();
+    let mut ttft = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        for (l, f) in r.unwrap() {
+            lat.push(l);
+            ttft.push(f);
+        }
+    }
+    let rate = lat.len() as f64 / t0.elapsed().as_secs_f64();
+    (lat, ttft, rate)
+}
+
+/// utime + stime of `pid`, seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat; `after` starts at field 3.
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+fn prompt() -> String {
+    let base = "the quick brown fox jumps over the lazy dog and hands the baton on; ";
+    let mut s = base.repeat(PROMPT_BYTES / base.len() + 1);
+    s.truncate(PROMPT_BYTES);
+    s
+}
+
+async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> Value {
+    let dir = std::env::temp_dir().join(format!("baton-proxy-bench-{}-{mode}-{layout}", std::process::id()));
+    let s = start(mode, layout, &dir, nginx);
+    let plain = Bytes::from(json!({"model": "baton-sim", "prompt": prompt(), "max_tokens": 1}).to_string());
+    let stream = Bytes::from(
+        json!({"model": "baton-sim", "prompt": prompt(), "max_tokens": 4, "stream": true}).to_string(),
+    );
+    let warm = (secs / 5.0).max(0.2);
+    // The gateway's connections to the engines and its pools are warm before anything is timed.
+    let nginx = s.nginx.map(|(a, _)| a);
+    for addr in [Some(s.engine), nginx, Some(s.baton)].into_iter().flatten() {
+        run(addr, &plain, 4, warm, Duration::ZERO).await;
+    }
+    let mut v = json!({"mode": mode, "layout": layout.to_string()});
+    let targets = [("straight", Some(s.engine)), ("nginx", nginx), ("baton", Some(s.baton))];
+    for (gap_name, gap) in [("c1", Duration::ZERO), ("c1_gap20ms", Duration::from_millis(20))] {
+        let mut base = f64::NAN;
+        for (name, addr) in targets {
+            let Some(addr) = addr else { continue };
+            let (mut lat, _, _) = run(addr, &plain, 1, secs, gap).await;
+            let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
+            if name == "straight" {
+                base = p50;
+            }
+            v[gap_name][name] =
+                json!({"n": lat.len(), "p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - base});
+        }
+    }
+    let cpu0 = cpu_seconds(s.baton_pid);
+    let (mut lat, _, rate) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
+    let cpu = cpu_seconds(s.baton_pid) - cpu0;
+    v["c64_baton"] = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99),
+                            "gateway_cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
+    // nginx's own CPU per (one-leg) request under the same load, for scale.
+    if let Some((at, pid)) = s.nginx {
+        let cpu0 = cpu_seconds(pid);
+        let (mut lat, _, rate) = run(at, &plain, 64, secs, Duration::ZERO).await;
+        let cpu = cpu_seconds(pid) - cpu0;
+        v["c64_nginx"] = json!({"n": lat.len(), "req_per_s": rate, "p99_ms": pct(&mut lat, 0.99),
+                                "cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
+    }
+    let mut base = f64::NAN;
+    for (name, addr) in targets {
+        let Some(addr) = addr else { continue };
+        let (_, mut ttft, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
+        let p50 = pct(&mut ttft, 0.5);
+        if name == "straight" {
+            base = p50;
+        }
+        v["c16_stream_ttft"][name] = json!({"n": ttft.len(), "p50_ms": p50, "added_p50_ms": p50 - base});
+    }
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+    v
+}
+
+fn main() {
+    if let Ok(mode) = std::env::var(ROLE_ENV) {
+        engines_main(&mode);
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let quick = std::env::var_os("BATON_BENCH_QUICK").is_some();
+    let secs: f64 = arg("--secs").map_or(if quick { 0.3 } else { 10.0 }, |s| s.parse().unwrap());
+    let default_modes = if quick { "vllm-nixl" } else { "vllm-nixl,lmcache,native,sglang" };
+    let modes = arg("--modes").unwrap_or_else(|| default_modes.into());
+    let layouts = arg("--layouts").unwrap_or_else(|| if quick { "B".into() } else { "A,B".into() });
+    let nginx = nginx_binary();
+    // The load generator runs on core 0 in both layouts.
+    let me = std::process::id().to_string();
+    let ok =
+        Command::new("taskset").args(["-a", "-p", "-c", "0", &me]).stdout(Stdio::null()).status().unwrap();
+    assert!(ok.success(), "taskset");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let mut results = Vec::new();
+    for layout in layouts.split(',').filter_map(|l| l.chars().next()) {
+        for mode in modes.split(',') {
+            let v = rt.block_on(measure(mode, layout, secs, nginx.as_deref()));
+            let f = |path: &[&str]| -> String {
+                let mut x = &v;
+                for p in path {
+                    x = &x[*p];
+                }
+                x.as_f64().map_or_else(|| "-".into(), |n| format!("{n:.3}"))
+            };
+            println!(
+                "layout {layout} {mode:>9}: c=1 added p50 baton {} ms (p99 {} ms), nginx {} ms; with 20 ms gaps baton {} ms, nginx {} ms; \
+                 c=64 {} req/s p99 {} ms, gateway CPU {} us/req (nginx {} us/req); c=16 TTFT added baton {} ms, nginx {} ms (straight {} ms)",
+                f(&["c1", "baton", "added_p50_ms"]),
+                f(&["c1", "baton", "p99_ms"]),
+                f(&["c1", "nginx", "added_p50_ms"]),
+                f(&["c1_gap20ms", "baton", "added_p50_ms"]),
+                f(&["c1_gap20ms", "nginx", "added_p50_ms"]),
+                f(&["c64_baton", "req_per_s"]),
+                f(&["c64_baton", "p99_ms"]),
+                f(&["c64_baton", "gateway_cpu_us_per_request"]),
+                f(&["c64_nginx", "cpu_us_per_request"]),
+                f(&["c16_stream_ttft", "baton", "added_p50_ms"]),
+                f(&["c16_stream_ttft", "nginx", "added_p50_ms"]),
+                f(&["c16_stream_ttft", "straight", "p50_ms"]),
+            );
+            results.push(v);
+        }
+    }
+    let out = json!({"secs": secs, "prompt_bytes": PROMPT_BYTES, "results": results});
+    if let Some(path) = arg("--out") {
+        std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+    }
+}
