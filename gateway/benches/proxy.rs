@@ -214,7 +214,8 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     std::fs::write(&file, toml).unwrap();
     let mut cmd = Command::new("taskset");
     // BATON_PROXY_BENCH_BATON: another `baton` binary (a before/after comparison in one build).
-    let baton = std::env::var("BATON_PROXY_BENCH_BATON").unwrap_or_else(|_| env!("CARGO_BIN_EXE_baton").into());
+    let baton =
+        std::env::var("BATON_PROXY_BENCH_BATON").unwrap_or_else(|_| env!("CARGO_BIN_EXE_baton").into());
     pin(&mut cmd, front).args([baton.as_str(), "serve", "--config", file.to_str().unwrap()]);
     let log = std::fs::File::create(dir.join("baton.log")).unwrap();
     let mut child = cmd.stdout(Stdio::piped()).stderr(log).spawn().unwrap();
