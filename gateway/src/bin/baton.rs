@@ -11,6 +11,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc instead of glibc's malloc: a proxy allocates and frees small buffers on every request
+/// (headers, bodies, JSON), and glibc's `malloc`/`free` were a fifth of the gateway's CPU samples in
+/// the proxy benchmark (`bench/README.md`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(name = "baton", version, about = "baton: a gateway for prefill/decode disaggregated LLM serving")]
 struct Cli {
