@@ -19,7 +19,8 @@
 //!
 //! Per mode and layout: c=1 latency p50/p99 of a 1 KB completion of one token straight to the
 //! engine, through nginx (one leg) and through baton (two legs), the added p50/p99 over straight; the
-//! same with a 20 ms pause between requests (a person with curl); c=64 req/s and p99 through baton;
+//! same with a 20 ms pause between requests (a person with curl), with the gateway's own phases
+//! (its `Server-Timing`: the prefill and decode legs as it timed them) for both; c=64 req/s and p99 through baton;
 //! c=16 streamed time to the first token (4 tokens) straight, through nginx and through baton; and
 //! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run), beside nginx's
 //! for one leg under the same load.
@@ -275,12 +276,24 @@ async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Fu
     }
 }
 
-/// One request on `send`: its latency, and its time to the first SSE event with text when streamed;
-/// `None` when the server closed the connection before it (the caller reconnects).
+/// One request's latency, its time to the first SSE event with text (when streamed), and the
+/// gateway's phases from its `Server-Timing` header (name, ms).
+type Sample = (Duration, Duration, Vec<(String, f64)>);
+
+fn server_timing(h: &hyper::HeaderMap) -> Vec<(String, f64)> {
+    let Some(v) = h.get("server-timing").and_then(|v| v.to_str().ok()) else { return Vec::new() };
+    v.split(", ")
+        .filter_map(|p| p.split_once(";dur="))
+        .filter_map(|(n, d)| Some((n.to_owned(), d.parse::<f64>().ok()?)))
+        .collect()
+}
+
+/// One request on `send`; `None` when the server closed the connection before it (the caller
+/// reconnects).
 async fn one(
     send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
     body: &Bytes,
-) -> Option<(Duration, Duration)> {
+) -> Option<Sample> {
     let req = Request::post("/v1/completions")
         .header("host", "bench")
         .header("content-type", "application/json")
@@ -290,6 +303,7 @@ async fn one(
     send.ready().await.ok()?;
     let res = send.send_request(req).await.ok()?;
     assert_eq!(res.status(), 200);
+    let phases = server_timing(res.headers());
     let mut body = res.into_body();
     let mut first = None;
     while let Some(frame) = body.frame().await {
@@ -299,7 +313,7 @@ async fn one(
         }
     }
     let total = t0.elapsed();
-    Some((total, first.unwrap_or(total)))
+    Some((total, first.unwrap_or(total), phases))
 }
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
@@ -319,7 +333,7 @@ async fn run(
     c: usize,
     secs: f64,
     gap: Duration,
-) -> (Vec<Duration>, Vec<Duration>, f64) {
+) -> (Vec<Duration>, Vec<Duration>, f64, Vec<Vec<(String, f64)>>) {
     let until = Instant::now() + Duration::from_secs_f64(secs);
     let mut tasks = tokio::task::JoinSet::new();
     let t0 = Instant::now();
@@ -342,14 +356,33 @@ async fn run(
     }
     let mut lat = Vec::new();
     let mut ttft = Vec::new();
+    let mut phases = Vec::new();
     while let Some(r) = tasks.join_next().await {
-        for (l, f) in r.unwrap() {
+        for (l, f, p) in r.unwrap() {
             lat.push(l);
             ttft.push(f);
+            phases.push(p);
         }
     }
     let rate = lat.len() as f64 / t0.elapsed().as_secs_f64();
-    (lat, ttft, rate)
+    (lat, ttft, rate, phases)
+}
+
+/// The median of each `Server-Timing` phase over the samples, ms.
+fn phase_medians(samples: &[Vec<(String, f64)>]) -> Value {
+    let mut by: std::collections::BTreeMap<&str, Vec<f64>> = std::collections::BTreeMap::new();
+    for s in samples {
+        for (n, d) in s {
+            by.entry(n.as_str()).or_default().push(*d);
+        }
+    }
+    by.into_iter()
+        .map(|(n, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (n.to_owned(), json!(v[v.len() / 2]))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 /// utime + stime of `pid`, seconds.
@@ -388,24 +421,28 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> V
         let mut base = f64::NAN;
         for (name, addr) in targets {
             let Some(addr) = addr else { continue };
-            let (mut lat, _, _) = run(addr, &plain, 1, secs, gap).await;
+            let (mut lat, _, _, phases) = run(addr, &plain, 1, secs, gap).await;
             let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
             if name == "straight" {
                 base = p50;
             }
             v[gap_name][name] =
                 json!({"n": lat.len(), "p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - base});
+            if name == "baton" {
+                // Where the time of a request goes, by the gateway's own clock.
+                v[gap_name][name]["server_timing_p50_ms"] = phase_medians(&phases);
+            }
         }
     }
     let cpu0 = cpu_seconds(s.baton_pid);
-    let (mut lat, _, rate) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
+    let (mut lat, _, rate, _) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
     let cpu = cpu_seconds(s.baton_pid) - cpu0;
     v["c64_baton"] = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99),
                             "gateway_cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
     // nginx's own CPU per (one-leg) request under the same load, for scale.
     if let Some((at, pid)) = s.nginx {
         let cpu0 = cpu_seconds(pid);
-        let (mut lat, _, rate) = run(at, &plain, 64, secs, Duration::ZERO).await;
+        let (mut lat, _, rate, _) = run(at, &plain, 64, secs, Duration::ZERO).await;
         let cpu = cpu_seconds(pid) - cpu0;
         v["c64_nginx"] = json!({"n": lat.len(), "req_per_s": rate, "p99_ms": pct(&mut lat, 0.99),
                                 "cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
@@ -413,7 +450,7 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> V
     let mut base = f64::NAN;
     for (name, addr) in targets {
         let Some(addr) = addr else { continue };
-        let (_, mut ttft, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
+        let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
         let p50 = pct(&mut ttft, 0.5);
         if name == "straight" {
             base = p50;
@@ -470,6 +507,10 @@ fn main() {
                 f(&["c16_stream_ttft", "baton", "added_p50_ms"]),
                 f(&["c16_stream_ttft", "nginx", "added_p50_ms"]),
                 f(&["c16_stream_ttft", "straight", "p50_ms"]),
+            );
+            println!(
+                "    baton's Server-Timing p50 (ms), back to back: {}; with 20 ms gaps: {}",
+                v["c1"]["baton"]["server_timing_p50_ms"], v["c1_gap20ms"]["baton"]["server_timing_p50_ms"]
             );
             results.push(v);
         }
