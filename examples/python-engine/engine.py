@@ -361,11 +361,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_json(self, status, body):
         data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client (the gateway, for a client that left) closed the connection first; the
+            # caller still releases what the request held.
+            self.close_connection = True
 
     def send_error_json(self, e):
         kind = "invalid_request_error" if e.status < 500 else "server_error"
