@@ -120,6 +120,8 @@ class Engine:
                 )
         self.producers = {}
         self.producers_lock = threading.Lock()
+        # Prefill: chunks written, by path.
+        self.written = {"shared_memory": 0, "socket": 0}
 
     # ---- the model's KV in a rank's cache ----
 
@@ -223,6 +225,8 @@ class Engine:
                 count = max(0, min(ct, tokens - first))
                 data = self.ranks[rank].cache.gather(self.g, blocks, first, count)
                 p.write_chunk(rid, chunk, page, generation, data, epoch=epoch)
+                with self.lock:
+                    self.written["shared_memory" if p.shared_memory else "socket"] += 1
         except bd.DataPlaneError as e:
             raise EngineError(502, "kv_transfer_failed", f"writing to decoder rank {rank}: {e}") from e
         self.give_back(addr, rank, p)
@@ -330,6 +334,8 @@ class Engine:
             "page_bytes": self.g.page_bytes, "engine_blocks_held": sum(r.pool.held() for r in self.ranks),
             "running": self.running,
         }
+        if self.role == "prefill":
+            out["chunks_written"] = dict(self.written)
         if self.servers:
             out["ranks"] = []
             for server in self.servers:

@@ -146,14 +146,16 @@ fn sim_ranks(sim: &Running) -> Vec<String> {
         .collect()
 }
 
-/// Python prefill and Python decode (TP 2, a 64-page buffer per rank): the four request shapes with
-/// the model's text and usage, then the deadlock scenario (300 concurrent requests of 1 to 60
-/// pages) completes; afterwards the gateway and both engines hold nothing.
+/// Python prefill and Python decode (TP 2, a 64-page buffer per rank, every chunk written through
+/// the ranks' shared-memory exports): the four request shapes with the model's text and usage, then
+/// the deadlock scenario (300 concurrent requests of 1 to 60 pages) completes; afterwards the
+/// gateway and both engines hold nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_engines_serve_every_shape_and_the_deadlock_scenario() {
     let Some(py) = python() else { return };
     let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "64"]);
-    let prefill = PyEngine::start(&py, &["--role", "prefill"]);
+    // The chunks go through the decode ranks' shared-memory exports (same host).
+    let prefill = PyEngine::start(&py, &["--role", "prefill", "--shared-memory"]);
     let dir = std::env::temp_dir().join(format!("baton-pyengine-{}", std::process::id()));
     let (_gw, public, admin) = serve(&dir, prefill.addr(), decode.addr(), &decode.ranks());
     four_shapes(public, 200, 6, "python engines").await;
@@ -170,6 +172,10 @@ async fn python_engines_serve_every_shape_and_the_deadlock_scenario() {
     assert_clean_at(admin).await;
     assert_engine_clean(decode.addr()).await;
     assert_engine_clean(prefill.addr()).await;
+    let (_, body) = http(prefill.addr(), "/engine/stats", None).await;
+    let written = &serde_json::from_slice::<Value>(&body).unwrap()["chunks_written"];
+    assert_eq!(written["socket"], 0, "{written}");
+    assert!(written["shared_memory"].as_u64().unwrap() > 300, "{written}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -208,13 +214,13 @@ async fn python_and_simulated_engines_pair_either_way() {
     assert_engine_clean(py_decode.addr()).await;
     drop(gw);
 
-    let py_prefill = PyEngine::start(&py, &["--role", "prefill", "--shared-memory"]);
+    let py_prefill = PyEngine::start(&py, &["--role", "prefill"]);
     let mut d = SimConfig::new(SimRole::Decode, g);
     d.pages = 64;
     let sim_decode = launch(d).await.unwrap();
     let (_gw, public, admin) =
         serve(&dir.join("b"), py_prefill.addr(), sim_decode.addr, &sim_ranks(&sim_decode));
-    four_shapes(public, 200, 6, "Python prefill (shared memory), baton-sim decode").await;
+    four_shapes(public, 200, 6, "Python prefill, baton-sim decode").await;
     assert_clean_at(admin).await;
     assert_engine_clean(py_prefill.addr()).await;
     let _ = std::fs::remove_dir_all(&dir);
