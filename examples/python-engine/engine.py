@@ -158,18 +158,15 @@ class Engine:
             pool = self.producers.get((addr, rank))
             if pool:
                 return pool.pop()
-        try:
-            p = bd.Producer(addr, self.g, rank=rank)
-        except bd.DataPlaneError as e:
-            raise EngineError(502, "kv_transfer_failed", f"decoder rank {rank} at {addr}: {e}") from e
         if self.args.shared_memory:
             try:
-                p.close()
-                p = bd.Producer(addr, self.g, rank=rank, shared_memory=True)
+                return bd.Producer(addr, self.g, rank=rank, shared_memory=True)
             except bd.DataPlaneError:
-                # Another host or user: the socket carries the chunks.
-                p = bd.Producer(addr, self.g, rank=rank)
-        return p
+                pass  # Another host or user, or a rank without an export: the socket carries the chunks.
+        try:
+            return bd.Producer(addr, self.g, rank=rank)
+        except bd.DataPlaneError as e:
+            raise EngineError(502, "kv_transfer_failed", f"decoder rank {rank} at {addr}: {e}") from e
 
     def give_back(self, addr, rank, p):
         if p.closed:
