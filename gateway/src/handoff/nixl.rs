@@ -28,13 +28,14 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::Response;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, Drains, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
+    BoxError, Drains, Patched, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
@@ -200,23 +201,7 @@ impl Nixl {
         timing.enter(Phase::Prefill);
         let path = req.endpoint.path();
         let request = Arc::new(Value::Object(req.raw.clone()));
-        let mut prefill_body = (*request).clone();
-        if let Some(o) = prefill_body.as_object_mut() {
-            o.insert(
-                "kv_transfer_params".into(),
-                json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                       "remote_block_ids": null, "remote_host": null, "remote_port": null}),
-            );
-            o.insert("stream".into(), json!(false));
-            o.insert("max_tokens".into(), json!(1));
-            if o.contains_key("max_completion_tokens") {
-                o.insert("max_completion_tokens".into(), json!(1));
-            }
-            o.remove("stream_options");
-            // Not supported by a producer (vLLM's proxy drops them for the prefill too).
-            o.remove("min_tokens");
-            o.remove("min_completion_tokens");
-        }
+        let prefill_body = prefill_body(&req.raw)?;
         let timeout = self.shared.limits.upstream_timeout;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
         // the params drains them when dropped.
@@ -248,10 +233,7 @@ impl Nixl {
         timing.mark(Phase::Prefill);
         timing.enter(Phase::Decode);
 
-        let mut body = (*request).clone();
-        if let Some(o) = body.as_object_mut() {
-            o.insert("kv_transfer_params".into(), params.clone());
-        }
+        let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
         let resp = match self.shared.post(&self.http, "decode", path, &body).await {
             Ok(r) => r,
@@ -306,30 +288,52 @@ impl Handoff for Nixl {
     }
 }
 
+/// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
+/// keep the KV for a remote decode (as vLLM's toy proxy sends it).
+fn prefill_body(raw: &serde_json::Map<String, Value>) -> Result<Box<RawValue>, GatewayError> {
+    // Not supported by a producer (vLLM's proxy drops them for the prefill too).
+    const OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_tokens"];
+    let body = Patched::new(raw, OMIT)
+        .set(
+            "kv_transfer_params",
+            &json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                    "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+        )
+        .set("stream", &false)
+        .set("max_tokens", &1)
+        .replace("max_completion_tokens", &1);
+    serde_json::value::to_raw_value(&body).map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))
+}
+
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
 async fn prefill_task(
     client: &EngineClient,
     order: &[Prefiller],
     path: &str,
-    body: &Value,
+    body: &RawValue,
     timeout: Duration,
     health: &HealthConfig,
 ) -> PrefillResult {
+    /// The one field of the prefill's answer the decode needs; the rest is skipped unread.
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<Value>,
+    }
     let mut sent = false;
     let (p, resp, in_flight) =
         prefill_in_turn(client, timeout, health, order, path, body, &mut sent, false).await?;
     let b = answer_body(health, "prefill", &p.name, &p.health, resp).await;
     drop(in_flight);
-    let v: Value = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
+    let a: Answer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",
         message: format!("answer is not JSON: {e}"),
     })?;
-    v.get("kv_transfer_params").filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).cloned().ok_or_else(
-        || GatewayError::Upstream {
+    a.kv_transfer_params.filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).ok_or_else(|| {
+        GatewayError::Upstream {
             leg: "prefill",
             message: "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
                 .into(),
-        },
-    )
+        }
+    })
 }

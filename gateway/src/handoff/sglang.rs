@@ -32,13 +32,14 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::{Request, Response};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
+    BoxError, Patched, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
 };
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
@@ -159,37 +160,42 @@ impl Sglang {
         let port = self.bootstrap_port(prefill).await?;
         let key = shared.keys.next();
         let rid = format!("baton-{:032x}", key.request.0);
-        let mut body = req.raw.clone();
         // At most validate::MAX_N: the request was validated.
-        let choices = body.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
+        let choices = req.raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
         // The host as configured, as SGLang's router sends it: a name is resolved by the decoder.
         let host = prefill.http.host();
         let id = key.request.0;
         let folded =
             u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
         let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
-        match choices {
+        let mut body = Patched::new(&req.raw, &[]);
+        body = match choices {
             Some(n) => {
                 let k = usize::try_from(n).unwrap_or(0);
-                body.insert("bootstrap_host".into(), json!(vec![host; k]));
-                body.insert("bootstrap_port".into(), json!(vec![port; k]));
-                body.insert("bootstrap_room".into(), json!((0..n).map(room).collect::<Vec<_>>()));
+                body.set("bootstrap_host", &vec![host; k])
+                    .set("bootstrap_port", &vec![port; k])
+                    .set("bootstrap_room", &(0..n).map(room).collect::<Vec<_>>())
             }
             None => {
-                body.insert("bootstrap_host".into(), json!(host));
-                body.insert("bootstrap_port".into(), json!(port));
-                body.insert("bootstrap_room".into(), json!(room(0)));
+                body.set("bootstrap_host", &host).set("bootstrap_port", &port).set("bootstrap_room", &room(0))
             }
-        }
+        };
         // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
-        let rid = match (choices, body.get("rid").and_then(Value::as_str)) {
+        let rid = match (choices, req.raw.get("rid").and_then(Value::as_str)) {
             (None, Some(theirs)) => Some(theirs.to_owned()),
             (None, None) => {
-                body.insert("rid".into(), json!(rid));
+                body = body.set("rid", &rid);
                 Some(rid)
             }
             (Some(_), _) => None,
         };
+        // Both bodies written now: each leg runs in a task of its own.
+        let json = |b: &Patched<'_>| {
+            serde_json::value::to_raw_value(b)
+                .map_err(|e| GatewayError::Internal(format!("engine body: {e}")))
+        };
+        let decode_body = json(&body)?;
+        let prefill_body = json(&body.set("stream", &false).omit(&["stream_options"]))?;
         let aborter = Arc::new(Aborter {
             client: shared.client.clone(),
             rid,
@@ -202,10 +208,6 @@ impl Sglang {
             engines: vec![prefill.http.clone(), self.http.clone()],
             armed: true,
         };
-        let decode_body = Value::Object(body.clone());
-        body.insert("stream".into(), json!(false));
-        body.remove("stream_options");
-        let prefill_body = Value::Object(body);
 
         // The prefill runs in its own task: its answer matters after the decoder's has started.
         let (tx, mut prefill_rx) = oneshot::channel();
@@ -297,7 +299,7 @@ struct PrefillLeg {
     client: EngineClient,
     prefill: Prefiller,
     path: &'static str,
-    body: Value,
+    body: Box<RawValue>,
     timeout: Duration,
     health: HealthConfig,
     aborter: Arc<Aborter>,

@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg, queue_admit};
-use super::shared::{RespBody, Shared, boxed};
+use super::shared::{Patched, RespBody, Shared, boxed};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::GatewayError;
 use crate::telemetry::Phase;
@@ -220,12 +220,9 @@ impl Native {
             // not where these pages are.
             .filter_map(|(r, (addr, a))| Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a)))
             .collect();
-        let mut body = Value::Object(req.raw.clone());
-        if let Some(o) = body.as_object_mut() {
-            o.insert("stream".into(), json!(false));
-            o.remove("stream_options");
-            o.insert(contract::FIELD.into(), params(life.key, targets, ids));
-        }
+        let body = Patched::new(&req.raw, &["stream_options"])
+            .set("stream", &false)
+            .set(contract::FIELD, &params(life.key, targets, ids));
         // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
         // never saw the addresses leaves the pages free at once (no quarantine).
         let (prefill, resp, in_flight) =
@@ -245,8 +242,7 @@ impl Native {
         timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.
-        let mut body = Value::Object(req.raw.clone());
-        body[contract::FIELD] = params(life.key, Vec::new(), ids);
+        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &params(life.key, Vec::new(), ids));
         let resp = shared.post(&dec.http, "decode", req.endpoint.path(), &body).await.map_err(|e| {
             shared.failed(&dec.name, &dec.health);
             e.on("decode")
@@ -262,9 +258,9 @@ impl Native {
     }
 }
 
-/// The `baton` field of an engine request.
-fn params(key: RequestKey, decoders: Vec<DecoderTarget>, ids: &[u32]) -> Value {
-    serde_json::to_value(BatonParams::new(key, decoders, Some(ids.to_vec()))).unwrap_or(Value::Null)
+/// The `baton` field of an engine request (written as JSON straight from the ids).
+fn params(key: RequestKey, decoders: Vec<DecoderTarget>, ids: &[u32]) -> BatonParams {
+    BatonParams::new(key, decoders, Some(ids.to_vec()))
 }
 
 impl Handoff for Native {
