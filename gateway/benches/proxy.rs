@@ -2,7 +2,8 @@
 //! one leg to the same engine, and the engine called directly.
 //!
 //! `cargo bench -p baton-gateway --bench proxy -- [--secs 10] [--modes vllm-nixl,lmcache,native,sglang]
-//!  [--layouts A,B] [--out FILE]`
+//!  [--layouts A,B] [--phases c1,c1_gap20ms,c64,ttft] [--out FILE]` (`--phases`: only those, e.g. to
+//!  profile one)
 //!
 //! Processes, each pinned with `taskset`:
 //! - the engines (this binary again, in a role of its own): one prefill and one decode `baton-sim`
@@ -12,6 +13,9 @@
 //! - `baton serve` (the real binary) with a TOML for the mode;
 //! - nginx (Debian's, unpacked by `scripts/fetch-nginx` into `.cache/nginx`, or on `PATH`) forwarding
 //!   one leg to the decode engine with upstream keep-alive;
+//! - the **hyper floor** (this binary again, pinned as the gateway): hyper's server and pooled client
+//!   passing each request's body to the prefill engine and then to the decode engine, nothing else
+//!   (see [`floor_main`]): what two sequential legs cost with the gateway's HTTP stack alone;
 //! - the load generator: this process (one current-thread runtime).
 //!
 //! Layout A: the gateway and nginx alone on core 1; engines and load on core 0. Layout B: everything
@@ -22,8 +26,9 @@
 //! same with a 20 ms pause between requests (a person with curl), with the gateway's own phases
 //! (its `Server-Timing`: the prefill and decode legs as it timed them) for both; c=64 req/s and p99 through baton;
 //! c=16 streamed time to the first token (4 tokens) straight, through nginx and through baton; and
-//! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run), beside nginx's
-//! for one leg under the same load.
+//! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run, and each apart),
+//! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
+//! wherever baton is.
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
 //! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
 //! empty unless `BATON_REQUIRE_NGINX=1`.
@@ -54,6 +59,10 @@ use tokio::net::TcpStream;
 
 /// Set in the engines' process: the mode to play.
 const ROLE_ENV: &str = "BATON_PROXY_BENCH_ENGINES";
+/// Set in the hyper floor's process: the prefill and decode engines' addresses.
+const FLOOR_ENV: &str = "BATON_PROXY_BENCH_FLOOR";
+/// `inline`: the floor's legs through a minimal inline HTTP/1.1 client (see [`floor_main`]).
+const FLOOR_CLIENT_ENV: &str = "BATON_PROXY_BENCH_FLOOR_CLIENT";
 /// Set in the engines' process for `lmcache`: where prefillers send their notifications.
 const NOTIFY_ENV: &str = "BATON_PROXY_BENCH_NOTIFY";
 const CHUNK_TOKENS: u32 = 256;
@@ -110,11 +119,117 @@ fn engines_main(mode: &str) {
     });
 }
 
+/// The hyper floor: hyper's server and pooled client as the gateway uses them (multi-thread
+/// runtime, keep-alive, no delay), each request's body sent to the prefill engine, its answer read
+/// whole, then the same body sent to the decode engine and its answer streamed back. No parsing, no
+/// routing, no admission: what two sequential legs cost with this stack and nothing else.
+///
+/// With `BATON_PROXY_BENCH_FLOOR_CLIENT=inline`, the legs go through a minimal HTTP/1.1 client
+/// instead, written inline on one kept connection to each engine per client connection (no pool, no
+/// connection task): what the engine client costs on top of the server. It reads only what the
+/// neutral engines answer (a length, or a chunked body read whole), so its streamed TTFT is the
+/// whole answer's time.
+fn floor_main(engines: &str) {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let (p, d) = engines.split_once(',').unwrap();
+    let addrs: (SocketAddr, SocketAddr) = (p.parse().unwrap(), d.parse().unwrap());
+    let urls =
+        std::sync::Arc::new((format!("http://{p}/v1/completions"), format!("http://{d}/v1/completions")));
+    let inline = std::env::var(FLOOR_CLIENT_ENV).as_deref() == Ok("inline");
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    rt.block_on(async move {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", listener.local_addr().unwrap());
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            stream.set_nodelay(true).unwrap();
+            let (client, urls) = (client.clone(), urls.clone());
+            // The inline client's connections, one to each engine, for this client connection.
+            let conns = std::sync::Arc::new(tokio::sync::Mutex::new(None::<(TcpStream, TcpStream)>));
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let (client, urls, conns) = (client.clone(), urls.clone(), conns.clone());
+                    async move {
+                        let body = req.into_body().collect().await?.to_bytes();
+                        if inline {
+                            let mut held = conns.lock().await;
+                            if held.is_none() {
+                                *held = Some((inline_connect(addrs.0).await, inline_connect(addrs.1).await));
+                            }
+                            let (a, b) = held.as_mut().unwrap();
+                            inline_leg(a, &body).await;
+                            let answer = Full::new(inline_leg(b, &body).await);
+                            return Ok::<_, hyper::Error>(hyper::Response::new(
+                                http_body_util::Either::Right(answer),
+                            ));
+                        }
+                        let leg = |url: &str| {
+                            Request::post(url)
+                                .header("content-type", "application/json")
+                                .body(Full::new(body.clone()))
+                                .unwrap()
+                        };
+                        let first = client.request(leg(&urls.0)).await.unwrap();
+                        first.into_body().collect().await?;
+                        let second = client.request(leg(&urls.1)).await.unwrap();
+                        Ok(second.map(http_body_util::Either::Left))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+}
+
+async fn inline_connect(at: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(at).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// One POST on `s` by hand, its answer's body back (a chunked one with its framing).
+async fn inline_leg(s: &mut TcpStream, body: &Bytes) -> Bytes {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    s.write_all(&req).await.unwrap();
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        let mut chunk = [0u8; 8192];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the engine closed the connection");
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(h) = buf.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+        let head = std::str::from_utf8(&buf[..h]).unwrap().to_ascii_lowercase();
+        if let Some(len) = head.lines().find_map(|l| l.strip_prefix("content-length:")) {
+            let end = h + 4 + len.trim().parse::<usize>().unwrap();
+            if buf.len() >= end {
+                return Bytes::copy_from_slice(&buf[h + 4..end]);
+            }
+        } else if buf.ends_with(b"0\r\n\r\n") {
+            return Bytes::copy_from_slice(&buf[h + 4..]);
+        }
+    }
+}
+
 struct Setup {
     _procs: Vec<Proc>,
     engine: SocketAddr,
     /// nginx's address and process.
     nginx: Option<(SocketAddr, u32)>,
+    /// The hyper floor's address and process.
+    floor: (SocketAddr, u32),
     baton: SocketAddr,
     baton_pid: u32,
 }
@@ -259,7 +374,16 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
         procs.push(Proc(child));
         (at, pid)
     });
-    Setup { _procs: procs, engine, nginx, baton, baton_pid }
+    let mut cmd = Command::new("taskset");
+    pin(&mut cmd, front)
+        .arg(std::env::current_exe().unwrap())
+        .env(FLOOR_ENV, format!("{},{}", s("prefill"), s("decode")));
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let floor = (line.trim().parse().expect("the floor's address"), child.id());
+    procs.push(Proc(child));
+    Setup { _procs: procs, engine, nginx, floor, baton, baton_pid }
 }
 
 async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
@@ -387,12 +511,18 @@ fn phase_medians(samples: &[Vec<(String, f64)>]) -> Value {
 
 /// utime + stime of `pid`, seconds.
 fn cpu_seconds(pid: u32) -> f64 {
+    let (user, system) = cpu_split(pid);
+    user + system
+}
+
+/// utime and stime of `pid`, seconds: the gateway's own work and the kernel's for it (on loopback
+/// the kernel's includes delivering what it sends to the receiving socket).
+fn cpu_split(pid: u32) -> (f64, f64) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let after = stat.rsplit_once(')').unwrap().1;
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 of stat; `after` starts at field 3.
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
+    (f[11].parse::<f64>().unwrap() / 100.0, f[12].parse::<f64>().unwrap() / 100.0)
 }
 
 fn prompt() -> String {
@@ -402,7 +532,8 @@ fn prompt() -> String {
     s
 }
 
-async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> Value {
+async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phases: &str) -> Value {
+    let phase = |p: &str| phases == "all" || phases.split(',').any(|x| x == p);
     let dir = std::env::temp_dir().join(format!("baton-proxy-bench-{}-{mode}-{layout}", std::process::id()));
     let s = start(mode, layout, &dir, nginx);
     let plain = Bytes::from(json!({"model": "baton-sim", "prompt": prompt(), "max_tokens": 1}).to_string());
@@ -412,12 +543,20 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> V
     let warm = (secs / 5.0).max(0.2);
     // The gateway's connections to the engines and its pools are warm before anything is timed.
     let nginx = s.nginx.map(|(a, _)| a);
-    for addr in [Some(s.engine), nginx, Some(s.baton)].into_iter().flatten() {
+    for addr in [Some(s.engine), nginx, Some(s.floor.0), Some(s.baton)].into_iter().flatten() {
         run(addr, &plain, 4, warm, Duration::ZERO).await;
     }
     let mut v = json!({"mode": mode, "layout": layout.to_string()});
-    let targets = [("straight", Some(s.engine)), ("nginx", nginx), ("baton", Some(s.baton))];
+    let targets = [
+        ("straight", Some(s.engine)),
+        ("nginx", nginx),
+        ("floor", Some(s.floor.0)),
+        ("baton", Some(s.baton)),
+    ];
     for (gap_name, gap) in [("c1", Duration::ZERO), ("c1_gap20ms", Duration::from_millis(20))] {
+        if !phase(gap_name) {
+            continue;
+        }
         let mut base = f64::NAN;
         for (name, addr) in targets {
             let Some(addr) = addr else { continue };
@@ -434,21 +573,29 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> V
             }
         }
     }
-    let cpu0 = cpu_seconds(s.baton_pid);
-    let (mut lat, _, rate, _) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
-    let cpu = cpu_seconds(s.baton_pid) - cpu0;
-    v["c64_baton"] = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99),
-                            "gateway_cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
-    // nginx's own CPU per (one-leg) request under the same load, for scale.
-    if let Some((at, pid)) = s.nginx {
-        let cpu0 = cpu_seconds(pid);
-        let (mut lat, _, rate, _) = run(at, &plain, 64, secs, Duration::ZERO).await;
-        let cpu = cpu_seconds(pid) - cpu0;
-        v["c64_nginx"] = json!({"n": lat.len(), "req_per_s": rate, "p99_ms": pct(&mut lat, 0.99),
+    if phase("c64") {
+        let cpu0 = cpu_split(s.baton_pid);
+        let (mut lat, _, rate, _) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
+        let cpu1 = cpu_split(s.baton_pid);
+        let (user, system) = (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1);
+        let cpu = user + system;
+        v["c64_baton"] = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99),
+                            "gateway_cpu_us_per_request": cpu / lat.len() as f64 * 1e6,
+                            "gateway_user_us_per_request": user / lat.len() as f64 * 1e6,
+                            "gateway_system_us_per_request": system / lat.len() as f64 * 1e6});
+        // nginx's own CPU per (one-leg) request and the floor's (two legs) under the same load, for scale.
+        for (name, at, pid) in
+            s.nginx.map(|(a, p)| ("c64_nginx", a, p)).into_iter().chain([("c64_floor", s.floor.0, s.floor.1)])
+        {
+            let cpu0 = cpu_seconds(pid);
+            let (mut lat, _, rate, _) = run(at, &plain, 64, secs, Duration::ZERO).await;
+            let cpu = cpu_seconds(pid) - cpu0;
+            v[name] = json!({"n": lat.len(), "req_per_s": rate, "p99_ms": pct(&mut lat, 0.99),
                                 "cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
+        }
     }
     let mut base = f64::NAN;
-    for (name, addr) in targets {
+    for (name, addr) in targets.into_iter().filter(|_| phase("ttft")) {
         let Some(addr) = addr else { continue };
         let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
         let p50 = pct(&mut ttft, 0.5);
@@ -463,6 +610,10 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>) -> V
 }
 
 fn main() {
+    if let Ok(engines) = std::env::var(FLOOR_ENV) {
+        floor_main(&engines);
+        return;
+    }
     if let Ok(mode) = std::env::var(ROLE_ENV) {
         engines_main(&mode);
         return;
@@ -474,6 +625,8 @@ fn main() {
     let default_modes = if quick { "vllm-nixl" } else { "vllm-nixl,lmcache,native,sglang" };
     let modes = arg("--modes").unwrap_or_else(|| default_modes.into());
     let layouts = arg("--layouts").unwrap_or_else(|| if quick { "B".into() } else { "A,B".into() });
+    // Which phases (c1, c1_gap20ms, c64, ttft), for profiling one of them.
+    let phases = arg("--phases").unwrap_or_else(|| "all".into());
     let nginx = nginx_binary();
     // The load generator runs on core 0 in both layouts.
     let me = std::process::id().to_string();
@@ -484,7 +637,7 @@ fn main() {
     let mut results = Vec::new();
     for layout in layouts.split(',').filter_map(|l| l.chars().next()) {
         for mode in modes.split(',') {
-            let v = rt.block_on(measure(mode, layout, secs, nginx.as_deref()));
+            let v = rt.block_on(measure(mode, layout, secs, nginx.as_deref(), &phases));
             let f = |path: &[&str]| -> String {
                 let mut x = &v;
                 for p in path {
@@ -494,7 +647,7 @@ fn main() {
             };
             println!(
                 "layout {layout} {mode:>9}: c=1 added p50 baton {} ms (p99 {} ms), nginx {} ms; with 20 ms gaps baton {} ms, nginx {} ms; \
-                 c=64 {} req/s p99 {} ms, gateway CPU {} us/req (nginx {} us/req); c=16 TTFT added baton {} ms, nginx {} ms (straight {} ms)",
+                 c=64 {} req/s p99 {} ms, gateway CPU {} us/req (user {}, kernel {}; nginx {} us/req); c=16 TTFT added baton {} ms, nginx {} ms (straight {} ms)",
                 f(&["c1", "baton", "added_p50_ms"]),
                 f(&["c1", "baton", "p99_ms"]),
                 f(&["c1", "nginx", "added_p50_ms"]),
@@ -503,10 +656,20 @@ fn main() {
                 f(&["c64_baton", "req_per_s"]),
                 f(&["c64_baton", "p99_ms"]),
                 f(&["c64_baton", "gateway_cpu_us_per_request"]),
+                f(&["c64_baton", "gateway_user_us_per_request"]),
+                f(&["c64_baton", "gateway_system_us_per_request"]),
                 f(&["c64_nginx", "cpu_us_per_request"]),
                 f(&["c16_stream_ttft", "baton", "added_p50_ms"]),
                 f(&["c16_stream_ttft", "nginx", "added_p50_ms"]),
                 f(&["c16_stream_ttft", "straight", "p50_ms"]),
+            );
+            println!(
+                "    hyper floor (two legs, no gateway work): c=1 added p50 {} ms, 20 ms gaps {} ms, c=64 {} req/s, CPU {} us/req; c=16 TTFT added {} ms",
+                f(&["c1", "floor", "added_p50_ms"]),
+                f(&["c1_gap20ms", "floor", "added_p50_ms"]),
+                f(&["c64_floor", "req_per_s"]),
+                f(&["c64_floor", "cpu_us_per_request"]),
+                f(&["c16_stream_ttft", "floor", "added_p50_ms"]),
             );
             println!(
                 "    baton's Server-Timing p50 (ms), back to back: {}; with 20 ms gaps: {}",
