@@ -134,3 +134,44 @@ async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
 fn nixl(d: &Demo) -> &Nixl {
     d.gateway.decoders[0].handoff_as::<Nixl>().expect("a vllm-nixl decoder")
 }
+
+/// A prefiller that is not a NIXL producer (its answer carries no `kv_transfer_params` for a remote
+/// decode: a plain engine, or vLLM started without `kv_role = kv_producer`) is named in the
+/// client's error; the decoder is never asked and the slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefiller_that_is_not_a_nixl_producer_is_named_in_the_error() {
+    use baton_sim::{SimConfig, SimRole, launch, tiny_geometry};
+    let mut plain = SimConfig::new(SimRole::Prefill, tiny_geometry(1).unwrap());
+    plain.listen = "127.0.0.1:0".parse().unwrap();
+    let plain = launch(plain).await.unwrap();
+    let mut dc = SimConfig::new(SimRole::Decode, tiny_geometry(1).unwrap());
+    dc.listen = "127.0.0.1:0".parse().unwrap();
+    dc.nixl = Some(Duration::from_secs(30));
+    let decode = launch(dc).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("baton-nixl-plain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("baton.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "{}\n[[prefill]]\nname = \"p\"\nurl = \"http://{}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{}\"\n\
+             handoff = \"vllm-nixl\"\nnixl = {{ scrape_interval_ms = 50, max_in_flight = 4 }}\n",
+            super::SERVE_HEAD,
+            plain.addr,
+            decode.addr
+        ),
+    )
+    .unwrap();
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let body = json!({"model": "baton-sim", "prompt": prompt(20, 1), "max_tokens": 4});
+    let (status, answer) = http(serving.addrs[0], "/v1/completions", Some(&body)).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert_eq!(status, 502, "{text}");
+    assert!(text.contains("is the prefiller a NIXL kv_producer?"), "{text}");
+    let start = Instant::now();
+    while serving.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum::<u32>() > 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the slot never came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
