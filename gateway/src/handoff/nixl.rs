@@ -327,7 +327,7 @@ async fn prefill_task(
     drop(in_flight);
     let a: Answer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",
-        message: format!("answer is not JSON: {e}"),
+        message: format!("answer is not a completion object: {e}"),
     })?;
     a.kv_transfer_params.filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).ok_or_else(|| {
         GatewayError::Upstream {

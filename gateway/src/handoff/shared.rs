@@ -151,9 +151,9 @@ impl Shared {
 }
 
 /// The client's request as an engine leg's body: its fields in their order, some replaced or added
-/// (`set`, already JSON) and some left out, written straight from the request without copying it
-/// (three copies of the request's map a request, and building the legs' values, were a tenth of
-/// the gateway's CPU in the proxy benchmark's profile).
+/// (`set`, already JSON) and some left out, written straight from the request without copying it.
+/// (In the proxy benchmark's profile the NIXL exchange, mostly copying the request's map three
+/// times and building the legs' values, was 14.7% of the gateway's CPU samples.)
 pub(crate) struct Patched<'a> {
     base: &'a Map<String, Value>,
     set: smallvec::SmallVec<[(&'static str, Box<RawValue>); 8]>,
@@ -178,7 +178,7 @@ impl<'a> Patched<'a> {
         self
     }
 
-    /// Also leaves out the fields in `omit` (in place of those given to [`Patched::new`]).
+    /// Leaves out the fields in `omit` instead of those given to [`Patched::new`].
     pub(crate) fn omit(mut self, omit: &'a [&'a str]) -> Self {
         self.omit = omit;
         self
