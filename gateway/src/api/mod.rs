@@ -286,8 +286,9 @@ pub type GenFields = baton_dataplane::contract::Generation;
 pub struct GenRequest {
     pub endpoint: Endpoint,
     pub fields: GenFields,
-    /// The original JSON object.
-    pub raw: serde_json::Map<String, Value>,
+    /// The original JSON object, shared: a leg that outlives the request (a NIXL drain) keeps it
+    /// without a copy.
+    pub raw: std::sync::Arc<serde_json::Map<String, Value>>,
     /// The tenant of the request's API key, when `[auth]` is on.
     pub tenant: Option<std::sync::Arc<str>>,
 }
@@ -318,7 +319,7 @@ impl GenRequest {
         raw: serde_json::Map<String, Value>,
     ) -> Result<Self, GatewayError> {
         let fields = GenFields::deserialize(&raw).map_err(|e| GatewayError::BadJson(e.to_string()))?;
-        Ok(Self { endpoint, fields, raw, tenant: None })
+        Ok(Self { endpoint, fields, raw: std::sync::Arc::new(raw), tenant: None })
     }
 
     /// The prompt text (completions) or the messages rendered by the simulated/simple template.

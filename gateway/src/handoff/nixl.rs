@@ -29,7 +29,7 @@ use http_body_util::BodyExt;
 use hyper::Response;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use serde_json::value::RawValue;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
@@ -117,21 +117,16 @@ async fn drain(
     client: EngineClient,
     decoder: EngineUrl,
     path: &'static str,
-    request: Arc<Value>,
+    request: Arc<Map<String, Value>>,
     params: Value,
     timeout: Duration,
     counters: Arc<Drains>,
 ) {
-    let mut body = (*request).clone();
-    if let Some(o) = body.as_object_mut() {
-        o.insert("kv_transfer_params".into(), params);
-        o.insert("stream".into(), json!(false));
-        o.remove("stream_options");
-        o.insert("max_tokens".into(), json!(1));
-        if o.contains_key("max_completion_tokens") {
-            o.insert("max_completion_tokens".into(), json!(1));
-        }
-    }
+    let body = Patched::new(&request, &["stream_options"])
+        .set("kv_transfer_params", &params)
+        .set("stream", &false)
+        .set("max_tokens", &1)
+        .replace("max_completion_tokens", &1);
     send_drain(&client, &decoder, path, &body, timeout, &counters).await;
 }
 
@@ -141,7 +136,7 @@ struct Owed {
     decoder: EngineUrl,
     path: &'static str,
     /// The client's request, shared: a drain body is built from it only when one is sent.
-    request: Arc<Value>,
+    request: Arc<Map<String, Value>>,
     params: Option<Value>,
     timeout: Duration,
     counters: Arc<Drains>,
@@ -200,7 +195,7 @@ impl Nixl {
         let Leg { dec, prefills, req, slots, timing, .. } = leg;
         timing.enter(Phase::Prefill);
         let path = req.endpoint.path();
-        let request = Arc::new(Value::Object(req.raw.clone()));
+        let request = Arc::clone(&req.raw);
         let prefill_body = prefill_body(&req.raw)?;
         let timeout = self.shared.limits.upstream_timeout;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
@@ -290,7 +285,7 @@ impl Handoff for Nixl {
 
 /// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
 /// keep the KV for a remote decode (as vLLM's toy proxy sends it).
-fn prefill_body(raw: &serde_json::Map<String, Value>) -> Result<Box<RawValue>, GatewayError> {
+fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError> {
     // Not supported by a producer (vLLM's proxy drops them for the prefill too).
     const OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_tokens"];
     let body = Patched::new(raw, OMIT)

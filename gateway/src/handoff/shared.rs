@@ -325,11 +325,11 @@ impl Drains {
 }
 
 /// Sends a drain decode and drops its answer.
-pub(crate) async fn send_drain(
+pub(crate) async fn send_drain<B: Serialize + ?Sized>(
     client: &EngineClient,
     decoder: &EngineUrl,
     path: &str,
-    body: &Value,
+    body: &B,
     timeout: Duration,
     counters: &Drains,
 ) {

@@ -168,7 +168,7 @@ struct PrefillOut {
 /// The client's request as a `/v1/completions` body over token ids: chat-only fields dropped, chat's
 /// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
 fn completion_body(req: &GenRequest, ids: &[u32]) -> Value {
-    let mut o = req.raw.clone();
+    let mut o = (*req.raw).clone();
     if req.endpoint == Endpoint::Chat {
         let logprobs = (o.get("logprobs").and_then(Value::as_bool) == Some(true))
             .then(|| o.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0));
