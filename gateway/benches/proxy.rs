@@ -509,12 +509,6 @@ fn phase_medians(samples: &[Vec<(String, f64)>]) -> Value {
         .into()
 }
 
-/// utime + stime of `pid`, seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let (user, system) = cpu_split(pid);
-    user + system
-}
-
 /// utime and stime of `pid`, seconds: the gateway's own work and the kernel's for it (on loopback
 /// the kernel's includes delivering what it sends to the receiving socket).
 fn cpu_split(pid: u32) -> (f64, f64) {
@@ -523,6 +517,22 @@ fn cpu_split(pid: u32) -> (f64, f64) {
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 of stat; `after` starts at field 3.
     (f[11].parse::<f64>().unwrap() / 100.0, f[12].parse::<f64>().unwrap() / 100.0)
+}
+
+/// c=64 against `addr` for `secs`: req/s, p50 and p99, and `pid`'s CPU time a request, user and
+/// kernel apart (keys `{key}cpu_us_per_request`, `{key}user_us_per_request`,
+/// `{key}system_us_per_request`).
+async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) -> Value {
+    let cpu0 = cpu_split(pid);
+    let (mut lat, _, rate, _) = run(addr, body, 64, secs, Duration::ZERO).await;
+    let cpu1 = cpu_split(pid);
+    let per = |s: f64| s / lat.len() as f64 * 1e6;
+    let (user, system) = (per(cpu1.0 - cpu0.0), per(cpu1.1 - cpu0.1));
+    let mut v = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99)});
+    v[format!("{key}cpu_us_per_request")] = json!(user + system);
+    v[format!("{key}user_us_per_request")] = json!(user);
+    v[format!("{key}system_us_per_request")] = json!(system);
+    v
 }
 
 fn prompt() -> String {
@@ -574,25 +584,12 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phas
         }
     }
     if phase("c64") {
-        let cpu0 = cpu_split(s.baton_pid);
-        let (mut lat, _, rate, _) = run(s.baton, &plain, 64, secs, Duration::ZERO).await;
-        let cpu1 = cpu_split(s.baton_pid);
-        let (user, system) = (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1);
-        let cpu = user + system;
-        v["c64_baton"] = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99),
-                            "gateway_cpu_us_per_request": cpu / lat.len() as f64 * 1e6,
-                            "gateway_user_us_per_request": user / lat.len() as f64 * 1e6,
-                            "gateway_system_us_per_request": system / lat.len() as f64 * 1e6});
-        // nginx's own CPU per (one-leg) request and the floor's (two legs) under the same load, for scale.
-        for (name, at, pid) in
-            s.nginx.map(|(a, p)| ("c64_nginx", a, p)).into_iter().chain([("c64_floor", s.floor.0, s.floor.1)])
-        {
-            let cpu0 = cpu_seconds(pid);
-            let (mut lat, _, rate, _) = run(at, &plain, 64, secs, Duration::ZERO).await;
-            let cpu = cpu_seconds(pid) - cpu0;
-            v[name] = json!({"n": lat.len(), "req_per_s": rate, "p99_ms": pct(&mut lat, 0.99),
-                                "cpu_us_per_request": cpu / lat.len() as f64 * 1e6});
+        // The gateway's CPU a request beside nginx's for one leg and the floor's for two.
+        v["c64_baton"] = loaded(s.baton, s.baton_pid, &plain, secs, "gateway_").await;
+        if let Some((at, pid)) = s.nginx {
+            v["c64_nginx"] = loaded(at, pid, &plain, secs, "").await;
         }
+        v["c64_floor"] = loaded(s.floor.0, s.floor.1, &plain, secs, "").await;
     }
     let mut base = f64::NAN;
     for (name, addr) in targets.into_iter().filter(|_| phase("ttft")) {
