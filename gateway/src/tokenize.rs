@@ -102,7 +102,8 @@ impl Tokenizer {
         Self { kind: Kind::Fallback }
     }
 
-    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json`.
+    /// Loads `tokenizer.json` and, when given, the chat template of `tokenizer_config.json` (or of the
+    /// `chat_template.jinja` beside it when the config holds none).
     pub fn load(tokenizer_json: &Path, tokenizer_config: Option<&Path>) -> Result<Self, LoadError> {
         let tok = tokenizers::Tokenizer::from_file(tokenizer_json)
             .map_err(|e| LoadError { in_config: false, ..load_err(tokenizer_json, e) })?;
@@ -120,7 +121,14 @@ impl Tokenizer {
                         .and_then(|t| t.get("template").and_then(Value::as_str))
                         .map(str::to_owned)
                         .ok_or_else(|| load_err(p, "chat_template list has no \"default\" entry"))?,
-                    _ => return Err(load_err(p, "has no chat_template")),
+                    // transformers 4.43 and later save the template beside the config as
+                    // `chat_template.jinja` (vLLM reads it from there too).
+                    _ => {
+                        let file = p.with_file_name("chat_template.jinja");
+                        std::fs::read_to_string(&file).map_err(|e| {
+                            load_err(p, format!("has no chat_template, and {}: {e}", file.display()))
+                        })?
+                    }
                 };
                 Some(Box::new(
                     ChatTemplate::new(source, special(&cfg, "bos_token"), special(&cfg, "eos_token"))

