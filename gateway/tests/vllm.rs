@@ -45,6 +45,10 @@ fn cases() -> Vec<(&'static str, Case)> {
     vec![
         ("nixl_answers_equal_one_engine_and_the_decoder_pulls_the_kv", nixl_answers_equal_one_engine),
         ("nixl_kv_transfer_params_reach_the_decoder_exactly", kv_transfer_params_exact),
+        ("nixl_request_parameters_answer_as_one_engine", parameters_answer_as_one_engine),
+        ("nixl_a_client_leaving_mid_stream_leaves_both_engines_clean", client_leaving_mid_stream),
+        ("nixl_a_refused_prefill_is_vllms_error_and_nothing_is_held", refused_prefill),
+        ("nixl_a_refused_decode_frees_the_producers_blocks_at_once", refused_decode),
     ]
 }
 
@@ -329,6 +333,153 @@ fn kv_transfer_params_exact(fleet: &Fleet) -> Result<(), Failed> {
         assert_eq!(&decode_req["kv_transfer_params"], params, "the decoder got other kv_transfer_params");
         assert_eq!(decode_req["max_tokens"], 5);
         assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
+
+/// Request parameters and their answers: through baton as from one engine alone (`n`, `logprobs`,
+/// `stop`, `seed` with sampling, `echo`, `top_logprobs`, `max_completion_tokens`, penalties, chat
+/// `logprobs`), streamed and not where the parameter allows it.
+fn parameters_answer_as_one_engine(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let b = baton(fleet, fleet.prefill.http, fleet.decode.http, "scrape_interval_ms = 100").await;
+        let gw = b.addrs[0];
+        let chat = |extra: Value, i: usize| {
+            let mut v = json!({"model": MODEL, "messages": [{"role": "user", "content": prompt(60, 300 + i)}], "max_tokens": 12, "temperature": 0});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            ("/v1/chat/completions", v)
+        };
+        let cmpl = |extra: Value, i: usize| {
+            let mut v = json!({"model": MODEL, "prompt": prompt(60, 300 + i), "max_tokens": 12, "temperature": 0});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            ("/v1/completions", v)
+        };
+        let cases: Vec<(&str, (&str, Value))> = vec![
+            ("n=2 seeded", cmpl(json!({"n": 2, "seed": 5, "temperature": 0.7}), 0)),
+            ("n=3 chat seeded", chat(json!({"n": 3, "seed": 6, "temperature": 0.7}), 1)),
+            ("logprobs=3", cmpl(json!({"logprobs": 3}), 2)),
+            ("logprobs streamed", cmpl(json!({"logprobs": 2, "stream": true}), 3)),
+            ("chat logprobs top_logprobs", chat(json!({"logprobs": true, "top_logprobs": 2}), 4)),
+            ("stop strings", cmpl(json!({"stop": ["the", "cache"], "max_tokens": 40}), 5)),
+            ("stop streamed chat", chat(json!({"stop": ["the"], "stream": true, "max_tokens": 40}), 6)),
+            ("seeded sampling", cmpl(json!({"seed": 7, "temperature": 1.0, "top_p": 0.9}), 7)),
+            ("seeded sampling chat streamed", chat(json!({"seed": 11, "temperature": 0.8, "stream": true, "stream_options": {"include_usage": true}}), 8)),
+            ("echo", cmpl(json!({"echo": true}), 9)),
+            ("max_completion_tokens", chat(json!({"max_completion_tokens": 5}), 10)),
+            ("penalties", cmpl(json!({"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}), 11)),
+            ("ignore_eos min_tokens", cmpl(json!({"ignore_eos": true, "min_tokens": 8}), 12)),
+            ("top_k -1", cmpl(json!({"top_k": -1, "temperature": 0.5, "seed": 3}), 14)),
+            ("continuous usage", cmpl(json!({"stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}), 13)),
+        ];
+        for (name, (path, body)) in cases {
+            let stream = body["stream"] == true;
+            let (s1, via) = http(gw, path, Some(&body)).await;
+            let (s2, alone) = http(fleet.prefill.http, path, Some(&body)).await;
+            assert_eq!(s2, 200, "{name} alone: {}", String::from_utf8_lossy(&alone));
+            assert_eq!(s1, 200, "{name} via baton: {}", String::from_utf8_lossy(&via));
+            assert_eq!(comparable_body(&via, stream), comparable_body(&alone, stream), "{name}");
+        }
+        assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
+
+/// A client that leaves a streamed answer after a few tokens: the decoder stops the request and
+/// frees its blocks, the producer's were freed by the pull, baton's slot comes back.
+fn client_leaving_mid_stream(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let b = baton(fleet, fleet.prefill.http, fleet.decode.http, "scrape_interval_ms = 100").await;
+        for (i, path) in ["/v1/completions", "/v1/chat/completions"].into_iter().enumerate() {
+            let body = if i == 0 {
+                json!({"model": MODEL, "prompt": prompt(80, 400), "max_tokens": 400, "ignore_eos": true, "stream": true})
+            } else {
+                json!({"model": MODEL, "messages": [{"role": "user", "content": prompt(80, 401)}], "max_tokens": 400, "ignore_eos": true, "stream": true})
+            };
+            let res = send(b.addrs[0], path, Some(&body)).await;
+            assert_eq!(res.status(), 200);
+            let mut body = res.into_body();
+            // Three events, then the client is gone.
+            let mut events = 0;
+            while events < 3 {
+                let frame = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+                if let Some(d) = frame.data_ref() {
+                    events += d.windows(6).filter(|w| w == b"data: ").count();
+                }
+            }
+            // The decoder is still generating when the client leaves.
+            let m = engine_metrics(fleet.decode.http).await;
+            assert_eq!(sample(&m, "vllm:num_requests_running", &[]), 1.0, "the decode ended before the client left");
+            drop(body);
+            assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        }
+        let slots: u32 = b.gateway.decoders.iter().map(|d| d.queue.stats().in_use).sum();
+        assert_eq!(slots, 0);
+        b.shutdown().await;
+    })
+}
+
+/// A request the prefill refuses (a parameter vLLM checks and baton passes): the client gets
+/// vLLM's own status and error body, no decode is sent, nothing is held anywhere.
+fn refused_prefill(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let (d, drec) = relay::start(fleet.decode.http).await;
+        let b = baton(fleet, fleet.prefill.http, d, "scrape_interval_ms = 100").await;
+        // (a request, whether baton refuses it itself before any engine is asked)
+        let cases = [
+            (json!({"model": MODEL, "prompt": prompt(40, 500), "max_tokens": 4, "repetition_penalty": -1}), true),
+            (json!({"model": MODEL, "prompt": prompt(40, 501), "max_tokens": 4, "top_k": -7}), true),
+            (json!({"model": MODEL, "prompt": prompt(40, 502), "max_tokens": 4, "logprobs": 50}), true),
+            // vLLM's own parameters baton does not check: passed on, and vLLM's answer with them.
+            (json!({"model": MODEL, "prompt": prompt(40, 503), "max_tokens": 4, "allowed_token_ids": [99_999]}), false),
+            (json!({"model": MODEL, "prompt": prompt(40, 504), "max_tokens": 4, "truncate_prompt_tokens": 100_000}), false),
+        ];
+        for (body, own) in cases {
+            let (s1, via) = json(b.addrs[0], "/v1/completions", &body).await;
+            let (s2, alone) = json(fleet.prefill.http, "/v1/completions", &body).await;
+            assert_eq!(s2, 400, "vLLM accepted {body}: {alone}");
+            assert_eq!(s1, s2, "{body}: {via}");
+            if own {
+                // baton's own check: the OpenAI shape with a stable code and the parameter named.
+                assert_eq!(via["error"]["type"], "invalid_request_error", "{via}");
+                assert_eq!(via["error"]["code"], "invalid_value", "{via}");
+            } else {
+                // vLLM's error object as vLLM wrote it, with baton's three fields added (who
+                // refused, whether a retry can help, the request's id).
+                let mut ours = via["error"].as_object().unwrap().clone();
+                assert_eq!(ours.remove("origin"), Some(json!("engine")), "{via}");
+                assert_eq!(ours.remove("retry"), Some(json!("never")), "{via}");
+                assert!(ours.remove("request_id").is_some(), "{via}");
+                assert_eq!(Value::Object(ours), alone["error"], "{body}: baton changed vLLM's error");
+            }
+        }
+        assert!(drec.request_bodies().is_empty(), "a decode was sent for a refused prefill");
+        let slots: u32 = b.gateway.decoders.iter().map(|d| d.queue.stats().in_use).sum();
+        assert_eq!(slots, 0);
+        assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
+
+/// A decode the decoder refuses after the prefill kept the prompt's blocks (a 503, as from a
+/// decoder that is overloaded or restarting): the client gets the refusal, and the producer's
+/// blocks are freed within seconds by baton's drain, not after vLLM's 480 s
+/// `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`.
+fn refused_decode(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let (d, refused) = relay::refusing(fleet.decode.http, 1).await;
+        let b = baton(fleet, fleet.prefill.http, d, "scrape_interval_ms = 100").await;
+        let body = json!({"model": MODEL, "prompt": prompt(150, 600), "max_tokens": 8});
+        let (s, v) = json(b.addrs[0], "/v1/completions", &body).await;
+        assert_eq!(refused.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(s, 502, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains("503"), "{v}");
+        // The drain reached the decoder, which pulled the blocks and so let the producer free them.
+        assert_engines_clean(fleet, Duration::from_secs(5)).await;
+        let slots: u32 = b.gateway.decoders.iter().map(|d| d.queue.stats().in_use).sum();
+        assert_eq!(slots, 0);
+        let (_, m) = http(b.admin_addr, "/metrics", None).await;
+        let m = parse_metrics(&String::from_utf8_lossy(&m));
+        assert_eq!(sample(&m, "baton_drains_total", &["result=\"sent\""]), 1.0, "{m:?}");
         b.shutdown().await;
     })
 }

@@ -13,7 +13,8 @@
 //!
 //! The producer keeps the prompt's blocks until a decoder reads them or
 //! `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s) passes. So when a request ends after its prefill but
-//! before its decode was sent (client gone, gateway deadline), the gateway sends the decode anyway
+//! before the decoder took it (client gone, gateway deadline, the decoder refusing the decode with
+//! any status but 200), the gateway sends the decode anyway
 //! with `max_tokens = 1` and drops the answer: the decoder pulls the blocks and the producer frees
 //! them at once. The prefill call itself runs to its end even if the client leaves, so its answer
 //! (and the blocks it names) is never lost.
@@ -122,11 +123,14 @@ async fn drain(
     timeout: Duration,
     counters: Arc<Drains>,
 ) {
-    let body = Patched::new(&request, &["stream_options"])
+    // The prefill's own fields (what the producer accepted), so that a decoder which refused the
+    // client's request for a parameter the prefill did not carry still takes the drain.
+    let body = Patched::new(&request, PREFILL_OMIT)
         .set("kv_transfer_params", &params)
         .set("stream", &false)
         .set("max_tokens", &1)
-        .replace("max_completion_tokens", &1);
+        .replace("max_completion_tokens", &1)
+        .replace("n", &1);
     send_drain(&client, &decoder, path, &body, timeout, &counters).await;
 }
 
@@ -241,10 +245,13 @@ impl Nixl {
                 return Err(e.on("decode"));
             }
         };
-        owed.params = None;
         if resp.status() != 200 {
+            // The decoder refused the request and so never pulled the blocks: `owed` still holds
+            // the params and drains them when this returns (vLLM would otherwise keep them for
+            // its VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s).
             return Err(self.shared.refused("decode", &dec.name, &dec.health, resp).await);
         }
+        owed.params = None;
         dec.health.success();
         timing.mark(Phase::Decode);
         Ok(resp.map(|inner| Guarded { inner, _slot: slots }.boxed()))
@@ -283,12 +290,14 @@ impl Handoff for Nixl {
     }
 }
 
+/// Fields of the client's request a one-token prefill leaves out: not supported by a producer
+/// (vLLM's proxy drops them for the prefill too), or meaningless with one token, unstreamed.
+const PREFILL_OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_tokens"];
+
 /// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
 /// keep the KV for a remote decode (as vLLM's toy proxy sends it).
 fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError> {
-    // Not supported by a producer (vLLM's proxy drops them for the prefill too).
-    const OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_tokens"];
-    let body = Patched::new(raw, OMIT)
+    let body = Patched::new(raw, PREFILL_OMIT)
         .set(
             "kv_transfer_params",
             &json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
@@ -296,7 +305,10 @@ fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError>
         )
         .set("stream", &false)
         .set("max_tokens", &1)
-        .replace("max_completion_tokens", &1);
+        .replace("max_completion_tokens", &1)
+        // One sequence: with `n > 1` vLLM's producer keeps blocks for every child sequence, the
+        // decoder pulls those of one, and the others stay held until the producer's timeout.
+        .replace("n", &1);
     serde_json::value::to_raw_value(&body).map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))
 }
 

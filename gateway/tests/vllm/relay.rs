@@ -120,3 +120,51 @@ async fn pipe(
     }
     let _ = to.shutdown().await;
 }
+
+/// An HTTP proxy to `upstream` that answers the first `refuse` POSTs itself with a 503 and an
+/// OpenAI error body (a decoder refusing a request, as one that is overloaded or restarting does)
+/// and forwards everything else (metrics scrapes, health checks, later POSTs) unchanged.
+pub async fn refusing(upstream: SocketAddr, refuse: usize) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::{BodyExt, Full, combinators::BoxBody};
+    use hyper::body::{Bytes, Incoming};
+    use hyper_util::rt::TokioIo;
+
+    type Body = BoxBody<Bytes, hyper::Error>;
+    async fn forward(upstream: SocketAddr, req: hyper::Request<Incoming>) -> Result<hyper::Response<Body>, hyper::Error> {
+        let stream = TcpStream::connect(upstream).await.unwrap();
+        let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(conn);
+        Ok(tx.send_request(req).await?.map(BodyExt::boxed))
+    }
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&refused);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                let count = Arc::clone(&count);
+                async move {
+                    if req.method() == hyper::Method::POST
+                        && count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < refuse).then_some(n + 1)).is_ok()
+                    {
+                        let body = r#"{"error":{"message":"the decoder is restarting","type":"ServiceUnavailableError","param":null,"code":503}}"#;
+                        let resp = hyper::Response::builder()
+                            .status(503)
+                            .header("content-type", "application/json")
+                            .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
+                            .unwrap();
+                        return Ok(resp);
+                    }
+                    forward(upstream, req).await
+                }
+            });
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(client), svc));
+        }
+    });
+    (addr, refused)
+}
