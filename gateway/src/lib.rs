@@ -11,6 +11,7 @@ pub mod config;
 pub mod demo;
 pub mod endpoints;
 pub mod handoff;
+pub mod kv_events;
 pub mod pipeline;
 pub mod policy;
 pub mod routing;

@@ -49,6 +49,9 @@ fn cases() -> Vec<(&'static str, Case)> {
         ("nixl_a_client_leaving_mid_stream_leaves_both_engines_clean", client_leaving_mid_stream),
         ("nixl_a_refused_prefill_is_vllms_error_and_nothing_is_held", refused_prefill),
         ("nixl_a_refused_decode_frees_the_producers_blocks_at_once", refused_decode),
+        ("nixl_admission_follows_vllms_own_metrics", admission_from_vllm_metrics),
+        // Last: it empties the prefill server's prefix cache.
+        ("kv_events_from_vllm_are_read_by_batons_reader", kv_events_from_vllm),
     ]
 }
 
@@ -480,6 +483,137 @@ fn refused_decode(fleet: &Fleet) -> Result<(), Failed> {
         let (_, m) = http(b.admin_addr, "/metrics", None).await;
         let m = parse_metrics(&String::from_utf8_lossy(&m));
         assert_eq!(sample(&m, "baton_drains_total", &["result=\"sent\""]), 1.0, "{m:?}");
+        b.shutdown().await;
+    })
+}
+
+/// Admission from vLLM's real `/metrics`: with `kv_usage_high` under one block's share, a running
+/// request closes the decoder (baton reports vLLM's own usage), a second request waits in baton's
+/// queue, not in vLLM's, and goes as soon as the first ends; no scrape of vLLM's page fails.
+fn admission_from_vllm_metrics(fleet: &Fleet) -> Result<(), Failed> {
+    block_on(async {
+        let b = baton(
+            fleet,
+            fleet.prefill.http,
+            fleet.decode.http,
+            "scrape_interval_ms = 50, kv_usage_high = 0.00001, max_in_flight = 4",
+        )
+        .await;
+        let dec = &b.gateway.decoders[0];
+        let (s, _) = http(b.addrs[0], "/ready", None).await;
+        assert_eq!(s, 200, "baton is not ready in front of vLLM");
+        let first = json!({"model": MODEL, "prompt": prompt(80, 700), "max_tokens": 400, "ignore_eos": true, "stream": true});
+        let res = send(b.addrs[0], "/v1/completions", Some(&first)).await;
+        assert_eq!(res.status(), 200);
+        let mut body = res.into_body();
+        let _ = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+        // The decoder's usage (one request's blocks) is over the threshold: admission closes.
+        let start = Instant::now();
+        while dec.queue.stats().capacity != 1 {
+            assert!(start.elapsed() < Duration::from_secs(5), "admission never closed: {:?}", dec.queue.stats());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (_, m) = http(b.admin_addr, "/metrics", None).await;
+        let m = parse_metrics(&String::from_utf8_lossy(&m));
+        let reported = sample(&m, "baton_decoder_reported_kv_usage", &[]);
+        let vllm = sample(&engine_metrics(fleet.decode.http).await, "vllm:kv_cache_usage_perc", &[]);
+        assert!(reported > 0.0 && (reported - vllm).abs() < 1e-3, "baton reports {reported}, vLLM says {vllm}");
+        assert_eq!(sample(&m, "baton_decoder_admitting", &[]), 0.0);
+        let second = json!({"model": MODEL, "prompt": prompt(40, 701), "max_tokens": 4});
+        let gw = b.addrs[0];
+        let waiter = tokio::spawn(async move { json(gw, "/v1/completions", &second).await });
+        let start = Instant::now();
+        while dec.queue.stats().waiting != 1 {
+            assert!(start.elapsed() < Duration::from_secs(5), "the second request did not queue in baton");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(dec.queue.stats().waiting, 1, "admitted while vLLM's metrics say the decoder is busy");
+        assert_eq!(sample(&engine_metrics(fleet.decode.http).await, "vllm:num_requests_waiting", &[]), 0.0);
+        drop(body);
+        let (s, v) = tokio::time::timeout(Duration::from_secs(10), waiter).await.unwrap().unwrap();
+        assert_eq!(s, 200, "{v}");
+        let (_, m) = http(b.admin_addr, "/metrics", None).await;
+        let m = parse_metrics(&String::from_utf8_lossy(&m));
+        assert_eq!(sample(&m, "baton_decoder_scrape_failures_total", &[]), 0.0);
+        assert_engines_clean(fleet, Duration::from_secs(10)).await;
+        b.shutdown().await;
+    })
+}
+
+/// vLLM's KV events, read by baton's reader (`baton_gateway::kv_events`) over baton's own ZMTP
+/// SUB socket: a request through baton makes the prefill server store the prompt's full blocks,
+/// whose token ids are exactly baton's tokenizer's ids for the prompt, and the decode server
+/// store the same blocks once it has pulled them; `/reset_prefix_cache` clears the cache with
+/// one `AllBlocksCleared` (published with the engine's next step, not at the reset). With `BATON_CAPTURE_KV_EVENTS=FILE` the prefill server's raw frames
+/// are written to FILE (the fixture `gateway/tests/fixtures/vllm-0.32-kv-events.jsonl` was made so).
+fn kv_events_from_vllm(fleet: &Fleet) -> Result<(), Failed> {
+    use baton_dataplane::compat::zmtp::{Connection, SocketType};
+    use baton_gateway::kv_events::{KvEvent, Subscriber, decode};
+    block_on(async {
+        let topic = engines::TOPIC.as_bytes();
+        let mut p_events = Subscriber::connect(fleet.prefill.events, topic).await.unwrap();
+        let mut d_events = Subscriber::connect(fleet.decode.events, topic).await.unwrap();
+        let mut raw = Connection::connect(fleet.prefill.events, SocketType::Sub, 1 << 24).await.unwrap();
+        raw.subscribe(topic).await.unwrap();
+        // A subscription takes effect once the publisher has read it: give it a moment.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let b = baton(fleet, fleet.prefill.http, fleet.decode.http, "scrape_interval_ms = 100").await;
+        let text = prompt(120, 800);
+        let body = json!({"model": MODEL, "prompt": text, "max_tokens": 4, "temperature": 0});
+        let (s, v) = json(b.addrs[0], "/v1/completions", &body).await;
+        assert_eq!(s, 200, "{v}");
+        let tok = baton_gateway::tokenize::Tokenizer::load(&fleet.model.join("tokenizer.json"), None).unwrap();
+        let ids = tok.encode(&text, true).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "baton's tokenizer and vLLM count differently");
+        let full = ids.len() / engines::BLOCK * engines::BLOCK;
+        assert!(full >= 2 * engines::BLOCK, "the prompt fills {full} tokens of blocks");
+        // Each server's stored token ids, in order, until they cover the prompt's full blocks.
+        for (who, sub) in [("prefill", &mut p_events), ("decode", &mut d_events)] {
+            let mut stored: Vec<u32> = Vec::new();
+            while stored.len() < full {
+                let m = tokio::time::timeout(Duration::from_secs(10), sub.next())
+                    .await
+                    .unwrap_or_else(|_| panic!("{who}: no BlockStored for the prompt within 10 s"))
+                    .unwrap()
+                    .unwrap();
+                for e in m.batch.events {
+                    if let KvEvent::BlockStored { token_ids, block_hashes, block_size, .. } = e {
+                        assert_eq!(block_size as usize, engines::BLOCK);
+                        assert_eq!(token_ids.len(), block_hashes.len() * engines::BLOCK);
+                        stored.extend(token_ids);
+                    }
+                }
+            }
+            assert_eq!(&stored[..full], &ids[..full], "{who}: stored blocks are not the prompt's tokens");
+            assert_eq!((sub.missed, sub.restarts), (0, 0), "{who}");
+        }
+        let (s, _) = http(fleet.prefill.http, "/reset_prefix_cache", Some(&json!({}))).await;
+        assert_eq!(s, 200, "POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1)");
+        // vLLM queues the event and publishes it with its scheduler's next step, not at the
+        // reset: an idle engine says nothing until its next request.
+        let nudge = json!({"model": MODEL, "prompt": "x", "max_tokens": 1});
+        assert_eq!(json(fleet.prefill.http, "/v1/completions", &nudge).await.0, 200);
+        let cleared = loop {
+            let m = tokio::time::timeout(Duration::from_secs(10), p_events.next()).await.unwrap().unwrap().unwrap();
+            if let Some(e) = m.batch.events.iter().find(|e| **e == KvEvent::AllBlocksCleared) {
+                break e.clone();
+            }
+        };
+        assert_eq!(cleared, KvEvent::AllBlocksCleared);
+        // Every raw frame the publisher sent decodes; kept as the fixture when asked.
+        let mut lines = String::new();
+        while let Ok(Ok(Some(frames))) = tokio::time::timeout(Duration::from_millis(500), raw.recv()).await {
+            decode(&frames).unwrap();
+            let hex: Vec<String> =
+                frames.iter().map(|f| f.iter().map(|b| format!("{b:02x}")).collect()).collect();
+            lines.push_str(&serde_json::to_string(&hex).unwrap());
+            lines.push('\n');
+        }
+        assert!(!lines.is_empty(), "the raw subscriber got nothing");
+        if let Some(file) = std::env::var_os("BATON_CAPTURE_KV_EVENTS") {
+            std::fs::write(file, lines).unwrap();
+        }
         b.shutdown().await;
     })
 }

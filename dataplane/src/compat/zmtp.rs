@@ -1,6 +1,6 @@
 //! The part of ZeroMQ's wire protocol (ZMTP 3.0, RFC 23/ZMTP, NULL security) that today's engines
-//! use for PD side channels: PUSH/PULL (LMCache's prefill-done notifications) and REQ/REP (LMCache's
-//! buffer allocation requests). It interoperates with libzmq (pyzmq) peers; the test suite checks it
+//! use for PD side channels: PUSH/PULL (LMCache's prefill-done notifications), REQ/REP (LMCache's
+//! buffer allocation requests) and SUB (the KV events vLLM and SGLang publish from a PUB socket). It interoperates with libzmq (pyzmq) peers; the test suite checks it
 //! against pyzmq itself.
 //!
 //! What it does not do: other socket types, CURVE/PLAIN security, reconnection (a caller reconnects),
@@ -59,6 +59,8 @@ pub enum SocketType {
     Pull,
     Req,
     Rep,
+    /// Subscribes to a PUB socket: sends subscriptions, receives what matches them.
+    Sub,
 }
 
 impl SocketType {
@@ -68,6 +70,7 @@ impl SocketType {
             Self::Pull => "PULL",
             Self::Req => "REQ",
             Self::Rep => "REP",
+            Self::Sub => "SUB",
         }
     }
 
@@ -78,6 +81,7 @@ impl SocketType {
             Self::Pull => peer == "PUSH",
             Self::Req => peer == "REP" || peer == "ROUTER",
             Self::Rep => peer == "REQ" || peer == "DEALER",
+            Self::Sub => peer == "PUB" || peer == "XPUB",
         }
     }
 }
@@ -308,6 +312,19 @@ impl Connection {
             frames.drain(..=at);
         }
         Ok(Some(frames))
+    }
+
+    /// SUB: asks the publisher for the messages whose first frame starts with `prefix` (every
+    /// message for an empty prefix). ZMTP 3.0's form, a message of `0x01` and the prefix, which
+    /// ZMTP 3.1 publishers (libzmq 4.3) accept as well.
+    pub async fn subscribe(&mut self, prefix: &[u8]) -> Result<(), ZmtpError> {
+        if self.me != SocketType::Sub {
+            return Err(proto(format!("a {} socket cannot subscribe", self.me.name())));
+        }
+        let mut body = Vec::with_capacity(1 + prefix.len());
+        body.push(1);
+        body.extend_from_slice(prefix);
+        self.send(&[&body]).await
     }
 
     /// REQ: sends `body` and waits for the one-frame reply.

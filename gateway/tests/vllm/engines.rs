@@ -103,6 +103,8 @@ impl Engine {
             .env("TRANSFORMERS_OFFLINE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
             .env("DO_NOT_TRACK", "1")
+            // `POST /reset_prefix_cache`, which the KV event test uses.
+            .env("VLLM_SERVER_DEV_MODE", "1")
             // 1 GiB of KV cache: far more than the tests' prompts hold.
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", core.to_string())

@@ -1,0 +1,356 @@
+//! Engine KV cache events: the wire format vLLM and SGLang publish (ZeroMQ PUB, `[topic, seq,
+//! payload]`) decoded into typed batches, and a subscriber that reads them off one engine.
+//!
+//! The wire, as vLLM 0.32 sends it (`vllm/distributed/kv_events.py`; checked against a real
+//! server by `gateway/tests/vllm.rs`, frames kept in `gateway/tests/fixtures/`):
+//! - three frames: the topic (the publisher's `topic`, `""` by default: a subscriber on another
+//!   prefix silently gets nothing), the sequence number as 8 big-endian bytes (counting from 0 at
+//!   every engine start), and a msgpack `EventBatch`;
+//! - the batch is an array `[ts, events, data_parallel_rank]` (a map with those names is read
+//!   too);
+//! - each event is a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`; vLLM
+//!   before 0.12 and SGLang send the same events as arrays whose first element is the tag);
+//! - block hashes are integers (vLLM's default `builtin` hash, 64-bit, possibly negative) or bytes
+//!   (`sha256` hashes); `medium` says where the block is (`"GPU"` even on a CPU build).
+//!
+//! An event type this reader does not know is kept as [`KvEvent::Other`] with its name, never an
+//! error: an engine upgrade must not stop the stream. Nothing here decides routing; it only reads.
+
+use std::net::SocketAddr;
+
+use baton_dataplane::compat::zmtp::{Connection, SocketType, ZmtpError};
+use rmpv::Value;
+
+/// Largest event message read (a batch of stored blocks carries their token ids: a few KB each).
+pub const MAX_MESSAGE: usize = 16 << 20;
+
+/// A block's hash as the engine computed it: compared for equality only, never recomputed here.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BlockHash {
+    /// An integer hash (its two's-complement bits when negative).
+    Int(u64),
+    /// A byte-string hash (`sha256`, `sha256_cbor`).
+    Bytes(Vec<u8>),
+}
+
+/// One event of a batch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    /// Blocks entered the engine's prefix cache: `token_ids` hold `block_size` tokens per hash.
+    BlockStored {
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u64>,
+        medium: Option<String>,
+    },
+    /// Blocks left it.
+    BlockRemoved { block_hashes: Vec<BlockHash>, medium: Option<String> },
+    /// The whole cache was emptied (`/reset_prefix_cache`).
+    AllBlocksCleared,
+    /// An event type this reader does not know, by name.
+    Other(String),
+}
+
+/// One published batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    /// The engine's wall clock when it published the batch (seconds since the epoch).
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    /// The data-parallel rank that published it, when the engine says.
+    pub dp_rank: Option<u32>,
+}
+
+/// One message: its topic, sequence number and batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    pub topic: Vec<u8>,
+    pub seq: u64,
+    pub batch: EventBatch,
+}
+
+/// Why a message could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum EventError {
+    #[error("expected 3 frames (topic, seq, payload), got {0}")]
+    Frames(usize),
+    #[error("the sequence frame has {0} bytes, not 8")]
+    Seq(usize),
+    #[error("payload is not msgpack: {0}")]
+    Msgpack(String),
+    #[error("payload: {0}")]
+    Shape(String),
+    #[error(transparent)]
+    Zmtp(#[from] ZmtpError),
+}
+
+fn shape(m: impl Into<String>) -> EventError {
+    EventError::Shape(m.into())
+}
+
+/// Decodes one message's frames.
+pub fn decode(frames: &[Vec<u8>]) -> Result<Message, EventError> {
+    let [topic, seq, payload] = frames else { return Err(EventError::Frames(frames.len())) };
+    let seq: [u8; 8] = seq.as_slice().try_into().map_err(|_| EventError::Seq(seq.len()))?;
+    let value = rmpv::decode::read_value(&mut payload.as_slice()).map_err(|e| EventError::Msgpack(e.to_string()))?;
+    Ok(Message { topic: topic.clone(), seq: u64::from_be_bytes(seq), batch: batch(&value)? })
+}
+
+/// `[ts, events, dp_rank]`, or a map with `ts`, `events` and `data_parallel_rank`.
+fn batch(v: &Value) -> Result<EventBatch, EventError> {
+    let (ts, events, rank) = match v {
+        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
+        Value::Map(_) => (field(v, "ts"), field(v, "events"), field(v, "data_parallel_rank")),
+        other => return Err(shape(format!("a batch is an array or a map, not {other}"))),
+    };
+    let ts = ts.and_then(Value::as_f64).ok_or_else(|| shape("batch without a timestamp"))?;
+    let events = events
+        .and_then(Value::as_array)
+        .ok_or_else(|| shape("batch without an event list"))?
+        .iter()
+        .map(event)
+        .collect::<Result<_, _>>()?;
+    let dp_rank = rank.and_then(Value::as_u64).and_then(|r| u32::try_from(r).ok());
+    Ok(EventBatch { ts, events, dp_rank })
+}
+
+/// A map's value at a string key.
+fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    v.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+}
+
+/// An event's fields: by name (map form) or by position after the tag (array form).
+enum Fields<'a> {
+    Map(&'a Value),
+    Array(&'a [Value]),
+}
+
+impl<'a> Fields<'a> {
+    /// The field `name`, at `at` in the array form; `None` when absent or nil.
+    fn get(&self, name: &str, at: usize) -> Option<&'a Value> {
+        match self {
+            Self::Map(v) => field(v, name),
+            Self::Array(a) => a.get(at + 1),
+        }
+        .filter(|v| !v.is_nil())
+    }
+}
+
+/// One event, a map tagged `type` or an array led by its tag.
+fn event(v: &Value) -> Result<KvEvent, EventError> {
+    let (tag, fields) = match v {
+        Value::Map(_) => (
+            field(v, "type").and_then(Value::as_str).ok_or_else(|| shape("event map without a type"))?,
+            Fields::Map(v),
+        ),
+        Value::Array(a) => (
+            a.first().and_then(Value::as_str).ok_or_else(|| shape("event array without a tag"))?,
+            Fields::Array(a),
+        ),
+        other => return Err(shape(format!("an event is a map or an array, not {other}"))),
+    };
+    let present = |name, at| fields.get(name, at);
+    let hashes = |name, at| -> Result<Vec<BlockHash>, EventError> {
+        present(name, at)
+            .and_then(Value::as_array)
+            .ok_or_else(|| shape(format!("{tag} without {name}")))?
+            .iter()
+            .map(hash)
+            .collect()
+    };
+    let medium = |at| present("medium", at).and_then(Value::as_str).map(str::to_owned);
+    Ok(match tag {
+        "BlockStored" => KvEvent::BlockStored {
+            block_hashes: hashes("block_hashes", 0)?,
+            parent_block_hash: present("parent_block_hash", 1).map(hash).transpose()?,
+            token_ids: present("token_ids", 2)
+                .and_then(Value::as_array)
+                .ok_or_else(|| shape("BlockStored without token_ids"))?
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| shape(format!("token id {t}"))))
+                .collect::<Result<_, _>>()?,
+            block_size: present("block_size", 3)
+                .and_then(Value::as_u64)
+                .and_then(|b| u32::try_from(b).ok())
+                .ok_or_else(|| shape("BlockStored without block_size"))?,
+            lora_id: present("lora_id", 4).and_then(Value::as_u64),
+            medium: medium(5),
+        },
+        "BlockRemoved" => KvEvent::BlockRemoved { block_hashes: hashes("block_hashes", 0)?, medium: medium(1) },
+        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+        other => KvEvent::Other(other.to_owned()),
+    })
+}
+
+fn hash(v: &Value) -> Result<BlockHash, EventError> {
+    match v {
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(i64::cast_unsigned))
+            .map(BlockHash::Int)
+            .ok_or_else(|| shape(format!("block hash {i}"))),
+        Value::Binary(b) => Ok(BlockHash::Bytes(b.clone())),
+        other => Err(shape(format!("a block hash is an integer or bytes, not {other}"))),
+    }
+}
+
+/// A SUB connection to one engine's publisher, on one topic.
+#[derive(Debug)]
+pub struct Subscriber {
+    conn: Connection,
+    topic: Vec<u8>,
+    next_seq: Option<u64>,
+    /// Messages known lost: sequence numbers skipped (a slow subscriber, a dropped connection).
+    pub missed: u64,
+    /// Times the sequence went back (the engine restarted and counts from 0 again: its cache is
+    /// empty and whatever was known of it is stale).
+    pub restarts: u64,
+}
+
+impl Subscriber {
+    /// Connects to a publisher that binds (`tcp://*:port` in the engine's config) and subscribes
+    /// to `topic`. A message on a longer topic that starts with it is dropped here, not delivered.
+    pub async fn connect(addr: SocketAddr, topic: &[u8]) -> Result<Self, EventError> {
+        let mut conn = Connection::connect(addr, SocketType::Sub, MAX_MESSAGE).await?;
+        conn.subscribe(topic).await?;
+        Ok(Self { conn, topic: topic.to_vec(), next_seq: None, missed: 0, restarts: 0 })
+    }
+
+    /// The next message on the topic; `Ok(None)` when the publisher closed the connection.
+    pub async fn next(&mut self) -> Result<Option<Message>, EventError> {
+        loop {
+            let Some(frames) = self.conn.recv().await? else { return Ok(None) };
+            let m = decode(&frames)?;
+            if m.topic != self.topic {
+                continue;
+            }
+            match self.next_seq {
+                Some(want) if m.seq > want => self.missed += m.seq - want,
+                Some(want) if m.seq < want => self.restarts += 1,
+                _ => {}
+            }
+            self.next_seq = Some(m.seq + 1);
+            return Ok(Some(m));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    /// Frames a real vLLM 0.32 server published (`gateway/tests/vllm.rs` captures them with
+    /// `BATON_CAPTURE_KV_EVENTS`): one JSON array of hex frames a line.
+    const VLLM_0_32: &str = include_str!("../tests/fixtures/vllm-0.32-kv-events.jsonl");
+
+    fn frames(line: &str) -> Vec<Vec<u8>> {
+        let hex: Vec<String> = serde_json::from_str(line).unwrap();
+        hex.iter()
+            .map(|h| (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn vllm_0_32_frames_decode() {
+        let mut stored = 0;
+        let mut cleared = 0;
+        for line in VLLM_0_32.lines().filter(|l| !l.is_empty()) {
+            let m = decode(&frames(line)).unwrap();
+            assert_eq!(m.topic, b"kv");
+            assert!(m.batch.ts > 1.7e9, "{m:?}");
+            for e in &m.batch.events {
+                match e {
+                    KvEvent::BlockStored { block_hashes, token_ids, block_size, medium, .. } => {
+                        assert_eq!(*block_size, 32);
+                        assert_eq!(token_ids.len(), block_hashes.len() * 32, "{e:?}");
+                        assert_eq!(medium.as_deref(), Some("GPU"));
+                        assert!(block_hashes.iter().all(|h| matches!(h, BlockHash::Int(_))));
+                        stored += block_hashes.len();
+                    }
+                    KvEvent::AllBlocksCleared => cleared += 1,
+                    other => panic!("unexpected event in the fixture: {other:?}"),
+                }
+            }
+        }
+        assert!(stored >= 2, "{stored} blocks stored");
+        assert_eq!(cleared, 1);
+    }
+
+    /// The older array form (vLLM before 0.12, SGLang) and the map form read the same, unknown
+    /// events are kept by name, and malformed messages are errors, not panics.
+    #[test]
+    fn both_encodings_and_malformed_messages() {
+        use rmpv::Value as V;
+        let enc = |v: &V| {
+            let mut b = Vec::new();
+            rmpv::encode::write_value(&mut b, v).unwrap();
+            b
+        };
+        let msg = |payload: Vec<u8>| vec![b"kv".to_vec(), 7u64.to_be_bytes().to_vec(), payload];
+        let array_form = V::Array(vec![
+            V::from(1.5),
+            V::Array(vec![
+                V::Array(vec![
+                    V::from("BlockStored"),
+                    V::Array(vec![V::from(-3i64), V::Binary(vec![1, 2])]),
+                    V::Nil,
+                    V::Array((0..4).map(V::from).collect()),
+                    V::from(2),
+                    V::Nil,
+                    V::from("cpu"),
+                ]),
+                V::Array(vec![V::from("BlockRemoved"), V::Array(vec![V::from(9)]), V::Nil]),
+                V::Array(vec![V::from("SomethingNew"), V::from(1)]),
+            ]),
+            V::Nil,
+        ]);
+        let m = decode(&msg(enc(&array_form))).unwrap();
+        assert_eq!(m.seq, 7);
+        assert_eq!(
+            m.batch.events,
+            vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![BlockHash::Int((-3i64).cast_unsigned()), BlockHash::Bytes(vec![1, 2])],
+                    parent_block_hash: None,
+                    token_ids: vec![0, 1, 2, 3],
+                    block_size: 2,
+                    lora_id: None,
+                    medium: Some("cpu".into()),
+                },
+                KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(9)], medium: None },
+                KvEvent::Other("SomethingNew".into()),
+            ]
+        );
+        let map_form = V::Map(vec![
+            (V::from("ts"), V::from(2.0)),
+            (
+                V::from("events"),
+                V::Array(vec![V::Map(vec![
+                    (V::from("type"), V::from("BlockRemoved")),
+                    (V::from("block_hashes"), V::Array(vec![V::from(9)])),
+                ])]),
+            ),
+            (V::from("data_parallel_rank"), V::from(1)),
+        ]);
+        let m = decode(&msg(enc(&map_form))).unwrap();
+        assert_eq!(m.batch.dp_rank, Some(1));
+        assert_eq!(m.batch.events, vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(9)], medium: None }]);
+        // (case, frames)
+        let bad: Vec<(&str, Vec<Vec<u8>>)> = vec![
+            ("two frames", vec![b"kv".to_vec(), vec![0; 8]]),
+            ("short seq", vec![b"kv".to_vec(), vec![0; 4], enc(&V::Nil)]),
+            ("not msgpack", vec![b"kv".to_vec(), vec![0; 8], vec![0xc1]]),
+            ("a string batch", msg(enc(&V::from("x")))),
+            ("no events", msg(enc(&V::Array(vec![V::from(1.0)])))),
+            ("stored without tokens", msg(enc(&V::Array(vec![V::from(1.0), V::Array(vec![V::Array(vec![V::from("BlockStored"), V::Array(vec![])])])])))),
+            ("a float hash", msg(enc(&V::Array(vec![V::from(1.0), V::Array(vec![V::Array(vec![V::from("BlockRemoved"), V::Array(vec![V::from(0.5)])])])])))),
+        ];
+        for (case, f) in bad {
+            assert!(decode(&f).is_err(), "{case}");
+        }
+    }
+}
