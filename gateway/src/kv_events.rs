@@ -94,7 +94,8 @@ fn shape(m: impl Into<String>) -> EventError {
 pub fn decode(frames: &[Vec<u8>]) -> Result<Message, EventError> {
     let [topic, seq, payload] = frames else { return Err(EventError::Frames(frames.len())) };
     let seq: [u8; 8] = seq.as_slice().try_into().map_err(|_| EventError::Seq(seq.len()))?;
-    let value = rmpv::decode::read_value(&mut payload.as_slice()).map_err(|e| EventError::Msgpack(e.to_string()))?;
+    let value =
+        rmpv::decode::read_value(&mut payload.as_slice()).map_err(|e| EventError::Msgpack(e.to_string()))?;
     Ok(Message { topic: topic.clone(), seq: u64::from_be_bytes(seq), batch: batch(&value)? })
 }
 
@@ -169,7 +170,11 @@ fn event(v: &Value) -> Result<KvEvent, EventError> {
                 .and_then(Value::as_array)
                 .ok_or_else(|| shape("BlockStored without token_ids"))?
                 .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| shape(format!("token id {t}"))))
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| shape(format!("token id {t}")))
+                })
                 .collect::<Result<_, _>>()?,
             block_size: present("block_size", 3)
                 .and_then(Value::as_u64)
@@ -178,7 +183,9 @@ fn event(v: &Value) -> Result<KvEvent, EventError> {
             lora_id: present("lora_id", 4).and_then(Value::as_u64),
             medium: medium(5),
         },
-        "BlockRemoved" => KvEvent::BlockRemoved { block_hashes: hashes("block_hashes", 0)?, medium: medium(1) },
+        "BlockRemoved" => {
+            KvEvent::BlockRemoved { block_hashes: hashes("block_hashes", 0)?, medium: medium(1) }
+        }
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
         other => KvEvent::Other(other.to_owned()),
     })
@@ -338,7 +345,10 @@ mod tests {
         ]);
         let m = decode(&msg(enc(&map_form))).unwrap();
         assert_eq!(m.batch.dp_rank, Some(1));
-        assert_eq!(m.batch.events, vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(9)], medium: None }]);
+        assert_eq!(
+            m.batch.events,
+            vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(9)], medium: None }]
+        );
         // (case, frames)
         let bad: Vec<(&str, Vec<Vec<u8>>)> = vec![
             ("two frames", vec![b"kv".to_vec(), vec![0; 8]]),
@@ -346,8 +356,20 @@ mod tests {
             ("not msgpack", vec![b"kv".to_vec(), vec![0; 8], vec![0xc1]]),
             ("a string batch", msg(enc(&V::from("x")))),
             ("no events", msg(enc(&V::Array(vec![V::from(1.0)])))),
-            ("stored without tokens", msg(enc(&V::Array(vec![V::from(1.0), V::Array(vec![V::Array(vec![V::from("BlockStored"), V::Array(vec![])])])])))),
-            ("a float hash", msg(enc(&V::Array(vec![V::from(1.0), V::Array(vec![V::Array(vec![V::from("BlockRemoved"), V::Array(vec![V::from(0.5)])])])])))),
+            (
+                "stored without tokens",
+                msg(enc(&V::Array(vec![
+                    V::from(1.0),
+                    V::Array(vec![V::Array(vec![V::from("BlockStored"), V::Array(vec![])])]),
+                ]))),
+            ),
+            (
+                "a float hash",
+                msg(enc(&V::Array(vec![
+                    V::from(1.0),
+                    V::Array(vec![V::Array(vec![V::from("BlockRemoved"), V::Array(vec![V::from(0.5)])])]),
+                ]))),
+            ),
         ];
         for (case, f) in bad {
             assert!(decode(&f).is_err(), "{case}");

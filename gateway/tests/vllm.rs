@@ -113,7 +113,12 @@ fn block_on<F: std::future::Future<Output = ()>>(f: F) -> Result<(), Failed> {
 
 /// A `baton serve` in front of `prefill` and `decode` (vllm-nixl), with the model's real tokenizer;
 /// `nixl` is the decoder's `nixl = { .. }` table.
-async fn baton(fleet: &Fleet, prefill: SocketAddr, decode: SocketAddr, nixl: &str) -> baton_gateway::serve::Serving {
+async fn baton(
+    fleet: &Fleet,
+    prefill: SocketAddr,
+    decode: SocketAddr,
+    nixl: &str,
+) -> baton_gateway::serve::Serving {
     let dir = std::env::temp_dir().join(format!("baton-vllm-{}-{}", std::process::id(), prefill.port()));
     std::fs::create_dir_all(&dir).unwrap();
     let m = fleet.model.display();
@@ -187,7 +192,8 @@ async fn assert_engines_clean(fleet: &Fleet, within: Duration) {
         let mut dirty = Vec::new();
         for e in [&fleet.prefill, &fleet.decode] {
             let m = engine_metrics(e.http).await;
-            for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"] {
+            for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+            {
                 let v = sample(&m, name, &[]);
                 if v != 0.0 {
                     dirty.push(format!("{} {name} = {v}", e.name));
@@ -219,7 +225,15 @@ fn comparable_body(body: &[u8], stream: bool) -> Vec<Value> {
     if stream {
         sse_events(body)
             .into_iter()
-            .map(|e| if e == "[DONE]" { Value::String(e) } else { comparable(serde_json::from_str(&e).unwrap()) })
+            .map(
+                |e| {
+                    if e == "[DONE]" {
+                        Value::String(e)
+                    } else {
+                        comparable(serde_json::from_str(&e).unwrap())
+                    }
+                },
+            )
             .collect()
     } else {
         vec![comparable(serde_json::from_slice(body).unwrap())]
@@ -230,8 +244,9 @@ fn comparable_body(body: &[u8], stream: bool) -> Vec<Value> {
 /// finds another's blocks in a prefix cache).
 fn prompt(words: usize, seed: usize) -> String {
     const W: &[&str] = &[
-        "the", "gateway", "sends", "every", "request", "to", "engine", "that", "holds", "its", "prefix", "in",
-        "cache", "and", "answers", "with", "tokens", "one", "after", "another", "story", "user", "asks",
+        "the", "gateway", "sends", "every", "request", "to", "engine", "that", "holds", "its", "prefix",
+        "in", "cache", "and", "answers", "with", "tokens", "one", "after", "another", "story", "user",
+        "asks",
     ];
     let mut x = seed as u64 * 2_654_435_761 + 12_345;
     let mut out = format!("{seed}");
@@ -291,13 +306,17 @@ fn nixl_answers_equal_one_engine(fleet: &Fleet) -> Result<(), Failed> {
             assert_eq!(s2, 200, "{path} alone: {}", String::from_utf8_lossy(&alone));
             let (via, alone) = (comparable_body(&via, stream), comparable_body(&alone, stream));
             assert_eq!(via, alone, "{path} stream={stream}: baton's answer differs from one engine's");
-            let delta = |name: &str, label: &str| sample(&after, name, &[label]) - sample(&before, name, &[label]);
+            let delta =
+                |name: &str, label: &str| sample(&after, name, &[label]) - sample(&before, name, &[label]);
             let pulled = delta("vllm:prompt_tokens_by_source_total", "source=\"external_kv_transfer\"");
             let computed = delta("vllm:prompt_tokens_by_source_total", "source=\"local_compute\"");
             let prompt_tokens = delta("vllm:prompt_tokens_total", "");
             eprintln!("{path} stream={stream}: prompt {prompt_tokens}, pulled {pulled}, computed {computed}");
             assert!(prompt_tokens > 0.0);
-            assert_eq!(pulled, prompt_tokens, "{path} stream={stream}: the decoder did not pull the whole prompt");
+            assert_eq!(
+                pulled, prompt_tokens,
+                "{path} stream={stream}: the decoder did not pull the whole prompt"
+            );
             assert_eq!(computed, 0.0, "{path} stream={stream}: the decoder computed prompt tokens itself");
             assert_eq!(delta("vllm:nixl_num_failed_transfers_total", ""), 0.0);
         }
@@ -322,17 +341,30 @@ fn kv_transfer_params_exact(fleet: &Fleet) -> Result<(), Failed> {
         assert_eq!(prefill_req["max_tokens"], 1);
         assert_eq!(prefill_req["stream"], false);
         let answered = prec.answer_bodies();
-        let params = answered.iter().find_map(|a| a.get("kv_transfer_params").filter(|p| !p.is_null())).unwrap();
+        let params =
+            answered.iter().find_map(|a| a.get("kv_transfer_params").filter(|p| !p.is_null())).unwrap();
         eprintln!("vLLM's prefill answered kv_transfer_params = {params}");
         // Every field vLLM 0.32's NIXL connector answers.
         for field in [
-            "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-            "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-            "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
+            "do_remote_prefill",
+            "do_remote_decode",
+            "remote_block_ids",
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "tp_size",
+            "dcp_size",
+            "pp_size",
+            "remote_num_tokens",
+            "remote_blocks_expiry_time",
+            "transfer_mode",
+            "remote_prefill_cached_tokens",
         ] {
             assert!(params.get(field).is_some(), "vLLM answered no {field}: {params}");
         }
-        let decode_req = drec.request_bodies().into_iter().find(|r| r.get("kv_transfer_params").is_some()).unwrap();
+        let decode_req =
+            drec.request_bodies().into_iter().find(|r| r.get("kv_transfer_params").is_some()).unwrap();
         assert_eq!(&decode_req["kv_transfer_params"], params, "the decoder got other kv_transfer_params");
         assert_eq!(decode_req["max_tokens"], 5);
         assert_engines_clean(fleet, Duration::from_secs(10)).await;
@@ -353,7 +385,8 @@ fn parameters_answer_as_one_engine(fleet: &Fleet) -> Result<(), Failed> {
             ("/v1/chat/completions", v)
         };
         let cmpl = |extra: Value, i: usize| {
-            let mut v = json!({"model": MODEL, "prompt": prompt(60, 300 + i), "max_tokens": 12, "temperature": 0});
+            let mut v =
+                json!({"model": MODEL, "prompt": prompt(60, 300 + i), "max_tokens": 12, "temperature": 0});
             v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             ("/v1/completions", v)
         };
@@ -366,13 +399,31 @@ fn parameters_answer_as_one_engine(fleet: &Fleet) -> Result<(), Failed> {
             ("stop strings", cmpl(json!({"stop": ["the", "cache"], "max_tokens": 40}), 5)),
             ("stop streamed chat", chat(json!({"stop": ["the"], "stream": true, "max_tokens": 40}), 6)),
             ("seeded sampling", cmpl(json!({"seed": 7, "temperature": 1.0, "top_p": 0.9}), 7)),
-            ("seeded sampling chat streamed", chat(json!({"seed": 11, "temperature": 0.8, "stream": true, "stream_options": {"include_usage": true}}), 8)),
+            (
+                "seeded sampling chat streamed",
+                chat(
+                    json!({"seed": 11, "temperature": 0.8, "stream": true, "stream_options": {"include_usage": true}}),
+                    8,
+                ),
+            ),
             ("echo", cmpl(json!({"echo": true}), 9)),
             ("max_completion_tokens", chat(json!({"max_completion_tokens": 5}), 10)),
-            ("penalties", cmpl(json!({"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}), 11)),
+            (
+                "penalties",
+                cmpl(
+                    json!({"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3}),
+                    11,
+                ),
+            ),
             ("ignore_eos min_tokens", cmpl(json!({"ignore_eos": true, "min_tokens": 8}), 12)),
             ("top_k -1", cmpl(json!({"top_k": -1, "temperature": 0.5, "seed": 3}), 14)),
-            ("continuous usage", cmpl(json!({"stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}), 13)),
+            (
+                "continuous usage",
+                cmpl(
+                    json!({"stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+                    13,
+                ),
+            ),
         ];
         for (name, (path, body)) in cases {
             let stream = body["stream"] == true;
@@ -411,7 +462,11 @@ fn client_leaving_mid_stream(fleet: &Fleet) -> Result<(), Failed> {
             }
             // The decoder is still generating when the client leaves.
             let m = engine_metrics(fleet.decode.http).await;
-            assert_eq!(sample(&m, "vllm:num_requests_running", &[]), 1.0, "the decode ended before the client left");
+            assert_eq!(
+                sample(&m, "vllm:num_requests_running", &[]),
+                1.0,
+                "the decode ended before the client left"
+            );
             drop(body);
             assert_engines_clean(fleet, Duration::from_secs(10)).await;
         }
@@ -429,12 +484,21 @@ fn refused_prefill(fleet: &Fleet) -> Result<(), Failed> {
         let b = baton(fleet, fleet.prefill.http, d, "scrape_interval_ms = 100").await;
         // (a request, whether baton refuses it itself before any engine is asked)
         let cases = [
-            (json!({"model": MODEL, "prompt": prompt(40, 500), "max_tokens": 4, "repetition_penalty": -1}), true),
+            (
+                json!({"model": MODEL, "prompt": prompt(40, 500), "max_tokens": 4, "repetition_penalty": -1}),
+                true,
+            ),
             (json!({"model": MODEL, "prompt": prompt(40, 501), "max_tokens": 4, "top_k": -7}), true),
             (json!({"model": MODEL, "prompt": prompt(40, 502), "max_tokens": 4, "logprobs": 50}), true),
             // vLLM's own parameters baton does not check: passed on, and vLLM's answer with them.
-            (json!({"model": MODEL, "prompt": prompt(40, 503), "max_tokens": 4, "allowed_token_ids": [99_999]}), false),
-            (json!({"model": MODEL, "prompt": prompt(40, 504), "max_tokens": 4, "truncate_prompt_tokens": 100_000}), false),
+            (
+                json!({"model": MODEL, "prompt": prompt(40, 503), "max_tokens": 4, "allowed_token_ids": [99_999]}),
+                false,
+            ),
+            (
+                json!({"model": MODEL, "prompt": prompt(40, 504), "max_tokens": 4, "truncate_prompt_tokens": 100_000}),
+                false,
+            ),
         ];
         for (body, own) in cases {
             let (s1, via) = json(b.addrs[0], "/v1/completions", &body).await;
@@ -510,14 +574,21 @@ fn admission_from_vllm_metrics(fleet: &Fleet) -> Result<(), Failed> {
         // The decoder's usage (one request's blocks) is over the threshold: admission closes.
         let start = Instant::now();
         while dec.queue.stats().capacity != 1 {
-            assert!(start.elapsed() < Duration::from_secs(5), "admission never closed: {:?}", dec.queue.stats());
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "admission never closed: {:?}",
+                dec.queue.stats()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let (_, m) = http(b.admin_addr, "/metrics", None).await;
         let m = parse_metrics(&String::from_utf8_lossy(&m));
         let reported = sample(&m, "baton_decoder_reported_kv_usage", &[]);
         let vllm = sample(&engine_metrics(fleet.decode.http).await, "vllm:kv_cache_usage_perc", &[]);
-        assert!(reported > 0.0 && (reported - vllm).abs() < 1e-3, "baton reports {reported}, vLLM says {vllm}");
+        assert!(
+            reported > 0.0 && (reported - vllm).abs() < 1e-3,
+            "baton reports {reported}, vLLM says {vllm}"
+        );
         assert_eq!(sample(&m, "baton_decoder_admitting", &[]), 0.0);
         let second = json!({"model": MODEL, "prompt": prompt(40, 701), "max_tokens": 4});
         let gw = b.addrs[0];
@@ -563,7 +634,8 @@ fn kv_events_from_vllm(fleet: &Fleet) -> Result<(), Failed> {
         let body = json!({"model": MODEL, "prompt": text, "max_tokens": 4, "temperature": 0});
         let (s, v) = json(b.addrs[0], "/v1/completions", &body).await;
         assert_eq!(s, 200, "{v}");
-        let tok = baton_gateway::tokenize::Tokenizer::load(&fleet.model.join("tokenizer.json"), None).unwrap();
+        let tok =
+            baton_gateway::tokenize::Tokenizer::load(&fleet.model.join("tokenizer.json"), None).unwrap();
         let ids = tok.encode(&text, true).unwrap();
         assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "baton's tokenizer and vLLM count differently");
         let full = ids.len() / engines::BLOCK * engines::BLOCK;
@@ -595,7 +667,11 @@ fn kv_events_from_vllm(fleet: &Fleet) -> Result<(), Failed> {
         let nudge = json!({"model": MODEL, "prompt": "x", "max_tokens": 1});
         assert_eq!(json(fleet.prefill.http, "/v1/completions", &nudge).await.0, 200);
         let cleared = loop {
-            let m = tokio::time::timeout(Duration::from_secs(10), p_events.next()).await.unwrap().unwrap().unwrap();
+            let m = tokio::time::timeout(Duration::from_secs(10), p_events.next())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
             if let Some(e) = m.batch.events.iter().find(|e| **e == KvEvent::AllBlocksCleared) {
                 break e.clone();
             }

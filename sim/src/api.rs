@@ -261,7 +261,7 @@ pub fn usage_chunk(ep: Endpoint, id: &str, model: &str, prompt: usize, completio
            "choices": [], "usage": usage(prompt, completion)})
 }
 
-/// The OpenAI error body.
-pub fn error_body(message: &str, kind: &str, code: &str) -> Value {
+/// An error body as vLLM answers one: the OpenAI shape with the HTTP status as its `code`.
+pub fn error_body(message: &str, kind: &str, code: u16) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
 }

@@ -147,9 +147,17 @@ fn json_response(status: u16, v: &Value) -> Resp {
     r
 }
 
+/// An error as vLLM 0.32 answers one (`vllm/entrypoints/serve/exception_handling/
+/// error_response.py`): `type` named after the status, `code` the status as a number, `param` null.
 fn error_response(e: &SimError) -> Resp {
-    let kind = if e.status < 500 { "invalid_request_error" } else { "server_error" };
-    json_response(e.status, &error_body(&e.message, kind, e.code))
+    let kind = match e.status {
+        404 => "NotFoundError",
+        422 => "UnprocessableEntityError",
+        s if s < 500 => "BadRequestError",
+        503 => "ServiceUnavailableError",
+        _ => "InternalServerError",
+    };
+    json_response(e.status, &error_body(&e.message, kind, e.status))
 }
 
 impl SimEngine {

@@ -4,8 +4,10 @@
 //!
 //! - producer (prefill): a request whose `kv_transfer_params` has `do_remote_decode: true` keeps its
 //!   KV blocks after finishing and answers `kv_transfer_params = {do_remote_prefill: true,
-//!   do_remote_decode: false, remote_block_ids, remote_engine_id, remote_host, remote_port, tp_size,
-//!   remote_request_id}`. The blocks stay held until a consumer has read them, or
+//!   do_remote_decode: false, remote_block_ids, remote_engine_id, remote_request_id, remote_host,
+//!   remote_port, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
+//!   transfer_mode, remote_prefill_cached_tokens}`, as vLLM 0.32 does (checked against it by
+//!   `gateway/tests/vllm.rs`). The blocks stay held until a consumer has read them, or
 //!   `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s by default) passes.
 //! - consumer (decode): a request with `do_remote_prefill: true` pulls the blocks from
 //!   `remote_host:remote_port` before decoding, which lets the producer free them.
@@ -44,7 +46,8 @@ pub struct NixlParams {
     #[serde(default)]
     pub do_remote_prefill: bool,
     pub remote_engine_id: Option<String>,
-    pub remote_block_ids: Option<Vec<u32>>,
+    /// One list of block ids per KV cache group (vLLM 0.32; a flat list before).
+    pub remote_block_ids: Option<Value>,
     pub remote_host: Option<String>,
     pub remote_port: Option<u16>,
     pub remote_request_id: Option<String>,
@@ -142,10 +145,14 @@ impl Producer {
                 Transfer { ids: ids.into(), _blocks: blocks, expires: Instant::now() + self.abort_timeout },
             );
         }
+        // Every field vLLM 0.32's producer answers, in its order: the block ids one list per KV
+        // cache group (one here), the prompt's token count, a pull transfer.
         Ok(json!({
-            "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": block_ids,
-            "remote_engine_id": self.engine_id, "remote_host": self.side.ip().to_string(),
-            "remote_port": self.side.port(), "tp_size": self.geometry.tp_size, "remote_request_id": id,
+            "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [block_ids],
+            "remote_engine_id": self.engine_id, "remote_request_id": id,
+            "remote_host": self.side.ip().to_string(), "remote_port": self.side.port(),
+            "tp_size": self.geometry.tp_size, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": ids.len(),
+            "remote_blocks_expiry_time": null, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0,
         }))
     }
 

@@ -50,8 +50,9 @@ pub async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, B
 /// A JSON answer: the status and the body parsed (panics naming the body when it is not JSON).
 pub async fn json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     let (s, b) = http(addr, path, Some(body)).await;
-    let v = serde_json::from_slice(&b)
-        .unwrap_or_else(|e| panic!("{path} answered {s} with no JSON ({e}): {}", String::from_utf8_lossy(&b)));
+    let v = serde_json::from_slice(&b).unwrap_or_else(|e| {
+        panic!("{path} answered {s} with no JSON ({e}): {}", String::from_utf8_lossy(&b))
+    });
     (s, v)
 }
 
@@ -61,6 +62,8 @@ pub fn sse_events(body: &[u8]) -> Vec<String> {
         .unwrap()
         .split("\n\n")
         .filter(|e| !e.trim().is_empty())
-        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {e:?}")).to_owned())
+        .map(|e| {
+            e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {e:?}")).to_owned()
+        })
         .collect()
 }

@@ -63,15 +63,19 @@ pub struct Engine {
     pub http: SocketAddr,
     /// Where its KV event publisher binds (`tcp://*:port`).
     pub events: SocketAddr,
-    /// Its NIXL side channel.
-    pub side_port: u16,
     pub log: PathBuf,
     child: Child,
 }
 
 impl Engine {
     /// Starts a server (it is not ready yet: see [`Engine::wait_ready`]).
-    pub fn spawn(python: &Path, model: &Path, name: &'static str, role: Role, core: u32) -> Result<Self, String> {
+    pub fn spawn(
+        python: &Path,
+        model: &Path,
+        name: &'static str,
+        role: Role,
+        core: u32,
+    ) -> Result<Self, String> {
         let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().map_err(|e| format!("{e}"))?;
         let events: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().map_err(|e| format!("{e}"))?;
         let side_port = free_port();
@@ -95,7 +99,14 @@ impl Engine {
             .arg(python)
             .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(model)
-            .args(["--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching"])
+            .args([
+                "--served-model-name",
+                MODEL,
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                "--enable-prefix-caching",
+            ])
             .args(["--max-model-len", &CONTEXT.to_string(), "--block-size", &BLOCK.to_string()])
             .args(["--host", "127.0.0.1", "--port", &http.port().to_string()])
             .args(["--kv-transfer-config", &kv_transfer, "--kv-events-config", &kv_events])
@@ -120,14 +131,18 @@ impl Engine {
             .process_group(0)
             .spawn()
             .map_err(|e| format!("starting {name} (setpriv, from util-linux): {e}"))?;
-        Ok(Self { name, http, events, side_port, log, child })
+        Ok(Self { name, http, events, log, child })
     }
 
     /// Waits until `/health` answers 200; fails early when the server exits, with its log's tail.
     pub fn wait_ready(&mut self, start: Instant) -> Result<(), String> {
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!("{} exited ({status}) before it was ready:\n{}", self.name, self.log_tail(40)));
+                return Err(format!(
+                    "{} exited ({status}) before it was ready:\n{}",
+                    self.name,
+                    self.log_tail(40)
+                ));
             }
             if super::client::get_blocking(self.http, "/health").is_ok_and(|(s, _)| s == 200) {
                 return Ok(());
@@ -148,16 +163,6 @@ impl Engine {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
-    }
-
-    /// The server's log from byte `from` on.
-    pub fn log_since(&self, from: u64) -> String {
-        let text = std::fs::read(&self.log).unwrap_or_default();
-        String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
-    }
-
-    pub fn log_len(&self) -> u64 {
-        std::fs::metadata(&self.log).map_or(0, |m| m.len())
     }
 }
 

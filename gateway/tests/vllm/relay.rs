@@ -7,9 +7,12 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// What went up (to the engine) and down (back) on one connection.
+type Conversation = (Vec<u8>, Vec<u8>);
+
 /// Both directions of every connection, in the order connections were accepted.
 #[derive(Clone, Debug, Default)]
-pub struct Recorded(Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>);
+pub struct Recorded(Arc<Mutex<Vec<Conversation>>>);
 
 impl Recorded {
     /// The JSON bodies of every request sent through the relay (HTTP/1.1 with Content-Length).
@@ -20,10 +23,6 @@ impl Recorded {
     /// The JSON bodies of every answer (non-streamed answers only).
     pub fn answer_bodies(&self) -> Vec<serde_json::Value> {
         self.0.lock().unwrap().iter().flat_map(|(_, down)| bodies(down)).collect()
-    }
-
-    pub fn clear(&self) {
-        self.0.lock().unwrap().clear();
     }
 }
 
@@ -124,7 +123,10 @@ async fn pipe(
 /// An HTTP proxy to `upstream` that answers the first `refuse` POSTs itself with a 503 and an
 /// OpenAI error body (a decoder refusing a request, as one that is overloaded or restarting does)
 /// and forwards everything else (metrics scrapes, health checks, later POSTs) unchanged.
-pub async fn refusing(upstream: SocketAddr, refuse: usize) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+pub async fn refusing(
+    upstream: SocketAddr,
+    refuse: usize,
+) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -132,7 +134,10 @@ pub async fn refusing(upstream: SocketAddr, refuse: usize) -> (SocketAddr, Arc<s
     use hyper_util::rt::TokioIo;
 
     type Body = BoxBody<Bytes, hyper::Error>;
-    async fn forward(upstream: SocketAddr, req: hyper::Request<Incoming>) -> Result<hyper::Response<Body>, hyper::Error> {
+    async fn forward(
+        upstream: SocketAddr,
+        req: hyper::Request<Incoming>,
+    ) -> Result<hyper::Response<Body>, hyper::Error> {
         let stream = TcpStream::connect(upstream).await.unwrap();
         let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(conn);
@@ -150,7 +155,11 @@ pub async fn refusing(upstream: SocketAddr, refuse: usize) -> (SocketAddr, Arc<s
                 let count = Arc::clone(&count);
                 async move {
                     if req.method() == hyper::Method::POST
-                        && count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < refuse).then_some(n + 1)).is_ok()
+                        && count
+                            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                                (n < refuse).then_some(n + 1)
+                            })
+                            .is_ok()
                     {
                         let body = r#"{"error":{"message":"the decoder is restarting","type":"ServiceUnavailableError","param":null,"code":503}}"#;
                         let resp = hyper::Response::builder()
@@ -163,7 +172,9 @@ pub async fn refusing(upstream: SocketAddr, refuse: usize) -> (SocketAddr, Arc<s
                     forward(upstream, req).await
                 }
             });
-            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(client), svc));
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(client), svc),
+            );
         }
     });
     (addr, refused)

@@ -92,7 +92,11 @@ async fn vllms_nixl_proxy_flow_drives_the_simulated_engines() {
         (p["do_remote_prefill"].as_bool(), p["do_remote_decode"].as_bool()),
         (Some(true), Some(false))
     );
-    assert_eq!(p["remote_block_ids"].as_array().unwrap().len(), ids.len().div_ceil(16), "{p}");
+    assert_eq!(p["remote_block_ids"][0].as_array().unwrap().len(), ids.len().div_ceil(16), "{p}");
+    assert_eq!(
+        (p["remote_num_tokens"].as_u64(), p["transfer_mode"].as_str()),
+        (Some(ids.len() as u64), Some("pull"))
+    );
     assert_eq!(p["tp_size"], 2);
     let s = prefill.engine.stats();
     assert_eq!((s["nixl"]["blocks_held"].as_u64(), s["nixl"]["read"].as_u64()), (Some(0), Some(1)), "{s}");
