@@ -437,6 +437,36 @@ mod tests {
         assert_eq!(looped.render(&raw).unwrap(), "a;b;");
     }
 
+    /// transformers 4.43+ save the template as `chat_template.jinja` beside a config without one;
+    /// it is read from there, and a config with neither is refused naming both.
+    #[test]
+    fn the_chat_template_is_read_from_chat_template_jinja_when_the_config_has_none() {
+        let dir = std::env::temp_dir().join(format!("baton-tok-jinja-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let vocab = [("[UNK]".to_owned(), 0u32), ("hi".to_owned(), 1)].into_iter().collect();
+        let model = tokenizers::models::wordlevel::WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("[UNK]".into())
+            .build()
+            .unwrap();
+        tokenizers::Tokenizer::new(model).save(dir.join("tokenizer.json"), false).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<s>"}"#).unwrap();
+        let (json, cfg) = (dir.join("tokenizer.json"), dir.join("tokenizer_config.json"));
+        let e = Tokenizer::load(&json, Some(&cfg)).unwrap_err();
+        assert!(e.in_config && e.reason.contains("chat_template.jinja"), "{e}");
+        std::fs::write(
+            dir.join("chat_template.jinja"),
+            "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}",
+        )
+        .unwrap();
+        let t = Tokenizer::load(&json, Some(&cfg)).unwrap();
+        assert_eq!(
+            t.render_chat(&chat(r#"{"messages":[{"role":"user","content":"hi"}]}"#)).unwrap(),
+            "<s>[hi]"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     fn chat(body: &str) -> GenRequest {
         GenRequest::parse(Endpoint::Chat, body.as_bytes()).unwrap()
     }
