@@ -38,6 +38,9 @@ pub struct FaultConfig {
     /// Every generation request is answered with this status and an OpenAI error body (an engine
     /// refusing the request, e.g. 400), before any KV work.
     pub fail_status: Option<u16>,
+    /// With `fail_status`: only the next this many generation requests are refused (all of them
+    /// when unset), e.g. a decoder that refuses one decode and takes what follows.
+    pub fail_requests: Option<u32>,
 }
 
 /// The live fault switches of one engine.
@@ -45,16 +48,32 @@ pub struct FaultConfig {
 pub struct Faults {
     config: Mutex<FaultConfig>,
     drops_left: AtomicU32,
+    /// Refusals left when `fail_requests` is set.
+    fails_left: AtomicU32,
 }
 
 impl Faults {
     pub fn set(&self, c: FaultConfig) {
         self.drops_left.store(c.drop_ready_events, Ordering::SeqCst);
+        self.fails_left.store(c.fail_requests.unwrap_or(0), Ordering::SeqCst);
         *self.config.lock().unwrap_or_else(|e| e.into_inner()) = c;
     }
 
     pub fn get(&self) -> FaultConfig {
         self.config.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The status a generation request is refused with, if the fault switches refuse it.
+    pub fn take_failure(&self) -> Option<u16> {
+        let c = self.get();
+        let status = c.fail_status?;
+        if c.fail_requests.is_none() {
+            return Some(status);
+        }
+        self.fails_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .ok()
+            .map(|_| status)
     }
 
     fn take_drop(&self, rank: u32) -> bool {

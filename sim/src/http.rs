@@ -481,7 +481,7 @@ impl SimEngine {
     async fn generate(&self, ep: Endpoint, body: &[u8]) -> Result<Resp, SimError> {
         let req: GenRequest =
             serde_json::from_slice(body).map_err(|e| SimError::bad(format!("invalid request body: {e}")))?;
-        if let Some(status) = self.faults.get().fail_status {
+        if let Some(status) = self.faults.take_failure() {
             return Err(SimError::status(
                 status,
                 format!("refused by the fail_status fault switch ({status})"),

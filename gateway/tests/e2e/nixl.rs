@@ -175,3 +175,28 @@ async fn a_prefiller_that_is_not_a_nixl_producer_is_named_in_the_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A decoder that refuses the decode (503) after the prefill kept the prompt's blocks: the client
+/// gets a 502 naming the decode leg, and the producer's blocks are freed at once by a drain (the
+/// prefill's own fields, one token), not held for the producer's timeout (30 s here, 480 s in
+/// vLLM). Real vLLM shows the same in `gateway/tests/vllm.rs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_the_decoder_refuses_drains_the_producers_blocks() {
+    let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
+    let decode = d.decode_addrs()[0];
+    let (s, _) = http(decode, "/sim/faults", Some(&json!({"fail_status": 503, "fail_requests": 1}))).await;
+    assert_eq!(s, 200);
+    let (s, b) = http(
+        d.addr,
+        "/v1/completions",
+        Some(&json!({"prompt": prompt(90, 1), "max_tokens": 4, "min_tokens": 2})),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&b);
+    assert_eq!(s, 502, "{text}");
+    assert!(text.contains("503"), "{text}");
+    assert_nixl_clean(&d, Duration::from_secs(5)).await;
+    let drains = &nixl(&d).drains;
+    assert_eq!((drains.sent.load(Ordering::Relaxed), drains.failed.load(Ordering::Relaxed)), (1, 0));
+    d.shutdown().await;
+}
