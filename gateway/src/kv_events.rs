@@ -209,11 +209,10 @@ pub struct Subscriber {
     conn: Connection,
     topic: Vec<u8>,
     next_seq: Option<u64>,
-    /// Messages known lost: sequence numbers skipped (a slow subscriber, a dropped connection).
+    /// Messages known lost on this connection: sequence numbers skipped (the publisher dropped
+    /// them for a slow subscriber). An engine restart closes the connection (`next` answers
+    /// `Ok(None)`); the caller reconnects and treats what it knew of that engine as stale.
     pub missed: u64,
-    /// Times the sequence went back (the engine restarted and counts from 0 again: its cache is
-    /// empty and whatever was known of it is stale).
-    pub restarts: u64,
 }
 
 impl Subscriber {
@@ -222,23 +221,24 @@ impl Subscriber {
     pub async fn connect(addr: SocketAddr, topic: &[u8]) -> Result<Self, EventError> {
         let mut conn = Connection::connect(addr, SocketType::Sub, MAX_MESSAGE).await?;
         conn.subscribe(topic).await?;
-        Ok(Self { conn, topic: topic.to_vec(), next_seq: None, missed: 0, restarts: 0 })
+        Ok(Self { conn, topic: topic.to_vec(), next_seq: None, missed: 0 })
     }
 
     /// The next message on the topic; `Ok(None)` when the publisher closed the connection.
     pub async fn next(&mut self) -> Result<Option<Message>, EventError> {
         loop {
             let Some(frames) = self.conn.recv().await? else { return Ok(None) };
-            let m = decode(&frames)?;
-            if m.topic != self.topic {
+            // A longer topic that starts with ours (ZeroMQ matches prefixes) is another stream.
+            if frames.first().is_some_and(|t| *t != self.topic) {
                 continue;
             }
-            match self.next_seq {
-                Some(want) if m.seq > want => self.missed += m.seq - want,
-                Some(want) if m.seq < want => self.restarts += 1,
-                _ => {}
+            let m = decode(&frames)?;
+            if let Some(want) = self.next_seq
+                && m.seq > want
+            {
+                self.missed += m.seq - want;
             }
-            self.next_seq = Some(m.seq + 1);
+            self.next_seq = Some(m.seq.wrapping_add(1));
             return Ok(Some(m));
         }
     }

@@ -41,6 +41,10 @@ pub struct FaultConfig {
     /// With `fail_status`: only the next this many generation requests are refused (all of them
     /// when unset), e.g. a decoder that refuses one decode and takes what follows.
     pub fail_requests: Option<u32>,
+    /// With `fail_status`: the refusal is plain text from something in front of the engine (a
+    /// proxy), which the engine never saw; otherwise it is the engine's own, and a NIXL consumer
+    /// refusing a remote-prefill request tells the producer to free its blocks, as vLLM 0.32 does.
+    pub fail_plain: bool,
 }
 
 /// The live fault switches of one engine.

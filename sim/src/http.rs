@@ -150,6 +150,12 @@ fn json_response(status: u16, v: &Value) -> Resp {
 /// An error as vLLM 0.32 answers one (`vllm/entrypoints/serve/exception_handling/
 /// error_response.py`): `type` named after the status, `code` the status as a number, `param` null.
 fn error_response(e: &SimError) -> Resp {
+    if e.code == super::PLAIN {
+        let mut r = Response::new(Full::new(Bytes::from(e.message.clone())).boxed());
+        *r.status_mut() = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain"));
+        return r;
+    }
     let kind = match e.status {
         404 => "NotFoundError",
         422 => "UnprocessableEntityError",
@@ -284,6 +290,7 @@ impl SimEngine {
             Some(NixlRole::Producer(p)) => json!({
                 "engine_id": p.engine_id, "side_channel": p.side.to_string(), "blocks_held": p.held_blocks(),
                 "pending": p.pending(), "read": p.read.load(Ordering::Relaxed), "expired": p.expired.load(Ordering::Relaxed),
+                "released": p.released.load(Ordering::Relaxed),
             }),
             Some(NixlRole::Consumer) => json!({"consumer": true}),
             None => Value::Null,
@@ -482,10 +489,18 @@ impl SimEngine {
         let req: GenRequest =
             serde_json::from_slice(body).map_err(|e| SimError::bad(format!("invalid request body: {e}")))?;
         if let Some(status) = self.faults.take_failure() {
-            return Err(SimError::status(
-                status,
-                format!("refused by the fail_status fault switch ({status})"),
-            ));
+            let message = format!("refused by the fail_status fault switch ({status})");
+            if self.faults.get().fail_plain {
+                return Err(SimError::plain(status, message));
+            }
+            // vLLM 0.32 (`_with_kv_transfer_rejection_cleanup`): a consumer that refuses a
+            // remote-prefill request tells the producer to free the blocks it kept for it.
+            if let (Some(NixlRole::Consumer), Ok(Some(np))) = (&self.nixl, req.nixl_params())
+                && np.do_remote_prefill
+            {
+                super::nixl::release(&np).await;
+            }
+            return Err(SimError::status(status, message));
         }
         let ids = req.token_ids(ep).map_err(SimError::bad)?;
         let model = req.openai.model.clone().unwrap_or_else(|| self.model.clone());

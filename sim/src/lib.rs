@@ -292,6 +292,9 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
     Ok(Running { addr, engine, stop, task })
 }
 
+/// The `code` of a [`SimError::plain`] refusal.
+pub const PLAIN: &str = "plain";
+
 /// An error of the simulated engine, with the HTTP status it maps to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimError {
@@ -324,6 +327,11 @@ impl SimError {
     }
     pub fn internal(m: impl fmt::Display) -> Self {
         Self::new(500, "internal_error", m)
+    }
+    /// A refusal with any status in plain text, not from the engine's API (a fault switch
+    /// playing a proxy or load balancer in front of the engine that turns the request away).
+    pub fn plain(status: u16, m: impl fmt::Display) -> Self {
+        Self::new(status, PLAIN, m)
     }
     /// An error with any status (a fault switch playing an engine that refuses).
     pub fn status(status: u16, m: impl fmt::Display) -> Self {

@@ -72,6 +72,8 @@ pub struct Producer {
     next: AtomicU64,
     pub expired: Arc<AtomicU64>,
     pub read: Arc<AtomicU64>,
+    /// Transfers freed unread because the consumer refused the request (`FREE`).
+    pub released: Arc<AtomicU64>,
     _tasks: super::Tasks,
 }
 
@@ -96,6 +98,7 @@ impl Producer {
         let side = listener.local_addr().map_err(SimError::internal)?;
         let pending: Arc<Mutex<HashMap<String, Transfer>>> = Arc::default();
         let (expired, read) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let released = Arc::new(AtomicU64::new(0));
         let reaper = {
             let (pending, expired) = (Arc::clone(&pending), Arc::clone(&expired));
             tokio::spawn(async move {
@@ -109,7 +112,8 @@ impl Producer {
                 }
             })
         };
-        let server = tokio::spawn(serve_side(listener, Arc::clone(&pending), geometry, Arc::clone(&read)));
+        let counters = (Arc::clone(&read), Arc::clone(&released));
+        let server = tokio::spawn(serve_side(listener, Arc::clone(&pending), geometry, counters));
         let engine_id = format!(
             "baton-sim-{:016x}",
             super::kv::prefix_hashes(&[side.port().into(), std::process::id()]).last().copied().unwrap_or(0)
@@ -125,6 +129,7 @@ impl Producer {
             next: AtomicU64::new(1),
             expired,
             read,
+            released,
             _tasks: super::Tasks(vec![reaper, server]),
         })
     }
@@ -170,10 +175,10 @@ async fn serve_side(
     listener: TcpListener,
     pending: Arc<Mutex<HashMap<String, Transfer>>>,
     g: KvGeometry,
-    read: Arc<AtomicU64>,
+    (read, released): (Arc<AtomicU64>, Arc<AtomicU64>),
 ) {
     super::serve_each(listener, move |stream| {
-        let (pending, read) = (Arc::clone(&pending), Arc::clone(&read));
+        let (pending, read, released) = (Arc::clone(&pending), Arc::clone(&read), Arc::clone(&released));
         async move {
             let mut io = BufReader::new(stream);
             let mut line = String::new();
@@ -207,6 +212,13 @@ async fn serve_side(
                             }
                             _ => UNKNOWN.to_le_bytes().to_vec(),
                         }
+                    }
+                    (Some("FREE"), Some(id), None) => {
+                        let found = lock(&pending).remove(id).is_some();
+                        if found {
+                            released.fetch_add(1, Ordering::Relaxed);
+                        }
+                        vec![u8::from(found)]
                     }
                     (Some("DONE"), Some(id), None) => {
                         let found = lock(&pending).remove(id).is_some();
@@ -268,4 +280,18 @@ pub async fn pull(g: &KvGeometry, ids: &[u32], p: &NixlParams) -> Result<(), Sim
         .map_err(|e| SimError::upstream(format!("notifying the producer: {e}")))?;
     let _ = io.read_u8().await;
     Ok(())
+}
+
+/// The consumer refused a remote-prefill request: tells the producer to free the blocks it kept
+/// (vLLM 0.32's `notify_kv_transfer_request_rejected`). Best effort, as there: a producer that
+/// cannot be reached frees them when they expire.
+pub async fn release(p: &NixlParams) {
+    let (Some(host), Some(port), Some(id)) = (&p.remote_host, p.remote_port, &p.remote_request_id) else {
+        return;
+    };
+    let Ok(host) = host.parse::<IpAddr>() else { return };
+    let Ok(mut stream) = TcpStream::connect(SocketAddr::new(host, port)).await else { return };
+    if stream.write_all(format!("FREE {id}\n").as_bytes()).await.is_ok() {
+        let _ = stream.read_u8().await;
+    }
 }

@@ -18,6 +18,9 @@ use super::{Endpoint, GatewayError, Problem};
 /// Most choices one request may ask for (`n`, `best_of`): OpenAI's limit; each choice is a sequence
 /// the decoder runs.
 pub const MAX_N: u64 = 128;
+/// Temperatures under this are greedy sampling (vLLM's `_SAMPLING_EPS`, which refuses `n > 1`
+/// there; `vllm/sampling_params.py`, 0.32).
+const GREEDY_BELOW: f64 = 1e-5;
 /// Most `logprobs` (completions) or `top_logprobs` (chat): vLLM's default `--max-logprobs`, and
 /// OpenAI's limit for chat.
 pub const MAX_LOGPROBS: u64 = 20;
@@ -162,12 +165,12 @@ fn sampling(b: &Obj) -> Checked {
     number(b, "frequency_penalty", -2.0, false, 2.0)?;
     number(b, "repetition_penalty", 0.0, true, f64::INFINITY)?;
     let n = integer(b, "n", "", 1, MAX_N)?.unwrap_or(1);
-    if n > 1 && b.get("temperature").and_then(Value::as_f64) == Some(0.0) {
+    if n > 1 && b.get("temperature").and_then(Value::as_f64).is_some_and(|t| t < GREEDY_BELOW) {
         // vLLM: greedy sampling makes every choice the same sequence.
         return Err(bad_value(
             "n".into(),
             &Value::from(n),
-            "must be 1 when temperature is 0 (greedy sampling)",
+            "must be 1 when temperature is under 1e-5 (greedy sampling)",
         ));
     }
     if let Some(best) = integer(b, "best_of", "", 1, MAX_N)?

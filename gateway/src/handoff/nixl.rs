@@ -1,7 +1,7 @@
 //! The `vllm-nixl` handoff: vLLM's NIXL connector, the decoder pulling the KV from the prefiller.
 //! The wire follows vLLM's own toy proxy (`tests/v1/kv_connector/nixl_integration/
 //! toy_proxy_server.py`) and connector (`vllm/distributed/kv_transfer/kv_connector/v1/
-//! nixl_connector.py`, vLLM 0.10-0.11):
+//! nixl_connector.py`, vLLM 0.10-0.11; checked against vLLM 0.32 itself by `gateway/tests/vllm.rs`):
 //!
 //! 1. admit: one slot of the decoder's `max_in_flight`, closed while the decoder's own metrics say
 //!    its KV cache is nearly full or requests wait (`vllm:kv_cache_usage_perc`, falling back to
@@ -11,10 +11,11 @@
 //! 3. decode on the client's endpoint with the `kv_transfer_params` the prefiller returned, streamed
 //!    straight back; the slot is held until the decoder's answer ends.
 //!
-//! The producer keeps the prompt's blocks until a decoder reads them or
-//! `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s) passes. So when a request ends after its prefill but
-//! before the decoder took it (client gone, gateway deadline, the decoder refusing the decode with
-//! any status but 200), the gateway sends the decode anyway
+//! The producer keeps the prompt's blocks until a decoder reads them or its hold runs out (vLLM
+//! 0.10-0.11: `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s; 0.32: a lease, `kv_lease_duration` in the
+//! connector's extra config, 30 s). So when a request ends after its prefill but before the
+//! decoder took it (client gone, gateway deadline, a refusal of the decode by something in front of
+//! the decoder), the gateway sends the decode anyway
 //! with `max_tokens = 1` and drops the answer: the decoder pulls the blocks and the producer frees
 //! them at once. The prefill call itself runs to its end even if the client leaves, so its answer
 //! (and the blocks it names) is never lost.
@@ -36,10 +37,10 @@ use tokio::sync::oneshot;
 use super::decoder::{BoxFuture, Handoff, Leg};
 use super::scrape::{self, Gauges, Load, LoadTarget};
 use super::shared::{
-    BoxError, Drains, Patched, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, send_drain,
+    BoxError, Drains, Patched, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, refusal, send_drain,
 };
 use crate::admission::{SlotGuard, SlotQueue};
-use crate::api::GatewayError;
+use crate::api::{GatewayError, Problem};
 use crate::endpoints::{EngineClient, EngineUrl};
 use crate::routing::HealthConfig;
 use crate::telemetry::request_id;
@@ -197,6 +198,21 @@ type PrefillResult = Result<Value, GatewayError>;
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
         let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        if let Some(n) = req.raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1) {
+            // vLLM 0.32's decoder forks the choices of one request, and each pulls the same
+            // remote blocks: the producer frees them after the first read, so the others read
+            // blocks it may already have reused ("Potentially invalid KV blocks for unrecognized
+            // request", seen against vLLM 0.32 in gateway/tests/vllm.rs). Refused until choices
+            // get a prefill each.
+            return Err(GatewayError::Invalid {
+                param: "n".into(),
+                problem: Problem::Value,
+                reason: format!(
+                    "{n} is not served by a vllm-nixl decoder: every choice would pull the same prefill's \
+                     KV, which vLLM frees after the first; send one request per choice"
+                ),
+            });
+        }
         timing.enter(Phase::Prefill);
         let path = req.endpoint.path();
         let request = Arc::clone(&req.raw);
@@ -246,10 +262,18 @@ impl Nixl {
             }
         };
         if resp.status() != 200 {
-            // The decoder refused the request and so never pulled the blocks: `owed` still holds
-            // the params and drains them when this returns (vLLM would otherwise keep them for
-            // its VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s).
-            return Err(self.shared.refused("decode", &dec.name, &dec.health, resp).await);
+            let status = resp.status().as_u16();
+            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            if vllm_refused(&b) {
+                // vLLM's own refusal: since 0.32 its decoder tells the producer to free the
+                // blocks itself (`notify_kv_transfer_request_rejected`), and a drain would pull
+                // blocks the producer may already have given to another request.
+                owed.params = None;
+            }
+            // Otherwise something in front of the decoder turned the request away (a proxy, a
+            // load balancer): nobody told the producer, and `owed` drains the blocks when this
+            // returns instead of leaving them to the producer's lease.
+            return Err(refusal(&self.shared.health, "decode", &dec.name, &dec.health, status, &b));
         }
         owed.params = None;
         dec.health.success();
@@ -290,6 +314,20 @@ impl Handoff for Nixl {
     }
 }
 
+/// Whether an error answer is vLLM's own (its `ErrorResponse`: `{"error": {.., "code": STATUS}}`
+/// with the status as a number), as opposed to one from something in front of the decoder.
+fn vllm_refused(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        error: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        code: Option<Value>,
+    }
+    serde_json::from_slice::<Answer>(body).is_ok_and(|a| a.error.code.is_some_and(|c| c.is_u64()))
+}
+
 /// Fields of the client's request a one-token prefill leaves out: not supported by a producer
 /// (vLLM's proxy drops them for the prefill too), or meaningless with one token, unstreamed.
 const PREFILL_OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_tokens"];
@@ -306,8 +344,8 @@ fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError>
         .set("stream", &false)
         .set("max_tokens", &1)
         .replace("max_completion_tokens", &1)
-        // One sequence: with `n > 1` vLLM's producer keeps blocks for every child sequence, the
-        // decoder pulls those of one, and the others stay held until the producer's timeout.
+        // One sequence (a client's `n > 1` is refused before this in this mode; with it, vLLM's
+        // producer kept blocks for every child sequence and the decoder pulled those of one).
         .replace("n", &1);
     serde_json::value::to_raw_value(&body).map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))
 }

@@ -94,9 +94,12 @@ fn prompt_ids(req: &Value) -> Vec<u32> {
 
 /// Per choice index: the text and the number of logprob entries, from a whole or streamed answer.
 fn choices(body: &[u8], chat: bool, stream: bool) -> Vec<(String, usize)> {
-    let mut out = vec![(String::new(), 0usize); 2];
+    let mut out: Vec<(String, usize)> = Vec::new();
     let mut add = |c: &Value| {
         let i = c["index"].as_u64().unwrap() as usize;
+        if out.len() <= i {
+            out.resize(i + 1, (String::new(), 0));
+        }
         let text = if chat {
             c["message"]["content"].as_str().or(c["delta"]["content"].as_str())
         } else {
@@ -126,7 +129,8 @@ fn choices(body: &[u8], chat: bool, stream: bool) -> Vec<(String, usize)> {
         }
     } else {
         let v: Value = serde_json::from_slice(body).unwrap();
-        assert_eq!(v["usage"]["completion_tokens"], 10, "{v}");
+        // Five tokens a choice.
+        assert_eq!(v["usage"]["completion_tokens"], 5 * v["choices"].as_array().unwrap().len(), "{v}");
         v["choices"].as_array().unwrap().iter().for_each(&mut add);
     }
     out
@@ -137,7 +141,13 @@ async fn every_optional_field_reaches_the_decoder_and_every_choice_comes_back_in
     for mode in MODES {
         let d = mode_demo(mode, FaultConfig::default()).await;
         let lmcache = mode == DemoHandoff::Lmcache;
-        for (path, req) in [("/v1/completions", completion()), ("/v1/chat/completions", chat(!lmcache))] {
+        // vllm-nixl serves one choice a request (every choice would pull the same KV: the mode
+        // refuses `n > 1`, checked below).
+        let nixl = mode == DemoHandoff::VllmNixl;
+        for (path, mut req) in [("/v1/completions", completion()), ("/v1/chat/completions", chat(!lmcache))] {
+            if nixl {
+                req["n"] = json!(1);
+            }
             let is_chat = path.contains("chat");
             let case = format!("{} {path}", mode.name());
             let ids = prompt_ids(&req);
@@ -152,7 +162,11 @@ async fn every_optional_field_reaches_the_decoder_and_every_choice_comes_back_in
                     assert_eq!(text, &choice_text(&ids, 5, c as u32), "{case} stream={stream} choice {c}");
                     assert_eq!(*logprobs, 5, "{case} stream={stream} choice {c}: a logprob entry per token");
                 }
-                assert_ne!(got[0].0, got[1].0, "{case}: two distinct choices");
+                if nixl {
+                    assert_eq!(got.len(), 1, "{case}");
+                } else {
+                    assert_ne!(got[0].0, got[1].0, "{case}: two distinct choices");
+                }
                 answers.push(got);
                 if stream {
                     continue;
@@ -181,6 +195,11 @@ async fn every_optional_field_reaches_the_decoder_and_every_choice_comes_back_in
                 }
             }
             assert_eq!(answers[0], answers[1], "{case}: whole and streamed answers agree");
+        }
+        if nixl {
+            let (s, b) = http(d.addr, "/v1/completions", Some(&completion())).await;
+            let v: Value = serde_json::from_slice(&b).unwrap();
+            assert_eq!((s, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
         }
         if lmcache {
             // Tool calls cannot be served over LMCache's completions-only decode: refused, naming tools.

@@ -176,27 +176,35 @@ async fn a_prefiller_that_is_not_a_nixl_producer_is_named_in_the_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A decoder that refuses the decode (503) after the prefill kept the prompt's blocks: the client
-/// gets a 502 naming the decode leg, and the producer's blocks are freed at once by a drain (the
-/// prefill's own fields, one token), not held for the producer's timeout (30 s here, 480 s in
-/// vLLM). Real vLLM shows the same in `gateway/tests/vllm.rs`.
+/// A decode refused after the prefill kept the prompt's blocks. When the decoder itself refuses
+/// (its own error answer), it tells the producer to free the blocks, as vLLM 0.32 does, and baton
+/// sends no drain (a drain would pull blocks the producer may already have reused). When something
+/// in front of the decoder refuses (plain text: a proxy), nobody told the producer, and baton's
+/// drain frees the blocks at once instead of leaving them to the producer's timeout (30 s here).
+/// Either way the client gets the refusal naming the decode leg. Real vLLM: `gateway/tests/vllm.rs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_the_decoder_refuses_drains_the_producers_blocks() {
+async fn a_refused_decode_frees_the_producers_blocks_once() {
     let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
     let decode = d.decode_addrs()[0];
-    let (s, _) = http(decode, "/sim/faults", Some(&json!({"fail_status": 503, "fail_requests": 1}))).await;
-    assert_eq!(s, 200);
-    let (s, b) = http(
-        d.addr,
-        "/v1/completions",
-        Some(&json!({"prompt": prompt(90, 1), "max_tokens": 4, "min_tokens": 2})),
-    )
-    .await;
-    let text = String::from_utf8_lossy(&b);
-    assert_eq!(s, 502, "{text}");
-    assert!(text.contains("503"), "{text}");
-    assert_nixl_clean(&d, Duration::from_secs(5)).await;
-    let drains = &nixl(&d).drains;
-    assert_eq!((drains.sent.load(Ordering::Relaxed), drains.failed.load(Ordering::Relaxed)), (1, 0));
+    // (the decoder's own refusal, drains baton sends)
+    for (i, (plain, drains)) in [(false, 0), (true, 1)].into_iter().enumerate() {
+        let faults = json!({"fail_status": 503, "fail_requests": 1, "fail_plain": plain});
+        assert_eq!(http(decode, "/sim/faults", Some(&faults)).await.0, 200);
+        let body = json!({"prompt": prompt(90, i), "max_tokens": 4, "min_tokens": 2});
+        let (s, b) = http(d.addr, "/v1/completions", Some(&body)).await;
+        let text = String::from_utf8_lossy(&b);
+        assert_eq!(s, 502, "plain={plain}: {text}");
+        assert!(text.contains("503"), "plain={plain}: {text}");
+        assert_nixl_clean(&d, Duration::from_secs(5)).await;
+        let sent = nixl(&d).drains.sent.load(Ordering::Relaxed);
+        assert_eq!(sent, drains, "plain={plain}: drains sent");
+    }
+    let nixl_stats = d.engines[0].engine.stats()["nixl"].clone();
+    assert_eq!(
+        (nixl_stats["released"].as_u64(), nixl_stats["read"].as_u64()),
+        (Some(1), Some(1)),
+        "{nixl_stats}"
+    );
+    assert_eq!(nixl(&d).drains.failed.load(Ordering::Relaxed), 0);
     d.shutdown().await;
 }

@@ -61,6 +61,7 @@ fn rows() -> Vec<Row> {
         (Ep::Both, json!({"n": 129}), &[], "n", VALUE),
         (Ep::Both, json!({"n": 2.5}), &[], "n", TYPE),
         (Ep::Both, json!({"n": 2, "temperature": 0}), &[], "n", VALUE),
+        (Ep::Both, json!({"n": 2, "temperature": 0.000_001}), &[], "n", VALUE),
         (Ep::Both, json!({"seed": "abc"}), &[], "seed", TYPE),
         (Ep::Both, json!({"seed": 1e30}), &[], "seed", TYPE),
         (Ep::Both, json!({"seed": u64::MAX}), &[], "seed", VALUE),

@@ -158,6 +158,18 @@ impl Engine {
         }
     }
 
+    /// The server's log from byte `from` on.
+    pub fn log_since(&self, from: u64) -> String {
+        let text = std::fs::read(&self.log).unwrap_or_default();
+        String::from_utf8_lossy(text.get(usize::try_from(from).unwrap_or(usize::MAX)..).unwrap_or_default())
+            .into_owned()
+    }
+
+    /// The log's length now (for [`Engine::log_since`]).
+    pub fn log_len(&self) -> u64 {
+        std::fs::metadata(&self.log).map_or(0, |m| m.len())
+    }
+
     /// The last `n` lines of the server's log.
     pub fn log_tail(&self, n: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();

@@ -120,9 +120,9 @@ async fn pipe(
     let _ = to.shutdown().await;
 }
 
-/// An HTTP proxy to `upstream` that answers the first `refuse` POSTs itself with a 503 and an
-/// OpenAI error body (a decoder refusing a request, as one that is overloaded or restarting does)
-/// and forwards everything else (metrics scrapes, health checks, later POSTs) unchanged.
+/// An HTTP proxy to `upstream` that answers the first `refuse` POSTs itself with a 503 and an HTML
+/// page (as a load balancer in front of an engine that is restarting does: the engine never sees
+/// the request) and forwards everything else (metrics scrapes, health checks, later POSTs) unchanged.
 pub async fn refusing(
     upstream: SocketAddr,
     refuse: usize,
@@ -161,10 +161,10 @@ pub async fn refusing(
                             })
                             .is_ok()
                     {
-                        let body = r#"{"error":{"message":"the decoder is restarting","type":"ServiceUnavailableError","param":null,"code":503}}"#;
+                        let body = "<html><body><h1>503 Service Temporarily Unavailable</h1></body></html>";
                         let resp = hyper::Response::builder()
                             .status(503)
-                            .header("content-type", "application/json")
+                            .header("content-type", "text/html")
                             .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
                             .unwrap();
                         return Ok(resp);
