@@ -62,6 +62,41 @@ async fn baton_push_is_read_by_libzmq_pull_and_msgspec() {
     assert!(child.wait().await.unwrap().success());
 }
 
+/// baton's SUB (the KV event reader's socket) subscribes to a libzmq PUB as vLLM's publisher
+/// binds it: the messages on topics starting with `kv` arrive, frames intact and in order, and
+/// those on other topics are filtered out by the publisher.
+#[tokio::test]
+async fn baton_sub_receives_what_libzmq_pub_publishes_on_its_topic() {
+    let addr = free_port();
+    let Some(mut publisher) = peer(&["pub", &addr.to_string()]) else { return };
+    let mut child = publisher.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("bound"));
+    let mut sub = Connection::connect(addr, SocketType::Sub, 1 << 20).await.unwrap();
+    assert_eq!(sub.peer_type(), "PUB");
+    sub.subscribe(b"kv").await.unwrap();
+    let mut last: Option<u64> = None;
+    let mut kv = 0;
+    while kv < 5 {
+        let frames =
+            tokio::time::timeout(Duration::from_secs(10), sub.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(frames.len(), 3, "{frames:?}");
+        assert!(frames[0].starts_with(b"kv"), "a message on {:?} passed the filter", frames[0]);
+        assert_eq!(
+            frames[2],
+            [0x93, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x90, 0xc0],
+            "msgpack [1.5, [], None]"
+        );
+        let seq = u64::from_be_bytes(frames[1].as_slice().try_into().unwrap());
+        if frames[0] == b"kv" {
+            assert!(last.is_none_or(|l| seq == l + 1), "kv: {seq} after {last:?}");
+            last = Some(seq);
+            kv += 1;
+        }
+    }
+    let _ = child.kill().await;
+}
+
 /// A libzmq REQ socket sends msgspec's `AllocRequest` to baton's REP server (the simulated decoder's
 /// allocation channel) and decodes the `AllocResponse`.
 #[tokio::test]

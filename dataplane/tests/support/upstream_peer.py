@@ -23,6 +23,7 @@ lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache its
 
 import json
 import sys
+import time
 import urllib.request
 from typing import Union
 
@@ -151,6 +152,20 @@ def main() -> None:
         s.send(msgspec.msgpack.encode(req))
         msg = msgspec.msgpack.decode(s.recv(), type=PDMsg)
         print(json.dumps({"type": type(msg).__name__, **msgspec.structs.asdict(msg)}), flush=True)
+        s.close()
+    elif mode == "pub":
+        # A KV event publisher as vLLM's: binds, then sends [topic, seq (8 bytes big-endian),
+        # msgpack batch] on three topics every 20 ms, 200 times (a subscriber needs a moment
+        # before libzmq applies its subscription; messages before that are dropped, as in vLLM).
+        s = ctx.socket(zmq.PUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(f"tcp://{addr}")
+        print("bound", flush=True)
+        for seq in range(200):
+            batch = msgspec.msgpack.encode([1.5, [], None])
+            for topic in (b"kv", b"kvx", b"other"):
+                s.send_multipart([topic, seq.to_bytes(8, "big"), batch])
+            time.sleep(0.02)
         s.close()
     elif mode == "proxy":
         proxy(ctx, *sys.argv[2:])
