@@ -209,7 +209,19 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// Starts both; once more, on other ports, when a port picked free was taken before a server
+    /// bound it (the servers' own ZeroMQ and UCX sockets take ephemeral ports too).
     pub fn start() -> Result<Self, String> {
+        match Self::start_once() {
+            Err(e) if e.contains("Address already in use") => {
+                eprintln!("a vLLM server lost a port race; starting both again:\n{e}");
+                Self::start_once()
+            }
+            r => r,
+        }
+    }
+
+    fn start_once() -> Result<Self, String> {
         let (python, model) = installed()?;
         let start = Instant::now();
         let mut prefill = Engine::spawn(&python, &model, "vllm-prefill", Role::Producer, 0)?;
