@@ -15,30 +15,13 @@ use std::time::{Duration, Instant};
 use baton_gateway::demo::{Demo, DemoConfig, start};
 use baton_gateway::tokenize::render_chat;
 use baton_sim::kv::output_text;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes) {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-    tokio::spawn(conn);
-    let req = match body {
-        Some(b) => Request::post(path)
-            .header("host", addr.to_string())
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(b.to_string())))
-            .unwrap(),
-        None => Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap(),
-    };
-    let res = send.send_request(req).await.unwrap();
-    let status = res.status().as_u16();
-    (status, res.into_body().collect().await.unwrap().to_bytes())
-}
+#[path = "support/http.rs"]
+mod client;
+use client::http;
 
 /// A program from a Debian package that `scripts/test` installs: on `PATH`, in `/usr/sbin`, or
 /// unpacked under `.cache/` (promtool); `None` (the test skips) outside the script, a failure

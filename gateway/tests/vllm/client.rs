@@ -1,16 +1,15 @@
-//! The tests' HTTP client: hyper over loopback, one connection a request (so dropping a request
-//! closes its connection, as a client that leaves does), and a blocking GET for readiness polls.
+//! The tests' HTTP client: the suite's hyper client (`tests/support/http.rs`), a JSON helper, SSE
+//! events, and a blocking GET for readiness polls.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
+
+#[path = "../support/http.rs"]
+mod shared;
+pub use shared::{http, send};
 
 /// A blocking `GET` with `Connection: close`: the status and the body.
 pub fn get_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
@@ -22,29 +21,6 @@ pub fn get_blocking(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Strin
     let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
     Ok((status, body))
-}
-
-/// Sends a request; the response head and its body still to read.
-pub async fn send(addr: SocketAddr, path: &str, body: Option<&Value>) -> hyper::Response<Incoming> {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-    tokio::spawn(conn);
-    let req = match body {
-        Some(b) => Request::post(path)
-            .header("host", addr.to_string())
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(b.to_string())))
-            .unwrap(),
-        None => Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap(),
-    };
-    tx.send_request(req).await.unwrap()
-}
-
-/// A whole request: the status and the body.
-pub async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes) {
-    let res = send(addr, path, body).await;
-    let status = res.status().as_u16();
-    (status, res.into_body().collect().await.unwrap().to_bytes())
 }
 
 /// A JSON answer: the status and the body parsed (panics naming the body when it is not JSON).
