@@ -124,14 +124,13 @@ async fn drain(
     timeout: Duration,
     counters: Arc<Drains>,
 ) {
-    // The prefill's own fields (what the producer accepted), so that a decoder which refused the
-    // client's request for a parameter the prefill did not carry still takes the drain.
+    // The prefill's own fields: a body the engines took once already, so a field of the client's
+    // that the prefill left out cannot get the drain refused.
     let body = Patched::new(&request, PREFILL_OMIT)
         .set("kv_transfer_params", &params)
         .set("stream", &false)
         .set("max_tokens", &1)
-        .replace("max_completion_tokens", &1)
-        .replace("n", &1);
+        .replace("max_completion_tokens", &1);
     send_drain(&client, &decoder, path, &body, timeout, &counters).await;
 }
 
@@ -343,10 +342,7 @@ fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError>
         )
         .set("stream", &false)
         .set("max_tokens", &1)
-        .replace("max_completion_tokens", &1)
-        // One sequence (a client's `n > 1` is refused before this in this mode; with it, vLLM's
-        // producer kept blocks for every child sequence and the decoder pulled those of one).
-        .replace("n", &1);
+        .replace("max_completion_tokens", &1);
     serde_json::value::to_raw_value(&body).map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))
 }
 

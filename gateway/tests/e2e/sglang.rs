@@ -107,14 +107,11 @@ async fn a_prefill_refusal_reaches_the_client_and_aborts_the_decode_leg() {
         assert_sglang_clean(&d, Duration::from_millis(100)).await;
         eprintln!("stream={stream}: decode leg gone {:?} after the 400", answered.elapsed());
     }
+    // Every decode leg that reached the decoder was ended by /abort_request: the clean check above
+    // finds none in flight within 100 ms, where one not aborted would wait for its room. How many
+    // reached it is timing: one baton dropped before sending it never did (seen under load).
     let dec = sglang(&d, 1);
-    // A decode leg that reached the decoder was ended by /abort_request (one that was not would
-    // still be in flight above, waiting for its room); one baton dropped before it was sent never
-    // reached it, which the prefill's immediate 400 makes a matter of timing (seen under load).
-    let aborted = dec["aborted"].as_u64().unwrap();
-    assert!(aborted <= 2, "{dec}");
-    assert!(sglang(&d, 1)["in_flight"] == 0, "{dec}");
-    eprintln!("{aborted} of 2 decode legs reached the decoder and were aborted");
+    eprintln!("{} of 2 decode legs reached the decoder and were aborted", dec["aborted"]);
     assert_eq!(dec["unpaired"], 0, "no decode leg waited out its room: {dec}");
     d.shutdown().await;
 }
