@@ -49,7 +49,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{DemoConfig, DemoHandoff, start_engines_with};
+use baton_gateway::demo::{DemoConfig, start_engines_with};
+use baton_gateway::handoff::Mode;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -88,7 +89,7 @@ fn engines_main(mode: &str) {
     baton_sim::kv::set_neutral(true);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let handoff = DemoHandoff::parse(mode).expect("a handoff mode");
+        let handoff = Mode::parse(mode).expect("a handoff mode");
         let c = DemoConfig {
             handoff,
             pages: 4096,
@@ -99,14 +100,9 @@ fn engines_main(mode: &str) {
         };
         let notify: Option<SocketAddr> = std::env::var(NOTIFY_ENV).ok().map(|a| a.parse().unwrap());
         let e = start_engines_with(&c, notify).await.unwrap();
-        let (_, decode, ranks) = &e.decoders[0];
-        let lmcache = e
-            .lmcache
-            .first()
-            .map(|(t, cap)| json!({"init": t.init_ports, "alloc": t.alloc_ports, "capacity": cap}));
+        let (_, decode, stats) = &e.decoders[0];
         let hello = json!({
-            "prefill": e.running[0].addr.to_string(), "decode": decode.to_string(),
-            "ranks": ranks.iter().map(ToString::to_string).collect::<Vec<_>>(), "lmcache": lmcache,
+            "prefill": e.running[0].addr.to_string(), "decode": decode.to_string(), "stats": stats,
         });
         println!("{hello}");
         // Until the bench closes our stdin.
@@ -281,27 +277,31 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     let mut model_extra = String::new();
     match mode {
         "native" => {
-            let ranks: Vec<String> = hello["ranks"]
+            let ranks: Vec<String> = hello["stats"]["ranks"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|r| format!("{:?}", r.as_str().unwrap()))
+                .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
                 .collect();
             decode_table.push_str(&format!("dataplane = [{}]\n", ranks.join(", ")));
         }
         "lmcache" => {
-            let l = &hello["lmcache"];
+            // Each rank of the decoder's PD backend: its ports and its capacity in chunks.
+            let ranks = hello["stats"]["lmcache"]["ranks"].as_array().unwrap();
             let list = |k: &str| {
-                l[k].as_array().unwrap().iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                let port =
+                    |r: &Value| r[k].as_str().unwrap().parse::<SocketAddr>().unwrap().port().to_string();
+                ranks.iter().map(port).collect::<Vec<_>>().join(", ")
             };
+            let capacity = ranks.iter().map(|r| r["capacity_chunks"].as_u64().unwrap()).min().unwrap();
             let page = u64::from(CHUNK_TOKENS) * 2 * u64::from(SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]);
             std::fs::write(
                 dir.join("decoder.yaml"),
                 format!(
                     "enable_pd: True\npd_role: \"receiver\"\npd_peer_host: \"127.0.0.1\"\npd_peer_init_port: [{}]\npd_peer_alloc_port: [{}]\npd_buffer_size: {}\nchunk_size: {CHUNK_TOKENS}\n",
-                    list("init"),
-                    list("alloc"),
-                    l["capacity"].as_u64().unwrap() * page
+                    list("init_addr"),
+                    list("alloc_addr"),
+                    capacity * page
                 ),
             )
             .unwrap();

@@ -24,7 +24,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+use baton_gateway::handoff::Mode;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -111,7 +112,7 @@ async fn run(first_token: bool, concurrency: usize, per_client: usize) -> Run {
         pages: 512,
         chunk_tokens: 256,
         token_delay: TOKEN_DELAY,
-        handoff: DemoHandoff::Lmcache,
+        handoff: Mode::Lmcache,
         gateway: GatewaySetup { no_first_token: !first_token, ..GatewaySetup::default() },
         ..DemoConfig::default()
     })

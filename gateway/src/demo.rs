@@ -6,16 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use baton_sim::DeviceKind;
-use baton_sim::{LmcacheSimConfig, Running, SimConfig, SimRole, launch, tiny_geometry};
+use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 
-use crate::admission::{QueueConfig, SlotQueue};
-use crate::handoff::decoder::Decoder;
-use crate::handoff::lmcache::{Lmcache, LmcacheTarget, Notifications};
-use crate::handoff::native::{Native, RankLinks};
-use crate::handoff::nixl::Nixl;
+use crate::admission::QueueConfig;
+use crate::config::{CheckedDecoder, StartContext, StartError};
+use crate::handoff::lmcache::Notifications;
 use crate::handoff::scrape::LoadTarget;
-use crate::handoff::sglang::Sglang;
-use crate::handoff::{Handoff, Limits, Prefiller, Shared};
+use crate::handoff::{BoxFuture, Decoder, DemoDecoder, Limits, Mode, Prefiller, Shared};
 use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
 use crate::server::{HttpTimeouts, Listeners, Surface};
@@ -51,7 +48,7 @@ pub struct DemoConfig {
     pub shape: Option<[u32; 4]>,
     pub token_delay: Duration,
     /// How the KV reaches the decoders.
-    pub handoff: DemoHandoff,
+    pub handoff: Mode,
     /// Where the simulated engines keep their caches and PD buffers (`cuda`: GPU 0).
     pub device: baton_sim::DeviceKind,
     /// Fault switches the simulated prefillers start with.
@@ -66,44 +63,6 @@ pub struct DemoConfig {
     pub gateway: GatewaySetup,
 }
 
-/// The handoff the demo's engines and gateway use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DemoHandoff {
-    /// baton's data plane.
-    #[default]
-    Native,
-    /// LMCache's PD backend (ZMQ side channels, msgpack notifications).
-    Lmcache,
-    /// vLLM's NIXL connector (the decoder pulls; admission from the decoder's metrics).
-    VllmNixl,
-    /// SGLang's PD mode (both legs at once, paired by a bootstrap room; the decoder pulls).
-    Sglang,
-}
-
-impl DemoHandoff {
-    pub const ALL: [Self; 4] = [Self::Native, Self::Lmcache, Self::VllmNixl, Self::Sglang];
-    pub const NAMES: [&'static str; 4] = [
-        crate::handoff::native::MODE,
-        crate::handoff::lmcache::MODE,
-        crate::handoff::nixl::MODE,
-        crate::handoff::sglang::MODE,
-    ];
-
-    /// The mode's name, as in a configuration's `handoff`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Native => crate::handoff::native::MODE,
-            Self::Lmcache => crate::handoff::lmcache::MODE,
-            Self::VllmNixl => crate::handoff::nixl::MODE,
-            Self::Sglang => crate::handoff::sglang::MODE,
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|m| m.name() == s)
-    }
-}
-
 /// How a gateway in front of engines is set up.
 #[derive(Clone, Debug, Default)]
 pub struct GatewaySetup {
@@ -113,8 +72,6 @@ pub struct GatewaySetup {
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub routing: Builtin,
     pub health: HealthConfig,
-    /// TEST ONLY: admission off and pages taken chunk by chunk ([`Native::unprotected`]).
-    pub unprotected: bool,
     pub http: HttpTimeouts,
     /// `lmcache` mode: the notification listener (bound before the prefillers start, which need its
     /// address) and whether to ask for the first token from prefill.
@@ -169,7 +126,7 @@ impl Default for DemoConfig {
             chunk_tokens: 16,
             shape: None,
             token_delay: Duration::ZERO,
-            handoff: DemoHandoff::Native,
+            handoff: Mode::default(),
             device: baton_sim::DeviceKind::Cpu,
             prefill_faults: Default::default(),
             lmcache_async_send: false,
@@ -215,124 +172,75 @@ impl Demo {
     }
 }
 
-fn parse_addr(v: &serde_json::Value) -> Option<SocketAddr> {
-    v.as_str()?.parse().ok()
-}
-
 /// The engines of a demo, without a gateway.
 #[derive(Debug)]
 pub struct Engines {
     pub prefills: Vec<Prefiller>,
-    /// `(name, HTTP address, rank data-plane addresses)` per decoder.
-    pub decoders: Vec<(String, SocketAddr, Vec<SocketAddr>)>,
-    pub fingerprint: u64,
-    pub chunk_tokens: u32,
-    /// `lmcache` mode: each decoder's PD backend ports and capacity in chunks (parallel to
-    /// `decoders`; empty in native mode).
-    pub lmcache: Vec<(LmcacheTarget, u32)>,
-    /// The engines play vLLM's NIXL connector.
-    pub nixl: bool,
-    /// The engines play SGLang's PD mode.
-    pub sglang: bool,
+    /// `(name, HTTP address, the engine's stats)` per decoder.
+    pub decoders: Vec<(String, SocketAddr, serde_json::Value)>,
+    /// The model's KV geometry, as every engine has it.
+    pub geometry: baton_dataplane::KvGeometry,
+    /// The mode the engines play.
+    pub mode: Mode,
     pub running: Vec<Running>,
 }
 
-/// Starts the simulated engines; `lmcache_proxy` is where LMCache prefillers send notifications.
+impl Engines {
+    /// The KV geometry's fingerprint, as the engines' data planes check it.
+    pub fn fingerprint(&self) -> u64 {
+        self.geometry.fingerprint()
+    }
+}
+
+/// Starts the simulated engines.
 pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
     start_engines_with(c, None).await
 }
 
-/// [`start_engines`], with the LMCache notification address for `lmcache` mode.
-pub async fn start_engines_with(
-    c: &DemoConfig,
-    lmcache_proxy: Option<SocketAddr>,
-) -> Result<Engines, String> {
+/// [`start_engines`]; `notify`: where LMCache prefillers send notifications (the gateway's
+/// listener), for a mode that has them.
+pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> Result<Engines, String> {
     let tiny = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
     let [layers, kv_heads, head_dim, dtype_bytes] =
         c.shape.unwrap_or([tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype_bytes]);
     let geometry =
         baton_dataplane::KvGeometry::new(layers, kv_heads, head_dim, dtype_bytes, c.chunk_tokens, c.tp)
             .map_err(|e| e.to_string())?;
-    let mut running = Vec::new();
-    let mut prefills = Vec::new();
-    for i in 0..c.prefills {
-        let mut sc = SimConfig::new(SimRole::Prefill, geometry);
+    let engine = |role: SimRole| {
+        let mut sc = SimConfig::new(role, geometry);
         sc.cache_blocks = c.cache_blocks;
         sc.device = c.device;
         sc.token_delay = c.token_delay;
-        sc.faults = c.prefill_faults.clone();
-        if c.handoff == DemoHandoff::VllmNixl {
-            sc.nixl = Some(c.nixl_abort_timeout);
+        if role == SimRole::Decode {
+            sc.pages = c.pages;
+        } else {
+            sc.faults = c.prefill_faults.clone();
         }
-        if c.handoff == DemoHandoff::Sglang {
-            sc.sglang = Some(c.sglang.clone());
-        }
-        if c.handoff == DemoHandoff::Lmcache {
-            sc.lmcache = Some(LmcacheSimConfig {
-                proxy: lmcache_proxy,
-                async_send: c.lmcache_async_send,
-                ..LmcacheSimConfig::default()
-            });
-        }
-        let r = launch(sc).await.map_err(|e| e.to_string())?;
+        c.handoff.sim(c, notify, &mut sc);
+        sc
+    };
+    let mut running = Vec::new();
+    let mut prefills = Vec::new();
+    for i in 0..c.prefills {
+        let r = launch(engine(SimRole::Prefill)).await.map_err(|e| e.to_string())?;
         prefills.push(Prefiller::new(format!("prefill-{i}"), r.addr));
         running.push(r);
     }
     let mut decoders = Vec::new();
-    let mut lmcache = Vec::new();
     for i in 0..c.decoders {
-        let mut sc = SimConfig::new(SimRole::Decode, geometry);
-        sc.cache_blocks = c.cache_blocks;
-        sc.pages = c.pages;
-        sc.device = c.device;
-        sc.token_delay = c.token_delay;
-        if c.handoff == DemoHandoff::VllmNixl {
-            sc.nixl = Some(c.nixl_abort_timeout);
-        }
-        if c.handoff == DemoHandoff::Sglang {
-            sc.sglang = Some(c.sglang.clone());
-        }
-        if c.handoff == DemoHandoff::Lmcache {
-            sc.lmcache = Some(LmcacheSimConfig {
-                pd_buffer_bytes: u64::from(c.pages) * geometry.page_bytes_per_rank(),
-                ..LmcacheSimConfig::default()
-            });
-        }
-        let r = launch(sc).await.map_err(|e| e.to_string())?;
-        let stats = r.engine.stats();
-        if c.handoff == DemoHandoff::Lmcache {
-            let ranks = stats["lmcache"]["ranks"].as_array().cloned().unwrap_or_default();
-            let port = |v: &serde_json::Value| parse_addr(v).map(|a| a.port());
-            lmcache.push((
-                LmcacheTarget {
-                    receiver_host: "127.0.0.1".into(),
-                    init_ports: ranks.iter().filter_map(|r| port(&r["init_addr"])).collect(),
-                    alloc_ports: ranks.iter().filter_map(|r| port(&r["alloc_addr"])).collect(),
-                },
-                ranks
-                    .iter()
-                    .filter_map(|r| r["capacity_chunks"].as_u64())
-                    .min()
-                    .map_or(0, |c| u32::try_from(c).unwrap_or(u32::MAX)),
-            ));
-        }
-        let ranks: Vec<SocketAddr> = stats["ranks"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|r| parse_addr(&r["addr"])).collect())
-            .unwrap_or_default();
-        decoders.push((format!("decode-{i}"), r.addr, ranks));
+        let r = launch(engine(SimRole::Decode)).await.map_err(|e| e.to_string())?;
+        decoders.push((format!("decode-{i}"), r.addr, r.engine.stats()));
         running.push(r);
     }
-    Ok(Engines {
-        prefills,
-        decoders,
-        fingerprint: geometry.fingerprint(),
-        chunk_tokens: geometry.chunk_tokens,
-        lmcache,
-        nixl: c.handoff == DemoHandoff::VllmNixl,
-        sglang: c.handoff == DemoHandoff::Sglang,
-        running,
-    })
+    Ok(Engines { prefills, decoders, geometry, mode: c.handoff, running })
+}
+
+/// How a checked decoder is started: [`CheckedDecoder::start`], or a test's own.
+pub type StartDecoder =
+    for<'a> fn(CheckedDecoder, &'a StartContext) -> BoxFuture<'a, Result<Arc<Decoder>, StartError>>;
+
+fn start_decoder(d: CheckedDecoder, ctx: &StartContext) -> BoxFuture<'_, Result<Arc<Decoder>, StartError>> {
+    Box::pin(d.start(ctx))
 }
 
 /// A gateway in front of `engines`, serving on `listen` (over TLS when `setup.tls` is given). Its
@@ -342,88 +250,78 @@ pub async fn start_gateway(
     listen: SocketAddr,
     setup: GatewaySetup,
 ) -> Result<GatewayRun, String> {
+    start_gateway_with(e, listen, setup, start_decoder).await
+}
+
+/// [`start_gateway`], each decoder started by `start`: the same checked pools, as the
+/// configuration would give them, through the same start as `baton serve`'s unless a test swaps it.
+pub async fn start_gateway_with(
+    e: &Engines,
+    listen: SocketAddr,
+    setup: GatewaySetup,
+    start: StartDecoder,
+) -> Result<GatewayRun, String> {
     let shared = Shared::new(setup.limits, setup.health).map_err(|e| format!("metrics: {e}"))?;
     let tracing = match &setup.trace {
         Some(t) => Some(Arc::new(crate::telemetry::trace::Tracing::start(t, shared.client.clone())?)),
         None => None,
     };
+    let ctx = StartContext {
+        shared: Arc::clone(&shared),
+        queue: QueueConfig::default(),
+        lmcache: setup.lmcache.clone(),
+        first_token: !setup.no_first_token,
+        dataplane_tls: None,
+    };
     let mut decoders = Vec::new();
-    for (i, (name, http, ranks)) in e.decoders.iter().enumerate() {
-        let queue = SlotQueue::new(0, QueueConfig::default());
-        let handoff: Box<dyn Handoff> = if e.sglang {
-            // The bootstrap port is read from each prefill engine's /get_server_info.
-            Box::new(Sglang::new(Arc::clone(&shared), (*http).into(), setup.nixl.clone(), None, &queue))
-        } else if e.nixl {
-            Box::new(Nixl::new(Arc::clone(&shared), (*http).into(), setup.nixl.clone(), &queue))
-        } else if let Some((target, capacity)) = e.lmcache.get(i) {
-            let hub =
-                setup.lmcache.clone().ok_or("lmcache engines need the gateway's notification listener")?;
-            queue.resize(*capacity);
-            Box::new(Lmcache::new(
-                Arc::clone(&shared),
-                hub,
-                target.clone(),
-                e.chunk_tokens,
-                !setup.no_first_token,
-            ))
-        } else {
-            let mut n = Native::connect(
-                Arc::clone(&shared),
-                name.clone(),
-                RankLinks::plain(ranks.clone(), e.fingerprint),
-                e.chunk_tokens,
-                None,
-                queue.clone(),
-            )
-            .await
-            .map_err(|err| format!("{name}: {err}"))?;
-            n.unprotected = setup.unprotected;
-            Box::new(n)
-        };
-        decoders.push(Arc::new(Decoder::new(name.clone(), (*http).into(), queue, handoff)));
+    for (name, http, stats) in &e.decoders {
+        let d = DemoDecoder { http: *http, stats, geometry: e.geometry, setup: &setup };
+        let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d)? };
+        decoders.push(start(checked, &ctx).await.map_err(|err| err.to_string())?);
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
     let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();
-    let gateway = Gateway::new(
+    let access = Access {
+        plugins: None,
+        keys: None,
+        tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
+        explain: setup.explain,
+        tracing,
+    };
+    let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });
+    let parts = crate::serve::Parts {
         model,
         prefills,
         decoders,
         shared,
-        Router::new(setup.routing),
-        setup.http,
-        Access {
-            plugins: None,
-            keys: None,
-            tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
-            explain: setup.explain,
-            tracing,
-        },
-    );
-    let _health = gateway.start_health_checks();
-    let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
-    let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });
-    let listeners = Listeners::start(&gateway, vec![(listen, setup.tls)], admin)
-        .await
-        .map_err(|(at, err)| format!("listen on {at}: {err}"))?;
+        router: Router::new(setup.routing),
+        http: setup.http,
+        access,
+        listeners: vec![(listen, setup.tls)],
+        admin,
+    };
+    let (gateway, listeners, _health) = crate::serve::assemble(parts).await.map_err(|e| e.to_string())?;
     let addr = listeners.addrs.first().copied().ok_or("no listener")?;
     Ok(GatewayRun { addr, admin: listeners.admin_addr, gateway, listeners })
 }
 
 /// Starts the engines and the gateway.
-pub async fn start(mut c: DemoConfig) -> Result<Demo, String> {
-    let mut proxy = None;
-    if c.handoff == DemoHandoff::Lmcache && c.gateway.lmcache.is_none() {
-        let hub = Notifications::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-        proxy = Some(hub.addr);
-        c.gateway.lmcache = Some(hub);
-    } else if let Some(h) = &c.gateway.lmcache {
-        proxy = Some(h.addr);
+pub async fn start(c: DemoConfig) -> Result<Demo, String> {
+    start_with(c, start_decoder).await
+}
+
+/// [`start`], each decoder started by `start` ([`start_gateway_with`]).
+pub async fn start_with(mut c: DemoConfig, start: StartDecoder) -> Result<Demo, String> {
+    if c.handoff.notifications() && c.gateway.lmcache.is_none() {
+        c.gateway.lmcache = Some(Notifications::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?);
     }
-    let engines = start_engines_with(&c, proxy).await?;
+    let notify = c.gateway.lmcache.as_ref().map(|h| h.addr);
+    let engines = start_engines_with(&c, notify).await?;
     let lmcache = c.gateway.lmcache.clone();
-    let run = start_gateway(&engines, c.listen, c.gateway).await?;
+    let run = start_gateway_with(&engines, c.listen, c.gateway, start).await?;
     Ok(Demo {
         addr: run.addr,
         admin: run.admin,

@@ -120,20 +120,20 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
     let access = Access { plugins, keys: c.keys, tenants, explain: c.explain, tracing };
-    let gateway = Gateway::new(
+    let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
+    let parts = Parts {
         model,
         prefills,
         decoders,
         shared,
-        Router::new(c.routing),
-        HttpTimeouts::default(),
+        router: Router::new(c.routing),
+        http: HttpTimeouts::default(),
         access,
-    );
-    background.push(gateway.start_health_checks());
-    let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
-    let listeners = Listeners::start(&gateway, c.listeners, admin)
-        .await
-        .map_err(|(addr, source)| StartError::Listen { addr, source })?;
+        listeners: c.listeners,
+        admin,
+    };
+    let (gateway, listeners, health) = assemble(parts).await?;
+    background.push(health);
     tracing::info!(at = %listeners.admin_addr, "admin listener (/metrics, /admin/*)");
     Ok(Serving {
         addrs: listeners.addrs.clone(),
@@ -144,6 +144,34 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         listeners,
         background,
     })
+}
+
+/// What a gateway is made of, started: `baton serve` gets it from the configuration, `baton demo`
+/// from its simulated engines.
+pub(crate) struct Parts {
+    pub model: ModelInfo,
+    pub prefills: Vec<Prefiller>,
+    pub decoders: Vec<Arc<crate::handoff::Decoder>>,
+    pub shared: Arc<Shared>,
+    pub router: Router,
+    pub http: HttpTimeouts,
+    pub access: Access,
+    /// Public listeners, each with its TLS.
+    pub listeners: Vec<(SocketAddr, Option<crate::server::tls::FrontTls>)>,
+    pub admin: (SocketAddr, Option<crate::server::tls::FrontTls>, Surface),
+}
+
+/// The gateway the parts make, serving: its health checks started (the task is returned), every
+/// listener bound.
+pub(crate) async fn assemble(
+    p: Parts,
+) -> Result<(Arc<Gateway>, Listeners, tokio::task::JoinHandle<()>), StartError> {
+    let gateway = Gateway::new(p.model, p.prefills, p.decoders, p.shared, p.router, p.http, p.access);
+    let health = gateway.start_health_checks();
+    let listeners = Listeners::start(&gateway, p.listeners, p.admin)
+        .await
+        .map_err(|(addr, source)| StartError::Listen { addr, source })?;
+    Ok((gateway, listeners, health))
 }
 
 /// Reads `file` again for a plugin reload: its plugins and tenants, checked.

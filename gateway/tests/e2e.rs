@@ -23,6 +23,14 @@ use tokio::task::JoinSet;
 mod client;
 use client::http;
 
+/// `baton_drains_total{decoder="decode-0",mode,result}` on the demo's `/metrics`: the gateway's own
+/// count, read as an operator reads it.
+async fn drains(d: &Demo, mode: &str, result: &str) -> f64 {
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let line = format!("baton_drains_total{{decoder=\"decode-0\",mode=\"{mode}\",result=\"{result}\"}} ");
+    plugins::metric(&String::from_utf8_lossy(&m), &line)
+}
+
 /// A program from a Debian package that `scripts/test` installs: on `PATH`, in `/usr/sbin`, or
 /// unpacked under `.cache/` (promtool); `None` (the test skips) outside the script, a failure
 /// inside it (`BATON_REQUIRE_VENV`).
@@ -291,17 +299,10 @@ async fn deadlock_scenario_completes_and_leaves_the_buffer_clean() {
 /// This is what the test above would see without admission and all-or-nothing reservations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlock_scenario_wedges_with_the_protections_off() {
-    use baton_gateway::demo::GatewaySetup;
+    use baton_gateway::handoff::native::unprotected;
     use std::sync::atomic::Ordering;
-    let d = start(DemoConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        tp: 2,
-        pages: 64,
-        gateway: GatewaySetup { unprotected: true, ..GatewaySetup::default() },
-        ..DemoConfig::default()
-    })
-    .await
-    .unwrap();
+    let c = DemoConfig { listen: "127.0.0.1:0".parse().unwrap(), tp: 2, pages: 64, ..DemoConfig::default() };
+    let d = baton_gateway::demo::start_with(c, unprotected::start).await.unwrap();
     // Uncontended, the unprotected path works: the wedge below comes from contention alone.
     let (status, _) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(60 * 16, 0), "max_tokens": 2}))).await;
@@ -1532,21 +1533,15 @@ fn the_fallback_chat_template_renders_as_the_simulated_model() {
 /// phase it never passes through does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_mode_records_every_phase_it_passes_through() {
-    use baton_gateway::demo::DemoHandoff;
+    use baton_gateway::handoff::Mode;
     use baton_gateway::telemetry::Phase;
 
     // (mode, the phases it passes through; the others must stay at 0 samples)
     let modes = [
-        (
-            DemoHandoff::Native,
-            vec![Phase::Queue, Phase::Reserve, Phase::Prefill, Phase::KvReady, Phase::Decode],
-        ),
-        (
-            DemoHandoff::Lmcache,
-            vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode, Phase::FirstToken],
-        ),
-        (DemoHandoff::VllmNixl, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
-        (DemoHandoff::Sglang, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+        (Mode::Native, vec![Phase::Queue, Phase::Reserve, Phase::Prefill, Phase::KvReady, Phase::Decode]),
+        (Mode::Lmcache, vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode, Phase::FirstToken]),
+        (Mode::VllmNixl, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+        (Mode::Sglang, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
     ];
     for (handoff, mut phases) in modes {
         phases.extend([Phase::Route, Phase::Total, Phase::Stream]);
@@ -1661,8 +1656,8 @@ async fn the_demo_with_its_defaults_holds_a_real_chat() {
 /// or not; a list over the bound is refused; nothing is held afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_lists_are_one_pd_request_each_merged_by_index() {
-    use baton_gateway::demo::DemoHandoff;
-    for handoff in [DemoHandoff::Native, DemoHandoff::Sglang] {
+    use baton_gateway::handoff::Mode;
+    for handoff in [Mode::Native, Mode::Sglang] {
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,

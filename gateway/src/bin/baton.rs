@@ -276,8 +276,9 @@ mod demo {
     use std::time::Duration;
 
     use baton_gateway::demo::{
-        DEFAULT_DEMO_LISTEN, DEMO_CACHE_BLOCKS, DEMO_PAGES, DemoConfig, DemoHandoff, DeviceKind, start,
+        DEFAULT_DEMO_LISTEN, DEMO_CACHE_BLOCKS, DEMO_PAGES, DemoConfig, DeviceKind, start,
     };
+    use baton_gateway::handoff::Mode;
     use baton_gateway::routing::Builtin;
     use baton_gateway::telemetry::LogConfig;
     use baton_gateway::tokenize::Tokenizer;
@@ -326,7 +327,7 @@ mod demo {
         log_format: Option<String>,
         /// How the KV reaches the decoders (the engines speak that protocol)
         #[arg(long, value_parser = handoff, default_value = "native")]
-        handoff: DemoHandoff,
+        handoff: Mode,
         /// Where the engines keep their caches and PD buffers: cpu or cuda (GPU 0)
         #[arg(long, value_parser = device, default_value = "cpu")]
         device: DeviceKind,
@@ -345,8 +346,10 @@ mod demo {
         Builtin::parse(s).ok_or_else(|| format!("not one of {}", Builtin::NAMES.join(", ")))
     }
 
-    fn handoff(s: &str) -> Result<DemoHandoff, String> {
-        DemoHandoff::parse(s).ok_or_else(|| format!("not one of {}", DemoHandoff::NAMES.join(", ")))
+    fn handoff(s: &str) -> Result<Mode, String> {
+        Mode::parse(s).ok_or_else(|| {
+            format!("not one of {}", Mode::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "))
+        })
     }
 
     fn device(s: &str) -> Result<DeviceKind, String> {

@@ -67,7 +67,7 @@ pub struct CheckedLmcache {
 }
 
 /// Merges `[decode.lmcache]` with the YAML it names and computes the slots.
-pub(super) fn check_lmcache(
+pub(crate) fn check_lmcache(
     f: &str,
     pool: &LmcachePool,
     path: &dyn Fn(&Path) -> PathBuf,

@@ -26,10 +26,11 @@ use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
 pub mod decode;
-mod lmcache;
+pub(crate) mod lmcache;
 pub mod plugins;
 
-pub use decode::{CheckedDecoder, CheckedMode, DecodePool, LoadPool, PoolMode, StartContext, StartError};
+pub use crate::handoff::{CheckedMode, PoolMode};
+pub use decode::{CheckedDecoder, DecodePool, StartContext, StartError};
 pub use lmcache::{CheckedLmcache, LmcachePool};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
@@ -356,7 +357,7 @@ impl std::fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+pub(crate) fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError { field: field.into(), reason: reason.into(), at: None }
 }
 
@@ -422,10 +423,8 @@ impl Checked {
         }
         for (i, d) in decoders.iter().enumerate() {
             add(format!("decode[{i}].url"), &d.http.host_port().host);
-            if let CheckedMode::Native { ranks, .. } = &d.mode {
-                for (r, hp) in ranks.iter().enumerate() {
-                    add(format!("decode[{i}].dataplane[{r}]"), &hp.host);
-                }
+            for (key, host) in d.mode.names() {
+                add(format!("decode[{i}].{key}"), host);
             }
         }
         out
@@ -481,7 +480,7 @@ impl Config {
         let geometry_for = |tp: u32| self.model.geometry.at(chunk, tp, &path);
         let prefills = self.check_prefills()?;
         let decoders = decode::check(&self.decode, &path, chunk, &geometry_for)?;
-        let lmcache_used = decoders.iter().any(|d| matches!(d.mode, CheckedMode::Lmcache { .. }));
+        let lmcache_used = decoders.iter().any(|d| d.mode.mode().notifications());
         if lmcache_used && self.lmcache.is_none() {
             return Err(err(
                 "lmcache.notify_listen",

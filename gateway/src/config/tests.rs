@@ -26,7 +26,9 @@ dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
 #[test]
 fn a_good_file_checks_with_defaults() {
     let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
-    let CheckedMode::Native { geometry, .. } = &c.decoders[0].mode else { panic!("native") };
+    let CheckedMode::Native(crate::handoff::native::Checked { geometry, .. }) = &c.decoders[0].mode else {
+        panic!("native")
+    };
     assert_eq!(geometry.tp_size, 2);
     assert_eq!(c.limits.lease, DEFAULT_LEASE);
     assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
@@ -72,7 +74,10 @@ fn with_tokenizer(text: &str) -> String {
 fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
     let c =
         Config::parse(&with_tokenizer(&format!("{GOOD}{LMCACHE}"))).unwrap().check(Path::new(".")).unwrap();
-    let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
+    let CheckedMode::Lmcache(crate::handoff::lmcache::Checked { lmcache: lm, .. }) = &c.decoders[1].mode
+    else {
+        panic!("lmcache")
+    };
     // 2 layers × 2 KV × 2 heads × 16 dims × 2 bytes = 256 bytes per token, 128 per rank at TP 2:
     // 16-token chunks are 2 KiB per rank, 64 KiB hold 32.
     assert_eq!((lm.capacity, lm.chunk_size, lm.target.alloc_ports.len()), (32, 16, 2));
@@ -91,7 +96,10 @@ fn an_lmcache_pool_gets_its_slots_from_buffer_chunk_and_geometry() {
         r#"lmcache = { config = "d.yaml", pd_buffer_size = 262144 }"#,
     );
     let c = Config::parse(&text).unwrap().check(&dir).unwrap();
-    let CheckedMode::Lmcache { lmcache: lm, .. } = &c.decoders[1].mode else { panic!("lmcache") };
+    let CheckedMode::Lmcache(crate::handoff::lmcache::Checked { lmcache: lm, .. }) = &c.decoders[1].mode
+    else {
+        panic!("lmcache")
+    };
     assert_eq!(lm.target.receiver_host, "10.1.1.1");
     assert_eq!((lm.target.init_ports.clone(), lm.target.alloc_ports.clone()), (vec![7301], vec![7401]));
     // TP 1, 32-token chunks: 8 KiB per chunk; 256 KiB (the TOML's value, not the YAML's) hold 32.

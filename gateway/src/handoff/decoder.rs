@@ -2,7 +2,6 @@
 //! address, its admission queue, its health) and the mode that moves the KV to it, a [`Handoff`]
 //! behind a box. This registry names no mode.
 
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,7 +9,9 @@ use std::sync::Arc;
 use hyper::Response;
 use serde_json::Value;
 
-use super::shared::{RespBody, Shared, admission_error};
+use super::legs::RespBody;
+use super::shared::Prefiller;
+use super::shared::admission_error;
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::{GatewayError, GenRequest};
 use crate::endpoints::EngineUrl;
@@ -19,7 +20,7 @@ use crate::telemetry::{Scrape, Timing};
 
 /// `need` slots of the decoder's queue, FIFO within the ticket's class, waiting at most the
 /// ticket's wait (never more than `queue_timeout`).
-pub async fn queue_admit(
+async fn queue_admit(
     dec: &Decoder,
     need: u32,
     ticket: Ticket,
@@ -40,12 +41,20 @@ pub struct Decoder {
     /// buffer, requests in flight) and may resize it while serving.
     pub queue: SlotQueue,
     pub health: Health,
+    /// The handoff mode's name, as the configuration spells it (`handoff = "…"`); a metric label.
+    pub mode: &'static str,
     pub handoff: Box<dyn Handoff>,
 }
 
 impl Decoder {
-    pub fn new(name: String, http: EngineUrl, queue: SlotQueue, handoff: Box<dyn Handoff>) -> Self {
-        Self { name, http, queue, health: Health::default(), handoff }
+    pub fn new(
+        name: String,
+        http: EngineUrl,
+        queue: SlotQueue,
+        mode: &'static str,
+        handoff: Box<dyn Handoff>,
+    ) -> Self {
+        Self { name, http, queue, health: Health::default(), mode, handoff }
     }
 
     /// Slots a prompt of `tokens` takes here.
@@ -55,12 +64,21 @@ impl Decoder {
 
     /// The handoff mode's name.
     pub fn mode(&self) -> &'static str {
-        self.handoff.mode()
+        self.mode
+    }
+}
+
+impl super::shared::Engine for Decoder {
+    fn name(&self) -> &str {
+        &self.name
     }
 
-    /// The mode's own state, when it is `T`.
-    pub fn handoff_as<T: Handoff>(&self) -> Option<&T> {
-        self.handoff.as_any().downcast_ref::<T>()
+    fn http(&self) -> &EngineUrl {
+        &self.http
+    }
+
+    fn health(&self) -> &Health {
+        &self.health
     }
 }
 
@@ -70,7 +88,7 @@ impl Decoder {
 pub struct Leg<'a> {
     pub dec: &'a Arc<Decoder>,
     /// The prefillers in the order to try (the first is the routed one).
-    pub prefills: &'a [&'a super::shared::Prefiller],
+    pub prefills: &'a [&'a Prefiller],
     pub req: &'a GenRequest,
     /// The prompt's token ids, as the gateway counted them.
     pub ids: &'a [u32],
@@ -82,15 +100,12 @@ pub struct Leg<'a> {
 }
 
 /// A handoff mode: the strategy the driver runs a request through once it is admitted and routed.
-pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
-    /// The mode's name, as the configuration spells it (`handoff = "…"`); a metric label.
-    fn mode(&self) -> &'static str;
-
-    /// What every mode shares.
-    fn shared(&self) -> &Shared;
-
-    /// Slots a prompt of `prompt_tokens` takes on this decoder.
-    fn slots_for(&self, prompt_tokens: usize) -> u32;
+pub trait Handoff: Send + Sync + std::fmt::Debug {
+    /// Slots a prompt of `prompt_tokens` takes on this decoder: by default one per request (the
+    /// decoder's own scheduler owns its KV cache).
+    fn slots_for(&self, _prompt_tokens: usize) -> u32 {
+        1
+    }
 
     /// Refuses, before any room is taken, a request the mode cannot serve as asked (by default it
     /// serves every valid request).
@@ -99,14 +114,15 @@ pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
     }
 
     /// Takes the request's room on the decoder: by default `need` slots of the decoder's queue
-    /// (FIFO within the ticket's class, with its deadline).
+    /// (FIFO within the ticket's class, waiting at most its wait and `queue_timeout`).
     fn admit<'a>(
         &'a self,
         dec: &'a Decoder,
         need: u32,
         ticket: Ticket,
+        queue_timeout: std::time::Duration,
     ) -> BoxFuture<'a, Result<Option<SlotGuard>, GatewayError>> {
-        Box::pin(queue_admit(dec, need, ticket, self.shared().limits.queue_timeout))
+        Box::pin(queue_admit(dec, need, ticket, queue_timeout))
     }
 
     /// Runs the legs: prefill, wait for the KV, decode; the decoder's answer (streamed or whole).
@@ -119,7 +135,4 @@ pub trait Handoff: Send + Sync + std::fmt::Debug + Any {
 
     /// The mode's own series for `/metrics` (labelled with `decoder`).
     fn metrics(&self, _decoder: &str, _out: &mut Scrape) {}
-
-    /// For tests and tools that need a mode's own state.
-    fn as_any(&self) -> &dyn Any;
 }

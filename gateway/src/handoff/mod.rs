@@ -1,28 +1,271 @@
 //! How the KV of a request reaches its decoder: one strategy per handoff mode behind the
 //! [`Handoff`] trait, and what the modes share (the engines' HTTP client, limits, request ids,
-//! the prefill fallback order, drains).
+//! the legs' calls, the prefill fallback order, drains).
 //!
 //! The request driver (the `pipeline` module) owns everything common to the modes: parsing, counting,
 //! plugin admission, routing, the admission slots' acquisition, phase timing, metrics and the
 //! response headers. A mode implements only what differs: how many slots a prompt takes, its
-//! legs, how it waits for the KV and what it gives back when a request ends early. Each mode lives
-//! in its own module and nothing here names one: adding a mode adds a module.
+//! legs, how it waits for the KV and what it gives back when a request ends early.
 //!
-//! - `native`: baton's data plane (reservations on every decoder rank, readiness events);
-//! - `lmcache`: vLLM with LMCache's PD backend (the prefiller pushes, ZMQ notifications);
-//! - `nixl`: vLLM's NIXL connector (the decoder pulls; admission from the decoder's metrics);
-//! - `sglang`: SGLang's PD (both legs at once, paired by a bootstrap room).
+//! Each mode lives in its own module, which also holds its configuration keys, their checks, how
+//! it starts and how the demo's simulated engines play it ([`ModeSpec`]). The list at the foot of
+//! this file is the one place that names them all: the configuration's `handoff = "…"`, the
+//! demo's `--handoff`, [`Mode::ALL`] and the docs' checks derive from it. Adding a mode adds a
+//! module and a line to that list.
 
 pub mod decoder;
+pub mod legs;
+pub mod scrape;
+pub mod shared;
+
 pub mod lmcache;
 pub mod native;
 pub mod nixl;
-pub mod scrape;
 pub mod sglang;
-pub mod shared;
 
 pub use decoder::{BoxFuture, Decoder, Handoff, Leg};
+pub use legs::{BoxError, Drains, RespBody};
 pub use shared::{
-    BoxError, DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
-    Drains, KeyGen, Limits, Prefiller, RespBody, Shared,
+    DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Engine, KeyGen,
+    Limits, Prefiller, Shared,
 };
+
+use crate::admission::SlotQueue;
+use crate::config::{ConfigError, StartContext, StartError};
+use crate::endpoints::{EngineUrl, Host};
+
+/// What a mode's keys are checked against: the pool's place in the file, the model.
+pub struct CheckContext<'a> {
+    /// The pool's table path (`decode[2]`), for errors.
+    pub field: &'a str,
+    /// A path as written, made absolute against the configuration's directory.
+    pub path: &'a dyn Fn(&std::path::Path) -> std::path::PathBuf,
+    /// `model.chunk_tokens`.
+    pub model_chunk: u32,
+    /// The model's KV geometry at a TP size.
+    pub geometry_for: &'a dyn Fn(u32) -> Result<baton_dataplane::KvGeometry, ConfigError>,
+}
+
+impl std::fmt::Debug for CheckContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckContext")
+            .field("field", &self.field)
+            .field("model_chunk", &self.model_chunk)
+            .finish()
+    }
+}
+
+impl CheckContext<'_> {
+    /// An error at `key` of this pool.
+    pub fn err(&self, key: &str, reason: impl Into<String>) -> ConfigError {
+        crate::config::err(format!("{}.{key}", self.field), reason)
+    }
+
+    /// `max_slots`, which lowers a pool's slots: not 0.
+    pub fn max_slots(&self, m: Option<u32>) -> Result<Option<u32>, ConfigError> {
+        match m {
+            Some(0) => Err(self.err("max_slots", "must be greater than 0")),
+            m => Ok(m),
+        }
+    }
+
+    /// The model's geometry at `tp`, its errors named for this pool.
+    pub fn geometry(&self, tp: u32) -> Result<baton_dataplane::KvGeometry, ConfigError> {
+        (self.geometry_for)(tp)
+            .map_err(|e| crate::config::err(format!("{} ({})", self.field, e.field), e.reason))
+    }
+}
+
+/// One decode pool as its mode starts it: its name, its HTTP address, its admission queue (the
+/// mode sizes it).
+#[derive(Debug)]
+pub struct Pool<'a> {
+    pub name: &'a str,
+    pub http: &'a EngineUrl,
+    pub queue: &'a SlotQueue,
+}
+
+/// A decoder of the demo: the simulated engine as started, for its mode to describe.
+#[cfg(feature = "demo")]
+#[derive(Debug)]
+pub struct DemoDecoder<'a> {
+    pub http: std::net::SocketAddr,
+    /// The engine's `stats()` (its ranks, its PD backend's ports).
+    pub stats: &'a serde_json::Value,
+    pub geometry: baton_dataplane::KvGeometry,
+    pub setup: &'a crate::demo::GatewaySetup,
+}
+
+/// A handoff mode as the configuration, the gateway's start and the demo see it.
+pub trait ModeSpec {
+    /// Its name in the configuration (`handoff = "…"`) and in metric labels.
+    const NAME: &'static str;
+    /// Whether the mode needs the gateway's LMCache notification listener.
+    const NOTIFICATIONS: bool = false;
+    /// The pool's keys beside `name`, `url` and `handoff`, as written.
+    type Keys: serde::de::DeserializeOwned + std::fmt::Debug;
+    /// The keys, checked.
+    type Checked: Clone + std::fmt::Debug;
+
+    fn check(keys: &Self::Keys, cx: &CheckContext<'_>) -> Result<Self::Checked, ConfigError>;
+
+    /// The pool in one line, for `baton check-config`.
+    fn describe(c: &Self::Checked) -> String;
+
+    /// Host names the mode connects to beyond the pool's URL, with their keys (`dataplane[0]`).
+    fn names(_c: &Self::Checked) -> Vec<(String, &Host)> {
+        Vec::new()
+    }
+
+    /// Connects as the mode needs; the decoder's handoff, ready to serve.
+    fn start<'a>(
+        c: Self::Checked,
+        pool: Pool<'a>,
+        ctx: &'a StartContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>>;
+
+    /// How the demo's simulated engine of `role` plays the mode; `notify`: the gateway's LMCache
+    /// notification listener, when the mode has one.
+    #[cfg(feature = "demo")]
+    fn sim(c: &crate::demo::DemoConfig, notify: Option<std::net::SocketAddr>, sim: &mut baton_sim::SimConfig);
+
+    /// The demo's decoder as a checked pool of the mode.
+    #[cfg(feature = "demo")]
+    fn demo(d: &DemoDecoder<'_>) -> Result<Self::Checked, String>;
+}
+
+/// Declares the list of modes: [`Mode`], [`PoolMode`] and [`CheckedMode`], each dispatching to
+/// the mode's [`ModeSpec`].
+macro_rules! modes {
+    ($($(#[$doc:meta])* $variant:ident => $spec:ty,)+) => {
+        /// A handoff mode, by name.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Mode {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl Mode {
+            /// Every mode, in the list's order.
+            pub const ALL: &'static [Mode] = &[$(Mode::$variant,)+];
+
+            /// Its name, as in a configuration's `handoff`.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Mode::$variant => <$spec as ModeSpec>::NAME,)+
+                }
+            }
+
+            /// Whether it needs the gateway's LMCache notification listener.
+            pub fn notifications(self) -> bool {
+                match self {
+                    $(Mode::$variant => <$spec as ModeSpec>::NOTIFICATIONS,)+
+                }
+            }
+
+            /// The mode named `name`.
+            pub fn parse(name: &str) -> Option<Self> {
+                Self::ALL.iter().copied().find(|m| m.name() == name)
+            }
+
+            /// The pool keys of this mode, read from a pool's table (less `name`, `url`, `handoff`).
+            pub fn keys(self, t: toml::Table) -> Result<PoolMode, toml::de::Error> {
+                Ok(match self {
+                    $(Mode::$variant => PoolMode::$variant(serde::Deserialize::deserialize(t)?),)+
+                })
+            }
+
+            /// How the demo's simulated engines play this mode.
+            #[cfg(feature = "demo")]
+            pub fn sim(
+                self,
+                c: &crate::demo::DemoConfig,
+                notify: Option<std::net::SocketAddr>,
+                sim: &mut baton_sim::SimConfig,
+            ) {
+                match self {
+                    $(Mode::$variant => <$spec as ModeSpec>::sim(c, notify, sim),)+
+                }
+            }
+
+            /// The demo's decoder as a checked pool of this mode.
+            #[cfg(feature = "demo")]
+            pub fn demo(self, d: &DemoDecoder<'_>) -> Result<CheckedMode, String> {
+                Ok(match self {
+                    $(Mode::$variant => CheckedMode::$variant(<$spec as ModeSpec>::demo(d)?),)+
+                })
+            }
+        }
+
+        /// A pool's mode and its keys, as written.
+        #[derive(Debug)]
+        pub enum PoolMode {
+            $($variant(<$spec as ModeSpec>::Keys),)+
+        }
+
+        impl PoolMode {
+            pub fn check(&self, cx: &CheckContext<'_>) -> Result<CheckedMode, ConfigError> {
+                Ok(match self {
+                    $(PoolMode::$variant(k) => CheckedMode::$variant(<$spec as ModeSpec>::check(k, cx)?),)+
+                })
+            }
+        }
+
+        /// A pool's mode and its keys, checked.
+        #[derive(Clone, Debug)]
+        pub enum CheckedMode {
+            $($variant(<$spec as ModeSpec>::Checked),)+
+        }
+
+        impl CheckedMode {
+            pub fn mode(&self) -> Mode {
+                match self {
+                    $(CheckedMode::$variant(_) => Mode::$variant,)+
+                }
+            }
+
+            /// The mode's name.
+            pub fn name(&self) -> &'static str {
+                self.mode().name()
+            }
+
+            /// The pool in one line, for `baton check-config`.
+            pub fn describe(&self) -> String {
+                match self {
+                    $(CheckedMode::$variant(c) => <$spec as ModeSpec>::describe(c),)+
+                }
+            }
+
+            /// Host names the mode connects to beyond the pool's URL, with their keys.
+            pub fn names(&self) -> Vec<(String, &Host)> {
+                match self {
+                    $(CheckedMode::$variant(c) => <$spec as ModeSpec>::names(c),)+
+                }
+            }
+
+            /// Connects as the mode needs.
+            pub async fn start(self, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
+                match self {
+                    $(CheckedMode::$variant(c) => <$spec as ModeSpec>::start(c, pool, ctx).await,)+
+                }
+            }
+        }
+    };
+}
+
+modes! {
+    /// baton's data plane: reservations on every decoder rank, readiness events.
+    Native => native::Native,
+    /// vLLM with LMCache's PD backend: the prefiller pushes, ZMQ notifications.
+    Lmcache => lmcache::Lmcache,
+    /// vLLM's NIXL connector: the decoder pulls; admission from the decoder's metrics.
+    VllmNixl => nixl::Nixl,
+    /// SGLang's PD disaggregation: both legs at once, paired by a bootstrap room.
+    Sglang => sglang::Sglang,
+}
+
+impl Default for Mode {
+    /// The first in the list: a pool that names no mode has it.
+    fn default() -> Self {
+        Mode::ALL[0]
+    }
+}

@@ -20,11 +20,9 @@
 //! them at once. The prefill call itself runs to its end even if the client leaves, so its answer
 //! (and the blocks it names) is never lost.
 
-use std::any::Any;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -35,19 +33,15 @@ use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::scrape::{self, Gauges, Load, LoadTarget};
-use super::shared::{
-    BoxError, Drains, Patched, Prefiller, RespBody, Shared, answer_body, prefill_in_turn, refusal, send_drain,
-};
-use crate::admission::{SlotGuard, SlotQueue};
+use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
+use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
+use super::shared::{Prefiller, Shared};
+use super::{CheckContext, ModeSpec, Pool};
+use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Problem};
-use crate::endpoints::{EngineClient, EngineUrl};
-use crate::routing::HealthConfig;
-use crate::telemetry::request_id;
+use crate::config::{ConfigError, StartContext, StartError};
+use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
-
-/// The mode's name in the configuration.
-pub const MODE: &str = "vllm-nixl";
 
 /// vLLM's gauges: KV cache usage (`kv_cache_usage_perc` since 0.10, `gpu_cache_usage_perc`
 /// before) and requests waiting in its scheduler.
@@ -56,34 +50,63 @@ pub const VLLM_GAUGES: Gauges = Gauges {
     waiting: "vllm:num_requests_waiting",
 };
 
+/// `handoff = "vllm-nixl"`.
+#[derive(Debug, serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// Admission from the decoder's metrics.
+    #[serde(default)]
+    pub nixl: LoadKeys,
+}
+
 /// A `vllm-nixl` decoder.
 #[derive(Debug)]
 pub struct Nixl {
     shared: Arc<Shared>,
-    http: EngineUrl,
-    pub target: LoadTarget,
-    /// What the decoder's metrics said last.
-    pub load: Arc<Load>,
+    /// Its address, its admission settings and what its metrics said last.
+    pub scraped: Scraped,
     /// Drains sent for requests that ended between their prefill and their decode.
     pub drains: Arc<Drains>,
-    _scrape: super::shared::AbortOnDrop,
 }
 
-impl Nixl {
-    /// A decoder at `http`: `target.max_in_flight` slots of one request each in `queue`, closed while
-    /// its own metrics say it is full (read every `scrape_interval` until this is dropped).
-    pub fn new(shared: Arc<Shared>, http: EngineUrl, target: LoadTarget, queue: &SlotQueue) -> Self {
-        queue.resize(target.max_in_flight);
-        let load = Arc::new(Load::default());
-        let scrape = scrape::spawn(
-            Arc::clone(&shared),
-            http.clone(),
-            target.clone(),
-            VLLM_GAUGES,
-            queue.clone(),
-            Arc::clone(&load),
-        );
-        Self { shared, http, target, load, drains: Arc::default(), _scrape: scrape }
+impl ModeSpec for Nixl {
+    const NAME: &'static str = "vllm-nixl";
+    type Keys = Keys;
+    type Checked = LoadTarget;
+
+    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<LoadTarget, ConfigError> {
+        cx.geometry(1)?;
+        k.nixl.check(cx, "nixl")
+    }
+
+    fn describe(t: &LoadTarget) -> String {
+        format!("vllm-nixl, {}", t.describe())
+    }
+
+    fn start<'a>(
+        target: LoadTarget,
+        pool: Pool<'a>,
+        ctx: &'a StartContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+        let shared = Arc::clone(&ctx.shared);
+        let scraped = Scraped::start(Arc::clone(&shared), pool.http.clone(), target, VLLM_GAUGES, pool.queue);
+        Box::pin(
+            async move { Ok(Box::new(Nixl { shared, scraped, drains: Arc::default() }) as Box<dyn Handoff>) },
+        )
+    }
+
+    #[cfg(feature = "demo")]
+    fn sim(
+        c: &crate::demo::DemoConfig,
+        _notify: Option<std::net::SocketAddr>,
+        sim: &mut baton_sim::SimConfig,
+    ) {
+        sim.nixl = Some(c.nixl_abort_timeout);
+    }
+
+    #[cfg(feature = "demo")]
+    fn demo(d: &super::DemoDecoder<'_>) -> Result<LoadTarget, String> {
+        Ok(d.setup.nixl.clone())
     }
 }
 
@@ -115,50 +138,37 @@ impl Body for Guarded {
 
 /// Sends the decode with `params` and one token, drops the answer: the decoder pulls the blocks
 /// and the producer frees them.
-async fn drain(
-    client: EngineClient,
-    decoder: EngineUrl,
-    path: &'static str,
-    request: Arc<Map<String, Value>>,
-    params: Value,
-    timeout: Duration,
-    counters: Arc<Drains>,
-) {
+async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Value) {
     // The prefill's own fields: a body the engines took once already, so a field of the client's
     // that the prefill left out cannot get the drain refused.
-    let body = Patched::new(&request, PREFILL_OMIT)
+    let body = Patched::new(&to.request, PREFILL_OMIT)
         .set("kv_transfer_params", &params)
         .set("stream", &false)
         .set("max_tokens", &1)
         .replace("max_completion_tokens", &1);
-    send_drain(&client, &decoder, path, &body, timeout, &counters).await;
+    shared.drain(&to.decoder, to.path, &body, &to.counters).await;
 }
 
-/// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
-struct Owed {
-    client: EngineClient,
+/// Where a drain goes and what it is made of.
+struct Owing {
     decoder: EngineUrl,
     path: &'static str,
     /// The client's request, shared: a drain body is built from it only when one is sent.
     request: Arc<Map<String, Value>>,
-    params: Option<Value>,
-    timeout: Duration,
     counters: Arc<Drains>,
+}
+
+/// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
+struct Owed {
+    shared: Arc<Shared>,
+    to: Arc<Owing>,
+    params: Option<Value>,
 }
 
 impl Drop for Owed {
     fn drop(&mut self) {
         let Some(params) = self.params.take() else { return };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(request_id::carry(drain(
-            self.client.clone(),
-            self.decoder.clone(),
-            self.path,
-            Arc::clone(&self.request),
-            params,
-            self.timeout,
-            Arc::clone(&self.counters),
-        )));
+        self.shared.spawn_from_drop(drain(Arc::clone(&self.shared), Arc::clone(&self.to), params));
     }
 }
 
@@ -214,33 +224,27 @@ impl Nixl {
         }
         timing.enter(Phase::Prefill);
         let path = req.endpoint.path();
-        let request = Arc::clone(&req.raw);
-        let prefill_body = prefill_body(&req.raw)?;
-        let timeout = self.shared.limits.upstream_timeout;
+        let prefill_body = raw_json(&prefill_body(&req.raw))?;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
         // the params drains them when dropped.
-        let mut owed = Owed {
-            client: self.shared.client.clone(),
-            decoder: self.http.clone(),
+        let to = Arc::new(Owing {
+            decoder: self.scraped.http.clone(),
             path,
-            request: Arc::clone(&request),
-            params: None,
-            timeout,
+            request: Arc::clone(&req.raw),
             counters: Arc::clone(&self.drains),
-        };
+        });
+        let mut owed = Owed { shared: Arc::clone(&self.shared), to: Arc::clone(&to), params: None };
         // The prefill runs in its own task: if the client leaves, its answer still arrives and the
         // blocks it names are drained instead of waiting out the producer's timeout. Dropped after
         // the answer was sent but before it was read, the wait hands it to `owed`; before it was
         // sent, the task drains it.
         let (tx, rx) = oneshot::channel::<PrefillResult>();
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
-        let (client, health) = (self.shared.client.clone(), self.shared.health);
-        let (decoder, counters, task_request) =
-            (self.http.clone(), Arc::clone(&self.drains), Arc::clone(&request));
-        request_id::spawn(async move {
-            let r = prefill_task(&client, &order, path, &prefill_body, timeout, &health).await;
+        let shared = Arc::clone(&self.shared);
+        self.shared.spawn(async move {
+            let r = prefill_task(&shared, &order, path, &prefill_body).await;
             if let Err(Ok(params)) = tx.send(r) {
-                drain(client, decoder, path, task_request, params, timeout, counters).await;
+                drain(shared, to, params).await;
             }
         });
         let params = PrefillWait { rx: Some(rx), owed: &mut owed }.recv().await?;
@@ -249,67 +253,36 @@ impl Nixl {
 
         let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
-        let resp = match self.shared.post(&self.http, "decode", path, &body).await {
-            Ok(r) => r,
-            Err(e) => {
-                self.shared.failed(&dec.name, &dec.health);
-                if !e.unsent {
-                    // It may have reached the decoder, which then pulls (or times out) itself.
-                    owed.params = None;
-                }
-                return Err(e.on("decode"));
-            }
-        };
-        if resp.status() != 200 {
-            let status = resp.status().as_u16();
-            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            if vllm_refused(&b) {
-                // vLLM's own refusal: since 0.32 its decoder tells the producer to free the
-                // blocks itself (`notify_kv_transfer_request_rejected`), and a drain would pull
-                // blocks the producer may already have given to another request.
-                owed.params = None;
-            }
-            // Otherwise something in front of the decoder turned the request away (a proxy, a
-            // load balancer): nobody told the producer, and `owed` drains the blocks when this
-            // returns instead of leaving them to the producer's lease.
-            return Err(refusal(&self.shared.health, "decode", &dec.name, &dec.health, status, &b));
-        }
+        let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| match e {
+            // It may have reached the decoder, which then pulls (or times out) itself.
+            LegError::Unanswered { .. } if e.maybe_sent() => owed.params = None,
+            // vLLM's own refusal: since 0.32 its decoder tells the producer to free the blocks
+            // itself (`notify_kv_transfer_request_rejected`), and a drain would pull blocks the
+            // producer may already have given to another request.
+            LegError::Refused { body, .. } if vllm_refused(body) => owed.params = None,
+            // Otherwise nothing reached the decoder, or something in front of it turned the
+            // request away (a proxy, a load balancer): nobody told the producer, and `owed` drains
+            // the blocks when this returns instead of leaving them to the producer's lease.
+            _ => {}
+        })?;
         owed.params = None;
-        dec.health.success();
         timing.mark(Phase::Decode);
         Ok(resp.map(|inner| Guarded { inner, _slot: slots }.boxed()))
     }
 }
 
 impl Handoff for Nixl {
-    fn mode(&self) -> &'static str {
-        MODE
-    }
-
-    fn shared(&self) -> &Shared {
-        &self.shared
-    }
-
-    /// One slot per request: the decoder's own scheduler owns its KV cache.
-    fn slots_for(&self, _prompt_tokens: usize) -> u32 {
-        1
-    }
-
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
         Box::pin(self.exchange(leg))
     }
 
     fn view(&self) -> BoxFuture<'_, Value> {
-        Box::pin(async move { json!({"max_in_flight": self.target.max_in_flight}) })
+        Box::pin(async move { json!({"max_in_flight": self.scraped.target.max_in_flight}) })
     }
 
     fn metrics(&self, decoder: &str, out: &mut Scrape) {
-        self.load.metrics(decoder, MODE, out);
-        self.drains.metrics(decoder, MODE, out);
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
+        self.scraped.metrics(decoder, Self::NAME, out);
+        self.drains.metrics(decoder, Self::NAME, out);
     }
 }
 
@@ -333,8 +306,8 @@ const PREFILL_OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_
 
 /// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
 /// keep the KV for a remote decode (as vLLM's toy proxy sends it).
-fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError> {
-    let body = Patched::new(raw, PREFILL_OMIT)
+fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
+    Patched::new(raw, PREFILL_OMIT)
         .set(
             "kv_transfer_params",
             &json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
@@ -342,29 +315,20 @@ fn prefill_body(raw: &Map<String, Value>) -> Result<Box<RawValue>, GatewayError>
         )
         .set("stream", &false)
         .set("max_tokens", &1)
-        .replace("max_completion_tokens", &1);
-    serde_json::value::to_raw_value(&body).map_err(|e| GatewayError::Internal(format!("prefill body: {e}")))
+        .replace("max_completion_tokens", &1)
 }
 
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
-async fn prefill_task(
-    client: &EngineClient,
-    order: &[Prefiller],
-    path: &str,
-    body: &RawValue,
-    timeout: Duration,
-    health: &HealthConfig,
-) -> PrefillResult {
+async fn prefill_task(shared: &Shared, order: &[Prefiller], path: &str, body: &RawValue) -> PrefillResult {
     /// The one field of the prefill's answer the decode needs; the rest is skipped unread.
     #[derive(serde::Deserialize)]
     struct Answer {
         kv_transfer_params: Option<Value>,
     }
     let mut sent = false;
-    let (p, resp, in_flight) =
-        prefill_in_turn(client, timeout, health, order, path, body, &mut sent, false).await?;
-    let b = answer_body(health, "prefill", &p.name, &p.health, resp).await;
+    let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false).await?;
+    let b = shared.answer("prefill", p, resp).await;
     drop(in_flight);
     let a: Answer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",

@@ -54,6 +54,70 @@ impl Default for LoadTarget {
     }
 }
 
+/// Admission of a decoder from its own metrics, as written (`[decode.nixl]`, `[decode.sglang]`).
+#[derive(Debug, Clone, Copy, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoadKeys {
+    /// Requests in flight when its metrics allow (default [`DEFAULT_MAX_IN_FLIGHT`]).
+    pub max_in_flight: u32,
+    /// KV cache usage (0..1) that closes admission (default [`DEFAULT_KV_USAGE_HIGH`]).
+    pub kv_usage_high: f64,
+    /// Waiting requests that close admission (default [`DEFAULT_MAX_WAITING`]).
+    pub max_waiting: u64,
+    /// How often `/metrics` is read, ms (default [`DEFAULT_SCRAPE_INTERVAL`]).
+    pub scrape_interval_ms: u64,
+}
+
+impl Default for LoadKeys {
+    fn default() -> Self {
+        let t = LoadTarget::default();
+        Self {
+            max_in_flight: t.max_in_flight,
+            kv_usage_high: t.kv_usage_high,
+            max_waiting: t.max_waiting,
+            scrape_interval_ms: u64::try_from(t.scrape_interval.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+impl LoadKeys {
+    /// Checked, as the pool's table `table` (`nixl`, `sglang`).
+    pub fn check(
+        &self,
+        cx: &super::CheckContext<'_>,
+        table: &str,
+    ) -> Result<LoadTarget, crate::config::ConfigError> {
+        if self.max_in_flight == 0 {
+            return Err(cx.err(&format!("{table}.max_in_flight"), "must be greater than 0"));
+        }
+        if !(self.kv_usage_high > 0.0 && self.kv_usage_high <= 1.0) {
+            return Err(cx.err(
+                &format!("{table}.kv_usage_high"),
+                format!("{} must be in (0, 1]", self.kv_usage_high),
+            ));
+        }
+        if self.scrape_interval_ms == 0 {
+            return Err(cx.err(&format!("{table}.scrape_interval_ms"), "must be greater than 0"));
+        }
+        Ok(LoadTarget {
+            max_in_flight: self.max_in_flight,
+            kv_usage_high: self.kv_usage_high,
+            max_waiting: self.max_waiting,
+            scrape_interval: Duration::from_millis(self.scrape_interval_ms),
+        })
+    }
+}
+
+impl LoadTarget {
+    /// The settings in a line, for `baton check-config`.
+    pub fn describe(&self) -> String {
+        format!(
+            "up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
+            self.max_in_flight, self.kv_usage_high, self.max_waiting, self.scrape_interval
+        )
+    }
+}
+
 /// The engine's metric names: the usage gauges in order of preference, and the waiting gauge.
 #[derive(Clone, Copy, Debug)]
 pub struct Gauges {
@@ -150,17 +214,37 @@ pub fn total(text: &str, name: &str) -> Option<f64> {
     per_engine(text, name).map(|v| v.iter().sum())
 }
 
-/// Reads the decoder's metrics every `interval` and opens or closes its admission, until the
-/// returned task is aborted.
-pub fn spawn(
-    shared: Arc<Shared>,
-    http: EngineUrl,
-    target: LoadTarget,
-    gauges: Gauges,
-    queue: SlotQueue,
-    load: Arc<Load>,
-) -> AbortOnDrop {
-    AbortOnDrop(tokio::spawn(scrape_loop(shared, http, target, gauges, queue, load)))
+/// A decoder whose admission follows its own metrics: its address, its settings, what its metrics
+/// said last, and the task that reads them (ended when this is dropped).
+#[derive(Debug)]
+pub struct Scraped {
+    pub http: EngineUrl,
+    pub target: LoadTarget,
+    pub load: Arc<Load>,
+    _task: AbortOnDrop,
+}
+
+impl Scraped {
+    /// `target.max_in_flight` slots of one request each in `queue`, closed while the decoder's
+    /// `gauges` say it is full (read every `scrape_interval`).
+    pub fn start(
+        shared: Arc<Shared>,
+        http: EngineUrl,
+        target: LoadTarget,
+        gauges: Gauges,
+        queue: &SlotQueue,
+    ) -> Self {
+        queue.resize(target.max_in_flight);
+        let load = Arc::new(Load::default());
+        let task =
+            scrape_loop(shared, http.clone(), target.clone(), gauges, queue.clone(), Arc::clone(&load));
+        Self { http, target, load, _task: AbortOnDrop(tokio::spawn(task)) }
+    }
+
+    /// Adds the decoder's `baton_decoder_reported_*` series.
+    pub fn metrics(&self, decoder: &str, mode: &str, out: &mut Scrape) {
+        self.load.metrics(decoder, mode, out);
+    }
 }
 
 async fn scrape_loop(

@@ -20,7 +20,6 @@
 //! stream with an error event. There is no fallback to another prefill server: the decoder was
 //! told which one holds the KV.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,19 +36,15 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::scrape::{self, Gauges, Load, LoadTarget};
-use super::shared::{
-    BoxError, Patched, PostError, Prefiller, RespBody, Shared, answer_body, count_failure, post_json,
-};
-use crate::admission::{SlotGuard, SlotQueue};
+use super::legs::{BoxError, LegError, Patched, RespBody, raw_json};
+use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
+use super::shared::{Backoff, Prefiller, Shared};
+use super::{CheckContext, ModeSpec, Pool};
+use crate::admission::SlotGuard;
 use crate::api::GatewayError;
-use crate::endpoints::{EngineClient, EngineUrl};
-use crate::routing::HealthConfig;
-use crate::telemetry::request_id;
-use crate::telemetry::{Metrics, Phase, Scrape};
-
-/// The mode's name in the configuration.
-pub const MODE: &str = "sglang";
+use crate::config::{ConfigError, StartContext, StartError};
+use crate::endpoints::EngineUrl;
+use crate::telemetry::{Phase, Scrape};
 
 /// SGLang's gauges (`--enable-metrics`): token pool usage and requests in its waiting queue, per DP
 /// rank and reported by each TP rank.
@@ -58,6 +53,25 @@ pub const SGLANG_GAUGES: Gauges = Gauges { usage: &["sglang:token_usage"], waiti
 const INFO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for an engine to take an `/abort_request`.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `handoff = "sglang"`.
+#[derive(Debug, serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// The prefill servers' `--disaggregation-bootstrap-port` (mini_lb's `--prefill-bootstrap-ports`
+    /// with one value). Without it each prefill server's `GET /get_server_info` is asked once.
+    pub bootstrap_port: Option<u16>,
+    /// Admission from the decoder's metrics (SGLang's `--enable-metrics`).
+    #[serde(default)]
+    pub sglang: LoadKeys,
+}
+
+/// An `sglang` pool, checked.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    pub target: LoadTarget,
+    pub bootstrap_port: Option<u16>,
+}
 
 /// Counters of the aborts sent to the engines.
 #[derive(Debug, Default)]
@@ -70,50 +84,71 @@ pub struct Aborts {
 #[derive(Debug)]
 pub struct Sglang {
     shared: Arc<Shared>,
-    http: EngineUrl,
-    pub target: LoadTarget,
+    /// Its address, its admission settings and what its metrics said last.
+    pub scraped: Scraped,
     /// The prefill servers' bootstrap port, when the configuration gives it.
     pub bootstrap_port: Option<u16>,
     /// Bootstrap ports learned from the prefill servers' `/get_server_info`.
     learned: Mutex<HashMap<EngineUrl, u16>>,
-    /// What the decoder's metrics said last.
-    pub load: Arc<Load>,
     pub aborts: Arc<Aborts>,
-    _scrape: super::shared::AbortOnDrop,
+}
+
+impl ModeSpec for Sglang {
+    const NAME: &'static str = "sglang";
+    type Keys = Keys;
+    type Checked = Checked;
+
+    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        cx.geometry(1)?;
+        if k.bootstrap_port == Some(0) {
+            return Err(cx.err("bootstrap_port", "must be a port, not 0"));
+        }
+        Ok(Checked { target: k.sglang.check(cx, "sglang")?, bootstrap_port: k.bootstrap_port })
+    }
+
+    fn describe(c: &Checked) -> String {
+        format!(
+            "sglang, bootstrap port {}, {}",
+            c.bootstrap_port.map_or("from each prefill's /get_server_info".to_owned(), |p| p.to_string()),
+            c.target.describe()
+        )
+    }
+
+    fn start<'a>(
+        c: Checked,
+        pool: Pool<'a>,
+        ctx: &'a StartContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+        let shared = Arc::clone(&ctx.shared);
+        let scraped =
+            Scraped::start(Arc::clone(&shared), pool.http.clone(), c.target, SGLANG_GAUGES, pool.queue);
+        let sglang = Sglang {
+            shared,
+            scraped,
+            bootstrap_port: c.bootstrap_port,
+            learned: Mutex::default(),
+            aborts: Arc::default(),
+        };
+        Box::pin(async move { Ok(Box::new(sglang) as Box<dyn Handoff>) })
+    }
+
+    #[cfg(feature = "demo")]
+    fn sim(
+        c: &crate::demo::DemoConfig,
+        _notify: Option<std::net::SocketAddr>,
+        sim: &mut baton_sim::SimConfig,
+    ) {
+        sim.sglang = Some(c.sglang.clone());
+    }
+
+    #[cfg(feature = "demo")]
+    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+        // The bootstrap port is read from each prefill engine's /get_server_info.
+        Ok(Checked { target: d.setup.nixl.clone(), bootstrap_port: None })
+    }
 }
 
 impl Sglang {
-    /// A decoder at `http`: `target.max_in_flight` slots of one request each in `queue`, closed while
-    /// its metrics say it is full.
-    pub fn new(
-        shared: Arc<Shared>,
-        http: EngineUrl,
-        target: LoadTarget,
-        bootstrap_port: Option<u16>,
-        queue: &SlotQueue,
-    ) -> Self {
-        queue.resize(target.max_in_flight);
-        let load = Arc::new(Load::default());
-        let scrape = scrape::spawn(
-            Arc::clone(&shared),
-            http.clone(),
-            target.clone(),
-            SGLANG_GAUGES,
-            queue.clone(),
-            Arc::clone(&load),
-        );
-        Self {
-            shared,
-            http,
-            target,
-            bootstrap_port,
-            learned: Mutex::default(),
-            load,
-            aborts: Arc::default(),
-            _scrape: scrape,
-        }
-    }
-
     /// The prefill server's bootstrap port: configured, learned, or read from its
     /// `/get_server_info` now.
     async fn bootstrap_port(&self, p: &Prefiller) -> Result<u16, GatewayError> {
@@ -190,14 +225,10 @@ impl Sglang {
             (Some(_), _) => None,
         };
         // Both bodies written now: each leg runs in a task of its own.
-        let json = |b: &Patched<'_>| {
-            serde_json::value::to_raw_value(b)
-                .map_err(|e| GatewayError::Internal(format!("engine body: {e}")))
-        };
-        let decode_body = json(&body)?;
-        let prefill_body = json(&body.set("stream", &false).omit(&["stream_options"]))?;
+        let decode_body = raw_json(&body)?;
+        let prefill_body = raw_json(&body.set("stream", &false).omit(&["stream_options"]))?;
         let aborter = Arc::new(Aborter {
-            client: shared.client.clone(),
+            shared: Arc::clone(&self.shared),
             rid,
             counters: Arc::clone(&self.aborts),
             abandoned: AtomicBool::new(false),
@@ -205,42 +236,32 @@ impl Sglang {
         });
         let abort = AbortGuard {
             aborter: Arc::clone(&aborter),
-            engines: vec![prefill.http.clone(), self.http.clone()],
+            engines: vec![prefill.http.clone(), dec.http.clone()],
             armed: true,
         };
 
         // The prefill runs in its own task: its answer matters after the decoder's has started.
         let (tx, mut prefill_rx) = oneshot::channel();
         let path = req.endpoint.path();
-        request_id::spawn(
-            PrefillLeg {
-                client: shared.client.clone(),
-                prefill: (*prefill).clone(),
-                path,
-                body: prefill_body,
-                timeout: shared.limits.upstream_timeout,
-                health: shared.health,
-                aborter: Arc::clone(&aborter),
-            }
-            .run(tx),
-        );
+        let leg = PrefillLeg {
+            prefill: (*prefill).clone(),
+            path,
+            body: prefill_body,
+            aborter: Arc::clone(&aborter),
+        };
+        shared.spawn(leg.run(tx));
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
-        let client = shared.client.clone();
-        let (http, timeout) = (self.http.clone(), shared.limits.upstream_timeout);
-        let mut decode = request_id::spawn(async move {
-            let r = post_json(&client, &http, "decode", path, &decode_body, timeout, false).await;
+        let decoder = Arc::clone(dec);
+        let mut decode = shared.spawn(async move {
+            let r = aborter.shared.call("decode", &*decoder, path, &decode_body).await;
             aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
             // abort it now and close the answer.
             if aborter.abandoned() {
-                aborter.send(&http).await;
-                return Err(PostError {
-                    message: "the request was abandoned".into(),
-                    unsent: false,
-                    timed_out: None,
-                });
+                aborter.send(&decoder.http).await;
+                return None;
             }
-            r
+            Some(r)
         });
         let mut prefill_done = false;
         let resp = loop {
@@ -250,31 +271,30 @@ impl Sglang {
                     match p {
                         Ok(PrefillOutcome { result: Ok(()), took }) => timing.record(Phase::Prefill, took),
                         Ok(PrefillOutcome { result: Err(e), .. }) => {
-                            request_id::spawn(abort_decode(decode, abort));
+                            shared.spawn(abort_decode(decode, abort));
                             return Err(e);
                         }
                         Err(_) => return Err(GatewayError::Internal("prefill task ended without an answer".into())),
                     }
                 }
-                d = &mut decode => break d.unwrap_or_else(|e| Err(PostError { message: format!("decode call task: {e}"), unsent: false, timed_out: None })),
+                d = &mut decode => break d,
             }
         };
         let resp = match resp {
-            Ok(r) => r,
-            Err(e) => {
-                shared.failed(&dec.name, &dec.health);
-                return Err(e.on("decode"));
+            Ok(Some(answer)) => answer?,
+            Ok(None) => {
+                return Err(GatewayError::Upstream {
+                    leg: "decode",
+                    message: "the request was abandoned".into(),
+                });
             }
+            Err(e) => return Err(GatewayError::Internal(format!("decode call task: {e}"))),
         };
-        if resp.status() != 200 {
-            return Err(shared.refused("decode", &dec.name, &dec.health, resp).await);
-        }
-        dec.health.success();
         timing.mark(Phase::Decode);
         let prefill = (!prefill_done).then_some(prefill_rx);
-        let metrics = Arc::clone(&shared.metrics);
+        let shared = Arc::clone(&self.shared);
         Ok(resp.map(|inner| {
-            Watched { inner, prefill, metrics, _slot: slots, abort: Some(abort), cut: false }.boxed()
+            Answer { inner, prefill, shared, _slot: slots, abort: Some(abort), cut: false }.boxed()
         }))
     }
 }
@@ -296,27 +316,27 @@ struct PrefillOutcome {
 
 /// The prefill leg of one request.
 struct PrefillLeg {
-    client: EngineClient,
     prefill: Prefiller,
     path: &'static str,
     body: Box<RawValue>,
-    timeout: Duration,
-    health: HealthConfig,
     aborter: Arc<Aborter>,
 }
 
 impl PrefillLeg {
     /// Posts the prefill and reports how it ended (to nobody, when the request is gone).
     async fn run(self, tx: oneshot::Sender<PrefillOutcome>) {
-        let Self { client, prefill: p, path, body, timeout, health, aborter } = self;
+        let Self { prefill: p, path, body, aborter } = self;
         let started = Instant::now();
         let in_flight = p.health.start();
-        let result = match post_json(&client, &p.http, "prefill", path, &body, timeout, false).await {
-            Ok(resp) => answer_body(&health, "prefill", &p.name, &p.health, resp).await.map(drop),
-            Err(e) => {
-                count_failure(&health, &p.name, &p.health);
-                Err(e.on("prefill"))
-            }
+        let result = match aborter.shared.call("prefill", &p, path, &body).await {
+            // The answer (one token) is not used; it is read so the connection is reused.
+            Ok(resp) => resp
+                .into_body()
+                .collect()
+                .await
+                .map(drop)
+                .map_err(|e| GatewayError::Upstream { leg: "prefill", message: e.to_string() }),
+            Err(e) => Err(e.into()),
         };
         drop(in_flight);
         // The request was abandoned while this leg ran: the engine may have taken the abort before the
@@ -338,7 +358,7 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 /// Ends a decode leg whose prefill failed: `/abort_request` until its call answers (bounded), then
 /// the call is dropped (SGLang aborts a request whose client left).
 async fn abort_decode(
-    decode: tokio::task::JoinHandle<Result<Response<Incoming>, PostError>>,
+    decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, LegError>>>,
     mut abort: AbortGuard,
 ) {
     abort.armed = false;
@@ -352,7 +372,7 @@ async fn abort_decode(
 /// Tells SGLang engines to abort one request (`POST /abort_request {"rid"}`), and whether the
 /// request was abandoned (the legs still running check it when they end).
 struct Aborter {
-    client: EngineClient,
+    shared: Arc<Shared>,
     /// `None` with `n > 1` (SGLang names the choices itself): only dropping the calls aborts.
     rid: Option<String>,
     counters: Arc<Aborts>,
@@ -373,30 +393,23 @@ impl Aborter {
             return;
         }
         let give_up = Instant::now() + ABORT_FOR;
-        let mut pause = ABORT_RETRY;
+        let mut backoff = Backoff::new(ABORT_RETRY, ABORT_RETRY_MAX);
         while Instant::now() < give_up {
             self.send(decoder).await;
             if self.decode_answered.load(Ordering::Relaxed) {
                 return;
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(ABORT_RETRY_MAX);
+            backoff.wait().await;
         }
     }
 
     async fn send(&self, engine: &EngineUrl) {
         let Some(rid) = &self.rid else { return };
         self.counters.sent.fetch_add(1, Ordering::Relaxed);
-        match post_json(
-            &self.client,
-            engine,
-            "abort",
-            "/abort_request",
-            &json!({"rid": rid}),
-            ABORT_TIMEOUT,
-            false,
-        )
-        .await
+        match self
+            .shared
+            .post_within(engine, "abort", "/abort_request", &json!({"rid": rid}), ABORT_TIMEOUT, false)
+            .await
         {
             Ok(r) if r.status().is_success() => {
                 let _ = r.into_body().collect().await;
@@ -423,32 +436,31 @@ impl Drop for AbortGuard {
             return;
         }
         self.aborter.abandoned.store(true, Ordering::Relaxed);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let (aborter, engines) = (Arc::clone(&self.aborter), std::mem::take(&mut self.engines));
-        rt.spawn(request_id::carry(async move {
+        self.aborter.shared.spawn_from_drop(async move {
             let Some((decoder, others)) = engines.split_last() else { return };
             for e in others {
                 aborter.send(e).await;
             }
             // A decode call still waiting (for its room) is told again until it answers.
             aborter.until_answered(decoder).await;
-        }));
+        });
     }
 }
 
 /// The decoder's answer, holding the request's slot and its abort until it ends; a prefill that
 /// fails while it streams ends it with an error event.
-struct Watched {
+struct Answer {
     inner: Incoming,
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
-    metrics: Arc<Metrics>,
+    shared: Arc<Shared>,
     _slot: Option<SlotGuard>,
     abort: Option<AbortGuard>,
     /// The answer was ended early (its prefill failed).
     cut: bool,
 }
 
-impl Body for Watched {
+impl Body for Answer {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -464,7 +476,9 @@ impl Body for Watched {
         {
             self.prefill = None;
             match p {
-                Ok(PrefillOutcome { result: Ok(()), took }) => self.metrics.phase(Phase::Prefill, took),
+                Ok(PrefillOutcome { result: Ok(()), took }) => {
+                    self.shared.metrics.phase(Phase::Prefill, took)
+                }
                 Ok(PrefillOutcome { result: Err(e), .. }) => {
                     // The decoder waits for KV that will not come: end the answer (the guard aborts
                     // it on drop).
@@ -495,34 +509,20 @@ impl Body for Watched {
     }
 }
 
-impl Drop for Watched {
+impl Drop for Answer {
     fn drop(&mut self) {
         // The prefill's answer may come after the decoder's ended; it is still timed.
         let Some(rx) = self.prefill.take() else { return };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let metrics = Arc::clone(&self.metrics);
-        rt.spawn(request_id::carry(async move {
+        let metrics = Arc::clone(&self.shared.metrics);
+        self.shared.spawn_from_drop(async move {
             if let Ok(PrefillOutcome { result: Ok(()), took }) = rx.await {
                 metrics.phase(Phase::Prefill, took);
             }
-        }));
+        });
     }
 }
 
 impl Handoff for Sglang {
-    fn mode(&self) -> &'static str {
-        MODE
-    }
-
-    fn shared(&self) -> &Shared {
-        &self.shared
-    }
-
-    /// One slot per request: the decoder's own scheduler owns its KV cache.
-    fn slots_for(&self, _prompt_tokens: usize) -> u32 {
-        1
-    }
-
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
         Box::pin(self.exchange(leg))
     }
@@ -536,13 +536,13 @@ impl Handoff for Sglang {
                 .iter()
                 .map(|(a, p)| (a.to_string(), *p))
                 .collect();
-            json!({"max_in_flight": self.target.max_in_flight, "bootstrap_port": self.bootstrap_port,
+            json!({"max_in_flight": self.scraped.target.max_in_flight, "bootstrap_port": self.bootstrap_port,
                    "learned_bootstrap_ports": learned})
         })
     }
 
     fn metrics(&self, decoder: &str, out: &mut Scrape) {
-        self.load.metrics(decoder, MODE, out);
+        self.scraped.metrics(decoder, Self::NAME, out);
         for (result, c) in [("sent", &self.aborts.sent), ("failed", &self.aborts.failed)] {
             out.counter(
                 "baton_sglang_aborts_total",
@@ -551,10 +551,6 @@ impl Handoff for Sglang {
                 c.load(Ordering::Relaxed) as f64,
             );
         }
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

@@ -684,7 +684,7 @@ impl Gateway {
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
-        let slots = dec.handoff.admit(dec, need, ticket).await?;
+        let slots = dec.handoff.admit(dec, need, ticket, self.shared.limits.queue_timeout).await?;
         let wait = timing.mark(Phase::Queue);
         let named = Arc::clone(dec);
         timing.note("queue", move || {

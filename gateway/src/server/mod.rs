@@ -162,6 +162,15 @@ impl Listeners {
         if held > 0 {
             tracing::warn!(slots = held, "slots still held after the drain; their leases will free them");
         }
+        // What requests left running (a prefill that outlives its client, drains, cancels, release
+        // waits) ends before the process does, within the same bound.
+        let left = RELEASE_WAIT.saturating_sub(waited.elapsed());
+        if !gateway.shared.wait_for_tasks(left).await {
+            tracing::warn!(
+                tasks = gateway.shared.tasks_running(),
+                "request tasks still running after the drain; the engines' own leases end what they hold"
+            );
+        }
         self.admin.0.now();
         let _ = self.admin.1.await;
     }

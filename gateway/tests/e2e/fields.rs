@@ -6,17 +6,17 @@
 
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, start};
+use baton_gateway::demo::{Demo, DemoConfig, start};
+use baton_gateway::handoff::Mode;
 use baton_sim::faults::FaultConfig;
 use baton_sim::kv::choice_text;
 use serde_json::{Value, json};
 
 use super::http;
 
-const MODES: [DemoHandoff; 4] =
-    [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang];
+const MODES: [Mode; 4] = [Mode::Native, Mode::Lmcache, Mode::VllmNixl, Mode::Sglang];
 
-async fn mode_demo(handoff: DemoHandoff, prefill_faults: FaultConfig) -> Demo {
+async fn mode_demo(handoff: Mode, prefill_faults: FaultConfig) -> Demo {
     start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
@@ -140,10 +140,10 @@ fn choices(body: &[u8], chat: bool, stream: bool) -> Vec<(String, usize)> {
 async fn every_optional_field_reaches_the_decoder_and_every_choice_comes_back_in_every_mode() {
     for mode in MODES {
         let d = mode_demo(mode, FaultConfig::default()).await;
-        let lmcache = mode == DemoHandoff::Lmcache;
+        let lmcache = mode == Mode::Lmcache;
         // vllm-nixl serves one choice a request (every choice would pull the same KV: the mode
         // refuses `n > 1`, checked below).
-        let nixl = mode == DemoHandoff::VllmNixl;
+        let nixl = mode == Mode::VllmNixl;
         for (path, mut req) in [("/v1/completions", completion()), ("/v1/chat/completions", chat(!lmcache))] {
             if nixl {
                 req["n"] = json!(1);

@@ -5,22 +5,22 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::demo::{Demo, DemoConfig, GatewaySetup, start};
 use baton_gateway::handoff::Limits;
-use baton_gateway::handoff::lmcache::Lmcache;
+use baton_gateway::handoff::Mode;
 use baton_sim::faults::FaultConfig;
 use baton_sim::kv::output_text;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
-use super::{answer_text, deadlock_scenario, disconnect_storm, four_shapes, http, prompt};
+use super::{answer_text, deadlock_scenario, disconnect_storm, drains, four_shapes, http, prompt};
 
 async fn lmcache_demo(tp: u32, pages: u32, faults: FaultConfig, setup: GatewaySetup) -> Demo {
     start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp,
         pages,
-        handoff: DemoHandoff::Lmcache,
+        handoff: Mode::Lmcache,
         prefill_faults: faults,
         gateway: setup,
         ..DemoConfig::default()
@@ -130,9 +130,8 @@ async fn lmcache_missing_notification_fails_by_its_deadline_and_frees_the_slots(
         );
     }
     assert_lmcache_clean(&d, false).await;
-    let drainer = &d.gateway.decoders[0].handoff_as::<Lmcache>().unwrap().drains;
-    assert_eq!(drainer.sent.load(Ordering::Relaxed), 2);
-    assert_eq!(drainer.failed.load(Ordering::Relaxed), 0);
+    assert_eq!(drains(&d, "lmcache", "sent").await, 2.0);
+    assert_eq!(drains(&d, "lmcache", "failed").await, 0.0);
     d.shutdown().await;
 }
 
@@ -152,7 +151,7 @@ async fn lmcache_duplicate_notifications_do_not_release_a_request_early() {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
         pages: 64,
-        handoff: DemoHandoff::Lmcache,
+        handoff: Mode::Lmcache,
         prefill_faults: faults,
         lmcache_async_send: true,
         ..DemoConfig::default()
@@ -196,7 +195,7 @@ async fn lmcache_random_disconnects_leave_nothing_held() {
         tp: 2,
         pages: 16,
         token_delay: Duration::from_millis(3),
-        handoff: DemoHandoff::Lmcache,
+        handoff: Mode::Lmcache,
         ..DemoConfig::default()
     })
     .await
@@ -278,10 +277,10 @@ health_check_interval_ms = 50
     );
     std::fs::write(dir.join("gw.toml"), toml).unwrap();
     let checked = baton_gateway::config::load(&dir.join("gw.toml")).unwrap();
-    let baton_gateway::config::CheckedMode::Lmcache { lmcache, .. } = &checked.decoders[0].mode else {
+    let baton_gateway::config::CheckedMode::Lmcache(pool) = &checked.decoders[0].mode else {
         panic!("an lmcache pool")
     };
-    assert_eq!(lmcache.capacity, 32);
+    assert_eq!(pool.lmcache.capacity, 32);
     let serving = baton_gateway::serve::start(checked).await.unwrap();
     let hub = serving.lmcache.as_ref().unwrap().addr;
     let mut pc = SimConfig::new(SimRole::Prefill, g);

@@ -2,23 +2,22 @@
 //! (`kv_transfer_params` with `do_remote_decode` / `do_remote_prefill` and the `remote_*` fields
 //! the producer returns), the decoder pulling the KV, admission from the decoder's `/metrics`.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
-use baton_gateway::handoff::nixl::Nixl;
+use baton_gateway::demo::{Demo, DemoConfig, GatewaySetup, start};
+use baton_gateway::handoff::Mode;
 use baton_gateway::handoff::scrape::LoadTarget as NixlTarget;
 use serde_json::json;
 use tokio::task::JoinSet;
 
-use super::{disconnect_storm, four_shapes, http, prompt};
+use super::{disconnect_storm, drains, four_shapes, http, prompt};
 
 async fn nixl_demo(token_delay: Duration, target: NixlTarget) -> Demo {
     start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
         token_delay,
-        handoff: DemoHandoff::VllmNixl,
+        handoff: Mode::VllmNixl,
         gateway: GatewaySetup { nixl: target, ..GatewaySetup::default() },
         ..DemoConfig::default()
     })
@@ -42,8 +41,8 @@ async fn assert_nixl_clean(d: &Demo, within: Duration) {
         }
         assert!(
             start.elapsed() < within,
-            "not clean after {within:?}: {slots} slots, {held} producer blocks held; drains {:?}; {}",
-            nixl(d).drains,
+            "not clean after {within:?}: {slots} slots, {held} producer blocks held; drains sent {}; {}",
+            drains(d, "vllm-nixl", "sent").await,
             d.engines[0].engine.stats()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -59,7 +58,7 @@ async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     let prefill = d.engines[0].engine.stats();
     assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
-    assert_eq!(nixl(&d).drains.sent.load(Ordering::Relaxed), 0);
+    assert_eq!(drains(&d, "vllm-nixl", "sent").await, 0.0);
     d.shutdown().await;
 }
 
@@ -108,7 +107,9 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
         r.unwrap();
     }
     assert_eq!(dec.queue.stats().capacity, NixlTarget::default().max_in_flight);
-    assert!(dec.handoff_as::<Nixl>().unwrap().load.scrapes.load(Ordering::Relaxed) > 0);
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("baton_decoder_admitting{decoder=\"decode-0\",mode=\"vllm-nixl\"} 1"), "{m}");
     assert_nixl_clean(&d, Duration::from_secs(5)).await;
     d.shutdown().await;
 }
@@ -121,18 +122,12 @@ async fn vllm_nixl_random_disconnects_leave_no_producer_blocks_held() {
     let d = nixl_demo(Duration::from_millis(3), fast_scrape()).await;
     disconnect_storm(d.addr, |x| 5 + (x % 180) as usize, 40).await;
     assert_nixl_clean(&d, Duration::from_secs(10)).await;
-    let drains = &nixl(&d).drains;
-    assert_eq!(drains.failed.load(Ordering::Relaxed), 0);
-    eprintln!("{} drains for abandoned requests", drains.sent.load(Ordering::Relaxed));
+    assert_eq!(drains(&d, "vllm-nixl", "failed").await, 0.0);
+    eprintln!("{} drains for abandoned requests", drains(&d, "vllm-nixl", "sent").await);
     let (s, _) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
     assert_eq!(s, 200);
     d.shutdown().await;
-}
-
-/// The first decoder's `vllm-nixl` state.
-fn nixl(d: &Demo) -> &Nixl {
-    d.gateway.decoders[0].handoff_as::<Nixl>().expect("a vllm-nixl decoder")
 }
 
 /// A prefiller that is not a NIXL producer (its answer carries no `kv_transfer_params` for a remote
@@ -187,7 +182,7 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
     let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
     let decode = d.decode_addrs()[0];
     // (the decoder's own refusal, drains baton sends)
-    for (i, (plain, drains)) in [(false, 0), (true, 1)].into_iter().enumerate() {
+    for (i, (plain, expected)) in [(false, 0.0), (true, 1.0)].into_iter().enumerate() {
         let faults = json!({"fail_status": 503, "fail_requests": 1, "fail_plain": plain});
         assert_eq!(http(decode, "/sim/faults", Some(&faults)).await.0, 200);
         let body = json!({"prompt": prompt(90, i), "max_tokens": 4, "min_tokens": 2});
@@ -196,8 +191,8 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
         assert_eq!(s, 502, "plain={plain}: {text}");
         assert!(text.contains("503"), "plain={plain}: {text}");
         assert_nixl_clean(&d, Duration::from_secs(5)).await;
-        let sent = nixl(&d).drains.sent.load(Ordering::Relaxed);
-        assert_eq!(sent, drains, "plain={plain}: drains sent");
+        let sent = drains(&d, "vllm-nixl", "sent").await;
+        assert_eq!(sent, expected, "plain={plain}: drains sent");
     }
     let nixl_stats = d.engines[0].engine.stats()["nixl"].clone();
     assert_eq!(
@@ -205,6 +200,6 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
         (Some(1), Some(1)),
         "{nixl_stats}"
     );
-    assert_eq!(nixl(&d).drains.failed.load(Ordering::Relaxed), 0);
+    assert_eq!(drains(&d, "vllm-nixl", "failed").await, 0.0);
     d.shutdown().await;
 }

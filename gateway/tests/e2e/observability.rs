@@ -7,7 +7,8 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+use baton_gateway::handoff::Mode;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -79,7 +80,7 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
     // Every family some mode's scrape had, and those recorded only once something happens.
     let mut exported: BTreeSet<String> =
         baton_gateway::telemetry::Metrics::new(1, 0).unwrap().family_names().iter().cloned().collect();
-    for handoff in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
+    for handoff in [Mode::Native, Mode::Lmcache, Mode::VllmNixl, Mode::Sglang] {
         let mode = handoff.name();
         let setup = GatewaySetup { tenants: tenants.clone(), ..GatewaySetup::default() };
         let d = start(DemoConfig {
@@ -158,7 +159,7 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
             count("baton_request_duration_seconds", &format!("{mode_label},outcome=\"cancelled\"")),
             1.0
         );
-        if matches!(handoff, DemoHandoff::Native | DemoHandoff::Lmcache) {
+        if matches!(handoff, Mode::Native | Mode::Lmcache) {
             assert!(count("baton_kv_transfer_seconds", &mode_label) >= 8.0, "{mode}:\n{m}");
         }
         assert_eq!(metric(&m, "baton_requests_in_phase{phase=\"stream\"} "), 0.0);

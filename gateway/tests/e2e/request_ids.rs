@@ -4,7 +4,8 @@
 
 use std::net::SocketAddr;
 
-use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, start};
+use baton_gateway::demo::{Demo, DemoConfig, start};
+use baton_gateway::handoff::Mode;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -47,7 +48,7 @@ fn received_ids(d: &Demo, engine: usize) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_ids_reach_both_engines_in_every_mode_and_come_back() {
-    for mode in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
+    for mode in [Mode::Native, Mode::Lmcache, Mode::VllmNixl, Mode::Sglang] {
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,

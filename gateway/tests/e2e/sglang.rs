@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{Demo, DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::demo::{Demo, DemoConfig, GatewaySetup, start};
+use baton_gateway::handoff::Mode;
 use baton_gateway::handoff::scrape::LoadTarget;
 use baton_sim::faults::FaultConfig;
 use serde_json::{Value, json};
@@ -17,7 +18,7 @@ async fn sglang_demo(token_delay: Duration, prefill_faults: FaultConfig) -> Demo
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
         token_delay,
-        handoff: DemoHandoff::Sglang,
+        handoff: Mode::Sglang,
         prefill_faults,
         gateway: GatewaySetup {
             nixl: LoadTarget { scrape_interval: Duration::from_millis(20), ..LoadTarget::default() },

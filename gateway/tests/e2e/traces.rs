@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use baton_gateway::demo::{DemoConfig, DemoHandoff, GatewaySetup, start};
+use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+use baton_gateway::handoff::Mode;
 use baton_gateway::telemetry::trace::TraceConfig;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -157,7 +158,7 @@ const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 /// that span as its parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_follow_each_request_through_every_mode_into_the_engines() {
-    for handoff in [DemoHandoff::Native, DemoHandoff::Lmcache, DemoHandoff::VllmNixl, DemoHandoff::Sglang] {
+    for handoff in [Mode::Native, Mode::Lmcache, Mode::VllmNixl, Mode::Sglang] {
         let mode = handoff.name();
         let (collector, got, receiver) = otlp_receiver().await;
         let trace = TraceConfig {
@@ -252,10 +253,10 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             for phase in ["route", "queue", "prefill", "decode", "stream"] {
                 assert!(names.contains(phase), "{mode} {op}: no {phase} span among {names:?}");
             }
-            if matches!(handoff, DemoHandoff::Native | DemoHandoff::Lmcache) {
+            if matches!(handoff, Mode::Native | Mode::Lmcache) {
                 assert!(names.contains("kv_ready"), "{mode}: {names:?}");
             }
-            if handoff == DemoHandoff::Native {
+            if handoff == Mode::Native {
                 assert!(names.contains("reserve"), "{mode}: {names:?}");
             }
             if op == "chat" {
@@ -324,7 +325,7 @@ async fn unsampled_requests_export_nothing_and_off_sends_nothing() {
         let on = trace.is_some();
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
-            handoff: DemoHandoff::VllmNixl,
+            handoff: Mode::VllmNixl,
             gateway: GatewaySetup { trace, ..GatewaySetup::default() },
             ..DemoConfig::default()
         })

@@ -21,33 +21,31 @@
 pub mod notify;
 mod shape;
 
-use std::any::Any;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Response;
-use serde_json::{Value, json};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::shared::{
-    BoxError, Drains, RespBody, Shared, answer_body, count_failure, post_json, refusal, send_drain,
-};
+use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
+use super::shared::Shared;
+use super::{CheckContext, ModeSpec, Pool};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest};
-use crate::endpoints::{EngineClient, EngineUrl};
-use crate::routing::HealthConfig;
-use crate::telemetry::request_id;
+use crate::config::lmcache::{CheckedLmcache, LmcachePool, check_lmcache};
+use crate::config::{ConfigError, StartContext, StartError};
+use crate::endpoints::EngineUrl;
 use crate::telemetry::trace::RequestTrace;
-use crate::telemetry::{Live, Metrics, Phase, Scrape, Timing};
+use crate::telemetry::{Live, Phase, Scrape, Timing};
 pub use notify::{Expect, Notifications, NotifyStats};
 use shape::{Shaper, now_secs, sse};
-
-/// The mode's name in the configuration.
-pub const MODE: &str = "lmcache";
 
 /// Where a decoder's LMCache PD backend listens (`pd_peer_host`, `pd_peer_init_port`,
 /// `pd_peer_alloc_port` of its LMCache YAML), one port of each per TP rank.
@@ -56,6 +54,24 @@ pub struct LmcacheTarget {
     pub receiver_host: String,
     pub init_ports: Vec<u16>,
     pub alloc_ports: Vec<u16>,
+}
+
+/// `handoff = "lmcache"`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// The decoder's PD backend: its YAML, or its ports and buffer size.
+    pub lmcache: LmcachePool,
+    /// Lowers the slots the PD buffer holds (never raises them).
+    pub max_slots: Option<u32>,
+}
+
+/// An `lmcache` pool, checked.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    pub lmcache: CheckedLmcache,
+    pub geometry: baton_dataplane::KvGeometry,
+    pub max_slots: Option<u32>,
 }
 
 /// An `lmcache` decoder.
@@ -73,21 +89,101 @@ pub struct Lmcache {
     pub drains: Arc<Drains>,
 }
 
-impl Lmcache {
-    pub fn new(
-        shared: Arc<Shared>,
-        hub: Arc<Notifications>,
-        target: LmcacheTarget,
-        chunk_tokens: u32,
-        first_token: bool,
-    ) -> Self {
-        Self { shared, hub, target, chunk_tokens, first_token, drains: Arc::default() }
+impl ModeSpec for Lmcache {
+    const NAME: &'static str = "lmcache";
+    const NOTIFICATIONS: bool = true;
+    type Keys = Keys;
+    type Checked = Checked;
+
+    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        let lm = check_lmcache(
+            &format!("{}.lmcache", cx.field),
+            &k.lmcache,
+            cx.path,
+            cx.model_chunk,
+            cx.geometry_for,
+        )?;
+        let tp = u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX);
+        Ok(Checked { geometry: cx.geometry(tp)?, lmcache: lm, max_slots: cx.max_slots(k.max_slots)? })
+    }
+
+    fn describe(c: &Checked) -> String {
+        let lm = &c.lmcache;
+        format!(
+            "lmcache, receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
+            lm.target.receiver_host,
+            lm.target.init_ports,
+            lm.target.alloc_ports,
+            lm.capacity,
+            lm.pd_buffer_size,
+            lm.chunk_size,
+            c.geometry.kv_bytes_per_token(),
+            lm.target.alloc_ports.len()
+        )
+    }
+
+    fn start<'a>(
+        c: Checked,
+        pool: Pool<'a>,
+        ctx: &'a StartContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+        Box::pin(async move {
+            let hub = ctx.lmcache.clone().ok_or_else(|| StartError::Decoder {
+                decoder: pool.name.to_owned(),
+                reason: "lmcache decoder without a notification listener ([lmcache] notify_listen)".into(),
+            })?;
+            let lm = c.lmcache;
+            pool.queue.resize(c.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity)));
+            Ok(Box::new(Lmcache {
+                shared: Arc::clone(&ctx.shared),
+                hub,
+                target: lm.target,
+                chunk_tokens: lm.chunk_size,
+                first_token: ctx.first_token,
+                drains: Arc::default(),
+            }) as Box<dyn Handoff>)
+        })
+    }
+
+    #[cfg(feature = "demo")]
+    fn sim(c: &crate::demo::DemoConfig, notify: Option<SocketAddr>, sim: &mut baton_sim::SimConfig) {
+        sim.lmcache = Some(match sim.role {
+            baton_sim::SimRole::Prefill => baton_sim::LmcacheSimConfig {
+                proxy: notify,
+                async_send: c.lmcache_async_send,
+                ..baton_sim::LmcacheSimConfig::default()
+            },
+            baton_sim::SimRole::Decode => baton_sim::LmcacheSimConfig {
+                pd_buffer_bytes: u64::from(c.pages) * sim.geometry.page_bytes_per_rank(),
+                ..baton_sim::LmcacheSimConfig::default()
+            },
+        });
+    }
+
+    #[cfg(feature = "demo")]
+    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+        let ranks = d.stats["lmcache"]["ranks"].as_array().cloned().unwrap_or_default();
+        let port = |v: &Value| v.as_str().and_then(|a| a.parse::<SocketAddr>().ok()).map(|a| a.port());
+        let capacity = ranks
+            .iter()
+            .filter_map(|r| r["capacity_chunks"].as_u64())
+            .min()
+            .map_or(0, |c| u32::try_from(c).unwrap_or(u32::MAX));
+        let target = LmcacheTarget {
+            receiver_host: "127.0.0.1".into(),
+            init_ports: ranks.iter().filter_map(|r| port(&r["init_addr"])).collect(),
+            alloc_ports: ranks.iter().filter_map(|r| port(&r["alloc_addr"])).collect(),
+        };
+        let chunk_size = d.geometry.chunk_tokens;
+        let pd_buffer_size = u64::from(capacity) * d.geometry.page_bytes_per_rank();
+        let lmcache = CheckedLmcache { target, capacity, chunk_size, pd_buffer_size };
+        Ok(Checked { lmcache, geometry: d.geometry, max_slots: None })
     }
 }
 
 /// Chat request fields the legs do not carry (both go to `/v1/completions` over the prompt's token
 /// ids, which the chat template's inputs already made; `logprobs`/`top_logprobs` are converted).
-const CHAT_ONLY: [&str; 13] = [
+const CHAT_ONLY: &[&str] = &[
     "messages",
     "tools",
     "tool_choice",
@@ -103,8 +199,48 @@ const CHAT_ONLY: [&str; 13] = [
     "documents",
 ];
 
+/// Fields the prefill leg leaves out: it writes the KV for one sequence, scores nothing, answers
+/// one token unstreamed.
+const PREFILL_OMIT: &[&str] =
+    &["max_completion_tokens", "stream_options", "n", "best_of", "logprobs", "prompt_logprobs"];
+/// Fields a drain leaves out: one token, unstreamed.
+const DRAIN_OMIT: &[&str] = &["max_completion_tokens", "stream_options"];
+/// Fields the decode leg leaves out (`max_tokens` is set from the client's count).
+const DECODE_OMIT: &[&str] = &["max_completion_tokens"];
+
+/// The client's request as a `/v1/completions` body over token ids: chat-only fields dropped, chat's
+/// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
+#[derive(Debug)]
+struct OverIds {
+    raw: Arc<Map<String, Value>>,
+    chat: bool,
+    /// Chat's `top_logprobs` when it asked for logprobs.
+    logprobs: Option<u64>,
+    ids: Vec<u32>,
+}
+
+impl OverIds {
+    fn new(req: &GenRequest, ids: &[u32]) -> Self {
+        let chat = req.endpoint == Endpoint::Chat;
+        let logprobs = (chat && req.raw.get("logprobs").and_then(Value::as_bool) == Some(true))
+            .then(|| req.raw.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0));
+        Self { raw: Arc::clone(&req.raw), chat, logprobs, ids: ids.to_vec() }
+    }
+
+    /// The body over `prompt`, less `omit`; `scored`: the client's logprobs asked for.
+    fn body<'a>(&'a self, prompt: &'a [u32], omit: &'a [&'a str], scored: bool) -> Patched<'a> {
+        let body = Patched::new(&self.raw, if self.chat { CHAT_ONLY } else { &[] })
+            .also_omit(omit)
+            .set("prompt", prompt);
+        match self.logprobs.filter(|_| scored) {
+            Some(k) => body.set("logprobs", &k),
+            None => body,
+        }
+    }
+}
+
 /// What a request holds until its decode is dispatched; released in `Drop` on every path.
-struct Life {
+struct Holding {
     slots: Option<SlotGuard>,
     expect: Option<Expect>,
     /// Set once the prefill may have reached the prefiller: a drain is owed unless the decode runs.
@@ -118,19 +254,15 @@ struct Life {
 
 /// The one-token decode that makes the decoder retrieve (and free) what a prefiller wrote.
 struct Drain {
-    client: EngineClient,
+    shared: Arc<Shared>,
     http: EngineUrl,
-    /// The request as a completion over the prompt's ids, shared with the prefill; the drain body is
-    /// built from it only when a drain is sent.
-    base: Arc<Value>,
-    upstream_timeout: Duration,
-    /// Longest wait for the notifications while the prefill has not answered yet (it is never
-    /// aborted): its own deadline plus the notification wait.
-    ready_timeout: Duration,
+    /// The request over the prompt's ids, shared with the prefill; the drain body is written from
+    /// it only when a drain is sent.
+    over: Arc<OverIds>,
     counters: Arc<Drains>,
 }
 
-impl Drop for Life {
+impl Drop for Holding {
     fn drop(&mut self) {
         let (slots, expect, drain) = (self.slots.take(), self.expect.take(), self.drain.take());
         let notify_deadline = self.notify_deadline;
@@ -138,23 +270,21 @@ impl Drop for Life {
             return;
         }
         let Some(d) = drain else { return };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(request_id::carry(async move {
+        let shared = Arc::clone(&d.shared);
+        shared.spawn_from_drop(async move {
             // Let the prefiller finish writing first: a drain that came before the writes would
-            // free objects the prefiller is still writing into.
+            // free objects the prefiller is still writing into. While the prefill has not answered
+            // (it is never aborted), its own deadline plus the notification wait.
             if let Some(mut e) = expect {
-                let _ = e.wait(notify_deadline.unwrap_or_else(|| Instant::now() + d.ready_timeout)).await;
+                let limits = &d.shared.limits;
+                let longest = limits.upstream_timeout + limits.ready_timeout;
+                let _ = e.wait(notify_deadline.unwrap_or_else(|| Instant::now() + longest)).await;
             }
-            let mut body = (*d.base).clone();
-            set_max_tokens(&mut body, Some(1));
-            if let Some(o) = body.as_object_mut() {
-                o.insert("stream".into(), json!(false));
-                o.remove("stream_options");
-            }
-            send_drain(&d.client, &d.http, "/v1/completions", &body, d.upstream_timeout, &d.counters).await;
+            let body = d.over.body(&d.over.ids, DRAIN_OMIT, true).set("max_tokens", &1).set("stream", &false);
+            d.shared.drain(&d.http, "/v1/completions", &body, &d.counters).await;
             // The slots go back only now: the decoder has retrieved (freed) the chunks.
             drop(slots);
-        }));
+        });
     }
 }
 
@@ -165,24 +295,6 @@ struct PrefillOut {
     model: Value,
 }
 
-/// The client's request as a `/v1/completions` body over token ids: chat-only fields dropped, chat's
-/// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
-fn completion_body(req: &GenRequest, ids: &[u32]) -> Value {
-    let mut o = (*req.raw).clone();
-    if req.endpoint == Endpoint::Chat {
-        let logprobs = (o.get("logprobs").and_then(Value::as_bool) == Some(true))
-            .then(|| o.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0));
-        for f in CHAT_ONLY {
-            o.remove(f);
-        }
-        if let Some(k) = logprobs {
-            o.insert("logprobs".into(), json!(k));
-        }
-    }
-    o.insert("prompt".into(), json!(ids));
-    Value::Object(o)
-}
-
 /// Whether the answer can start with the prefiller's first token: only for one choice without
 /// logprobs (the prefiller samples one sequence and scores nothing the client asked for).
 fn first_token_usable(req: &GenRequest) -> bool {
@@ -191,26 +303,13 @@ fn first_token_usable(req: &GenRequest) -> bool {
     n <= 1 && !logprobs
 }
 
-fn set_max_tokens(body: &mut Value, n: Option<u32>) {
-    let Some(o) = body.as_object_mut() else { return };
-    o.remove("max_completion_tokens");
-    match n {
-        Some(n) => {
-            o.insert("max_tokens".into(), json!(n));
-        }
-        None => {
-            o.remove("max_tokens");
-        }
-    }
-}
-
 impl Lmcache {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
         let Leg { dec, prefills, req, ids, slots, timing } = leg;
         timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
         let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
-        let mut life = Life {
+        let mut holding = Holding {
             slots,
             expect: Some(self.hub.expect(req_id.clone(), target.alloc_ports.len())),
             sent: false,
@@ -219,19 +318,11 @@ impl Lmcache {
             notify_deadline: None,
         };
         let first_token = self.first_token && first_token_usable(req);
-        let base = Arc::new(completion_body(req, ids));
-        let mut prefill_body = (*base).clone();
-        set_max_tokens(&mut prefill_body, Some(1));
-        if let Some(o) = prefill_body.as_object_mut() {
-            o.insert("stream".into(), json!(false));
-            o.remove("stream_options");
-            // The prefill only writes the KV: one sequence, nothing scored.
-            for f in ["n", "best_of", "logprobs", "prompt_logprobs"] {
-                o.remove(f);
-            }
-            o.insert(
-                "kv_transfer_params".into(),
-                json!({
+        let over = Arc::new(OverIds::new(req, ids));
+        let prefill_body =
+            over.body(&over.ids, PREFILL_OMIT, false).set("max_tokens", &1).set("stream", &false).set(
+                "kv_transfer_params",
+                &json!({
                     "ret_first_tok": first_token,
                     "disagg_spec": {
                         "req_id": req_id, "receiver_host": target.receiver_host,
@@ -239,29 +330,23 @@ impl Lmcache {
                     },
                 }),
             );
-        }
-        life.drain = Some(Drain {
-            client: shared.client.clone(),
+        holding.drain = Some(Drain {
+            shared: Arc::clone(&self.shared),
             http: dec.http.clone(),
-            base: Arc::clone(&base),
-            upstream_timeout: shared.limits.upstream_timeout,
-            ready_timeout: shared.limits.upstream_timeout + shared.limits.ready_timeout,
+            over: Arc::clone(&over),
             counters: Arc::clone(&self.drains),
         });
 
         let (prefill, resp, in_flight) =
-            shared.prefill(prefills, "/v1/completions", &prefill_body, &mut life.sent, true).await?;
-        life.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
-        let bytes = match answer_body(&shared.health, "prefill", &prefill.name, &prefill.health, resp).await {
-            Ok(b) => b,
-            Err(e @ GatewayError::EngineRefused { .. }) => {
+            shared.prefill(prefills, "/v1/completions", &prefill_body, &mut holding.sent, true).await?;
+        holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
+        let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
+            if let LegError::Refused { status: 400..=499, .. } = e {
                 // vLLM refuses a request (4xx) before scheduling it: nothing was written into the
                 // decoder's buffer, so no drain is owed and the slots come back at once.
-                life.sent = false;
-                return Err(e);
+                holding.sent = false;
             }
-            Err(e) => return Err(e),
-        };
+        })?;
         drop(in_flight);
         let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
             leg: "prefill",
@@ -294,14 +379,12 @@ impl Lmcache {
             decode_ids.push(t);
         }
         let remaining = client_max.map(|n| n.saturating_sub(extra));
-        let mut decode_body = (*base).clone();
-        decode_body["prompt"] = json!(decode_ids);
-        set_max_tokens(&mut decode_body, remaining.map(|n| n.max(1)));
-        if let Some(o) = decode_body.as_object_mut() {
-            o.insert("stream".into(), json!(req.fields.stream));
-            if req.fields.stream {
-                o.insert("stream_options".into(), json!({"include_usage": true}));
-            }
+        let mut decode_body = over.body(&decode_ids, DECODE_OMIT, true).set("stream", &req.fields.stream);
+        if let Some(n) = remaining {
+            decode_body = decode_body.set("max_tokens", &n.max(1));
+        }
+        if req.fields.stream {
+            decode_body = decode_body.set("stream_options", &json!({"include_usage": true}));
         }
         let prefix = if req.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let shaper = Shaper {
@@ -315,16 +398,11 @@ impl Lmcache {
         let first_text = if pre.first_tok.is_some() { pre.first_text.clone() } else { String::new() };
         let include_usage = req.fields.include_usage();
         let choices = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
-        let finished_early = remaining == Some(0);
-        let ctx = DecodeCtx {
-            client: shared.client.clone(),
+        let ctx = DecodeLeg {
+            shared: Arc::clone(&self.shared),
             dec: Arc::clone(dec),
-            health: shared.health,
-            decode_body,
-            upstream_timeout: shared.limits.upstream_timeout,
-            ready_timeout: shared.limits.ready_timeout,
-            finished_early,
-            metrics: Arc::clone(&shared.metrics),
+            body: raw_json(&decode_body)?,
+            finished_early: remaining == Some(0),
             live: timing.live(),
             trace: timing.trace(),
         };
@@ -339,9 +417,9 @@ impl Lmcache {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
             }
             timing.mark(Phase::FirstToken);
-            request_id::spawn(async move {
-                let mut life = life;
-                let r = ctx.stream(&mut life, &shaper, &tx, include_usage).await;
+            self.shared.spawn(async move {
+                let mut holding = holding;
+                let r = ctx.stream(&mut holding, &shaper, &tx, include_usage).await;
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "lmcache decode failed after the response started");
                     let _ = tx.send(sse(&e.body())).await;
@@ -357,7 +435,7 @@ impl Lmcache {
                 .insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
             return Ok(r);
         }
-        let decoded = ctx.whole(&mut life, timing).await?;
+        let decoded = ctx.whole(&mut holding, timing).await?;
         timing.mark(Phase::Decode);
         let body = shaper.full(decoded.as_ref(), &first_text);
         let mut r = Response::new(
@@ -370,14 +448,6 @@ impl Lmcache {
 }
 
 impl Handoff for Lmcache {
-    fn mode(&self) -> &'static str {
-        MODE
-    }
-
-    fn shared(&self) -> &Shared {
-        &self.shared
-    }
-
     fn slots_for(&self, prompt_tokens: usize) -> u32 {
         u32::try_from(prompt_tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
     }
@@ -410,83 +480,59 @@ impl Handoff for Lmcache {
 
     fn metrics(&self, decoder: &str, out: &mut Scrape) {
         self.hub.metrics(out);
-        self.drains.metrics(decoder, MODE, out);
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
+        self.drains.metrics(decoder, Self::NAME, out);
     }
 }
 
 /// The decode leg of one request.
-struct DecodeCtx {
-    client: EngineClient,
+struct DecodeLeg {
+    shared: Arc<Shared>,
     dec: Arc<Decoder>,
-    health: HealthConfig,
-    decode_body: Value,
-    upstream_timeout: Duration,
-    ready_timeout: Duration,
+    body: Box<RawValue>,
     /// The prefill's first token was all the client asked for: the decode only drains.
     finished_early: bool,
-    /// A streamed answer's later phases (the KV wait, the decode) end after the response started.
-    metrics: Arc<Metrics>,
-    /// The request's in-flight entry: those phases are shown there too.
+    /// The request's in-flight entry: a streamed answer's later phases (the KV wait, the decode),
+    /// which end after the response started, are shown there too.
     live: Option<Arc<Live>>,
     trace: Option<Arc<RequestTrace>>,
 }
 
-impl DecodeCtx {
+impl DecodeLeg {
     /// Waits for every rank's notification, then sends the decode; the slots go back once the decoder
     /// has taken it.
     async fn dispatch(
         &self,
-        life: &mut Life,
+        holding: &mut Holding,
         timing: &mut Timing,
     ) -> Result<Response<hyper::body::Incoming>, GatewayError> {
         timing.enter(Phase::KvReady);
-        if let Some(e) = life.expect.as_mut() {
+        let ready_timeout = self.shared.limits.ready_timeout;
+        if let Some(e) = holding.expect.as_mut() {
             let need = e.need();
-            let deadline = life.notify_deadline.unwrap_or_else(|| Instant::now() + self.ready_timeout);
+            let deadline = holding.notify_deadline.unwrap_or_else(|| Instant::now() + ready_timeout);
             e.wait(deadline).await.map_err(|got| {
                 GatewayError::KvTransfer(format!(
-                    "{got} of {need} prefill ranks reported the kv for decoder {} within {:?}",
-                    self.dec.name, self.ready_timeout
+                    "{got} of {need} prefill ranks reported the kv for decoder {} within {ready_timeout:?}",
+                    self.dec.name
                 ))
             })?;
         }
-        self.metrics.kv_transfer(MODE, timing.mark(Phase::KvReady));
+        self.shared.metrics.kv_transfer(Lmcache::NAME, timing.mark(Phase::KvReady));
         timing.enter(Phase::Decode);
-        let dec = &self.dec;
-        let resp = post_json(
-            &self.client,
-            &dec.http,
-            "decode",
-            "/v1/completions",
-            &self.decode_body,
-            self.upstream_timeout,
-            false,
-        )
-        .await
-        .map_err(|e| {
-            count_failure(&self.health, &dec.name, &dec.health);
-            e.on("decode")
-        })?;
-        // The decoder has the request: it retrieves the KV whatever the status, so no drain is owed.
-        life.dispatched = true;
-        life.expect = None;
-        life.slots = None;
-        if resp.status() != 200 {
-            let status = resp.status().as_u16();
-            let b = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            return Err(refusal(&self.health, "decode", &dec.name, &dec.health, status, &b));
+        let answer = self.shared.call("decode", &*self.dec, "/v1/completions", &self.body).await;
+        if answer.as_ref().is_ok() || matches!(answer, Err(LegError::Refused { .. })) {
+            // The decoder has the request: it retrieves the KV whatever the status, so no drain is
+            // owed.
+            holding.dispatched = true;
+            holding.expect = None;
+            holding.slots = None;
         }
-        dec.health.success();
-        Ok(resp)
+        Ok(answer?)
     }
 
     /// Non-streaming: the decoder's answer (`None` when it only drained).
-    async fn whole(&self, life: &mut Life, timing: &mut Timing) -> Result<Option<Value>, GatewayError> {
-        let resp = self.dispatch(life, timing).await?;
+    async fn whole(&self, holding: &mut Holding, timing: &mut Timing) -> Result<Option<Value>, GatewayError> {
+        let resp = self.dispatch(holding, timing).await?;
         let b = resp
             .into_body()
             .collect()
@@ -506,17 +552,17 @@ impl DecodeCtx {
     /// Streaming: relays the decoder's completion chunks in the client's shape.
     async fn stream(
         &self,
-        life: &mut Life,
+        holding: &mut Holding,
         shaper: &Shaper,
         tx: &mpsc::Sender<Bytes>,
         include_usage: bool,
     ) -> Result<(), GatewayError> {
         // The response started at the first token: the KV wait and the decode are timed from there.
         let mut timing = Timing::tracked(self.live.clone(), self.trace.clone());
-        let resp = self.dispatch(life, &mut timing).await?;
+        let resp = self.dispatch(holding, &mut timing).await?;
         timing.mark(Phase::Decode);
         timing.enter(Phase::Stream);
-        self.metrics.record(&timing);
+        self.shared.metrics.record(&timing);
         let mut body = resp.into_body();
         let mut split = SseSplitter::default();
         let mut events = Vec::new();

@@ -11,42 +11,124 @@
 
 pub mod ranks;
 
-use std::any::Any;
+#[cfg(feature = "demo")]
+pub mod unprotected;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_dataplane::contract::{self, BatonParams, DecoderTarget};
 use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
-use baton_dataplane::{RankEvent, RequestKey};
-use http_body_util::BodyExt;
+use baton_dataplane::{KvGeometry, RankEvent, RequestKey};
 use hyper::Response;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::decoder::{BoxFuture, Decoder, Handoff, Leg, queue_admit};
-use super::shared::{Patched, RespBody, Shared, boxed};
-use crate::admission::{SlotGuard, SlotQueue, Ticket};
+use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
+use super::legs::{Patched, RespBody, boxed};
+use super::shared::{Backoff, Shared};
+use super::{CheckContext, ModeSpec, Pool};
+use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::GatewayError;
+use crate::config::{ConfigError, StartContext, StartError};
+use crate::endpoints::{Host, HostPort};
 use crate::telemetry::Phase;
-use crate::telemetry::request_id;
 pub use ranks::{RankLinks, Ranks};
 
-/// The mode's name in the configuration.
-pub const MODE: &str = "native";
 /// First pause before retrying a reservation refused for lack of room.
 const RESERVE_BACKOFF: Duration = Duration::from_millis(2);
 /// Longest pause between reservation retries.
 const RESERVE_BACKOFF_MAX: Duration = Duration::from_millis(50);
+
+/// `handoff = "native"` (the default): the decoder's data-plane ranks.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keys {
+    /// Data-plane address of each rank, in rank order; their count is the TP size.
+    pub dataplane: Vec<HostPort>,
+    /// Lowers the slots the data plane reports (never raises them).
+    pub max_slots: Option<u32>,
+}
+
+/// A native pool, checked.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    pub ranks: Vec<HostPort>,
+    /// The pool's geometry (its TP is its rank count).
+    pub geometry: KvGeometry,
+    pub max_slots: Option<u32>,
+}
 
 /// A native decoder.
 #[derive(Debug)]
 pub struct Native {
     shared: Arc<Shared>,
     pub ranks: Arc<Ranks>,
-    /// TEST ONLY: the protections off, to show what they prevent. No admission, and decoder pages
-    /// taken one chunk at a time as the chunks would arrive (as LMCache's PD buffer allocates),
-    /// each held while the next is awaited. Never set by configuration.
-    pub unprotected: bool,
+}
+
+impl ModeSpec for Native {
+    const NAME: &'static str = "native";
+    type Keys = Keys;
+    type Checked = Checked;
+
+    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        if k.dataplane.is_empty() {
+            return Err(cx.err("dataplane", "list one data-plane address per rank"));
+        }
+        let tp = u32::try_from(k.dataplane.len()).map_err(|_| cx.err("dataplane", "too many ranks"))?;
+        Ok(Checked {
+            ranks: k.dataplane.clone(),
+            geometry: cx.geometry(tp)?,
+            max_slots: cx.max_slots(k.max_slots)?,
+        })
+    }
+
+    fn describe(c: &Checked) -> String {
+        format!(
+            "native, TP {}, {} KV bytes per token, page {} bytes per rank{}",
+            c.ranks.len(),
+            c.geometry.kv_bytes_per_token(),
+            c.geometry.page_bytes_per_rank(),
+            c.max_slots.map_or(String::new(), |m| format!(", at most {m} slots"))
+        )
+    }
+
+    fn names(c: &Checked) -> Vec<(String, &Host)> {
+        c.ranks.iter().enumerate().map(|(r, hp)| (format!("dataplane[{r}]"), &hp.host)).collect()
+    }
+
+    fn start<'a>(
+        c: Checked,
+        pool: Pool<'a>,
+        ctx: &'a StartContext,
+    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+        Box::pin(async move {
+            let native = Native::connect(Arc::clone(&ctx.shared), pool.name.to_owned(), c, ctx, pool.queue)
+                .await
+                .map_err(|source| StartError::DataPlane { decoder: pool.name.to_owned(), source })?;
+            Ok(Box::new(native) as Box<dyn Handoff>)
+        })
+    }
+
+    #[cfg(feature = "demo")]
+    fn sim(
+        _c: &crate::demo::DemoConfig,
+        _notify: Option<std::net::SocketAddr>,
+        _sim: &mut baton_sim::SimConfig,
+    ) {
+    }
+
+    #[cfg(feature = "demo")]
+    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+        let addr = |r: &Value| r["addr"].as_str()?.parse::<std::net::SocketAddr>().ok();
+        let ranks = d.stats["ranks"].as_array().map(|a| a.iter().filter_map(addr).collect::<Vec<_>>());
+        Ok(Checked {
+            ranks: ranks.unwrap_or_default().into_iter().map(HostPort::from).collect(),
+            geometry: d.geometry,
+            max_slots: None,
+        })
+    }
 }
 
 impl Native {
@@ -55,52 +137,18 @@ impl Native {
     pub async fn connect(
         shared: Arc<Shared>,
         name: String,
-        links: RankLinks,
-        chunk_tokens: u32,
-        max_slots: Option<u32>,
-        queue: SlotQueue,
+        c: Checked,
+        ctx: &StartContext,
+        queue: &SlotQueue,
     ) -> Result<Self, baton_dataplane::transport::TransportError> {
-        let ranks = Ranks::connect(name, links, chunk_tokens, max_slots, queue).await?;
-        Ok(Self { shared, ranks: Arc::new(ranks), unprotected: false })
-    }
-
-    /// TEST ONLY ([`Native::unprotected`]): takes the request's pages one chunk at a time, holding
-    /// each while waiting for the next (hold and wait: the deadlock's precondition), then gives
-    /// them back to reserve the request as a whole. Under contention every request ends up holding
-    /// part of the buffer and waiting for pages nobody will free.
-    async fn hold_chunk_by_chunk(&self, chunks: u32) -> Result<(), GatewayError> {
-        let dec = &self.ranks;
-        let mut held = ChunkHolds { ranks: Arc::clone(dec), keys: Vec::new() };
-        let give_up = Instant::now() + self.shared.limits.queue_timeout;
-        while held.keys.len() < chunks as usize {
-            let key = self.shared.keys.next();
-            // Marked held before the call, so a client that leaves mid-call still cancels it.
-            held.keys.push(key);
-            match dec.reserve(key, 1, self.shared.limits.lease, &[]).await {
-                Ok(Some(_)) => {}
-                Ok(None) if Instant::now() < give_up => {
-                    // `reserve` gave back what it got: nothing of `key` is held.
-                    held.keys.pop();
-                    tokio::time::sleep(RESERVE_BACKOFF).await;
-                }
-                Ok(None) => {
-                    return Err(GatewayError::QueueTimeout(format!(
-                        "decoder {} never had the pages",
-                        dec.name
-                    )));
-                }
-                Err(e) => {
-                    return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
-                }
-            }
-        }
-        // Given back one by one, each forgotten only once cancelled: a client that leaves part-way
-        // leaves the rest to the guard's Drop.
-        while let Some(&k) = held.keys.last() {
-            dec.cancel(k, true).await;
-            held.keys.pop();
-        }
-        Ok(())
+        let links = RankLinks {
+            addrs: c.ranks,
+            fingerprint: c.geometry.fingerprint(),
+            tls: ctx.dataplane_tls.clone(),
+            names: shared.client.names().clone(),
+        };
+        let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
+        Ok(Self { shared, ranks: Arc::new(ranks) })
     }
 
     /// Reserves the request's pages on every rank; a refusal for room (another replica's pages)
@@ -114,7 +162,7 @@ impl Native {
     ) -> Result<Vec<(std::net::SocketAddr, Vec<(u32, baton_dataplane::PageAddr)>)>, GatewayError> {
         let limits = &self.shared.limits;
         let give_up = Instant::now() + limits.queue_timeout;
-        let mut backoff = RESERVE_BACKOFF;
+        let mut backoff = Backoff::new(RESERVE_BACKOFF, RESERVE_BACKOFF_MAX);
         life.rx = Some(self.ranks.listen(life.key));
         // Marked before the call: a client that leaves while a Reserve frame is in flight must still
         // cancel it (cancel is idempotent), or the pages would wait out the whole lease.
@@ -131,8 +179,7 @@ impl Native {
                     self.ranks.forget(life.key);
                     life.key = RequestKey::new(life.key.request, life.key.epoch.wrapping_add(1));
                     life.rx = Some(self.ranks.listen(life.key));
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RESERVE_BACKOFF_MAX);
+                    backoff.wait().await;
                 }
                 Ok(None) => {
                     self.shared.metrics.reservation_refused(&dec.name, false);
@@ -143,7 +190,7 @@ impl Native {
                     )));
                 }
                 Err(e) => {
-                    self.shared.failed(&dec.name, &dec.health);
+                    self.shared.failed(dec);
                     return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
                 }
             }
@@ -190,6 +237,7 @@ impl Native {
         let shared = &*self.shared;
         let chunks = self.ranks.slots_for(ids.len());
         let mut life = Lifecycle {
+            shared: Arc::clone(&self.shared),
             ranks: Arc::clone(&self.ranks),
             key: shared.keys.next(),
             slots,
@@ -227,30 +275,19 @@ impl Native {
         // never saw the addresses leaves the pages free at once (no quarantine).
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await?;
-        if resp.status() != 200 {
-            return Err(shared.refused("prefill", &prefill.name, &prefill.health, resp).await);
-        }
-        // The prefill's own answer (one token) is not used; drain it so the connection is reused.
-        let _ = resp.into_body().collect().await;
-        prefill.health.success();
+        // The prefill's own answer (one token) is not used; it is read so the connection is reused.
+        shared.answer("prefill", prefill, resp).await?;
         drop(in_flight);
         timing.mark(Phase::Prefill);
         timing.enter(Phase::KvReady);
 
         self.wait_ready(dec, &mut life).await?;
-        shared.metrics.kv_transfer(MODE, timing.mark(Phase::KvReady));
+        shared.metrics.kv_transfer(Self::NAME, timing.mark(Phase::KvReady));
         timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.
         let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &params(life.key, Vec::new(), ids));
-        let resp = shared.post(&dec.http, "decode", req.endpoint.path(), &body).await.map_err(|e| {
-            shared.failed(&dec.name, &dec.health);
-            e.on("decode")
-        })?;
-        if resp.status() != 200 {
-            return Err(shared.refused("decode", &dec.name, &dec.health, resp).await);
-        }
-        dec.health.success();
+        let resp = shared.call("decode", &**dec, req.endpoint.path(), &body).await?;
         life.decoded = true;
         drop(life);
         timing.mark(Phase::Decode);
@@ -264,28 +301,8 @@ fn params(key: RequestKey, decoders: Vec<DecoderTarget>, ids: &[u32]) -> BatonPa
 }
 
 impl Handoff for Native {
-    fn mode(&self) -> &'static str {
-        MODE
-    }
-
-    fn shared(&self) -> &Shared {
-        &self.shared
-    }
-
     fn slots_for(&self, prompt_tokens: usize) -> u32 {
         self.ranks.slots_for(prompt_tokens)
-    }
-
-    fn admit<'a>(
-        &'a self,
-        dec: &'a Decoder,
-        need: u32,
-        ticket: Ticket,
-    ) -> BoxFuture<'a, Result<Option<SlotGuard>, GatewayError>> {
-        if self.unprotected {
-            return Box::pin(async move { self.hold_chunk_by_chunk(need).await.map(|()| None) });
-        }
-        Box::pin(queue_admit(dec, need, ticket, self.shared.limits.queue_timeout))
     }
 
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
@@ -304,14 +321,11 @@ impl Handoff for Native {
             json!({"ranks": ranks})
         })
     }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
 }
 
 /// What a request holds; released in `Drop`, on every path.
 struct Lifecycle {
+    shared: Arc<Shared>,
     ranks: Arc<Ranks>,
     key: RequestKey,
     slots: Option<SlotGuard>,
@@ -330,8 +344,7 @@ impl Drop for Lifecycle {
         let (key, slots, rx) = (self.key, self.slots.take(), self.rx.take());
         let (reserved, sent, decoded, seen, bound) =
             (self.reserved, self.sent, self.decoded, self.released, self.release_timeout);
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        rt.spawn(request_id::carry(async move {
+        self.shared.spawn_from_drop(async move {
             if reserved && !decoded {
                 dec.cancel(key, !sent).await;
             }
@@ -353,28 +366,6 @@ impl Drop for Lifecycle {
             dec.forget(key);
             // The slots go back only now: the decoder has freed the pages (or its lease will).
             drop(slots);
-        }));
-    }
-}
-
-/// Single-chunk reservations held by [`Native::hold_chunk_by_chunk`]; cancelled on drop.
-struct ChunkHolds {
-    ranks: Arc<Ranks>,
-    keys: Vec<RequestKey>,
-}
-
-impl Drop for ChunkHolds {
-    fn drop(&mut self) {
-        let (dec, keys) = (Arc::clone(&self.ranks), std::mem::take(&mut self.keys));
-        if keys.is_empty() {
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(request_id::carry(async move {
-                for k in keys {
-                    dec.cancel(k, true).await;
-                }
-            }));
-        }
+        });
     }
 }

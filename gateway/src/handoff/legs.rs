@@ -1,0 +1,463 @@
+//! A leg's call to an engine, written once for every mode: the body (the client's request, some
+//! fields set or left out), the POST within its deadline and its trace span, the answer checked
+//! (a 200 marks the engine healthy, a refusal is the client's error, a call with no answer counts
+//! against the engine), the prefill fallback order and the drains.
+
+use std::borrow::Borrow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use serde::Serialize;
+use serde::ser::SerializeMap;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use super::shared::{Engine, Prefiller, Shared};
+use crate::api::GatewayError;
+use crate::endpoints::EngineUrl;
+use crate::routing::InFlight;
+use crate::telemetry::Scrape;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type RespBody = BoxBody<Bytes, BoxError>;
+
+/// The client's request as an engine leg's body: its fields in their order, some replaced or added
+/// (`set`, already JSON) and some left out, written straight from the request without copying it.
+/// (In the proxy benchmark's profile the NIXL exchange, mostly copying the request's map three
+/// times and building the legs' values, was 14.7% of the gateway's CPU samples.)
+pub(crate) struct Patched<'a> {
+    base: &'a Map<String, Value>,
+    set: smallvec::SmallVec<[(&'static str, Box<RawValue>); 8]>,
+    omit: &'a [&'a str],
+    /// A second list left out (a mode's own beside the request kind's).
+    also: &'a [&'a str],
+}
+
+impl<'a> Patched<'a> {
+    /// `base` as it is, less the fields in `omit`.
+    pub(crate) fn new(base: &'a Map<String, Value>, omit: &'a [&'a str]) -> Self {
+        Self { base, set: smallvec::SmallVec::new(), omit, also: &[] }
+    }
+
+    /// `field` is `value`: in the request's place if it has one, else after its fields. A value
+    /// that cannot be written as JSON (none of the gateway's) is written as `null`.
+    pub(crate) fn set(mut self, field: &'static str, value: &(impl Serialize + ?Sized)) -> Self {
+        let v = serde_json::value::to_raw_value(value)
+            .unwrap_or_else(|_| serde_json::value::to_raw_value(&()).unwrap_or_default());
+        match self.set.iter_mut().find(|(f, _)| *f == field) {
+            Some(slot) => slot.1 = v,
+            None => self.set.push((field, v)),
+        }
+        self
+    }
+
+    /// Leaves out the fields in `omit` instead of those given to [`Patched::new`].
+    pub(crate) fn omit(mut self, omit: &'a [&'a str]) -> Self {
+        self.omit = omit;
+        self
+    }
+
+    /// Leaves out the fields in `also` too.
+    pub(crate) fn also_omit(mut self, also: &'a [&'a str]) -> Self {
+        self.also = also;
+        self
+    }
+
+    fn omitted(&self, field: &str) -> bool {
+        self.omit.contains(&field) || self.also.contains(&field)
+    }
+
+    /// [`Patched::set`] only where the request has the field.
+    pub(crate) fn replace(self, field: &'static str, value: &(impl Serialize + ?Sized)) -> Self {
+        if self.base.contains_key(field) { self.set(field, value) } else { self }
+    }
+}
+
+impl Serialize for Patched<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(None)?;
+        for (k, v) in self.base {
+            if self.omitted(k) {
+                continue;
+            }
+            match self.set.iter().find(|(f, _)| *f == k) {
+                Some((_, new)) => m.serialize_entry(k, new)?,
+                None => m.serialize_entry(k, v)?,
+            }
+        }
+        for (f, v) in &self.set {
+            if !self.base.contains_key(*f) || self.omitted(f) {
+                m.serialize_entry(f, v)?;
+            }
+        }
+        m.end()
+    }
+}
+/// An upstream call that got no response.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostError {
+    /// The body could not be written as JSON (none of the gateway's bodies): nothing was sent.
+    #[error("request body: {0}")]
+    Body(#[source] serde_json::Error),
+    /// The request could not be built (its URI): nothing was sent.
+    #[error("request: {0}")]
+    Request(#[source] hyper::http::Error),
+    /// The connection or the exchange failed.
+    #[error("{0}")]
+    Send(#[source] hyper_util::client::legacy::Error),
+    /// No answer within this limit.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The task that ran a detached call ended without its answer.
+    #[error("upstream call task: {0}")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+impl PostError {
+    /// The request never left (no connection): the engine cannot have seen it.
+    pub fn unsent(&self) -> bool {
+        match self {
+            Self::Body(_) | Self::Request(_) => true,
+            Self::Send(e) => e.is_connect(),
+            Self::Timeout(_) | Self::Task(_) => false,
+        }
+    }
+
+    /// The client's error for a call on `leg` that got no response: a 504 when it timed out, else
+    /// a 502.
+    pub(crate) fn on(self, leg: &'static str) -> GatewayError {
+        match self {
+            Self::Timeout(limit) => GatewayError::UpstreamTimeout { leg, limit },
+            e => GatewayError::Upstream { leg, message: e.to_string() },
+        }
+    }
+}
+
+/// A leg's call that ended without a usable answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LegError {
+    /// No answer came.
+    #[error("upstream {leg}: {source}")]
+    Unanswered {
+        leg: &'static str,
+        #[source]
+        source: PostError,
+    },
+    /// The engine answered with a status other than 200; `body` is its answer.
+    #[error("{leg} engine answered {status}")]
+    Refused { leg: &'static str, status: u16, body: Bytes },
+}
+
+impl LegError {
+    /// Whether the engine may have seen the request.
+    pub fn maybe_sent(&self) -> bool {
+        match self {
+            Self::Unanswered { source, .. } => !source.unsent(),
+            Self::Refused { .. } => true,
+        }
+    }
+}
+
+impl From<LegError> for GatewayError {
+    fn from(e: LegError) -> Self {
+        match e {
+            LegError::Unanswered { leg, source } => source.on(leg),
+            LegError::Refused { leg, status, body } => engine_error(leg, status, &body),
+        }
+    }
+}
+
+impl Shared {
+    /// POSTs `body` as JSON within the upstream timeout. `detach`: the call runs to its end even
+    /// if the caller stops waiting (a client that leaves does not abort an engine mid-transfer).
+    pub(crate) async fn post<B: Serialize + ?Sized>(
+        &self,
+        to: &EngineUrl,
+        leg: &'static str,
+        path: &str,
+        body: &B,
+        detach: bool,
+    ) -> Result<Response<Incoming>, PostError> {
+        self.post_within(to, leg, path, body, self.limits.upstream_timeout, detach).await
+    }
+
+    /// [`Shared::post`] within `timeout`.
+    ///
+    /// `leg` (`prefill`, `decode`, `drain`, `abort`) names the call in the request's trace: a traced
+    /// request's call is a span of its own, whose `traceparent` the engine gets.
+    pub(crate) async fn post_within<B: Serialize + ?Sized>(
+        &self,
+        to: &EngineUrl,
+        leg: &'static str,
+        path: &str,
+        body: &B,
+        timeout: Duration,
+        detach: bool,
+    ) -> Result<Response<Incoming>, PostError> {
+        let mut req = Request::post(to.uri(path)).header(hyper::header::CONTENT_TYPE, "application/json");
+        // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
+        if let Some(id) = crate::telemetry::request_id::current() {
+            req = req.header(crate::telemetry::request_id::HEADER, id.as_str());
+        }
+        let span = match (crate::telemetry::trace::current(), req.headers_mut()) {
+            (Some(t), Some(h)) => Some(t.leg(leg, to, path, h)),
+            _ => None,
+        };
+        // `to_vec` writes straight into the buffer; `to_string` goes through `fmt::Write` a piece
+        // at a time, which cost 15% of the gateway's CPU with a 1,024-token `prompt_token_ids` (the
+        // proxy benchmark's profile).
+        let bytes = serde_json::to_vec(body).map_err(PostError::Body)?;
+        let req = req.body(Full::new(Bytes::from(bytes))).map_err(PostError::Request)?;
+        let answer = if detach {
+            let (client, to) = (self.client.clone(), to.clone());
+            let call = async move { tokio::time::timeout(timeout, client.send(&to, req)).await };
+            self.spawn(call).await.map_err(PostError::Task)?
+        } else {
+            tokio::time::timeout(timeout, self.client.send(to, req)).await
+        };
+        let answer = match answer {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(PostError::Send(e)),
+            Err(_) => Err(PostError::Timeout(timeout)),
+        };
+        if let Some(span) = span {
+            match &answer {
+                Ok(r) => span.answered(r.status().as_u16()),
+                Err(e) => span.failed(
+                    if matches!(e, PostError::Timeout(_)) { "timeout" } else { "error" },
+                    &e.to_string(),
+                ),
+            }
+        }
+        answer
+    }
+
+    /// One leg's call to an engine, its answer checked ([`Shared::accept`]); a call with no
+    /// answer counts against the engine.
+    pub(crate) async fn call<B: Serialize + ?Sized>(
+        &self,
+        leg: &'static str,
+        to: &(impl Engine + ?Sized),
+        path: &str,
+        body: &B,
+    ) -> Result<Response<Incoming>, LegError> {
+        match self.post(to.http(), leg, path, body, false).await {
+            Ok(resp) => self.accept(leg, to, resp).await,
+            Err(source) => {
+                self.failed(to);
+                Err(LegError::Unanswered { leg, source })
+            }
+        }
+    }
+
+    /// An engine's answer: a 200 marks the engine healthy; any other status is its refusal, its
+    /// body read (a 5xx counts against the engine).
+    pub(crate) async fn accept(
+        &self,
+        leg: &'static str,
+        to: &(impl Engine + ?Sized),
+        resp: Response<Incoming>,
+    ) -> Result<Response<Incoming>, LegError> {
+        if resp.status() == 200 {
+            to.health().success();
+            return Ok(resp);
+        }
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        if status >= 500 {
+            self.failed(to);
+        }
+        Err(LegError::Refused { leg, status, body })
+    }
+
+    /// An engine's whole answer ([`Shared::accept`]ed).
+    pub(crate) async fn answer(
+        &self,
+        leg: &'static str,
+        to: &(impl Engine + ?Sized),
+        resp: Response<Incoming>,
+    ) -> Result<Bytes, LegError> {
+        let resp = self.accept(leg, to, resp).await?;
+        Ok(resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default())
+    }
+
+    /// Counts a failure against an engine (passive health).
+    pub(crate) fn failed(&self, to: &(impl Engine + ?Sized)) {
+        if to.health().failure(&self.health) {
+            tracing::warn!(endpoint = to.name(), "ejected after consecutive failures");
+        }
+    }
+
+    /// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even
+    /// be connected to (it never saw the request, so another may take it). `sent` is set while the
+    /// request may have reached an engine.
+    pub(crate) async fn prefill<'a, P: Borrow<Prefiller>, B: Serialize + Sync + ?Sized>(
+        &self,
+        prefills: &'a [P],
+        path: &str,
+        body: &B,
+        sent: &mut bool,
+        detach: bool,
+    ) -> Result<(&'a Prefiller, Response<Incoming>, InFlight<'a>), GatewayError> {
+        for (attempt, prefill) in prefills.iter().map(Borrow::borrow).enumerate() {
+            *sent = true;
+            let in_flight = prefill.health.start();
+            match self.post(&prefill.http, "prefill", path, body, detach).await {
+                Ok(resp) => return Ok((prefill, resp, in_flight)),
+                Err(e) => {
+                    self.failed(prefill);
+                    *sent = !e.unsent();
+                    if !e.unsent() || attempt + 1 >= prefills.len() {
+                        return Err(e.on("prefill"));
+                    }
+                    tracing::debug!(prefill = prefill.name, error = %e, "prefill unreachable, trying the next");
+                }
+            }
+        }
+        Err(GatewayError::NoEndpoint("prefill"))
+    }
+
+    /// Sends a drain decode (one token, for a request that ended between its prefill and its
+    /// decode) and drops its answer.
+    pub(crate) async fn drain<B: Serialize + ?Sized>(
+        &self,
+        decoder: &EngineUrl,
+        path: &str,
+        body: &B,
+        counters: &Drains,
+    ) {
+        counters.sent.fetch_add(1, Ordering::Relaxed);
+        let status = match self.post(decoder, "drain", path, body, false).await {
+            Ok(r) => {
+                let s = r.status().as_u16();
+                let _ = r.into_body().collect().await;
+                s
+            }
+            Err(_) => 0,
+        };
+        if status == 410 {
+            counters.already_free.fetch_add(1, Ordering::Relaxed);
+        } else if !(200..300).contains(&status) {
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(decoder = %decoder, status, "drain decode failed; the engines keep what the request left until their own timeouts");
+        }
+    }
+}
+
+/// Counters of the one-token *drain* decodes sent for requests that ended between their prefill and
+/// their decode, so the engines free what the prefill left them (`lmcache` and `vllm-nixl`).
+#[derive(Debug, Default)]
+pub struct Drains {
+    pub sent: AtomicU64,
+    /// The engine no longer held anything (a decode it raced with had taken it): nothing left.
+    pub already_free: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl Drains {
+    /// Adds `baton_drains_total{decoder,mode,result}`.
+    pub(crate) fn metrics(&self, decoder: &str, mode: &str, out: &mut Scrape) {
+        for (result, c) in
+            [("sent", &self.sent), ("already_free", &self.already_free), ("failed", &self.failed)]
+        {
+            out.counter(
+                "baton_drains_total",
+                "One-token decodes sent for requests that ended between prefill and decode, by result.",
+                &[("decoder", decoder), ("mode", mode), ("result", result)],
+                c.load(Ordering::Relaxed) as f64,
+            );
+        }
+    }
+}
+
+/// An engine's non-200 answer as the client's error: a 4xx keeps its status and the engine's OpenAI
+/// error body (one is made from its text when it sent none); anything else is the gateway's 502.
+pub(crate) fn engine_error(leg: &'static str, status: u16, body: &[u8]) -> GatewayError {
+    if !(400..500).contains(&status) {
+        return GatewayError::Upstream { leg, message: format!("{status}: {}", short_body(body)) };
+    }
+    let body = match serde_json::from_slice::<Value>(body) {
+        Ok(v) if v.get("error").is_some_and(Value::is_object) => v,
+        _ => serde_json::json!({"error": {"message": short_body(body), "type": "invalid_request_error",
+                                          "param": null, "code": "engine_refused"}}),
+    };
+    GatewayError::EngineRefused { leg, status, body }
+}
+
+/// A short prefix of an engine's answer for an error message.
+pub(crate) fn short_body(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(b);
+    s.chars().take(300).collect()
+}
+
+/// An engine answer's body as the gateway's.
+pub(crate) fn boxed(body: Incoming) -> RespBody {
+    body.map_err(|e| Box::new(e) as BoxError).boxed()
+}
+
+/// A body written once as JSON, for a leg that runs in a task of its own.
+pub(crate) fn raw_json(body: &impl Serialize) -> Result<Box<RawValue>, GatewayError> {
+    serde_json::value::to_raw_value(body).map_err(|e| GatewayError::Internal(format!("engine body: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn map(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        }
+    }
+
+    /// A patched body is what cloning the map and inserting and removing its fields gives, in
+    /// the same order, byte for byte.
+    #[test]
+    fn a_patched_body_is_the_edited_request() {
+        let raw = map(json!({"model": "m", "prompt": "a \"quoted\"\nprompt", "stream": true,
+                             "stream_options": {"include_usage": true}, "max_tokens": 50, "n": 1}));
+        let omit = ["stream_options", "min_tokens"];
+        let patched = Patched::new(&raw, &omit)
+            .set("stream", &false)
+            .set("kv_transfer_params", &json!({"do_remote_decode": true}))
+            .set("max_tokens", &7)
+            .set("max_tokens", &1)
+            .replace("max_completion_tokens", &1)
+            .replace("n", &2);
+        let mut edited = raw.clone();
+        edited.insert("stream".into(), json!(false));
+        edited.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
+        edited.insert("max_tokens".into(), json!(1));
+        edited.insert("n".into(), json!(2));
+        // (`shift_remove`: `remove` would move the last field into the hole.)
+        edited.shift_remove("stream_options");
+        assert_eq!(
+            serde_json::to_string(&patched).unwrap_or_default(),
+            serde_json::to_string(&edited).unwrap_or_default()
+        );
+        // A field both set and left out is set (after the request's fields).
+        let both = Patched::new(&raw, &["stream"]).set("stream", &false);
+        assert_eq!(
+            serde_json::to_value(&both).unwrap_or_default(),
+            json!({"model": "m", "prompt": "a \"quoted\"\nprompt", "stream_options": {"include_usage": true},
+                   "max_tokens": 50, "n": 1, "stream": false})
+        );
+        let keys: Vec<String> =
+            serde_json::from_slice::<Map<String, Value>>(&serde_json::to_vec(&both).unwrap_or_default())
+                .unwrap_or_default()
+                .keys()
+                .cloned()
+                .collect();
+        assert_eq!(keys.last().map(String::as_str), Some("stream"));
+    }
+}
