@@ -66,7 +66,7 @@ pub struct BufferStats {
     pub accounting_errors: u64,
 }
 
-struct Shared<D: Device> {
+struct BufferCore<D: Device> {
     table: Mutex<Table>,
     device: Arc<D>,
     memory: D::Buffer,
@@ -77,7 +77,7 @@ struct Shared<D: Device> {
     page_bytes: usize,
 }
 
-impl<D: Device> Shared<D> {
+impl<D: Device> BufferCore<D> {
     fn lock(&self) -> MutexGuard<'_, Table> {
         // A panic while holding the lock cannot leave the table half-updated in a way later calls
         // would trust blindly: `check` would report it. Keep serving.
@@ -105,7 +105,7 @@ impl<D: Device> Shared<D> {
 
 /// One rank's PD buffer. Cheap to clone (a handle); the guards it hands out are not.
 pub struct RankBuffer<D: Device> {
-    shared: Arc<Shared<D>>,
+    shared: Arc<BufferCore<D>>,
 }
 
 impl<D: Device> Clone for RankBuffer<D> {
@@ -160,7 +160,7 @@ impl<D: Device> RankBuffer<D> {
         let memory = device.alloc_buffer(pages, page_bytes)?;
         let limits = Limits { quarantine_ttl: options.quarantine_ttl, max_requests: options.max_requests };
         let table = Mutex::new(Table::new(rank, pages, page_bytes as u64, limits));
-        let shared = Shared { table, device, memory, sink, clock, geometry, rank, page_bytes };
+        let shared = BufferCore { table, device, memory, sink, clock, geometry, rank, page_bytes };
         Ok(Self { shared: Arc::new(shared) })
     }
 
@@ -298,7 +298,7 @@ impl<D: Device> RankBuffer<D> {
 
 /// The state shared by the three lifecycle guards; its `Drop` is the one release path.
 struct Core<D: Device> {
-    shared: Arc<Shared<D>>,
+    shared: Arc<BufferCore<D>>,
     h: Handle,
     key: RequestKey,
     chunks: u32,
@@ -456,7 +456,7 @@ pub enum BeginWrite<D: Device> {
 /// One page being written. Bytes go in order; `commit` needs the whole page. Dropping it uncommitted
 /// aborts the write and the page can be written again.
 pub struct PageWriter<D: Device> {
-    shared: Arc<Shared<D>>,
+    shared: Arc<BufferCore<D>>,
     key: RequestKey,
     addr: PageAddr,
     written: usize,
@@ -524,7 +524,7 @@ impl<D: Device> Drop for PageWriter<D> {
 /// A counted share of a filled chunk (a shared prefix). The page stays readable and cannot be freed
 /// while any share is alive; dropping the handle returns the share, exactly once.
 pub struct SharedChunk<D: Device> {
-    shared: Arc<Shared<D>>,
+    shared: Arc<BufferCore<D>>,
     page: u32,
 }
 

@@ -41,7 +41,7 @@ pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
 pub struct Config {
     pub listeners: Vec<Listener>,
     pub model: Model,
-    pub prefill: Vec<Endpoint>,
+    pub prefill: Vec<PrefillPool>,
     pub decode: Vec<DecodePool>,
     #[serde(default)]
     pub admission: Admission,
@@ -220,9 +220,10 @@ pub struct Geometry {
     pub dtype_bytes: Option<u32>,
 }
 
+/// `[[prefill]]`: a prefill engine.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Endpoint {
+pub struct PrefillPool {
     pub name: String,
     /// `http://host:port`
     pub url: String,

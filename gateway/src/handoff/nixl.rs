@@ -290,14 +290,14 @@ impl Handoff for Nixl {
 /// with the status as a number), as opposed to one from something in front of the decoder.
 fn vllm_refused(body: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
-    struct Answer {
-        error: Inner,
+    struct ErrorResponse {
+        error: ErrorInfo,
     }
     #[derive(serde::Deserialize)]
-    struct Inner {
+    struct ErrorInfo {
         code: Option<Value>,
     }
-    serde_json::from_slice::<Answer>(body).is_ok_and(|a| a.error.code.is_some_and(|c| c.is_u64()))
+    serde_json::from_slice::<ErrorResponse>(body).is_ok_and(|a| a.error.code.is_some_and(|c| c.is_u64()))
 }
 
 /// Fields of the client's request a one-token prefill leaves out: not supported by a producer
@@ -323,14 +323,14 @@ fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
 async fn prefill_task(shared: &Shared, order: &[Prefiller], path: &str, body: &RawValue) -> PrefillResult {
     /// The one field of the prefill's answer the decode needs; the rest is skipped unread.
     #[derive(serde::Deserialize)]
-    struct Answer {
+    struct PrefillAnswer {
         kv_transfer_params: Option<Value>,
     }
     let mut sent = false;
     let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false).await?;
     let b = shared.answer("prefill", p, resp).await;
     drop(in_flight);
-    let a: Answer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
+    let a: PrefillAnswer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",
         message: format!("answer is not a completion object: {e}"),
     })?;

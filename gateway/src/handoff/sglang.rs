@@ -294,7 +294,7 @@ impl Sglang {
         let prefill = (!prefill_done).then_some(prefill_rx);
         let shared = Arc::clone(&self.shared);
         Ok(resp.map(|inner| {
-            Answer { inner, prefill, shared, _slot: slots, abort: Some(abort), cut: false }.boxed()
+            DecodeStream { inner, prefill, shared, _slot: slots, abort: Some(abort), cut: false }.boxed()
         }))
     }
 }
@@ -450,7 +450,7 @@ impl Drop for AbortGuard {
 
 /// The decoder's answer, holding the request's slot and its abort until it ends; a prefill that
 /// fails while it streams ends it with an error event.
-struct Answer {
+struct DecodeStream {
     inner: Incoming,
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
     shared: Arc<Shared>,
@@ -460,7 +460,7 @@ struct Answer {
     cut: bool,
 }
 
-impl Body for Answer {
+impl Body for DecodeStream {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -509,7 +509,7 @@ impl Body for Answer {
     }
 }
 
-impl Drop for Answer {
+impl Drop for DecodeStream {
     fn drop(&mut self) {
         // The prefill's answer may come after the decoder's ended; it is still timed.
         let Some(rx) = self.prefill.take() else { return };

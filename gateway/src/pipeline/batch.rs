@@ -80,9 +80,7 @@ impl Gateway {
         let mut legs = Vec::with_capacity(reqs.len());
         for req in reqs {
             let (this, headers) = (Arc::clone(self), headers.clone());
-            legs.push(AbortOnDrop(request_id::spawn(
-                async move { this.count_and_dispatch(req, &headers).await },
-            )));
+            legs.push(AbortOnDrop(request_id::spawn(async move { this.track(req, &headers).await })));
         }
         let mut answers = Vec::with_capacity(legs.len());
         for leg in &mut legs {

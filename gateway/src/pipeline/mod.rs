@@ -29,7 +29,7 @@ use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, valid
 use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
-use crate::policy::{Admit, Plugins, QueueState, Sender, TenantNames};
+use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNames};
 use crate::routing::{Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router};
 use crate::telemetry::trace::{self, End, RequestFacts, Tracing};
 use crate::telemetry::{Live, Phase, Timing, request_id};
@@ -388,12 +388,12 @@ impl Gateway {
         }
         let mut req = GenRequest::from_checked(ep, raw)?;
         req.tenant = tenant;
-        self.count_and_dispatch(req, headers).await
+        self.track(req, headers).await
     }
 
     /// A parsed request: its model checked, its tokens counted, then dispatched; in the in-flight
     /// table from here until its answer's body ends (or the client leaves).
-    async fn count_and_dispatch(
+    async fn track(
         &self,
         req: GenRequest,
         headers: &hyper::HeaderMap,
@@ -425,7 +425,7 @@ impl Gateway {
             t.request(headers, facts)
         });
         let unanswered = trace::UntilAnswered::new(trace.clone());
-        let dispatched = trace::scope(trace.clone(), self.count_then_dispatch(req, headers, tracked.live()));
+        let dispatched = trace::scope(trace.clone(), self.count(req, headers, tracked.live()));
         let dispatched = dispatched.await;
         unanswered.answered();
         match dispatched {
@@ -468,7 +468,7 @@ impl Gateway {
         }
     }
 
-    async fn count_then_dispatch(
+    async fn count(
         &self,
         req: GenRequest,
         headers: &hyper::HeaderMap,
@@ -502,26 +502,17 @@ impl Gateway {
         headers: &hyper::HeaderMap,
         live: &Arc<Live>,
     ) -> Result<Dispatched, GatewayError> {
-        if ids.len() as u64 > self.model.context_length {
-            return Err(GatewayError::ContextLength {
-                tokens: ids.len() as u64,
-                limit: self.model.context_length,
-                param: match req.endpoint {
-                    Endpoint::Completions => "prompt",
-                    Endpoint::Chat => "messages",
-                },
-            });
-        }
+        self.fits_context(&req, &ids)?;
         // The first decoder's count; each decoder's own is in the candidates.
         let need = self.decoders.first().map_or(0, |d| d.slots_for(ids.len()));
         let max_tokens = req.fields.max_tokens();
         let prompt_tokens = ids.len();
         live.note("prompt_tokens", move || json!(prompt_tokens));
+        live.note("max_tokens", move || json!(max_tokens));
         let trace = trace::current();
         if let Some(t) = &trace {
             t.set([KeyValue::new("gen_ai.usage.input_tokens", ids.len() as i64)]);
         }
-        live.note("max_tokens", move || json!(max_tokens));
         let facts = RouteFacts {
             model: &self.model.name,
             prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -529,8 +520,7 @@ impl Gateway {
             max_tokens,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
-        let plugins = self.plugins.as_ref();
-        let preq = plugins.map(|p| {
+        let preq = self.plugins.as_ref().map(|p| {
             let ep = match req.endpoint {
                 Endpoint::Completions => "completions",
                 Endpoint::Chat => "chat",
@@ -538,78 +528,9 @@ impl Gateway {
             let from = Sender { headers, tenant: req.tenant.as_deref() };
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
-        // Admission: the plugin's decision, or the built-in one (class 0, the gateway's wait).
-        let mut ticket = Ticket::default();
-        let mut owed = None;
-        if let (Some(p), Some(preq)) = (plugins.and_then(|p| p.admission.as_ref()), &preq) {
-            let by = p.info().name;
-            let asked = Instant::now();
-            let verdict = p.admit(Arc::clone(preq), self.queue_state()).await;
-            if let Some(t) = &trace {
-                t.span(
-                    "plugin admit",
-                    asked,
-                    Instant::now(),
-                    vec![KeyValue::new("baton.plugin", by.clone())],
-                );
-            }
-            match verdict {
-                Some(Admit::Reject { status, message, retry_after_s }) => {
-                    let (by, said) = (by.clone(), message.clone());
-                    live.note("admission", move || {
-                        json!({"by": by, "verdict": "reject", "status": status, "message": said,
-                               "retry_after_s": retry_after_s})
-                    });
-                    return Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s });
-                }
-                Some(Admit::Queue { class, max_wait }) => {
-                    let by = by.clone();
-                    live.note("admission", move || {
-                        json!({"by": by, "verdict": "queue", "class": class,
-                               "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)})
-                    });
-                    ticket = Ticket { class, max_wait };
-                    owed = Some(Completion::new(Arc::clone(p), Arc::clone(preq)));
-                }
-                None => {
-                    live.note("admission", || {
-                        json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"})
-                    });
-                }
-            }
-        } else {
-            live.note("admission", || json!({"by": "built-in", "verdict": "queue"}));
-        }
-        let cands = self.candidates(ids.len());
-        let mut by_plugin = None;
-        let routed = match (plugins.and_then(|p| p.routing.as_ref()), &preq) {
-            (Some(p), Some(preq)) => {
-                let asked = Instant::now();
-                let decision = p.route(Arc::clone(preq), &cands).await;
-                if let Some(t) = &trace {
-                    let name = p.info().name;
-                    t.span("plugin route", asked, Instant::now(), vec![KeyValue::new("baton.plugin", name)]);
-                }
-                let first = match &decision {
-                    Some(Decision::Route(r)) => r.first().copied(),
-                    _ => None,
-                };
-                let routed = self.router.route_decided(decision, &facts, &cands, |why| p.invalid(why));
-                if first.is_some() && routed.as_ref().is_ok_and(|r| r.first().copied() == first) {
-                    by_plugin = Some(p.info().name);
-                }
-                routed
-            }
-            _ => self.router.route(&facts, &cands),
-        };
-        let routes = routed.map_err(|e| match e {
-            NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
-            NoRoute::Decode => GatewayError::NoEndpoint("decode"),
-        })?;
+        let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
+        let routes = self.route(preq.as_ref(), &facts, ids.len(), live, trace.as_ref()).await?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        let (roster, chosen) = (Arc::clone(&self.roster), *route);
-        let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
-        live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(route.decode);
@@ -635,27 +556,124 @@ impl Gateway {
             }
             resp
         });
-        self.shared.metrics.record(&timing);
+        self.record_phases(&timing, live);
+        if let Some(c) = owed.as_mut() {
+            c.status = r.as_ref().map_or_else(GatewayError::status, |resp| resp.status().as_u16());
+        }
+        let resp = r?;
+        Ok(Dispatched { resp, mode: dec.mode(), prompt_tokens: ids.len() as u64, owed })
+    }
+
+    /// Refuses a prompt longer than the model's context.
+    fn fits_context(&self, req: &GenRequest, ids: &[u32]) -> Result<(), GatewayError> {
+        if ids.len() as u64 <= self.model.context_length {
+            return Ok(());
+        }
+        Err(GatewayError::ContextLength {
+            tokens: ids.len() as u64,
+            limit: self.model.context_length,
+            param: match req.endpoint {
+                Endpoint::Completions => "prompt",
+                Endpoint::Chat => "messages",
+            },
+        })
+    }
+
+    /// Admission: the plugin's verdict (its ticket, and the usage owed to it at the end), or the
+    /// built-in one (class 0, the gateway's wait) when there is no plugin or it did not answer.
+    async fn admit(
+        &self,
+        preq: Option<&Arc<PolicyRequest>>,
+        live: &Arc<Live>,
+        trace: Option<&Arc<trace::RequestTrace>>,
+    ) -> Result<(Ticket, Option<Completion>), GatewayError> {
+        let (Some(p), Some(preq)) = (self.plugins.as_ref().and_then(|p| p.admission.as_ref()), preq) else {
+            live.note("admission", || json!({"by": "built-in", "verdict": "queue"}));
+            return Ok((Ticket::default(), None));
+        };
+        let by = p.info().name;
+        let asked = Instant::now();
+        let verdict = p.admit(Arc::clone(preq), self.queue_state()).await;
+        if let Some(t) = trace {
+            t.span("plugin admit", asked, Instant::now(), vec![KeyValue::new("baton.plugin", by.clone())]);
+        }
+        match verdict {
+            Some(Admit::Reject { status, message, retry_after_s }) => {
+                let said = message.clone();
+                live.note("admission", move || {
+                    json!({"by": by, "verdict": "reject", "status": status, "message": said,
+                           "retry_after_s": retry_after_s})
+                });
+                Err(GatewayError::PolicyRejected { status, message, retry_after: retry_after_s })
+            }
+            Some(Admit::Queue { class, max_wait }) => {
+                live.note("admission", move || {
+                    json!({"by": by, "verdict": "queue", "class": class,
+                           "max_wait_ms": max_wait.map(crate::telemetry::metrics::ms)})
+                });
+                Ok((Ticket { class, max_wait }, Some(Completion::new(Arc::clone(p), Arc::clone(preq)))))
+            }
+            None => {
+                live.note("admission", || {
+                    json!({"by": "built-in", "verdict": "queue", "why": "the plugin was busy, off or faulted"})
+                });
+                Ok((Ticket::default(), None))
+            }
+        }
+    }
+
+    /// The routes to try, best first: the routing plugin's choice (checked), or the built-in
+    /// policy's; the decision recorded.
+    async fn route(
+        &self,
+        preq: Option<&Arc<PolicyRequest>>,
+        facts: &RouteFacts<'_>,
+        prompt_tokens: usize,
+        live: &Arc<Live>,
+        trace: Option<&Arc<trace::RequestTrace>>,
+    ) -> Result<Vec<Route>, GatewayError> {
+        let cands = self.candidates(prompt_tokens);
+        let mut by_plugin = None;
+        let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
+            (Some(p), Some(preq)) => {
+                let asked = Instant::now();
+                let decision = p.route(Arc::clone(preq), &cands).await;
+                if let Some(t) = trace {
+                    let name = p.info().name;
+                    t.span("plugin route", asked, Instant::now(), vec![KeyValue::new("baton.plugin", name)]);
+                }
+                let first = match &decision {
+                    Some(Decision::Route(r)) => r.first().copied(),
+                    _ => None,
+                };
+                let routed = self.router.route_decided(decision, facts, &cands, |why| p.invalid(why));
+                if first.is_some() && routed.as_ref().is_ok_and(|r| r.first().copied() == first) {
+                    by_plugin = Some(p.info().name);
+                }
+                routed
+            }
+            _ => self.router.route(facts, &cands),
+        };
+        let routes = routed.map_err(|e| match e {
+            NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
+            NoRoute::Decode => GatewayError::NoEndpoint("decode"),
+        })?;
+        if let Some(chosen) = routes.first().copied() {
+            let roster = Arc::clone(&self.roster);
+            let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
+            live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
+        }
+        Ok(routes)
+    }
+
+    /// The request's phases into the metrics and its in-flight entry.
+    fn record_phases(&self, timing: &Timing, live: &Arc<Live>) {
+        self.shared.metrics.record(timing);
         let phases: smallvec::SmallVec<[(Phase, Duration); 8]> = timing.phases().iter().copied().collect();
         live.note("phases_ms", move || {
             let phases = phases.iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));
             Value::Object(phases.collect())
         });
-        let prompt_tokens = ids.len() as u64;
-        match r {
-            Ok(resp) => {
-                if let Some(c) = owed.as_mut() {
-                    c.status = resp.status().as_u16();
-                }
-                Ok(Dispatched { resp, mode: dec.mode(), prompt_tokens, owed })
-            }
-            Err(e) => {
-                if let Some(c) = owed.as_mut() {
-                    c.status = e.status();
-                }
-                Err(e)
-            }
-        }
     }
 
     /// The routed prefillers, then every other healthy one: tried in turn only while a prefiller
