@@ -167,7 +167,7 @@ impl Tokenizer {
             Kind::Hf { tok, .. } => tok
                 .encode_fast(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| GatewayError::Internal(format!("tokenizer: {e}"))),
+                .map_err(|e| GatewayError::Internal(crate::api::Internal::Tokenizer(e.to_string()))),
         }
     }
 

@@ -81,47 +81,66 @@ pub enum Problem {
     Value,
 }
 
-/// Every way a request can fail, each with a fixed status and stable code.
+/// Every way a request can fail, each with a fixed status and stable code (`status`, `code`,
+/// `origin`, `retry` below).
 #[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum GatewayError {
+    /// The body is not JSON, or not an object.
     #[error("invalid request body: {0}")]
     BadJson(String),
     /// A field that breaks a rule: `param` is its path (`messages[3].content[0].type`).
     #[error("{param}: {reason}")]
     Invalid { param: String, problem: Problem, reason: String },
+    /// The request names a model this gateway does not serve.
     #[error("model {0:?} is not served here")]
     UnknownModel(String),
+    /// The prompt is longer than the model's context. `param`: the field that holds the prompt
+    /// (`prompt` or `messages`).
     #[error("this model's maximum context length is {limit} tokens, the prompt has {tokens}")]
-    /// `param`: the field that holds the prompt (`prompt` or `messages`).
     ContextLength { tokens: u64, limit: u64, param: &'static str },
+    /// The prompt needs more admission slots than the decoder has in all.
     #[error("prompt needs {need} slots but the decoder buffer holds {capacity}")]
     TooLarge { need: u32, capacity: u32 },
+    /// The body is larger than the gateway reads.
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The body did not arrive in time.
     #[error("request body not received within {limit:?}")]
     BodyTimeout { limit: std::time::Duration },
+    /// The body is not declared as JSON.
     #[error("content-type must be application/json")]
     ContentType,
+    /// The decoder's queue is full: the request was refused without waiting.
     #[error("{0}")]
-    QueueFull(String),
+    QueueFull(crate::admission::AdmissionError),
+    /// The request waited for room on its decoder for as long as it may.
     #[error("{0}")]
-    QueueTimeout(String),
+    QueueTimeout(Waited),
+    /// No healthy engine of this leg (`prefill`, `decode`).
     #[error("no healthy {0} endpoint")]
     NoEndpoint(&'static str),
+    /// An engine's leg failed without an answer the client can use.
     #[error("upstream {leg}: {message}")]
     Upstream { leg: &'static str, message: String },
+    /// An engine's leg did not answer within the gateway's limit.
     #[error("upstream {leg}: no answer within {limit:?}")]
     UpstreamTimeout { leg: &'static str, limit: std::time::Duration },
+    /// The KV did not reach the decoder.
     #[error("kv transfer: {0}")]
-    KvTransfer(String),
+    KvTransfer(KvFailure),
+    /// No such route.
     #[error("not found: {0}")]
     NotFound(String),
+    /// The admin surface's bearer token is missing or wrong.
     #[error("unauthorized: {0}")]
     Unauthorized(&'static str),
+    /// `[auth]` is on and the request has no valid API key.
     #[error("a valid API key is required (Authorization: Bearer <key>)")]
     InvalidApiKey,
+    /// A failure inside the gateway itself.
     #[error("internal error: {0}")]
-    Internal(String),
+    Internal(Internal),
     /// Refused by the admission plugin, with the plugin's status (400-599) and message.
     #[error("{message}")]
     PolicyRejected { status: u16, message: String, retry_after: Option<u32> },
@@ -130,6 +149,55 @@ pub enum GatewayError {
     /// retried as a gateway failure.
     #[error("{leg} engine answered {status}: {}", body["error"]["message"].as_str().unwrap_or(""))]
     EngineRefused { leg: &'static str, status: u16, body: Value },
+}
+
+/// What a request waited for in vain.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Waited {
+    /// Admission slots on its decoder.
+    #[error("{0}")]
+    Slots(crate::admission::AdmissionError),
+    /// Free pages on every rank of a native decoder (another gateway replica held them).
+    #[error("decoder {decoder} had no free pages in time")]
+    Pages { decoder: String },
+}
+
+/// How the KV failed to reach the decoder.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum KvFailure {
+    /// A decoder rank reported a terminal state other than ready (`failed`, `expired`, …).
+    #[error("decoder rank {rank} reported {state}")]
+    RankFailed { rank: u32, state: &'static str },
+    /// Decoder ranks had not reported the whole KV by the deadline.
+    #[error("{missing} decoder ranks did not hold the kv within {within:?}")]
+    RanksLate { missing: u32, within: std::time::Duration },
+    /// The decoder's event feed closed before the KV was ready.
+    #[error("decoder event feed closed")]
+    FeedClosed,
+    /// Prefill ranks had not reported their writes into the decoder's buffer by the deadline.
+    #[error("{got} of {need} prefill ranks reported the kv for decoder {decoder} within {within:?}")]
+    NotNotified { got: usize, need: usize, decoder: String, within: std::time::Duration },
+}
+
+/// A failure inside the gateway itself.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Internal {
+    /// A task the request ran part of itself in ended without its result (it panicked, or the
+    /// runtime is stopping).
+    #[error("the {task} task ended without its result")]
+    TaskLost { task: &'static str },
+    /// A body the gateway writes could not be written as JSON.
+    #[error("{what} could not be written: {reason}")]
+    Encode { what: &'static str, reason: String },
+    /// The tokenizer failed on the request.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The readiness aggregator refused the decoder's rank count.
+    #[error("readiness: {0}")]
+    Readiness(String),
 }
 
 impl GatewayError {
@@ -393,7 +461,7 @@ mod tests {
         let e = GatewayError::TooLarge { need: 70, capacity: 64 };
         assert_eq!((e.status(), e.code(), e.retry_after()), (413, "prompt_too_large_for_kv_buffer", None));
         assert_eq!(e.body()["error"]["message"], "prompt needs 70 slots but the decoder buffer holds 64");
-        let e = GatewayError::QueueFull("x".into());
+        let e = GatewayError::QueueFull(crate::admission::AdmissionError::QueueFull { limit: 8 });
         assert_eq!(
             (e.status(), e.retry_after(), e.origin(), e.retry()),
             (429, Some(1), Origin::Internal, Retry::Safe)

@@ -404,7 +404,9 @@ pub(crate) fn boxed(body: Incoming) -> RespBody {
 
 /// A body written once as JSON, for a leg that runs in a task of its own.
 pub(crate) fn raw_json(body: &impl Serialize) -> Result<Box<RawValue>, GatewayError> {
-    serde_json::value::to_raw_value(body).map_err(|e| GatewayError::Internal(format!("engine body: {e}")))
+    serde_json::value::to_raw_value(body).map_err(|e| {
+        GatewayError::Internal(crate::api::Internal::Encode { what: "an engine body", reason: e.to_string() })
+    })
 }
 
 #[cfg(test)]

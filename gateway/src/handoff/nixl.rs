@@ -38,7 +38,7 @@ use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool};
 use crate::admission::SlotGuard;
-use crate::api::{GatewayError, Problem};
+use crate::api::{GatewayError, Internal, Problem};
 use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
@@ -182,9 +182,9 @@ struct PrefillWait<'a> {
 impl PrefillWait<'_> {
     async fn recv(mut self) -> PrefillResult {
         let Some(rx) = self.rx.as_mut() else {
-            return Err(GatewayError::Internal("prefill answer read twice".into()));
+            return Err(GatewayError::Internal(Internal::TaskLost { task: "prefill" }));
         };
-        let r = rx.await.map_err(|_| GatewayError::Internal("prefill task ended without an answer".into()));
+        let r = rx.await.map_err(|_| GatewayError::Internal(Internal::TaskLost { task: "prefill" }));
         self.rx = None;
         r?
     }

@@ -41,7 +41,7 @@ use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool};
 use crate::admission::SlotGuard;
-use crate::api::GatewayError;
+use crate::api::{GatewayError, Internal};
 use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
@@ -274,7 +274,7 @@ impl Sglang {
                             shared.spawn(abort_decode(decode, abort));
                             return Err(e);
                         }
-                        Err(_) => return Err(GatewayError::Internal("prefill task ended without an answer".into())),
+                        Err(_) => return Err(GatewayError::Internal(Internal::TaskLost { task: "prefill" })),
                     }
                 }
                 d = &mut decode => break d,
@@ -288,7 +288,7 @@ impl Sglang {
                     message: "the request was abandoned".into(),
                 });
             }
-            Err(e) => return Err(GatewayError::Internal(format!("decode call task: {e}"))),
+            Err(_) => return Err(GatewayError::Internal(Internal::TaskLost { task: "decode" })),
         };
         timing.mark(Phase::Decode);
         let prefill = (!prefill_done).then_some(prefill_rx);

@@ -213,8 +213,8 @@ impl KeyGen {
 pub(crate) fn admission_error(e: AdmissionError) -> GatewayError {
     match e {
         AdmissionError::TooLarge { need, capacity } => GatewayError::TooLarge { need, capacity },
-        e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e.to_string()),
-        e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(e.to_string()),
+        e @ AdmissionError::QueueFull { .. } => GatewayError::QueueFull(e),
+        e @ AdmissionError::Timeout { .. } => GatewayError::QueueTimeout(crate::api::Waited::Slots(e)),
     }
 }
 

@@ -84,7 +84,9 @@ impl Gateway {
         }
         let mut answers = Vec::with_capacity(legs.len());
         for leg in &mut legs {
-            let r = (&mut leg.0).await.map_err(|e| GatewayError::Internal(format!("prompt task: {e}")))??;
+            let r = (&mut leg.0)
+                .await
+                .map_err(|_| GatewayError::Internal(crate::api::Internal::TaskLost { task: "prompt" }))??;
             answers.push(r);
         }
         if stream {

@@ -489,7 +489,7 @@ impl Gateway {
             (req, ids)
         })
         .await
-        .map_err(|e| GatewayError::Internal(format!("tokenizer task: {e}")))?;
+        .map_err(|_| GatewayError::Internal(crate::api::Internal::TaskLost { task: "tokenizer" }))?;
         self.dispatch(req, ids?, headers, live).await
     }
 

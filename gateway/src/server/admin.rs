@@ -184,7 +184,11 @@ pub async fn reload_plugins(g: &Gateway) -> Response<RespBody> {
     let results = match tokio::task::spawn_blocking(move || p.reload()).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return full(422, &json!({"reloaded": false, "error": e})),
-        Err(e) => return error_response(&GatewayError::Internal(format!("reload task: {e}"))),
+        Err(_) => {
+            return error_response(&GatewayError::Internal(crate::api::Internal::TaskLost {
+                task: "plugin reload",
+            }));
+        }
     };
     let ok = results.iter().all(Result::is_ok);
     let list: Vec<Value> = results

@@ -38,7 +38,7 @@ use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
-use crate::api::{Endpoint, GatewayError, GenRequest};
+use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure};
 use crate::config::lmcache::{CheckedLmcache, LmcachePool, check_lmcache};
 use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
@@ -511,10 +511,12 @@ impl DecodeLeg {
             let need = e.need();
             let deadline = holding.notify_deadline.unwrap_or_else(|| Instant::now() + ready_timeout);
             e.wait(deadline).await.map_err(|got| {
-                GatewayError::KvTransfer(format!(
-                    "{got} of {need} prefill ranks reported the kv for decoder {} within {ready_timeout:?}",
-                    self.dec.name
-                ))
+                GatewayError::KvTransfer(KvFailure::NotNotified {
+                    got,
+                    need,
+                    decoder: self.dec.name.clone(),
+                    within: ready_timeout,
+                })
             })?;
         }
         self.shared.metrics.kv_transfer(Lmcache::NAME, timing.mark(Phase::KvReady));

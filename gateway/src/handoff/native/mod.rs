@@ -30,7 +30,7 @@ use super::legs::{Patched, RespBody, boxed};
 use super::shared::{Backoff, Shared};
 use super::{CheckContext, ModeSpec, Pool};
 use crate::admission::{SlotGuard, SlotQueue};
-use crate::api::GatewayError;
+use crate::api::{GatewayError, Internal, KvFailure, Waited};
 use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::{Host, HostPort};
 use crate::telemetry::Phase;
@@ -184,10 +184,7 @@ impl Native {
                 Ok(None) => {
                     self.shared.metrics.reservation_refused(&dec.name, false);
                     *refusals += 1;
-                    return Err(GatewayError::QueueTimeout(format!(
-                        "decoder {} had no free pages in time",
-                        dec.name
-                    )));
+                    return Err(GatewayError::QueueTimeout(Waited::Pages { decoder: dec.name.clone() }));
                 }
                 Err(e) => {
                     self.shared.failed(dec);
@@ -202,10 +199,10 @@ impl Native {
         let ready_timeout = self.shared.limits.ready_timeout;
         let deadline = Instant::now() + ready_timeout;
         let mut agg = Aggregator::new(life.key, self.ranks.rank_count(), deadline)
-            .map_err(|e| GatewayError::Internal(e.to_string()))?;
+            .map_err(|e| GatewayError::Internal(Internal::Readiness(e.to_string())))?;
         let outcome = loop {
             let Some(rx) = life.rx.as_mut() else {
-                return Err(GatewayError::Internal("no event subscription".into()));
+                return Err(GatewayError::KvTransfer(KvFailure::FeedClosed));
             };
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, rx.recv()).await {
@@ -214,7 +211,7 @@ impl Native {
                     Ok(Progress::Pending { .. }) | Err(_) => {}
                 },
                 Ok(Some(RankEvent::Released(_))) => life.released += 1,
-                Ok(None) => return Err(GatewayError::KvTransfer("decoder event feed closed".into())),
+                Ok(None) => return Err(GatewayError::KvTransfer(KvFailure::FeedClosed)),
                 Err(_) => break agg.poll(Instant::now()).unwrap_or(Outcome::TimedOut { missing: 0 }),
             }
         };
@@ -224,11 +221,11 @@ impl Native {
                 if state == baton_dataplane::events::TerminalState::Expired {
                     self.shared.metrics.lease_expired(&dec.name);
                 }
-                Err(GatewayError::KvTransfer(format!("decoder rank {rank} reported {}", state.as_str())))
+                Err(GatewayError::KvTransfer(KvFailure::RankFailed { rank, state: state.as_str() }))
             }
-            Outcome::TimedOut { missing } => Err(GatewayError::KvTransfer(format!(
-                "{missing} decoder ranks did not hold the kv within {ready_timeout:?}"
-            ))),
+            Outcome::TimedOut { missing } => {
+                Err(GatewayError::KvTransfer(KvFailure::RanksLate { missing, within: ready_timeout }))
+            }
         }
     }
 

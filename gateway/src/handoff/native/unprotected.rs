@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::{Native, RESERVE_BACKOFF, Ranks};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
-use crate::api::GatewayError;
+use crate::api::{GatewayError, Waited};
 use crate::config::{CheckedDecoder, StartContext, StartError};
 use crate::handoff::{BoxFuture, CheckedMode, Decoder, Handoff, Leg, ModeSpec, RespBody};
 
@@ -58,10 +58,7 @@ impl Unprotected {
                     tokio::time::sleep(RESERVE_BACKOFF).await;
                 }
                 Ok(None) => {
-                    return Err(GatewayError::QueueTimeout(format!(
-                        "decoder {} never had the pages",
-                        dec.name
-                    )));
+                    return Err(GatewayError::QueueTimeout(Waited::Pages { decoder: dec.name.clone() }));
                 }
                 Err(e) => {
                     return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
