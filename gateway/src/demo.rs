@@ -276,7 +276,7 @@ pub async fn start_gateway_with(
     let mut decoders = Vec::new();
     for (name, http, stats) in &e.decoders {
         let d = DemoDecoder { http: *http, stats, geometry: e.geometry, setup: &setup };
-        let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d)? };
+        let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
         decoders.push(start(checked, &ctx).await.map_err(|err| err.to_string())?);
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));

@@ -69,16 +69,8 @@ impl Decoder {
 }
 
 impl super::shared::Engine for Decoder {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn http(&self) -> &EngineUrl {
-        &self.http
-    }
-
-    fn health(&self) -> &Health {
-        &self.health
+    fn peer(&self) -> super::shared::Peer<'_> {
+        super::shared::Peer { name: &self.name, http: &self.http, health: &self.health }
     }
 }
 

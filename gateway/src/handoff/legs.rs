@@ -248,7 +248,7 @@ impl Shared {
         path: &str,
         body: &B,
     ) -> Result<Response<Incoming>, LegError> {
-        match self.post(to.http(), leg, path, body, false).await {
+        match self.post(to.peer().http, leg, path, body, false).await {
             Ok(resp) => self.accept(leg, to, resp).await,
             Err(source) => {
                 self.failed(to);
@@ -266,7 +266,7 @@ impl Shared {
         resp: Response<Incoming>,
     ) -> Result<Response<Incoming>, LegError> {
         if resp.status() == 200 {
-            to.health().success();
+            to.peer().health.success();
             return Ok(resp);
         }
         let status = resp.status().as_u16();
@@ -290,8 +290,9 @@ impl Shared {
 
     /// Counts a failure against an engine (passive health).
     pub(crate) fn failed(&self, to: &(impl Engine + ?Sized)) {
-        if to.health().failure(&self.health) {
-            tracing::warn!(endpoint = to.name(), "ejected after consecutive failures");
+        let peer = to.peer();
+        if peer.health.failure(&self.health) {
+            tracing::warn!(endpoint = peer.name, "ejected after consecutive failures");
         }
     }
 

@@ -96,33 +96,39 @@ pub struct DemoDecoder<'a> {
     pub setup: &'a crate::demo::GatewaySetup,
 }
 
+/// A pool's keys beside `name`, `url` and `handoff`, as written.
+pub trait PoolKeys: serde::de::DeserializeOwned + std::fmt::Debug {
+    /// The keys, checked.
+    type Checked: Clone + std::fmt::Debug;
+
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Self::Checked, ConfigError>;
+}
+
+/// A mode's checked keys.
+pub type Checked<M> = <<M as ModeSpec>::Keys as PoolKeys>::Checked;
+
 /// A handoff mode as the configuration, the gateway's start and the demo see it.
 pub trait ModeSpec {
     /// Its name in the configuration (`handoff = "…"`) and in metric labels.
     const NAME: &'static str;
     /// Whether the mode needs the gateway's LMCache notification listener.
     const NOTIFICATIONS: bool = false;
-    /// The pool's keys beside `name`, `url` and `handoff`, as written.
-    type Keys: serde::de::DeserializeOwned + std::fmt::Debug;
-    /// The keys, checked.
-    type Checked: Clone + std::fmt::Debug;
-
-    fn check(keys: &Self::Keys, cx: &CheckContext<'_>) -> Result<Self::Checked, ConfigError>;
+    type Keys: PoolKeys;
 
     /// The pool in one line, for `baton check-config`.
-    fn describe(c: &Self::Checked) -> String;
+    fn describe(c: &Checked<Self>) -> String;
 
     /// Host names the mode connects to beyond the pool's URL, with their keys (`dataplane[0]`).
-    fn names(_c: &Self::Checked) -> Vec<(String, &Host)> {
+    fn names(_c: &Checked<Self>) -> Vec<(String, &Host)> {
         Vec::new()
     }
 
     /// Connects as the mode needs; the decoder's handoff, ready to serve.
-    fn start<'a>(
-        c: Self::Checked,
-        pool: Pool<'a>,
-        ctx: &'a StartContext,
-    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>>;
+    fn start(
+        c: Checked<Self>,
+        pool: Pool<'_>,
+        ctx: &StartContext,
+    ) -> impl std::future::Future<Output = Result<Box<dyn Handoff>, StartError>> + Send;
 
     /// How the demo's simulated engine of `role` plays the mode; `notify`: the gateway's LMCache
     /// notification listener, when the mode has one.
@@ -131,7 +137,7 @@ pub trait ModeSpec {
 
     /// The demo's decoder as a checked pool of the mode.
     #[cfg(feature = "demo")]
-    fn demo(d: &DemoDecoder<'_>) -> Result<Self::Checked, String>;
+    fn demo(d: &DemoDecoder<'_>) -> Checked<Self>;
 }
 
 /// Declares the list of modes: [`Mode`], [`PoolMode`] and [`CheckedMode`], each dispatching to
@@ -189,10 +195,10 @@ macro_rules! modes {
 
             /// The demo's decoder as a checked pool of this mode.
             #[cfg(feature = "demo")]
-            pub fn demo(self, d: &DemoDecoder<'_>) -> Result<CheckedMode, String> {
-                Ok(match self {
-                    $(Mode::$variant => CheckedMode::$variant(<$spec as ModeSpec>::demo(d)?),)+
-                })
+            pub fn demo(self, d: &DemoDecoder<'_>) -> CheckedMode {
+                match self {
+                    $(Mode::$variant => CheckedMode::$variant(<$spec as ModeSpec>::demo(d)),)+
+                }
             }
         }
 
@@ -205,7 +211,7 @@ macro_rules! modes {
         impl PoolMode {
             pub fn check(&self, cx: &CheckContext<'_>) -> Result<CheckedMode, ConfigError> {
                 Ok(match self {
-                    $(PoolMode::$variant(k) => CheckedMode::$variant(<$spec as ModeSpec>::check(k, cx)?),)+
+                    $(PoolMode::$variant(k) => CheckedMode::$variant(k.check(cx)?),)+
                 })
             }
         }
@@ -213,7 +219,7 @@ macro_rules! modes {
         /// A pool's mode and its keys, checked.
         #[derive(Clone, Debug)]
         pub enum CheckedMode {
-            $($variant(<$spec as ModeSpec>::Checked),)+
+            $($variant(Checked<$spec>),)+
         }
 
         impl CheckedMode {

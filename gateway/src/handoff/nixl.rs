@@ -36,7 +36,7 @@ use super::decoder::{BoxFuture, Handoff, Leg};
 use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
-use super::{CheckContext, ModeSpec, Pool};
+use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal, Problem};
 use crate::config::{ConfigError, StartContext, StartError};
@@ -69,30 +69,32 @@ pub struct Nixl {
     pub drains: Arc<Drains>,
 }
 
+impl PoolKeys for Keys {
+    type Checked = LoadTarget;
+
+    fn check(&self, cx: &CheckContext<'_>) -> Result<LoadTarget, ConfigError> {
+        // The decoder's own scheduler owns its KV: the model's geometry is checked, not used.
+        cx.geometry(1)?;
+        self.nixl.check(cx, "nixl")
+    }
+}
+
 impl ModeSpec for Nixl {
     const NAME: &'static str = "vllm-nixl";
     type Keys = Keys;
-    type Checked = LoadTarget;
-
-    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<LoadTarget, ConfigError> {
-        cx.geometry(1)?;
-        k.nixl.check(cx, "nixl")
-    }
 
     fn describe(t: &LoadTarget) -> String {
         format!("vllm-nixl, {}", t.describe())
     }
 
-    fn start<'a>(
+    async fn start(
         target: LoadTarget,
-        pool: Pool<'a>,
-        ctx: &'a StartContext,
-    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+        pool: Pool<'_>,
+        ctx: &StartContext,
+    ) -> Result<Box<dyn Handoff>, StartError> {
         let shared = Arc::clone(&ctx.shared);
         let scraped = Scraped::start(Arc::clone(&shared), pool.http.clone(), target, VLLM_GAUGES, pool.queue);
-        Box::pin(
-            async move { Ok(Box::new(Nixl { shared, scraped, drains: Arc::default() }) as Box<dyn Handoff>) },
-        )
+        Ok(Box::new(Nixl { shared, scraped, drains: Arc::default() }))
     }
 
     #[cfg(feature = "demo")]
@@ -105,8 +107,8 @@ impl ModeSpec for Nixl {
     }
 
     #[cfg(feature = "demo")]
-    fn demo(d: &super::DemoDecoder<'_>) -> Result<LoadTarget, String> {
-        Ok(d.setup.nixl.clone())
+    fn demo(d: &super::DemoDecoder<'_>) -> LoadTarget {
+        d.setup.nixl.clone()
     }
 }
 

@@ -39,7 +39,7 @@ use super::decoder::{BoxFuture, Handoff, Leg};
 use super::legs::{BoxError, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
-use super::{CheckContext, ModeSpec, Pool};
+use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal};
 use crate::config::{ConfigError, StartContext, StartError};
@@ -93,18 +93,21 @@ pub struct Sglang {
     pub aborts: Arc<Aborts>,
 }
 
+impl PoolKeys for Keys {
+    type Checked = Checked;
+
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        cx.geometry(1)?;
+        if self.bootstrap_port == Some(0) {
+            return Err(cx.err("bootstrap_port", "must be a port, not 0"));
+        }
+        Ok(Checked { target: self.sglang.check(cx, "sglang")?, bootstrap_port: self.bootstrap_port })
+    }
+}
+
 impl ModeSpec for Sglang {
     const NAME: &'static str = "sglang";
     type Keys = Keys;
-    type Checked = Checked;
-
-    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
-        cx.geometry(1)?;
-        if k.bootstrap_port == Some(0) {
-            return Err(cx.err("bootstrap_port", "must be a port, not 0"));
-        }
-        Ok(Checked { target: k.sglang.check(cx, "sglang")?, bootstrap_port: k.bootstrap_port })
-    }
 
     fn describe(c: &Checked) -> String {
         format!(
@@ -114,11 +117,7 @@ impl ModeSpec for Sglang {
         )
     }
 
-    fn start<'a>(
-        c: Checked,
-        pool: Pool<'a>,
-        ctx: &'a StartContext,
-    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
+    async fn start(c: Checked, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
         let shared = Arc::clone(&ctx.shared);
         let scraped =
             Scraped::start(Arc::clone(&shared), pool.http.clone(), c.target, SGLANG_GAUGES, pool.queue);
@@ -129,7 +128,7 @@ impl ModeSpec for Sglang {
             learned: Mutex::default(),
             aborts: Arc::default(),
         };
-        Box::pin(async move { Ok(Box::new(sglang) as Box<dyn Handoff>) })
+        Ok(Box::new(sglang))
     }
 
     #[cfg(feature = "demo")]
@@ -142,9 +141,9 @@ impl ModeSpec for Sglang {
     }
 
     #[cfg(feature = "demo")]
-    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+    fn demo(d: &super::DemoDecoder<'_>) -> Checked {
         // The bootstrap port is read from each prefill engine's /get_server_info.
-        Ok(Checked { target: d.setup.nixl.clone(), bootstrap_port: None })
+        Checked { target: d.setup.nixl.clone(), bootstrap_port: None }
     }
 }
 

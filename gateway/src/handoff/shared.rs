@@ -147,11 +147,17 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// An engine a leg is sent to, as the passive health check counts it.
+/// An engine a leg is sent to: its name, its address, its passive health.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer<'a> {
+    pub name: &'a str,
+    pub http: &'a EngineUrl,
+    pub health: &'a Health,
+}
+
+/// Something a leg can be sent to.
 pub trait Engine {
-    fn name(&self) -> &str;
-    fn http(&self) -> &EngineUrl;
-    fn health(&self) -> &Health;
+    fn peer(&self) -> Peer<'_>;
 }
 
 /// A prefill engine.
@@ -163,16 +169,8 @@ pub struct Prefiller {
 }
 
 impl Engine for Prefiller {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn http(&self) -> &EngineUrl {
-        &self.http
-    }
-
-    fn health(&self) -> &Health {
-        &self.health
+    fn peer(&self) -> Peer<'_> {
+        Peer { name: &self.name, http: &self.http, health: &self.health }
     }
 }
 

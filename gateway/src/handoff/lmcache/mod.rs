@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
 use super::shared::Shared;
-use super::{CheckContext, ModeSpec, Pool};
+use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure};
@@ -89,23 +89,21 @@ pub struct Lmcache {
     pub drains: Arc<Drains>,
 }
 
+impl PoolKeys for Keys {
+    type Checked = Checked;
+
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        let field = format!("{}.lmcache", cx.field);
+        let lm = check_lmcache(&field, &self.lmcache, cx.path, cx.model_chunk, cx.geometry_for)?;
+        let tp = u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX);
+        Ok(Checked { geometry: cx.geometry(tp)?, lmcache: lm, max_slots: cx.max_slots(self.max_slots)? })
+    }
+}
+
 impl ModeSpec for Lmcache {
     const NAME: &'static str = "lmcache";
     const NOTIFICATIONS: bool = true;
     type Keys = Keys;
-    type Checked = Checked;
-
-    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
-        let lm = check_lmcache(
-            &format!("{}.lmcache", cx.field),
-            &k.lmcache,
-            cx.path,
-            cx.model_chunk,
-            cx.geometry_for,
-        )?;
-        let tp = u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX);
-        Ok(Checked { geometry: cx.geometry(tp)?, lmcache: lm, max_slots: cx.max_slots(k.max_slots)? })
-    }
 
     fn describe(c: &Checked) -> String {
         let lm = &c.lmcache;
@@ -122,27 +120,21 @@ impl ModeSpec for Lmcache {
         )
     }
 
-    fn start<'a>(
-        c: Checked,
-        pool: Pool<'a>,
-        ctx: &'a StartContext,
-    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
-        Box::pin(async move {
-            let hub = ctx.lmcache.clone().ok_or_else(|| StartError::Decoder {
-                decoder: pool.name.to_owned(),
-                reason: "lmcache decoder without a notification listener ([lmcache] notify_listen)".into(),
-            })?;
-            let lm = c.lmcache;
-            pool.queue.resize(c.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity)));
-            Ok(Box::new(Lmcache {
-                shared: Arc::clone(&ctx.shared),
-                hub,
-                target: lm.target,
-                chunk_tokens: lm.chunk_size,
-                first_token: ctx.first_token,
-                drains: Arc::default(),
-            }) as Box<dyn Handoff>)
-        })
+    async fn start(c: Checked, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
+        let hub = ctx.lmcache.clone().ok_or_else(|| StartError::Decoder {
+            decoder: pool.name.to_owned(),
+            reason: "lmcache decoder without a notification listener ([lmcache] notify_listen)".into(),
+        })?;
+        let lm = c.lmcache;
+        pool.queue.resize(c.max_slots.map_or(lm.capacity, |m| m.min(lm.capacity)));
+        Ok(Box::new(Lmcache {
+            shared: Arc::clone(&ctx.shared),
+            hub,
+            target: lm.target,
+            chunk_tokens: lm.chunk_size,
+            first_token: ctx.first_token,
+            drains: Arc::default(),
+        }))
     }
 
     #[cfg(feature = "demo")]
@@ -161,7 +153,7 @@ impl ModeSpec for Lmcache {
     }
 
     #[cfg(feature = "demo")]
-    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+    fn demo(d: &super::DemoDecoder<'_>) -> Checked {
         let ranks = d.stats["lmcache"]["ranks"].as_array().cloned().unwrap_or_default();
         let port = |v: &Value| v.as_str().and_then(|a| a.parse::<SocketAddr>().ok()).map(|a| a.port());
         let capacity = ranks
@@ -177,7 +169,7 @@ impl ModeSpec for Lmcache {
         let chunk_size = d.geometry.chunk_tokens;
         let pd_buffer_size = u64::from(capacity) * d.geometry.page_bytes_per_rank();
         let lmcache = CheckedLmcache { target, capacity, chunk_size, pd_buffer_size };
-        Ok(Checked { lmcache, geometry: d.geometry, max_slots: None })
+        Checked { lmcache, geometry: d.geometry, max_slots: None }
     }
 }
 

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::legs::{Patched, RespBody, boxed};
 use super::shared::{Backoff, Shared};
-use super::{CheckContext, ModeSpec, Pool};
+use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::{GatewayError, Internal, KvFailure, Waited};
 use crate::config::{ConfigError, StartContext, StartError};
@@ -67,22 +67,22 @@ pub struct Native {
     pub ranks: Arc<Ranks>,
 }
 
+impl PoolKeys for Keys {
+    type Checked = Checked;
+
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+        if self.dataplane.is_empty() {
+            return Err(cx.err("dataplane", "list one data-plane address per rank"));
+        }
+        let tp = u32::try_from(self.dataplane.len()).map_err(|_| cx.err("dataplane", "too many ranks"))?;
+        let geometry = cx.geometry(tp)?;
+        Ok(Checked { ranks: self.dataplane.clone(), geometry, max_slots: cx.max_slots(self.max_slots)? })
+    }
+}
+
 impl ModeSpec for Native {
     const NAME: &'static str = "native";
     type Keys = Keys;
-    type Checked = Checked;
-
-    fn check(k: &Keys, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
-        if k.dataplane.is_empty() {
-            return Err(cx.err("dataplane", "list one data-plane address per rank"));
-        }
-        let tp = u32::try_from(k.dataplane.len()).map_err(|_| cx.err("dataplane", "too many ranks"))?;
-        Ok(Checked {
-            ranks: k.dataplane.clone(),
-            geometry: cx.geometry(tp)?,
-            max_slots: cx.max_slots(k.max_slots)?,
-        })
-    }
 
     fn describe(c: &Checked) -> String {
         format!(
@@ -98,17 +98,11 @@ impl ModeSpec for Native {
         c.ranks.iter().enumerate().map(|(r, hp)| (format!("dataplane[{r}]"), &hp.host)).collect()
     }
 
-    fn start<'a>(
-        c: Checked,
-        pool: Pool<'a>,
-        ctx: &'a StartContext,
-    ) -> BoxFuture<'a, Result<Box<dyn Handoff>, StartError>> {
-        Box::pin(async move {
-            let native = Native::connect(Arc::clone(&ctx.shared), pool.name.to_owned(), c, ctx, pool.queue)
-                .await
-                .map_err(|source| StartError::DataPlane { decoder: pool.name.to_owned(), source })?;
-            Ok(Box::new(native) as Box<dyn Handoff>)
-        })
+    async fn start(c: Checked, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
+        let native = Native::connect(Arc::clone(&ctx.shared), pool.name.to_owned(), c, ctx, pool.queue)
+            .await
+            .map_err(|source| StartError::DataPlane { decoder: pool.name.to_owned(), source })?;
+        Ok(Box::new(native))
     }
 
     #[cfg(feature = "demo")]
@@ -120,14 +114,14 @@ impl ModeSpec for Native {
     }
 
     #[cfg(feature = "demo")]
-    fn demo(d: &super::DemoDecoder<'_>) -> Result<Checked, String> {
+    fn demo(d: &super::DemoDecoder<'_>) -> Checked {
         let addr = |r: &Value| r["addr"].as_str()?.parse::<std::net::SocketAddr>().ok();
         let ranks = d.stats["ranks"].as_array().map(|a| a.iter().filter_map(addr).collect::<Vec<_>>());
-        Ok(Checked {
+        Checked {
             ranks: ranks.unwrap_or_default().into_iter().map(HostPort::from).collect(),
             geometry: d.geometry,
             max_slots: None,
-        })
+        }
     }
 }
 
