@@ -18,15 +18,65 @@ pub const MAX_CONTROL_FRAME: usize = 1 << 20;
 /// to buffer more than this per connection.
 pub const MAX_DATA_FRAME: usize = 16 << 20;
 
-/// Who is on the other end of a connection.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Role {
-    /// The gateway: info, reserve, renew, cancel.
-    Control = 1,
-    /// A prefiller rank: chunk segments and fences.
-    Producer = 2,
-    /// A subscriber to a rank's statuses and releases.
-    Events = 3,
+/// Declares an enum sent on the wire as one byte, and its decoder `from_u8`, from one list: a code
+/// is one line, and the two directions cannot disagree. `as u8` encodes; `repr(u8)` makes a byte
+/// over 255 a compile error, as a byte given twice already is.
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $byte:literal,)+
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr(u8)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant = $byte,)+
+        }
+
+        impl $name {
+            /// The variant whose byte is `v`; `None` for a byte no variant has.
+            fn from_u8(v: u8) -> Option<Self> {
+                match v {
+                    $($byte => Some(Self::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+/// The wire bytes of an enum defined outside the wire module, both directions from one list. The
+/// encoder's match is exhaustive, so a new variant does not compile until it has a byte; a byte given
+/// twice is an unreachable pattern in the decoder (a warning, an error under `-D warnings`).
+macro_rules! wire_codes {
+    ($ty:ident, $encode:ident, $decode:ident { $($variant:ident = $byte:literal,)+ }) => {
+        fn $encode(v: $ty) -> u8 {
+            match v {
+                $($ty::$variant => $byte,)+
+            }
+        }
+
+        fn $decode(v: u8) -> Option<$ty> {
+            match v {
+                $($byte => Some($ty::$variant),)+
+                _ => None,
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// Who is on the other end of a connection.
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    pub enum Role {
+        /// The gateway: info, reserve, renew, cancel.
+        Control = 1,
+        /// A prefiller rank: chunk segments and fences.
+        Producer = 2,
+        /// A subscriber to a rank's statuses and releases.
+        Events = 3,
+    }
 }
 
 /// The first frame on every connection.
@@ -39,41 +89,22 @@ pub struct Hello {
     pub rank: u32,
 }
 
-/// Why a reservation (or another request) was refused.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum RefusalCode {
-    TooLarge = 1,
-    Busy = 2,
-    Duplicate = 3,
-    TooManyRequests = 4,
-    Expired = 5,
-    Closed = 6,
-    BadRequest = 7,
-    Stale = 8,
-    NotOwner = 9,
-    Geometry = 10,
-    Version = 11,
-    Internal = 12,
-}
-
-impl RefusalCode {
-    fn from_u8(v: u8) -> Option<Self> {
-        use RefusalCode::*;
-        Some(match v {
-            1 => TooLarge,
-            2 => Busy,
-            3 => Duplicate,
-            4 => TooManyRequests,
-            5 => Expired,
-            6 => Closed,
-            7 => BadRequest,
-            8 => Stale,
-            9 => NotOwner,
-            10 => Geometry,
-            11 => Version,
-            12 => Internal,
-            _ => return None,
-        })
+wire_enum! {
+    /// Why a reservation (or another request) was refused.
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    pub enum RefusalCode {
+        TooLarge = 1,
+        Busy = 2,
+        Duplicate = 3,
+        TooManyRequests = 4,
+        Expired = 5,
+        Closed = 6,
+        BadRequest = 7,
+        Stale = 8,
+        NotOwner = 9,
+        Geometry = 10,
+        Version = 11,
+        Internal = 12,
     }
 }
 
@@ -495,14 +526,8 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
     let mut r = R { buf: buf.get(..total).unwrap_or_default(), pos: HEADER_LEN };
     let frame = match k {
         kind::HELLO => {
-            let role = match r.u8("role")? {
-                1 => Role::Control,
-                2 => Role::Producer,
-                3 => Role::Events,
-                v => {
-                    return Err(FrameError::Value { field: "role", value: u64::from(v) });
-                }
-            };
+            let v = r.u8("role")?;
+            let role = Role::from_u8(v).ok_or(FrameError::Value { field: "role", value: u64::from(v) })?;
             Frame::Hello(Hello { role, geometry: r.u64("geometry")?, rank: r.u32("rank")? })
         }
         kind::WELCOME => Frame::Welcome {
@@ -627,47 +652,21 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
     Ok(Decoded::Frame(frame, total))
 }
 
-fn terminal_code(s: TerminalState) -> u8 {
-    match s {
-        TerminalState::Ready => 1,
-        TerminalState::Failed => 2,
-        TerminalState::Cancelled => 3,
-        TerminalState::Expired => 4,
-    }
-}
+wire_codes!(TerminalState, terminal_code, terminal_from {
+    Ready = 1,
+    Failed = 2,
+    Cancelled = 3,
+    Expired = 4,
+});
 
-fn terminal_from(v: u8) -> Option<TerminalState> {
-    Some(match v {
-        1 => TerminalState::Ready,
-        2 => TerminalState::Failed,
-        3 => TerminalState::Cancelled,
-        4 => TerminalState::Expired,
-        _ => return None,
-    })
-}
-
-fn release_code(r: ReleaseReason) -> u8 {
-    match r {
-        ReleaseReason::Consumed => 1,
-        ReleaseReason::Dropped => 2,
-        ReleaseReason::Cancelled => 3,
-        ReleaseReason::Expired => 4,
-        ReleaseReason::Fenced => 5,
-        ReleaseReason::QuarantineTimeout => 6,
-    }
-}
-
-fn release_from(v: u8) -> Option<ReleaseReason> {
-    Some(match v {
-        1 => ReleaseReason::Consumed,
-        2 => ReleaseReason::Dropped,
-        3 => ReleaseReason::Cancelled,
-        4 => ReleaseReason::Expired,
-        5 => ReleaseReason::Fenced,
-        6 => ReleaseReason::QuarantineTimeout,
-        _ => return None,
-    })
-}
+wire_codes!(ReleaseReason, release_code, release_from {
+    Consumed = 1,
+    Dropped = 2,
+    Cancelled = 3,
+    Expired = 4,
+    Fenced = 5,
+    QuarantineTimeout = 6,
+});
 
 struct W<'a>(&'a mut Vec<u8>);
 
@@ -838,6 +837,100 @@ mod tests {
             for cut in 0..buf.len() {
                 assert!(matches!(decode(&buf[..cut]), Ok(Decoded::Incomplete(_))), "{f:?} cut at {cut}");
             }
+        }
+    }
+
+    /// Checks a code table both ways: each row encodes to its byte, and of all 256 bytes exactly the
+    /// rows' bytes decode, each to its row (so a code added without a row here fails too).
+    fn pin<T: Copy + PartialEq + std::fmt::Debug>(
+        what: &str,
+        rows: &[(T, u8)],
+        encode: impl Fn(T) -> u8,
+        decode: impl Fn(u8) -> Option<T>,
+    ) {
+        for &(v, byte) in rows {
+            assert_eq!(encode(v), byte, "{what} {v:?}");
+        }
+        for byte in 0..=u8::MAX {
+            let want = rows.iter().find(|r| r.1 == byte).map(|r| r.0);
+            assert_eq!(decode(byte), want, "{what} byte {byte}");
+        }
+    }
+
+    /// Every code's byte as the protocol shipped it, written out by hand rather than from the
+    /// tables: changing one is a protocol change (and a `PROTOCOL_VERSION` bump), never a refactor.
+    #[test]
+    fn wire_codes_keep_their_bytes() {
+        pin(
+            "role",
+            &[(Role::Control, 1), (Role::Producer, 2), (Role::Events, 3)],
+            |v| v as u8,
+            Role::from_u8,
+        );
+        use RefusalCode as C;
+        pin(
+            "refusal code",
+            &[
+                (C::TooLarge, 1),
+                (C::Busy, 2),
+                (C::Duplicate, 3),
+                (C::TooManyRequests, 4),
+                (C::Expired, 5),
+                (C::Closed, 6),
+                (C::BadRequest, 7),
+                (C::Stale, 8),
+                (C::NotOwner, 9),
+                (C::Geometry, 10),
+                (C::Version, 11),
+                (C::Internal, 12),
+            ],
+            |v| v as u8,
+            C::from_u8,
+        );
+        use TerminalState as T;
+        pin(
+            "terminal state",
+            &[(T::Ready, 1), (T::Failed, 2), (T::Cancelled, 3), (T::Expired, 4)],
+            terminal_code,
+            terminal_from,
+        );
+        use ReleaseReason as R;
+        pin(
+            "release reason",
+            &[
+                (R::Consumed, 1),
+                (R::Dropped, 2),
+                (R::Cancelled, 3),
+                (R::Expired, 4),
+                (R::Fenced, 5),
+                (R::QuarantineTimeout, 6),
+            ],
+            release_code,
+            release_from,
+        );
+        let kinds = [
+            (kind::HELLO, 1),
+            (kind::WELCOME, 2),
+            (kind::INFO, 3),
+            (kind::INFO_REPLY, 4),
+            (kind::RESERVE, 5),
+            (kind::RESERVED, 6),
+            (kind::RENEW, 7),
+            (kind::CANCEL, 8),
+            (kind::DONE, 9),
+            (kind::REFUSED, 10),
+            (kind::CHUNK, 11),
+            (kind::CHUNK_ACK, 12),
+            (kind::FENCE, 13),
+            (kind::EVENT_STATUS, 14),
+            (kind::EVENT_RELEASED, 15),
+            (kind::ERROR, 16),
+            (kind::GRANT, 17),
+            (kind::GRANTED, 18),
+            (kind::WRITTEN, 19),
+        ];
+        for (i, (got, want)) in kinds.into_iter().enumerate() {
+            assert_eq!(got, want, "frame kind row {i}");
         }
     }
 

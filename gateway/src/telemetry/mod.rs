@@ -15,60 +15,110 @@ pub mod trace;
 pub use metrics::{Live, Metrics, Tracked};
 pub use scrape::Scrape;
 
-/// The phases of a request. Metrics are indexed by it, so a phase a handoff marks always has its
-/// series (no string that a list could lack).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Phase {
-    /// Tokens counted, the admission plugin asked, the route chosen.
-    Route,
-    /// Waiting for the decoder's admission slots.
-    Queue,
-    /// Pages reserved on every decoder rank (native).
-    Reserve,
-    /// The prefill leg, to its answer.
-    Prefill,
-    /// From the prefill's answer until every decoder rank holds the KV.
-    KvReady,
-    /// The decode leg, to its response headers.
-    Decode,
-    /// To the first streamed token sent to the client (a handoff that streams before its decode).
-    FirstToken,
-    /// The whole request, to its response headers.
-    Total,
-    /// From the response headers to the last byte of the body.
-    Stream,
+/// Declares [`Phase`] and its tables from one list, one line per phase: its name in metrics and
+/// `Server-Timing`, and whether a request in flight can be in it. `ALL` follows the list's order,
+/// which is the enum's, so `ALL[p as usize] == p` holds by construction.
+macro_rules! phases {
+    (
+        $(#[$meta:meta])*
+        pub enum Phase {
+            $($(#[$vmeta:meta])* $variant:ident => $name:literal, live: $live:literal;)+
+        }
+    ) => {
+        $(#[$meta])*
+        pub enum Phase {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl Phase {
+            /// In declaration order: `ALL[p as usize] == p`.
+            pub const ALL: [Phase; [$(Phase::$variant),+].len()] = [$(Self::$variant),+];
+
+            /// The phases a request in flight can be in, in declaration order.
+            pub const LIVE: [Phase; Phase::LIVE_LEN] = {
+                let mut live = [Self::ALL[0]; Phase::LIVE_LEN];
+                let (mut i, mut n) = (0, 0);
+                while i < Self::ALL.len() {
+                    if Self::ALL[i].is_live() {
+                        live[n] = Self::ALL[i];
+                        n += 1;
+                    }
+                    i += 1;
+                }
+                live
+            };
+
+            const LIVE_LEN: usize = 0 $(+ $live as usize)+;
+
+            const fn is_live(self) -> bool {
+                match self {
+                    $(Self::$variant => $live,)+
+                }
+            }
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $name,)+
+                }
+            }
+        }
+    };
 }
 
-impl Phase {
-    /// In declaration order: `ALL[p as usize] == p`.
-    pub const ALL: [Phase; 9] = [
-        Self::Route,
-        Self::Queue,
-        Self::Reserve,
-        Self::Prefill,
-        Self::KvReady,
-        Self::Decode,
-        Self::FirstToken,
-        Self::Total,
-        Self::Stream,
-    ];
+phases! {
+    /// The phases of a request. Metrics are indexed by it, so a phase a handoff marks always has its
+    /// series (no string that a list could lack).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Phase {
+        /// Tokens counted, the admission plugin asked, the route chosen.
+        Route => "route", live: true;
+        /// Waiting for the decoder's admission slots.
+        Queue => "queue", live: true;
+        /// Pages reserved on every decoder rank (native).
+        Reserve => "reserve", live: true;
+        /// The prefill leg, to its answer.
+        Prefill => "prefill", live: true;
+        /// From the prefill's answer until every decoder rank holds the KV.
+        KvReady => "kv_ready", live: true;
+        /// The decode leg, to its response headers.
+        Decode => "decode", live: true;
+        /// To the first streamed token sent to the client (a handoff that streams before its decode).
+        FirstToken => "first_token", live: false;
+        /// The whole request, to its response headers.
+        Total => "total", live: false;
+        /// From the response headers to the last byte of the body.
+        Stream => "stream", live: true;
+    }
+}
 
-    /// The phases a request in flight can be in.
-    pub const LIVE: [Phase; 7] =
-        [Self::Route, Self::Queue, Self::Reserve, Self::Prefill, Self::KvReady, Self::Decode, Self::Stream];
+#[cfg(test)]
+mod phase_tests {
+    use super::Phase;
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Route => "route",
-            Self::Queue => "queue",
-            Self::Reserve => "reserve",
-            Self::Prefill => "prefill",
-            Self::KvReady => "kv_ready",
-            Self::Decode => "decode",
-            Self::FirstToken => "first_token",
-            Self::Total => "total",
-            Self::Stream => "stream",
+    /// The names are metric labels and `Server-Timing` entries that dashboards read: written out
+    /// here by hand, so a change to the list above shows up as a failing test.
+    #[test]
+    fn phases_keep_their_order_names_and_liveness() {
+        let names: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
+        assert_eq!(
+            names,
+            ["route", "queue", "reserve", "prefill", "kv_ready", "decode", "first_token", "total", "stream"]
+        );
+        for (i, p) in Phase::ALL.iter().enumerate() {
+            assert_eq!(*p as usize, i, "{p:?}");
         }
+        assert_eq!(
+            Phase::LIVE,
+            [
+                Phase::Route,
+                Phase::Queue,
+                Phase::Reserve,
+                Phase::Prefill,
+                Phase::KvReady,
+                Phase::Decode,
+                Phase::Stream
+            ]
+        );
     }
 }
 

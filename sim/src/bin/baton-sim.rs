@@ -9,169 +9,261 @@
 
 #![allow(clippy::print_stdout)]
 
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use baton_dataplane::KvGeometry;
+use baton_dataplane::buffer::DEFAULT_QUARANTINE_TTL;
 use baton_dataplane::device::any::DeviceKind;
 use baton_sim::faults::FaultConfig;
 use baton_sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT;
-use baton_sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+use baton_sim::prefill::DEFAULT_PRODUCER_HOLD_TTL;
+use baton_sim::sglang::DEFAULT_ROOM_WAIT;
+use baton_sim::{
+    DEFAULT_SIM_BLOCK_SIZE, DEFAULT_SIM_CACHE_BLOCKS, DEFAULT_SIM_PAGES, DpTls, LmcacheSimConfig,
+    SglangSimConfig, SimConfig, SimRole, launch, tiny_geometry,
+};
+use clap::Parser;
 
-const USAGE: &str = "usage: baton-sim --role prefill|decode [--listen ADDR] [--model NAME] [--tp N]
-       [--geometry tiny|CONFIG.json] [--chunk-tokens N] [--pages N] [--cache-blocks N] [--block-size N]
-       [--token-delay-us N] [--dp-host IP] [--dp-port BASE] [--quarantine-ms N] [--hold-ttl-ms N] [--faults JSON]
-       [--lmcache] [--lmcache-buffer BYTES] [--lmcache-alloc-ports P,P] [--lmcache-init-ports P,P]
-       [--lmcache-proxy ADDR] [--lmcache-async] [--nixl] [--nixl-abort-timeout-s N]
-       [--sglang] [--sglang-bootstrap-port P] [--sglang-room-wait-ms N] [--device cpu|cuda]
-       [--dp-tls-ca CA.pem --dp-tls-cert CERT.pem --dp-tls-key KEY.pem [--dp-tls-server-name NAME]]
-       [--neutral]
+/// The flags. Where a default is the library's, the field takes the library's constant or is an
+/// `Option` that leaves `SimConfig::new`'s value alone, so the binary cannot drift from the library
+/// (for those `Option`s the help text repeats the value).
+#[derive(Debug, Parser)]
+#[command(
+    name = "baton-sim",
+    about = "A simulated prefill or decode engine: OpenAI-compatible HTTP in front of baton's real data plane",
+    after_help = "On start it prints one JSON line with its HTTP address and, for a decoder, each rank's \
+                  data-plane address; GET /sim/stats says the same and more."
+)]
+struct Cli {
+    /// Which side of the PD pair this engine plays
+    #[arg(long, value_enum)]
+    role: Role,
+    /// HTTP listen address (default 127.0.0.1:0, an ephemeral port)
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Model name the engine answers to (default baton-sim)
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
+    /// Tensor-parallel ranks
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    tp: u32,
+    /// KV geometry: the built-in tiny model, or a Hugging Face config.json to derive it from
+    #[arg(long, value_name = "tiny|CONFIG.json", default_value = "tiny")]
+    geometry: String,
+    /// Tokens per KV chunk (page)
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    chunk_tokens: u32,
+    /// Decode: PD buffer pages per rank
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_SIM_PAGES)]
+    pages: u32,
+    /// Engine cache blocks per rank
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_SIM_CACHE_BLOCKS,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    cache_blocks: u32,
+    /// Tokens per engine cache block
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_SIM_BLOCK_SIZE,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    block_size: u32,
+    /// Time per generated token, microseconds
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    token_delay_us: u64,
+    /// Decode: the IP the ranks' data-plane servers listen on (default 127.0.0.1)
+    #[arg(long, value_name = "IP")]
+    dp_host: Option<IpAddr>,
+    /// Decode: rank r's data plane listens on BASE + r (ephemeral ports if not given)
+    #[arg(long, value_name = "BASE")]
+    dp_port: Option<u16>,
+    /// Decode: how long cancelled pages stay quarantined when the producer never fences, ms
+    #[arg(long, value_name = "N", default_value_t = millis(DEFAULT_QUARANTINE_TTL))]
+    quarantine_ms: u64,
+    /// Prefill: how long a request's KV blocks wait for the decoder to take them, ms
+    #[arg(long, value_name = "N", default_value_t = millis(DEFAULT_PRODUCER_HOLD_TTL))]
+    hold_ttl_ms: u64,
+    /// Fault switches as a JSON object (crash a rank, drop a readiness event, stall a chunk, slow a rank)
+    #[arg(long, value_name = "JSON", value_parser = faults)]
+    faults: Option<FaultConfig>,
+    /// Also speak LMCache's PD backend (any --lmcache-* flag turns it on too)
+    #[arg(long)]
+    lmcache: bool,
+    /// LMCache decode: PD buffer bytes per rank (default: room for --pages pages)
+    #[arg(long, value_name = "BYTES")]
+    lmcache_buffer: Option<u64>,
+    /// LMCache decode: each rank's alloc port, comma-separated (ephemeral if not given)
+    #[arg(long, value_name = "P,P", value_parser = ports)]
+    lmcache_alloc_ports: Option<Ports>,
+    /// LMCache decode: each rank's init port, comma-separated (ephemeral if not given)
+    #[arg(long, value_name = "P,P", value_parser = ports)]
+    lmcache_init_ports: Option<Ports>,
+    /// LMCache prefill: where to push notifications
+    #[arg(long, value_name = "ADDR")]
+    lmcache_proxy: Option<SocketAddr>,
+    /// LMCache prefill: answer before the chunks are written (LMCache's asynchronous PD backend)
+    #[arg(long)]
+    lmcache_async: bool,
+    /// Also speak vLLM's NIXL connector (--nixl-abort-timeout-s turns it on too)
+    #[arg(long)]
+    nixl: bool,
+    /// NIXL prefill: seconds the producer keeps blocks nobody read (default 480)
+    #[arg(long, value_name = "N")]
+    nixl_abort_timeout_s: Option<u64>,
+    /// Also speak SGLang's PD mode (any --sglang-* flag turns it on too)
+    #[arg(long)]
+    sglang: bool,
+    /// SGLang prefill: the bootstrap server's port (ephemeral if not given)
+    #[arg(long, value_name = "P")]
+    sglang_bootstrap_port: Option<u16>,
+    /// SGLang: how long a room waits for its other leg, ms (default 10000)
+    #[arg(long, value_name = "N")]
+    sglang_room_wait_ms: Option<u64>,
+    /// Where the cache and PD buffer live: cpu or cuda (GPU 0)
+    #[arg(long, value_name = "cpu|cuda", value_parser = device, default_value = "cpu")]
+    device: DeviceKind,
+    /// Data-plane mTLS: the CA whose certificates peers must present
+    #[arg(long, value_name = "CA.pem", requires_all = ["dp_tls_cert", "dp_tls_key"])]
+    dp_tls_ca: Option<PathBuf>,
+    /// Data-plane mTLS: this engine's certificate, served by decode ranks and presented by a prefiller
+    #[arg(long, value_name = "CERT.pem", requires_all = ["dp_tls_ca", "dp_tls_key"])]
+    dp_tls_cert: Option<PathBuf>,
+    /// Data-plane mTLS: the key of --dp-tls-cert
+    #[arg(long, value_name = "KEY.pem", requires_all = ["dp_tls_ca", "dp_tls_cert"])]
+    dp_tls_key: Option<PathBuf>,
+    /// Data-plane mTLS: the name a prefiller checks that decode ranks present
+    #[arg(long, value_name = "NAME", default_value = "localhost")]
+    dp_tls_server_name: String,
+    /// Derive and check no KV (pages move as zeros): an engine that costs only its protocol, for
+    /// measuring a proxy in front of it
+    #[arg(long)]
+    neutral: bool,
+}
 
-  --lmcache*   also speak LMCache's PD backend: a decoder gets a PD buffer of BYTES per rank and
-               alloc/init ports per rank (ephemeral if not given); a prefiller notifies ADDR
-  --nixl       also speak vLLM's NIXL connector (producer keeps blocks N seconds unless read)
-  --sglang*    also speak SGLang's PD mode: a prefiller runs a bootstrap server on P (ephemeral if
-               not given); rooms wait N ms for their other leg
-  --dp-tls-*   mTLS on baton's data plane: decode ranks serve TLS with CERT/KEY and require client
-               certificates from CA; a prefiller connects with CERT/KEY and checks that ranks present
-               NAME (default localhost)
-  --neutral    derive and check no KV (pages move as zeros): an engine that costs only its protocol,
-               for measuring a proxy in front of it";
+/// `--role`: clap's own enum, as the library's `SimRole` knows nothing of clap.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Role {
+    /// Computes the prompt's KV and writes it to the decoder's ranks
+    Prefill,
+    /// Receives the KV into its PD buffer and generates the tokens
+    Decode,
+}
 
-fn parse() -> Result<SimConfig, String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let get = |name: &str| -> Option<String> {
-        let i = args.iter().position(|a| a == name)?;
-        args.get(i + 1).cloned()
-    };
-    let num = |v: Option<String>, name: &str, default: u64| -> Result<u64, String> {
-        v.map_or(Ok(default), |s| s.parse().map_err(|_| format!("{name}: not a number: {s:?}")))
-    };
-    let role = match get("--role").as_deref() {
-        Some("prefill") => SimRole::Prefill,
-        Some("decode") => SimRole::Decode,
-        other => return Err(format!("--role must be prefill or decode, got {other:?}")),
-    };
-    let tp = u32::try_from(num(get("--tp"), "--tp", 1)?).map_err(|e| e.to_string())?;
-    let chunk =
-        u32::try_from(num(get("--chunk-tokens"), "--chunk-tokens", 16)?).map_err(|e| e.to_string())?;
-    let geometry = match get("--geometry").as_deref() {
-        None | Some("tiny") => {
-            let g = tiny_geometry(tp).map_err(|e| e.to_string())?;
-            KvGeometry::new(g.layers, g.kv_heads, g.head_dim, g.dtype_bytes, chunk, tp)
-                .map_err(|e| e.to_string())?
+/// A comma-separated port list. A newtype because clap reads a bare `Vec` as a repeated flag.
+#[derive(Clone, Debug)]
+struct Ports(Vec<u16>);
+
+fn ports(v: &str) -> Result<Ports, String> {
+    v.split(',')
+        .map(|p| p.trim().parse().map_err(|_| format!("not a port list: {v:?}")))
+        .collect::<Result<_, _>>()
+        .map(Ports)
+}
+
+fn faults(v: &str) -> Result<FaultConfig, String> {
+    serde_json::from_str(v).map_err(|e| e.to_string())
+}
+
+fn device(v: &str) -> Result<DeviceKind, String> {
+    DeviceKind::parse(v).ok_or_else(|| "not cpu or cuda".to_owned())
+}
+
+/// A default duration in whole milliseconds, saturating where it would not fit.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Cli {
+    /// The engine's configuration: what clap could not check (the geometry file, the TLS files,
+    /// defaults that depend on other flags) is checked here.
+    fn config(self) -> Result<SimConfig, String> {
+        let role = match self.role {
+            Role::Prefill => SimRole::Prefill,
+            Role::Decode => SimRole::Decode,
+        };
+        let (tp, chunk) = (self.tp, self.chunk_tokens);
+        let geometry = match self.geometry.as_str() {
+            "tiny" => {
+                let g = tiny_geometry(tp).map_err(|e| e.to_string())?;
+                KvGeometry::new(g.layers, g.kv_heads, g.head_dim, g.dtype_bytes, chunk, tp)
+                    .map_err(|e| e.to_string())?
+            }
+            path => {
+                let json = std::fs::read_to_string(path).map_err(|e| format!("--geometry {path}: {e}"))?;
+                KvGeometry::from_hf_config(&json, chunk, tp, None)
+                    .map_err(|e| format!("--geometry {path}: {e}"))?
+            }
+        };
+        let mut c = SimConfig::new(role, geometry);
+        if let Some(l) = self.listen {
+            c.listen = l;
         }
-        Some(path) => {
-            let json = std::fs::read_to_string(path).map_err(|e| format!("--geometry {path}: {e}"))?;
-            KvGeometry::from_hf_config(&json, chunk, tp, None)
-                .map_err(|e| format!("--geometry {path}: {e}"))?
+        if let Some(m) = self.model {
+            c.model = m;
         }
-    };
-    let mut c = SimConfig::new(role, geometry);
-    if let Some(l) = get("--listen") {
-        c.listen = l.parse().map_err(|_| format!("--listen: not an address: {l:?}"))?;
-    }
-    if let Some(m) = get("--model") {
-        c.model = m;
-    }
-    if let Some(h) = get("--dp-host") {
-        c.dp_host = h.parse().map_err(|_| format!("--dp-host: not an IP: {h:?}"))?;
-    }
-    if let Some(p) = get("--dp-port") {
-        c.dp_base_port = Some(p.parse().map_err(|_| format!("--dp-port: not a port: {p:?}"))?);
-    }
-    match (get("--dp-tls-ca"), get("--dp-tls-cert"), get("--dp-tls-key")) {
-        (Some(ca), Some(cert), Some(key)) => {
-            let name = get("--dp-tls-server-name").unwrap_or_else(|| "localhost".into());
-            let tls = baton_sim::DpTls::from_pem_files(ca.as_ref(), cert.as_ref(), key.as_ref(), &name)
+        if let Some(h) = self.dp_host {
+            c.dp_host = h;
+        }
+        c.dp_base_port = self.dp_port;
+        // clap's `requires_all` has made sure the three come together or not at all.
+        if let (Some(ca), Some(cert), Some(key)) = (&self.dp_tls_ca, &self.dp_tls_cert, &self.dp_tls_key) {
+            let tls = DpTls::from_pem_files(ca, cert, key, &self.dp_tls_server_name)
                 .map_err(|e| format!("--dp-tls-*: {e}"))?;
             c.dp_tls = Some(tls);
         }
-        (None, None, None) => {}
-        _ => return Err("--dp-tls-ca, --dp-tls-cert and --dp-tls-key go together".into()),
+        c.pages = self.pages;
+        c.cache_blocks = self.cache_blocks;
+        c.block_size = self.block_size;
+        c.token_delay = Duration::from_micros(self.token_delay_us);
+        c.quarantine_ttl = Duration::from_millis(self.quarantine_ms);
+        c.hold_ttl = Duration::from_millis(self.hold_ttl_ms);
+        // Each protocol is on when any of its flags is given, as scripts have always relied on
+        // (`--lmcache-proxy ADDR` alone makes an LMCache prefiller).
+        let lmcache = self.lmcache
+            || self.lmcache_buffer.is_some()
+            || self.lmcache_alloc_ports.is_some()
+            || self.lmcache_init_ports.is_some()
+            || self.lmcache_proxy.is_some()
+            || self.lmcache_async;
+        if lmcache {
+            c.lmcache = Some(LmcacheSimConfig {
+                pd_buffer_bytes: self
+                    .lmcache_buffer
+                    .unwrap_or_else(|| u64::from(c.pages) * c.geometry.page_bytes_per_rank()),
+                alloc_ports: self.lmcache_alloc_ports.map(|p| p.0).unwrap_or_default(),
+                init_ports: self.lmcache_init_ports.map(|p| p.0).unwrap_or_default(),
+                proxy: self.lmcache_proxy,
+                async_send: self.lmcache_async,
+            });
+        }
+        if self.nixl || self.nixl_abort_timeout_s.is_some() {
+            let secs = self.nixl_abort_timeout_s.unwrap_or(DEFAULT_NIXL_ABORT_TIMEOUT.as_secs());
+            c.nixl = Some(Duration::from_secs(secs));
+        }
+        if self.sglang || self.sglang_bootstrap_port.is_some() || self.sglang_room_wait_ms.is_some() {
+            c.sglang = Some(SglangSimConfig {
+                bootstrap_port: self.sglang_bootstrap_port,
+                room_wait: self.sglang_room_wait_ms.map_or(DEFAULT_ROOM_WAIT, Duration::from_millis),
+            });
+        }
+        c.device = self.device;
+        if let Some(f) = self.faults {
+            c.faults = f;
+        }
+        Ok(c)
     }
-    c.pages =
-        u32::try_from(num(get("--pages"), "--pages", u64::from(c.pages))?).map_err(|e| e.to_string())?;
-    c.cache_blocks = u32::try_from(num(get("--cache-blocks"), "--cache-blocks", u64::from(c.cache_blocks))?)
-        .map_err(|e| e.to_string())?;
-    c.block_size = u32::try_from(num(get("--block-size"), "--block-size", u64::from(c.block_size))?)
-        .map_err(|e| e.to_string())?;
-    c.token_delay = Duration::from_micros(num(get("--token-delay-us"), "--token-delay-us", 0)?);
-    c.quarantine_ttl = Duration::from_millis(num(
-        get("--quarantine-ms"),
-        "--quarantine-ms",
-        u64::try_from(c.quarantine_ttl.as_millis()).unwrap_or(u64::MAX),
-    )?);
-    c.hold_ttl = Duration::from_millis(num(
-        get("--hold-ttl-ms"),
-        "--hold-ttl-ms",
-        u64::try_from(c.hold_ttl.as_millis()).unwrap_or(u64::MAX),
-    )?);
-    let ports = |name: &str| -> Result<Vec<u16>, String> {
-        get(name).map_or(Ok(Vec::new()), |v| {
-            v.split(',')
-                .map(|p| p.trim().parse().map_err(|_| format!("{name}: not a port list: {v:?}")))
-                .collect()
-        })
-    };
-    if args.iter().any(|a| a.starts_with("--lmcache")) {
-        let proxy = match get("--lmcache-proxy") {
-            Some(p) => Some(p.parse().map_err(|_| format!("--lmcache-proxy: not an address: {p:?}"))?),
-            None => None,
-        };
-        c.lmcache = Some(LmcacheSimConfig {
-            pd_buffer_bytes: num(
-                get("--lmcache-buffer"),
-                "--lmcache-buffer",
-                u64::from(c.pages) * c.geometry.page_bytes_per_rank(),
-            )?,
-            alloc_ports: ports("--lmcache-alloc-ports")?,
-            init_ports: ports("--lmcache-init-ports")?,
-            proxy,
-            async_send: args.iter().any(|a| a == "--lmcache-async"),
-        });
-    }
-    if args.iter().any(|a| a.starts_with("--nixl")) {
-        c.nixl = Some(Duration::from_secs(num(
-            get("--nixl-abort-timeout-s"),
-            "--nixl-abort-timeout-s",
-            DEFAULT_NIXL_ABORT_TIMEOUT.as_secs(),
-        )?));
-    }
-    if args.iter().any(|a| a.starts_with("--sglang")) {
-        let port = match get("--sglang-bootstrap-port") {
-            Some(p) => Some(p.parse().map_err(|_| format!("--sglang-bootstrap-port: not a port: {p:?}"))?),
-            None => None,
-        };
-        let wait = num(
-            get("--sglang-room-wait-ms"),
-            "--sglang-room-wait-ms",
-            u64::try_from(baton_sim::sglang::DEFAULT_ROOM_WAIT.as_millis()).unwrap_or(u64::MAX),
-        )?;
-        c.sglang =
-            Some(baton_sim::SglangSimConfig { bootstrap_port: port, room_wait: Duration::from_millis(wait) });
-    }
-    if let Some(d) = get("--device") {
-        c.device = DeviceKind::parse(&d).ok_or_else(|| format!("--device: {d:?} is not cpu or cuda"))?;
-    }
-    if let Some(f) = get("--faults") {
-        c.faults = serde_json::from_str::<FaultConfig>(&f).map_err(|e| format!("--faults: {e}"))?;
-    }
-    if c.block_size == 0 || c.cache_blocks == 0 {
-        return Err("--block-size and --cache-blocks must be greater than 0".into());
-    }
-    Ok(c)
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    if std::env::args().any(|a| a == "--neutral") {
+    // On a bad flag clap prints the error and usage and exits 2; on --help it exits 0.
+    let cli = Cli::parse();
+    if cli.neutral {
         baton_sim::kv::set_neutral(true);
     }
-    let config = match parse() {
+    let config = match cli.config() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("baton-sim: {e}\n{USAGE}");
+            eprintln!("baton-sim: {e}\n(see baton-sim --help)");
             return ExitCode::from(2);
         }
     };
