@@ -73,8 +73,8 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let client = EngineClient::new(names, c.engine_tls.clone());
     let tracing = match &c.trace {
         Some(t) => {
-            let started =
-                crate::telemetry::trace::Tracing::start(t, client.clone()).map_err(StartError::Tracing)?;
+            let started = crate::telemetry::trace::Tracing::start(t, client.clone())
+                .map_err(|e| StartError::Tracing(e.to_string()))?;
             tracing::info!(to = t.endpoint, ratio = t.sampling_ratio, "tracing requests (OTLP/HTTP)");
             Some(Arc::new(started))
         }
@@ -112,7 +112,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let plugins = match &c.plugins {
         Some(p) => Some(
             crate::policy::Plugins::start(p, tenants.clone(), c.source.clone().map(reread))
-                .map_err(StartError::Plugins)?,
+                .map_err(|e| StartError::Plugins(e.to_string()))?,
         ),
         None => None,
     };

@@ -404,7 +404,7 @@ pub struct Checked {
 
 /// An engine's `http://HOST:PORT` or `https://HOST:PORT`, the host an IP or a DNS name.
 pub fn parse_url(field: &str, url: &str) -> Result<EngineUrl, ConfigError> {
-    EngineUrl::parse(url).map_err(|e| err(field, e))
+    EngineUrl::parse(url).map_err(|e| err(field, e.to_string()))
 }
 
 impl Checked {
@@ -524,7 +524,9 @@ impl Config {
             resolver,
             engine_tls,
             keys: match &self.auth.keys_file {
-                Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
+                Some(f) => Some(
+                    crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e.to_string()))?,
+                ),
                 None => None,
             },
             model: self.model.name.clone(),
@@ -577,7 +579,7 @@ impl Config {
                 }
                 (false, Some(c), Some(k)) => Some(
                     FrontTls::from_pem_files(&path(c), &path(k), l.client_ca.as_deref().map(path).as_deref())
-                        .map_err(|e| err(format!("{f}.tls"), e))?,
+                        .map_err(|e| err(format!("{f}.tls"), e.to_string()))?,
                 ),
                 (false, _, _) => {
                     return Err(err(
@@ -600,7 +602,7 @@ impl Config {
         let tls = match (&a.tls_cert, &a.tls_key) {
             (Some(c), Some(k)) => Some(
                 FrontTls::from_pem_files(&path(c), &path(k), a.client_ca.as_deref().map(path).as_deref())
-                    .map_err(|e| err("admin.tls", e))?,
+                    .map_err(|e| err("admin.tls", e.to_string()))?,
             ),
             (None, None) if a.client_ca.is_some() => {
                 return Err(err("admin.client_ca", "needs TLS (tls_cert and tls_key)"));
@@ -673,7 +675,7 @@ impl Config {
         let ca = t.ca.as_deref().map(path);
         EngineTls::from_pem_files(ca.as_deref(), client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())))
             .map(Some)
-            .map_err(|e| err("engine_tls", e))
+            .map_err(|e| err("engine_tls", e.to_string()))
     }
 
     fn check_prefills(&self) -> Result<Vec<(String, EngineUrl)>, ConfigError> {
