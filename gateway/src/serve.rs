@@ -130,8 +130,20 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         access,
     );
     background.push(gateway.start_health_checks());
-    let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
-    let listeners = Listeners::start(&gateway, c.listeners, admin)
+    // The listeners' TLS as configured, made into acceptors (the files were checked with the
+    // configuration; a failure here is reported as the listener's).
+    let tls = |addr: SocketAddr, t: Option<crate::config::FrontTlsConfig>| {
+        t.map(crate::server::tls::FrontTls::from_config)
+            .transpose()
+            .map_err(|e| StartError::Listen { addr, source: std::io::Error::other(e) })
+    };
+    let public = c.listeners.into_iter().map(|(a, t)| Ok((a, tls(a, t)?))).collect::<Result<Vec<_>, _>>()?;
+    let admin = (
+        c.admin.addr,
+        tls(c.admin.addr, c.admin.tls)?,
+        Surface::Admin { token_sha256: c.admin.token_sha256 },
+    );
+    let listeners = Listeners::start(&gateway, public, admin)
         .await
         .map_err(|(addr, source)| StartError::Listen { addr, source })?;
     tracing::info!(at = %listeners.admin_addr, "admin listener (/metrics, /admin/*)");

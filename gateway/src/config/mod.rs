@@ -21,16 +21,17 @@ use crate::routing::{
     Builtin, DEFAULT_EJECT_AFTER_FAILURES, DEFAULT_EJECT_FOR, DEFAULT_HEALTH_CHECK_INTERVAL,
     DEFAULT_HEALTH_CHECK_TIMEOUT, HealthConfig,
 };
-use crate::server::tls::FrontTls;
 use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
 pub mod decode;
 mod lmcache;
 pub mod plugins;
+mod tls;
 
 pub use decode::{CheckedDecoder, CheckedMode, DecodePool, LoadPool, PoolMode, StartContext, StartError};
 pub use lmcache::{CheckedLmcache, LmcachePool};
+pub use tls::{FrontTlsConfig, FrontTlsFileError};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
@@ -153,7 +154,7 @@ pub struct Admin {
 #[derive(Debug)]
 pub struct CheckedAdmin {
     pub addr: SocketAddr,
-    pub tls: Option<FrontTls>,
+    pub tls: Option<FrontTlsConfig>,
     pub token_sha256: Option<[u8; 32]>,
 }
 
@@ -363,7 +364,7 @@ fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 /// A checked configuration, ready to serve.
 #[derive(Debug)]
 pub struct Checked {
-    pub listeners: Vec<(SocketAddr, Option<FrontTls>)>,
+    pub listeners: Vec<(SocketAddr, Option<FrontTlsConfig>)>,
     pub admin: CheckedAdmin,
     /// `[shutdown] drain_timeout_ms`.
     pub drain_timeout: std::time::Duration,
@@ -557,7 +558,7 @@ impl Config {
     fn check_listeners(
         &self,
         path: &dyn Fn(&Path) -> PathBuf,
-    ) -> Result<Vec<(SocketAddr, Option<FrontTls>)>, ConfigError> {
+    ) -> Result<Vec<(SocketAddr, Option<FrontTlsConfig>)>, ConfigError> {
         if self.listeners.is_empty() {
             return Err(err("listeners", "at least one listener is required"));
         }
@@ -578,8 +579,12 @@ impl Config {
                     ));
                 }
                 (false, Some(c), Some(k)) => Some(
-                    FrontTls::from_pem_files(&path(c), &path(k), l.client_ca.as_deref().map(path).as_deref())
-                        .map_err(|e| err(format!("{f}.tls"), e.to_string()))?,
+                    FrontTlsConfig::from_pem_files(
+                        &path(c),
+                        &path(k),
+                        l.client_ca.as_deref().map(path).as_deref(),
+                    )
+                    .map_err(|e| err(format!("{f}.tls"), e.to_string()))?,
                 ),
                 (false, _, _) => {
                     return Err(err(
@@ -601,8 +606,12 @@ impl Config {
         };
         let tls = match (&a.tls_cert, &a.tls_key) {
             (Some(c), Some(k)) => Some(
-                FrontTls::from_pem_files(&path(c), &path(k), a.client_ca.as_deref().map(path).as_deref())
-                    .map_err(|e| err("admin.tls", e.to_string()))?,
+                FrontTlsConfig::from_pem_files(
+                    &path(c),
+                    &path(k),
+                    a.client_ca.as_deref().map(path).as_deref(),
+                )
+                .map_err(|e| err("admin.tls", e.to_string()))?,
             ),
             (None, None) if a.client_ca.is_some() => {
                 return Err(err("admin.client_ca", "needs TLS (tls_cert and tls_key)"));

@@ -2,14 +2,14 @@
 //! refused: deprecated by RFC 8996), ALPN `h2` and `http/1.1`, and client-certificate verification
 //! (mTLS) when a client CA is configured.
 
-use std::path::Path;
 use std::sync::Arc;
 
-use baton_dataplane::transport::{TlsError, pem_certs, pem_key};
 use rustls::server::{VerifierBuilderError, WebPkiClientVerifier};
 use rustls::{RootCertStore, ServerConfig};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
+
+use crate::config::FrontTlsConfig;
 
 /// A listener's TLS settings.
 #[derive(Clone)]
@@ -29,9 +29,6 @@ impl std::fmt::Debug for FrontTls {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FrontTlsError {
-    /// A PEM file could not be read, or holds no certificate or key.
-    #[error(transparent)]
-    Pem(#[from] TlsError),
     /// rustls refused the protocol versions (never with the ring provider, which has both).
     #[error("{source}")]
     Versions {
@@ -91,10 +88,9 @@ impl FrontTls {
         Ok(Self { acceptor: TlsAcceptor::from(Arc::new(config)), client_auth })
     }
 
-    /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
-    pub fn from_pem_files(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, FrontTlsError> {
-        let key = pem_key(key)?;
-        Self::new(pem_certs(cert)?, key, client_ca.map(pem_certs).transpose()?)
+    /// The listener's TLS as configured (its files already read and checked there).
+    pub fn from_config(c: FrontTlsConfig) -> Result<Self, FrontTlsError> {
+        Self::new(c.chain, c.key, c.client_ca)
     }
 
     /// Clients must present a certificate from the client CA.
@@ -104,5 +100,26 @@ impl FrontTls {
 
     pub(crate) fn acceptor(&self) -> &TlsAcceptor {
         &self.acceptor
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listener_is_built_from_its_configured_tls() {
+        let dir = std::env::temp_dir().join(format!("baton-front-tls-server-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let (cert, key) = (dir.join("a.pem"), dir.join("a.key"));
+        std::fs::write(&cert, c.cert.pem()).unwrap();
+        std::fs::write(&key, c.signing_key.serialize_pem()).unwrap();
+        for client_ca in [None, Some(cert.as_path())] {
+            let config = FrontTlsConfig::from_pem_files(&cert, &key, client_ca).unwrap();
+            let tls = FrontTls::from_config(config).unwrap();
+            assert_eq!(tls.client_auth(), client_ca.is_some());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
