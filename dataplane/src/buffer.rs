@@ -26,7 +26,8 @@ use crate::events::EventSink;
 use crate::geometry::{ChunkLayout, KvGeometry};
 use crate::ids::{PageAddr, PrefixKey, Rank, RequestKey};
 use crate::table::{
-    Begin, Counts, Events, Handle, LeaseError, Limits, Reserve, ReserveError, Table, WriteError,
+    Begin, Counts, Events, Handle, InvariantError, LeaseError, Limits, Reserve, ReserveError, Table,
+    WriteError,
 };
 
 /// How long cancelled pages stay quarantined when the producer never fences: long enough for any
@@ -291,7 +292,7 @@ impl<D: Device> RankBuffer<D> {
 
     /// Checks every invariant of the page table (balanced counts, one owner per page, shares
     /// accounted). A query; for tests and debug endpoints.
-    pub fn check_invariants(&self) -> Result<(), String> {
+    pub fn check_invariants(&self) -> Result<(), InvariantError> {
         self.shared.lock().check()
     }
 }

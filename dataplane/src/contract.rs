@@ -15,8 +15,10 @@
 //! the request passes through untouched).
 
 use std::net::SocketAddr;
+use std::num::ParseIntError;
 
 use serde::{Deserialize, Serialize};
+use thiserror::Error;
 
 use crate::ids::{PageAddr, RequestId, RequestKey};
 
@@ -121,13 +123,27 @@ impl BatonParams {
     }
 
     /// The request key the fields name.
-    pub fn key(&self) -> Result<RequestKey, String> {
-        let id = u128::from_str_radix(&self.request_id, 16).map_err(|_| {
-            let short: String = self.request_id.chars().take(40).collect();
-            format!("baton.request_id must be up to 32 hex digits, got {short:?}")
+    pub fn key(&self) -> Result<RequestKey, ContractError> {
+        let id = u128::from_str_radix(&self.request_id, 16).map_err(|source| {
+            // A prefix is enough to recognise the value; the rest of an oversized id is not echoed.
+            let got = self.request_id.chars().take(40).collect();
+            ContractError::RequestId { got, source }
         })?;
         Ok(RequestKey::new(RequestId(id), self.epoch))
     }
+}
+
+/// Why the `baton` object of a request is unusable.
+#[derive(Debug, Error, PartialEq, Eq, Clone)]
+#[non_exhaustive]
+pub enum ContractError {
+    /// `request_id` is not a hex number of at most 32 digits; `got` is its first 40 characters.
+    #[error("baton.request_id must be up to 32 hex digits, got {got:?}")]
+    RequestId {
+        got: String,
+        #[source]
+        source: ParseIntError,
+    },
 }
 
 #[cfg(test)]
@@ -150,5 +166,19 @@ mod tests {
         assert_eq!(back.key(), Ok(key));
         let d = serde_json::to_value(BatonParams::new(key, Vec::new(), None)).unwrap();
         assert_eq!(d, serde_json::json!({"request_id": "00000000000000000000000000000abc", "epoch": 3}));
+    }
+
+    #[test]
+    fn a_request_id_that_is_not_hex_is_refused_with_a_short_prefix() {
+        let long = "z".repeat(100);
+        let e = BatonParams { request_id: long, epoch: 0, decoders: Vec::new(), prompt_token_ids: None }
+            .key()
+            .unwrap_err();
+        let ContractError::RequestId { got, .. } = &e;
+        assert_eq!(got.len(), 40);
+        assert_eq!(
+            e.to_string(),
+            format!("baton.request_id must be up to 32 hex digits, got {:?}", "z".repeat(40))
+        );
     }
 }

@@ -31,4 +31,4 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use events::{EventSink, PagesReleased, QueueSink, RankEvent, RankStatus, ReleaseReason, TerminalState};
 pub use geometry::{ChunkLayout, KvGeometry};
 pub use ids::{Epoch, PageAddr, PrefixKey, Rank, RequestId, RequestKey};
-pub use table::{Counts, LeaseError, PageState, ReserveError, WriteError};
+pub use table::{Counts, InvariantError, LeaseError, PageState, ReserveError, WriteError};

@@ -76,23 +76,53 @@ fn stamp(file: &Path) -> Option<(SystemTime, u64)> {
     Some((m.modified().ok()?, m.len()))
 }
 
+/// Why a keys file was refused (whole: the keys in force stay).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeysError {
+    /// The file could not be read.
+    #[error("{}: {source}", file.display())]
+    Read {
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not TOML of the expected shape.
+    #[error("{}: {}", file.display(), source.message())]
+    Parse {
+        file: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+    /// An entry's `sha256` is not 64 hex digits (often the key itself was pasted).
+    #[error("{}: keys[{index}].sha256 must be 64 hex digits: the key's SHA-256, not the key", file.display())]
+    Digest { file: PathBuf, index: usize },
+    /// An entry's tenant is empty, too long, or has a character outside `[A-Za-z0-9._-]`.
+    #[error("{}: keys[{index}].tenant {tenant:?} must be 1-64 of [A-Za-z0-9._-]", file.display())]
+    Tenant { file: PathBuf, index: usize, tenant: String },
+    /// Two entries have the same digest.
+    #[error("{}: keys[{index}]: the same key is listed twice", file.display())]
+    Duplicate { file: PathBuf, index: usize },
+}
+
 /// Reads and checks a keys file: digest to tenant.
-fn read(file: &Path) -> Result<HashMap<[u8; 32], Arc<str>>, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    let f: File = toml::from_str(&text).map_err(|e| format!("{}: {}", file.display(), e.message()))?;
+fn read(file: &Path) -> Result<HashMap<[u8; 32], Arc<str>>, KeysError> {
+    let text =
+        std::fs::read_to_string(file).map_err(|source| KeysError::Read { file: file.to_owned(), source })?;
+    let f: File =
+        toml::from_str(&text).map_err(|source| KeysError::Parse { file: file.to_owned(), source })?;
     let mut map = HashMap::with_capacity(f.keys.len());
-    for (i, k) in f.keys.into_iter().enumerate() {
-        let at = format!("{}: keys[{i}]", file.display());
-        let digest = parse_digest(&k.sha256)
-            .ok_or_else(|| format!("{at}.sha256 must be 64 hex digits: the key's SHA-256, not the key"))?;
+    for (index, k) in f.keys.into_iter().enumerate() {
+        let digest =
+            parse_digest(&k.sha256).ok_or_else(|| KeysError::Digest { file: file.to_owned(), index })?;
         if k.tenant.is_empty()
             || k.tenant.len() > 64
             || !k.tenant.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
         {
-            return Err(format!("{at}.tenant {:?} must be 1-64 of [A-Za-z0-9._-]", k.tenant));
+            return Err(KeysError::Tenant { file: file.to_owned(), index, tenant: k.tenant });
         }
         if map.insert(digest, Arc::from(k.tenant)).is_some() {
-            return Err(format!("{at}: the same key is listed twice"));
+            return Err(KeysError::Duplicate { file: file.to_owned(), index });
         }
     }
     Ok(map)
@@ -100,14 +130,14 @@ fn read(file: &Path) -> Result<HashMap<[u8; 32], Arc<str>>, String> {
 
 impl ApiKeys {
     /// Loads `file` (refused whole if any entry does not check).
-    pub fn load(file: &Path) -> Result<Arc<Self>, String> {
+    pub fn load(file: &Path) -> Result<Arc<Self>, KeysError> {
         let seen = stamp(file);
         let map = read(file)?;
         Ok(Arc::new(Self { file: file.to_owned(), by_digest: RwLock::new(map), seen: Mutex::new(seen) }))
     }
 
     /// Reads the file again: the number of keys now in force, or why the old ones stay.
-    pub fn reload(&self) -> Result<usize, String> {
+    pub fn reload(&self) -> Result<usize, KeysError> {
         let seen = stamp(&self.file);
         *self.seen.lock().unwrap_or_else(PoisonError::into_inner) = seen;
         let map = read(&self.file)?;
@@ -197,7 +227,11 @@ mod tests {
         assert_eq!(keys.tenant_of(&hyper::HeaderMap::new()).unwrap_err().code(), "invalid_api_key");
         std::fs::write(&p, "[[keys]]\nsha256 = \"k1\"\ntenant = \"alice\"\n").unwrap();
         let e = keys.reload().unwrap_err();
-        assert!(e.contains("keys[0].sha256"), "{e}");
+        assert!(matches!(e, KeysError::Digest { index: 0, .. }), "{e}");
+        assert!(
+            e.to_string().ends_with("keys[0].sha256 must be 64 hex digits: the key's SHA-256, not the key"),
+            "{e}"
+        );
         assert_eq!(&*keys.tenant_of(&bearer("k3")).unwrap(), "bob", "the old keys stay");
         for (case, text) in [
             ("a bad tenant", entry("k", "a b")),

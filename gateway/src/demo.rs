@@ -263,7 +263,9 @@ pub async fn start_gateway_with(
 ) -> Result<GatewayRun, String> {
     let shared = Shared::new(setup.limits, setup.health).map_err(|e| format!("metrics: {e}"))?;
     let tracing = match &setup.trace {
-        Some(t) => Some(Arc::new(crate::telemetry::trace::Tracing::start(t, shared.client.clone())?)),
+        Some(t) => Some(Arc::new(
+            crate::telemetry::trace::Tracing::start(t, shared.client.clone()).map_err(|e| e.to_string())?,
+        )),
         None => None,
     };
     let ctx = StartContext {

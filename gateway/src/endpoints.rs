@@ -12,14 +12,14 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use baton_dataplane::transport::{pem_certs, pem_key};
+use baton_dataplane::transport::{TlsError, pem_certs, pem_key};
 use bytes::Bytes;
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfig, NameServerConfigGroup, ResolverConfig};
@@ -82,22 +82,70 @@ impl From<SocketAddr> for HostPort {
     }
 }
 
-impl std::str::FromStr for HostPort {
-    type Err = String;
+/// Why a `host:port` does not parse. Each message starts with the text as given.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HostPortError {
+    /// No `:` separates a port.
+    #[error("{input:?} must be HOST:PORT")]
+    NoPort { input: String },
+    /// What follows the last `:` is not a number from 0 to 65535.
+    #[error("{input:?}: {port:?} is not a port")]
+    BadPort {
+        input: String,
+        port: String,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    /// Port 0, which no engine listens on.
+    #[error("{input:?}: the port must not be 0")]
+    ZeroPort { input: String },
+    /// An IPv6 address without the brackets that set it apart from the port.
+    #[error("{input:?}: an IPv6 address is written [ADDR]:PORT")]
+    BareIpv6 { input: String },
+    /// The host is neither an IP nor a DNS name.
+    #[error("{input:?}: {source}")]
+    Name {
+        input: String,
+        #[source]
+        source: NameError,
+    },
+}
 
-    fn from_str(s: &str) -> Result<Self, String> {
+/// Why a host is not a DNS name (RFC 1123).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NameError {
+    /// Empty, or longer than 253 characters (a trailing dot not counted).
+    #[error("a host name has 1 to 253 characters")]
+    Length,
+    /// A label is empty, longer than 63 bytes, or has a character other than a letter, a digit or
+    /// an inner hyphen.
+    #[error("{label:?} is not a DNS label (letters, digits, inner hyphens)")]
+    Label { label: String },
+}
+
+impl std::str::FromStr for HostPort {
+    type Err = HostPortError;
+
+    fn from_str(s: &str) -> Result<Self, HostPortError> {
         if let Ok(a) = s.parse::<SocketAddr>() {
             return Ok(a.into());
         }
-        let (host, port) = s.rsplit_once(':').ok_or_else(|| format!("{s:?} must be HOST:PORT"))?;
-        let port: u16 = port.parse().map_err(|_| format!("{s:?}: {port:?} is not a port"))?;
+        let input = || s.to_owned();
+        let (host, port) = s.rsplit_once(':').ok_or_else(|| HostPortError::NoPort { input: input() })?;
+        let port: u16 = port.parse().map_err(|source| HostPortError::BadPort {
+            input: input(),
+            port: port.to_owned(),
+            source,
+        })?;
         if port == 0 {
-            return Err(format!("{s:?}: the port must not be 0"));
+            return Err(HostPortError::ZeroPort { input: input() });
         }
         if host.starts_with('[') || host.parse::<IpAddr>().is_ok() {
-            return Err(format!("{s:?}: an IPv6 address is written [ADDR]:PORT"));
+            return Err(HostPortError::BareIpv6 { input: input() });
         }
-        check_name(host).map_err(|why| format!("{s:?}: {why}"))?;
+        check_name(host).map_err(|source| HostPortError::Name { input: input(), source })?;
         Ok(Self { host: Host::Name(host.to_ascii_lowercase()), port })
     }
 }
@@ -111,10 +159,10 @@ impl<'de> serde::Deserialize<'de> for HostPort {
 
 /// A DNS name by RFC 1123: labels of letters, digits and hyphens (not first or last), 63 bytes at
 /// most, 253 in all; a trailing dot (fully qualified) is allowed.
-fn check_name(name: &str) -> Result<(), String> {
+fn check_name(name: &str) -> Result<(), NameError> {
     let bare = name.strip_suffix('.').unwrap_or(name);
     if bare.is_empty() || bare.len() > 253 {
-        return Err("a host name has 1 to 253 characters".into());
+        return Err(NameError::Length);
     }
     for label in bare.split('.') {
         let ok = !label.is_empty()
@@ -123,7 +171,7 @@ fn check_name(name: &str) -> Result<(), String> {
             && !label.starts_with('-')
             && !label.ends_with('-');
         if !ok {
-            return Err(format!("{label:?} is not a DNS label (letters, digits, inner hyphens)"));
+            return Err(NameError::Label { label: label.to_owned() });
         }
     }
     Ok(())
@@ -134,6 +182,25 @@ fn check_name(name: &str) -> Result<(), String> {
 pub enum Scheme {
     Http,
     Https,
+}
+
+/// Why an engine URL does not parse. Each message starts with the URL as given.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum UrlError {
+    /// Neither `http://` nor `https://`.
+    #[error("{url:?} must start with http:// or https://")]
+    Scheme { url: String },
+    /// A path, query, fragment or user after the scheme.
+    #[error("{url:?} must be SCHEME://HOST:PORT, without a path, query or user")]
+    NotBare { url: String },
+    /// The `host:port` after the scheme does not parse.
+    #[error("{url:?}: {source}")]
+    HostPort {
+        url: String,
+        #[source]
+        source: HostPortError,
+    },
 }
 
 /// An engine's HTTP base: `http://host:port` or `https://host:port`. Cheap to clone.
@@ -177,19 +244,20 @@ impl EngineUrl {
     }
 
     /// `http://HOST:PORT` or `https://HOST:PORT` (a trailing `/` allowed; no path, user or query).
-    pub fn parse(url: &str) -> Result<Self, String> {
+    pub fn parse(url: &str) -> Result<Self, UrlError> {
         let (scheme, rest) = if let Some(r) = url.strip_prefix("http://") {
             (Scheme::Http, r)
         } else if let Some(r) = url.strip_prefix("https://") {
             (Scheme::Https, r)
         } else {
-            return Err(format!("{url:?} must start with http:// or https://"));
+            return Err(UrlError::Scheme { url: url.to_owned() });
         };
         let rest = rest.strip_suffix('/').unwrap_or(rest);
         if rest.contains(['/', '?', '#', '@']) {
-            return Err(format!("{url:?} must be SCHEME://HOST:PORT, without a path, query or user"));
+            return Err(UrlError::NotBare { url: url.to_owned() });
         }
-        let at = rest.parse::<HostPort>().map_err(|e| format!("{url:?}: {e}"))?;
+        let at =
+            rest.parse::<HostPort>().map_err(|source| UrlError::HostPort { url: url.to_owned(), source })?;
         Ok(Self::new(scheme, at))
     }
 
@@ -245,6 +313,18 @@ pub struct LookupError {
     pub no_address: bool,
 }
 
+/// Why no resolver could be built (kept: every later lookup fails the same way).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResolverError {
+    /// No `[resolver] nameservers`, and the system's settings could not be read.
+    #[error("the system's DNS settings (/etc/resolv.conf): {source}")]
+    SystemConfig {
+        #[source]
+        source: hickory_resolver::ResolveError,
+    },
+}
+
 /// The names in use and their addresses, kept fresh. Cheap to clone; the refresh tasks end when the
 /// last clone is dropped.
 #[derive(Clone)]
@@ -253,7 +333,7 @@ pub struct Names(Arc<NamesInner>);
 struct NamesInner {
     settings: ResolverSettings,
     /// Built on the first name: a gateway configured by IPs never reads the system's DNS settings.
-    resolver: OnceLock<Result<TokioResolver, String>>,
+    resolver: OnceLock<Result<TokioResolver, ResolverError>>,
     /// Read on every request to a named engine (is the connection's address current?), written
     /// when a name is first used.
     table: RwLock<HashMap<String, Arc<Entry>>>,
@@ -298,13 +378,12 @@ impl Names {
         &self.0.settings
     }
 
-    fn resolver(&self) -> Result<&TokioResolver, String> {
+    fn resolver(&self) -> Result<&TokioResolver, &ResolverError> {
         self.0
             .resolver
             .get_or_init(|| {
                 let mut builder = if self.0.settings.nameservers.is_empty() {
-                    TokioResolver::builder_tokio()
-                        .map_err(|e| format!("the system's DNS settings (/etc/resolv.conf): {e}"))?
+                    TokioResolver::builder_tokio().map_err(|source| ResolverError::SystemConfig { source })?
                 } else {
                     let mut group = NameServerConfigGroup::new();
                     for &ns in &self.0.settings.nameservers {
@@ -327,14 +406,13 @@ impl Names {
                 Ok(builder.build())
             })
             .as_ref()
-            .map_err(Clone::clone)
     }
 
     /// Asks the DNS now (no table, no refresh): `check-config` and the refresh tasks.
     pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, LookupError> {
         let fail =
             |reason: String, no_address: bool| LookupError { name: name.to_owned(), reason, no_address };
-        let resolver = self.resolver().map_err(|r| fail(r, false))?;
+        let resolver = self.resolver().map_err(|r| fail(r.to_string(), false))?;
         match resolver.lookup_ip(name).await {
             Ok(found) => {
                 let mut ips: Vec<IpAddr> = found.iter().collect();
@@ -535,6 +613,39 @@ impl tower_service::Service<Name> for Names {
     }
 }
 
+/// Why `[engine_tls]` could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineTlsError {
+    /// A PEM file (the CA, the client certificate or its key) could not be read or holds nothing
+    /// usable.
+    #[error(transparent)]
+    Pem(#[from] TlsError),
+    /// A certificate of the CA file is not a usable trust anchor.
+    #[error("{path}: {source}")]
+    Ca {
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    /// No CA was named, and the system has no root certificates.
+    #[error("no CA given and no system root certificates found")]
+    NoSystemRoots,
+    /// rustls refused the protocol versions (never with the ring provider, which has both).
+    #[error("{source}")]
+    Versions {
+        #[source]
+        source: rustls::Error,
+    },
+    /// The client certificate and key do not make an identity (an unsupported key, or a key that
+    /// does not match the certificate).
+    #[error("{source}")]
+    ClientCert {
+        #[source]
+        source: rustls::Error,
+    },
+}
+
 /// `[engine_tls]`: how `https://` engines are verified, and the gateway's certificate when they
 /// ask for one (mTLS).
 #[derive(Clone)]
@@ -549,26 +660,24 @@ impl fmt::Debug for EngineTls {
 impl EngineTls {
     /// Trusts `ca` (PEM), or the system's roots without one; presents `client` (certificate chain
     /// and key, PEM) when given.
-    pub fn from_pem_files(ca: Option<&Path>, client: Option<(&Path, &Path)>) -> Result<Self, String> {
+    pub fn from_pem_files(ca: Option<&Path>, client: Option<(&Path, &Path)>) -> Result<Self, EngineTlsError> {
         let mut roots = RootCertStore::empty();
         match ca {
             Some(p) => {
-                for c in pem_certs(p).map_err(|e| e.to_string())? {
-                    roots.add(c).map_err(|e| format!("{}: {e}", p.display()))?;
+                for c in pem_certs(p)? {
+                    roots.add(c).map_err(|source| EngineTlsError::Ca { path: p.to_owned(), source })?;
                 }
             }
             None => {
                 let found = rustls_native_certs::load_native_certs();
                 let (added, _) = roots.add_parsable_certificates(found.certs);
                 if added == 0 {
-                    return Err("no CA given and no system root certificates found".into());
+                    return Err(EngineTlsError::NoSystemRoots);
                 }
             }
         }
         let client = match client {
-            Some((cert, key)) => {
-                Some((pem_certs(cert).map_err(|e| e.to_string())?, pem_key(key).map_err(|e| e.to_string())?))
-            }
+            Some((cert, key)) => Some((pem_certs(cert)?, pem_key(key)?)),
             None => None,
         };
         Self::build(roots, client)
@@ -577,16 +686,18 @@ impl EngineTls {
     fn build(
         roots: RootCertStore,
         client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, EngineTlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-            .map_err(|e| e.to_string())?
+            .map_err(|source| EngineTlsError::Versions { source })?
             .with_root_certificates(roots);
         // No ALPN here: the connector offers HTTP/1.1, which the engines' servers (uvicorn,
         // SGLang's) speak.
         let config = match client {
-            Some((chain, key)) => builder.with_client_auth_cert(chain, key).map_err(|e| e.to_string())?,
+            Some((chain, key)) => builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|source| EngineTlsError::ClientCert { source })?,
             None => builder.with_no_client_auth(),
         };
         Ok(Self(Arc::new(config)))
@@ -683,7 +794,7 @@ mod tests {
         assert_eq!(hp.host, Host::Name("decode-0.pd.svc.cluster.local".into()));
         assert_eq!(hp.port, 9000);
         let hp: HostPort = "10.0.0.5:9000".parse().unwrap_or_else(|e| unreachable(e));
-        assert_eq!(hp.host, Host::Ip("10.0.0.5".parse().unwrap_or_else(|_| unreachable("ip".into()))));
+        assert_eq!(hp.host, Host::Ip("10.0.0.5".parse().unwrap_or_else(|_| unreachable("ip"))));
         let hp: HostPort = "[::1]:9000".parse().unwrap_or_else(|e| unreachable(e));
         assert_eq!(hp.to_string(), "[::1]:9000");
         for bad in ["decode-0", "decode-0:0", "decode-0:x", "-a.b:1", "a..b:1", "::1:80", "a_b:1", ":80"] {
@@ -706,8 +817,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn refusals_name_the_input_and_the_reason() {
+        for (bad, message) in [
+            ("decode-0", r#""decode-0" must be HOST:PORT"#),
+            ("decode-0:x", r#""decode-0:x": "x" is not a port"#),
+            ("decode-0:0", r#""decode-0:0": the port must not be 0"#),
+            ("::1:80", r#""::1:80": an IPv6 address is written [ADDR]:PORT"#),
+            ("a_b:1", r#""a_b:1": "a_b" is not a DNS label (letters, digits, inner hyphens)"#),
+            (":80", r#"":80": a host name has 1 to 253 characters"#),
+        ] {
+            let e = bad.parse::<HostPort>().err().map(|e| e.to_string());
+            assert_eq!(e.as_deref(), Some(message), "{bad}");
+        }
+        for (bad, message) in [
+            ("ftp://a:1", r#""ftp://a:1" must start with http:// or https://"#),
+            ("http://a:1/v1", r#""http://a:1/v1" must be SCHEME://HOST:PORT, without a path, query or user"#),
+            ("http://a", r#""http://a": "a" must be HOST:PORT"#),
+        ] {
+            let e = EngineUrl::parse(bad).err().map(|e| e.to_string());
+            assert_eq!(e.as_deref(), Some(message), "{bad}");
+        }
+    }
+
     #[allow(clippy::panic)]
-    fn unreachable(e: String) -> ! {
+    fn unreachable(e: impl std::fmt::Display) -> ! {
         panic!("{e}")
     }
 }

@@ -73,8 +73,8 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let client = EngineClient::new(names, c.engine_tls.clone());
     let tracing = match &c.trace {
         Some(t) => {
-            let started =
-                crate::telemetry::trace::Tracing::start(t, client.clone()).map_err(StartError::Tracing)?;
+            let started = crate::telemetry::trace::Tracing::start(t, client.clone())
+                .map_err(|e| StartError::Tracing(e.to_string()))?;
             tracing::info!(to = t.endpoint, ratio = t.sampling_ratio, "tracing requests (OTLP/HTTP)");
             Some(Arc::new(started))
         }
@@ -112,7 +112,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let plugins = match &c.plugins {
         Some(p) => Some(
             crate::policy::Plugins::start(p, tenants.clone(), c.source.clone().map(reread))
-                .map_err(StartError::Plugins)?,
+                .map_err(|e| StartError::Plugins(e.to_string()))?,
         ),
         None => None,
     };
@@ -120,7 +120,19 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
     let access = Access { plugins, keys: c.keys, tenants, explain: c.explain, tracing };
-    let admin = (c.admin.addr, c.admin.tls, Surface::Admin { token_sha256: c.admin.token_sha256 });
+    // The listeners' TLS as configured, made into acceptors (the files were checked with the
+    // configuration; a failure here is reported as the listener's).
+    let tls = |addr: SocketAddr, t: Option<crate::config::FrontTlsConfig>| {
+        t.map(crate::server::tls::FrontTls::from_config)
+            .transpose()
+            .map_err(|e| StartError::Listen { addr, source: std::io::Error::other(e) })
+    };
+    let public = c.listeners.into_iter().map(|(a, t)| Ok((a, tls(a, t)?))).collect::<Result<Vec<_>, _>>()?;
+    let admin = (
+        c.admin.addr,
+        tls(c.admin.addr, c.admin.tls)?,
+        Surface::Admin { token_sha256: c.admin.token_sha256 },
+    );
     let parts = Parts {
         model,
         prefills,
@@ -129,7 +141,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         router: Router::new(c.routing),
         http: HttpTimeouts::default(),
         access,
-        listeners: c.listeners,
+        listeners: public,
         admin,
     };
     let (gateway, listeners, health) = assemble(parts).await?;

@@ -20,6 +20,8 @@ use thiserror::Error;
 mod check;
 mod release;
 
+pub use check::InvariantError;
+
 use crate::events::{RankEvent, RankStatus, ReleaseReason, TerminalState};
 use crate::ids::{PageAddr, PrefixKey, Rank, RequestKey};
 
@@ -94,9 +96,10 @@ struct Page {
     prefix: Option<PrefixKey>,
 }
 
-/// A request slot, with the slab generation that tells reuses apart.
+/// A request slot, with the slab generation that tells reuses apart. Opaque outside the crate: it
+/// shows only in [`InvariantError::WrongOwner`], to tell a stale owner from another live one.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
-pub(crate) struct Handle {
+pub struct Handle {
     slot: u32,
     sgen: u32,
 }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rustc_hash::FxHashMap;
+use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinSet;
@@ -17,7 +18,7 @@ use super::{
 use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
 use crate::device::Device;
 use crate::events::{EventSink, RankEvent, TerminalState};
-use crate::ids::RequestKey;
+use crate::ids::{Rank, RequestKey};
 use crate::table::{LeaseError, ReserveError, WriteError};
 use crate::wire::{ChunkHead, Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
 
@@ -28,6 +29,17 @@ const MAX_GRANTS_PER_CONNECTION: usize = 64;
 /// How often the reaper wakes at the latest, so a renewal that moves a deadline earlier is honoured
 /// within this bound.
 const REAPER_MAX_SLEEP: Duration = Duration::from_millis(50);
+
+/// Why a peer's `Hello` is refused; sent back as the message of an `Error` frame.
+#[derive(Debug, Error)]
+enum HelloError {
+    /// The peer's KV geometry differs from this rank's, so its pages would not fit.
+    #[error("geometry fingerprint {theirs:#018x} does not match this rank's {mine:#018x}")]
+    Geometry { theirs: u64, mine: u64 },
+    /// The peer meant another rank.
+    #[error("this is rank {mine}, not rank {theirs}")]
+    Rank { theirs: Rank, mine: Rank },
+}
 
 /// Forwards a buffer's events to every subscriber.
 #[derive(Debug)]
@@ -344,8 +356,8 @@ impl<D: Device> RankServer<D> {
                 .await;
             }
         };
-        if let Err(msg) = self.check_hello(&hello) {
-            return close(&mut io, RefusalCode::Geometry, msg).await;
+        if let Err(e) = self.check_hello(&hello) {
+            return close(&mut io, RefusalCode::Geometry, e.to_string()).await;
         }
         let stats = self.buf.stats();
         let welcome = Frame::Welcome {
@@ -369,16 +381,13 @@ impl<D: Device> RankServer<D> {
         }
     }
 
-    fn check_hello(&self, h: &Hello) -> Result<(), String> {
+    fn check_hello(&self, h: &Hello) -> Result<(), HelloError> {
         let mine = self.buf.geometry().fingerprint();
         if h.geometry != mine {
-            return Err(format!(
-                "geometry fingerprint {:#018x} does not match this rank's {mine:#018x}",
-                h.geometry
-            ));
+            return Err(HelloError::Geometry { theirs: h.geometry, mine });
         }
         if h.rank != self.buf.rank() {
-            return Err(format!("this is rank {}, not rank {}", self.buf.rank(), h.rank));
+            return Err(HelloError::Rank { theirs: h.rank, mine: self.buf.rank() });
         }
         Ok(())
     }

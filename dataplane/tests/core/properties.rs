@@ -350,7 +350,7 @@ pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCa
             }
         }
         for rig in &rigs {
-            rig.buf.check_invariants().map_err(TestCaseError::fail)?;
+            rig.buf.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
             let s = rig.buf.stats();
             prop_assert_eq!(s.pages.sum(), u64::from(PAGES));
         }
@@ -395,7 +395,7 @@ pub(crate) fn run<D: Device>(device: &Arc<D>, ops: Vec<Op>) -> Result<(), TestCa
         let s = rig.buf.stats();
         prop_assert_eq!(s.pages.free, PAGES, "rank {} not clean: {:?}", rig.buf.rank(), s);
         prop_assert_eq!(s.requests, 0);
-        rig.buf.check_invariants().map_err(TestCaseError::fail)?;
+        rig.buf.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
     for ((req, epoch, rank), states) in &terminals {
         prop_assert_eq!(states.len(), 1, "request {}#{} rank {}: {:?}", req, epoch, rank, states);

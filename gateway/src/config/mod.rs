@@ -21,17 +21,18 @@ use crate::routing::{
     Builtin, DEFAULT_EJECT_AFTER_FAILURES, DEFAULT_EJECT_FOR, DEFAULT_HEALTH_CHECK_INTERVAL,
     DEFAULT_HEALTH_CHECK_TIMEOUT, HealthConfig,
 };
-use crate::server::tls::FrontTls;
 use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
 pub mod decode;
 pub(crate) mod lmcache;
 pub mod plugins;
+mod tls;
 
 pub use crate::handoff::{CheckedMode, PoolMode};
 pub use decode::{CheckedDecoder, DecodePool, StartContext, StartError};
 pub use lmcache::{CheckedLmcache, LmcachePool};
+pub use tls::{FrontTlsConfig, FrontTlsFileError};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;
@@ -154,7 +155,7 @@ pub struct Admin {
 #[derive(Debug)]
 pub struct CheckedAdmin {
     pub addr: SocketAddr,
-    pub tls: Option<FrontTls>,
+    pub tls: Option<FrontTlsConfig>,
     pub token_sha256: Option<[u8; 32]>,
 }
 
@@ -365,7 +366,7 @@ pub(crate) fn err(field: impl Into<String>, reason: impl Into<String>) -> Config
 /// A checked configuration, ready to serve.
 #[derive(Debug)]
 pub struct Checked {
-    pub listeners: Vec<(SocketAddr, Option<FrontTls>)>,
+    pub listeners: Vec<(SocketAddr, Option<FrontTlsConfig>)>,
     pub admin: CheckedAdmin,
     /// `[shutdown] drain_timeout_ms`.
     pub drain_timeout: std::time::Duration,
@@ -406,7 +407,7 @@ pub struct Checked {
 
 /// An engine's `http://HOST:PORT` or `https://HOST:PORT`, the host an IP or a DNS name.
 pub fn parse_url(field: &str, url: &str) -> Result<EngineUrl, ConfigError> {
-    EngineUrl::parse(url).map_err(|e| err(field, e))
+    EngineUrl::parse(url).map_err(|e| err(field, e.to_string()))
 }
 
 impl Checked {
@@ -524,7 +525,9 @@ impl Config {
             resolver,
             engine_tls,
             keys: match &self.auth.keys_file {
-                Some(f) => Some(crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e))?),
+                Some(f) => Some(
+                    crate::auth::ApiKeys::load(&path(f)).map_err(|e| err("auth.keys_file", e.to_string()))?,
+                ),
                 None => None,
             },
             model: self.model.name.clone(),
@@ -555,7 +558,7 @@ impl Config {
     fn check_listeners(
         &self,
         path: &dyn Fn(&Path) -> PathBuf,
-    ) -> Result<Vec<(SocketAddr, Option<FrontTls>)>, ConfigError> {
+    ) -> Result<Vec<(SocketAddr, Option<FrontTlsConfig>)>, ConfigError> {
         if self.listeners.is_empty() {
             return Err(err("listeners", "at least one listener is required"));
         }
@@ -576,8 +579,12 @@ impl Config {
                     ));
                 }
                 (false, Some(c), Some(k)) => Some(
-                    FrontTls::from_pem_files(&path(c), &path(k), l.client_ca.as_deref().map(path).as_deref())
-                        .map_err(|e| err(format!("{f}.tls"), e))?,
+                    FrontTlsConfig::from_pem_files(
+                        &path(c),
+                        &path(k),
+                        l.client_ca.as_deref().map(path).as_deref(),
+                    )
+                    .map_err(|e| err(format!("{f}.tls"), e.to_string()))?,
                 ),
                 (false, _, _) => {
                     return Err(err(
@@ -599,8 +606,12 @@ impl Config {
         };
         let tls = match (&a.tls_cert, &a.tls_key) {
             (Some(c), Some(k)) => Some(
-                FrontTls::from_pem_files(&path(c), &path(k), a.client_ca.as_deref().map(path).as_deref())
-                    .map_err(|e| err("admin.tls", e))?,
+                FrontTlsConfig::from_pem_files(
+                    &path(c),
+                    &path(k),
+                    a.client_ca.as_deref().map(path).as_deref(),
+                )
+                .map_err(|e| err("admin.tls", e.to_string()))?,
             ),
             (None, None) if a.client_ca.is_some() => {
                 return Err(err("admin.client_ca", "needs TLS (tls_cert and tls_key)"));
@@ -673,7 +684,7 @@ impl Config {
         let ca = t.ca.as_deref().map(path);
         EngineTls::from_pem_files(ca.as_deref(), client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())))
             .map(Some)
-            .map_err(|e| err("engine_tls", e))
+            .map_err(|e| err("engine_tls", e.to_string()))
     }
 
     fn check_prefills(&self) -> Result<Vec<(String, EngineUrl)>, ConfigError> {

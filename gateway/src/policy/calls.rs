@@ -34,8 +34,16 @@ pub enum Admit {
     },
 }
 
+/// Why a plugin's admission answer is refused (a fault: the built-in decides instead).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum InvalidAdmit {
+    /// A rejection must be a client or server error, which the gateway sends as it is.
+    #[error("reject status {status} is outside 400-599")]
+    RejectStatus { status: u16 },
+}
+
 /// Checks a plugin's admission answer; `Err` names what was out of range.
-fn check_admit(d: wa::Decision) -> Result<Admit, String> {
+fn check_admit(d: wa::Decision) -> Result<Admit, InvalidAdmit> {
     Ok(match d {
         wa::Decision::Admit(class) => Admit::Queue { class, max_wait: None },
         wa::Decision::Queue(q) => {
@@ -43,7 +51,7 @@ fn check_admit(d: wa::Decision) -> Result<Admit, String> {
         }
         wa::Decision::Reject(r) => {
             if !(400..=599).contains(&r.status) {
-                return Err(format!("reject status {} is outside 400-599", r.status));
+                return Err(InvalidAdmit::RejectStatus { status: r.status });
             }
             let end = r.message.floor_char_boundary(MAX_MESSAGE_BYTES);
             let message = r.message.get(..end).unwrap_or("").to_owned();
@@ -100,7 +108,7 @@ impl Plugin<AdmissionWorld> {
         match check_admit(d) {
             Ok(a) => Some(a),
             Err(e) => {
-                self.fault(&self.version(), Fault::Invalid, &e);
+                self.fault(&self.version(), Fault::Invalid, &e.to_string());
                 None
             }
         }
@@ -175,8 +183,12 @@ mod tests {
 
     #[test]
     fn a_status_outside_the_client_and_server_errors_is_refused() {
-        assert!(check_admit(reject(42, "bad".into())).is_err());
-        assert!(check_admit(reject(302, "bad".into())).is_err());
-        assert!(check_admit(reject(600, "bad".into())).is_err());
+        for status in [42, 302, 600] {
+            assert_eq!(check_admit(reject(status, "bad".into())), Err(InvalidAdmit::RejectStatus { status }));
+        }
+        assert_eq!(
+            InvalidAdmit::RejectStatus { status: 302 }.to_string(),
+            "reject status 302 is outside 400-599"
+        );
     }
 }

@@ -33,7 +33,7 @@ use wasmtime::{Cache, CacheConfig, Engine, InstanceAllocationStrategy, PoolingAl
 
 pub use state::{Clock, SharedState};
 use worlds::Ctx;
-pub use worlds::{AdmissionWorld, RoutingWorld, World, WorldKind};
+pub use worlds::{AdmissionWorld, RoutingWorld, ValidateError, World, WorldKind};
 
 /// CPU time a call may use: a policy decision that takes longer costs more than it can save.
 pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_millis(5);
@@ -122,6 +122,76 @@ pub enum LoadError {
     Config { name: String, error: String },
 }
 
+/// Why the plugins' engine could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HostError {
+    /// The compile cache's directory could not be created.
+    #[error("plugin cache {}: {source}", dir.display())]
+    CacheDir {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// wasmtime refused the compile cache in that directory.
+    #[error("plugin cache {}: {source}", dir.display())]
+    Cache {
+        dir: PathBuf,
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// wasmtime refused the engine's settings.
+    #[error("wasm engine: {source}")]
+    Engine {
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// The thread that ticks the epochs (the calls' deadlines) could not be started.
+    #[error("epoch thread: {source}")]
+    EpochThread {
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why bytes are not a policy plugin.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorldError {
+    /// Not a WebAssembly component (a core module, or not WebAssembly at all).
+    #[error("not a component: {source:#}")]
+    NotComponent {
+        #[source]
+        source: wasmtime::Error,
+    },
+    /// A component, but it links against neither world. Both reasons are kept: neither is the
+    /// one cause.
+    #[error("neither world: admission: {admission:#}; routing: {routing:#}")]
+    NeitherWorld { admission: wasmtime::Error, routing: wasmtime::Error },
+}
+
+/// Why `baton plugin check` refused a component.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckError {
+    /// The plugins' engine could not start.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// The file could not be read.
+    #[error("read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a component of either world.
+    #[error(transparent)]
+    World(#[from] WorldError),
+    /// The gateway would not load it (compile, instantiate, or its config refused).
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
 /// The engine and what every plugin shares. Dropping it stops the epoch ticker.
 #[derive(Debug)]
 pub struct Host {
@@ -153,7 +223,7 @@ fn pooling() -> PoolingAllocationConfig {
 
 impl Host {
     /// An engine caching compiled components under `cache_dir` (none: compile on every load).
-    pub fn new(cache_dir: Option<&Path>, clock: Clock) -> Result<Arc<Self>, String> {
+    pub fn new(cache_dir: Option<&Path>, clock: Clock) -> Result<Arc<Self>, HostError> {
         let mut cfg = wasmtime::Config::new();
         cfg.wasm_component_model(true)
             .epoch_interruption(true)
@@ -161,14 +231,15 @@ impl Host {
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pooling()));
         let mut cache = None;
         if let Some(dir) = cache_dir {
-            std::fs::create_dir_all(dir).map_err(|e| format!("plugin cache {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|source| HostError::CacheDir { dir: dir.to_owned(), source })?;
             let mut cc = CacheConfig::new();
             cc.with_directory(dir);
-            let c = Cache::new(cc).map_err(|e| format!("plugin cache {}: {e}", dir.display()))?;
+            let c = Cache::new(cc).map_err(|source| HostError::Cache { dir: dir.to_owned(), source })?;
             cfg.cache(Some(c.clone()));
             cache = Some(c);
         }
-        let engine = Engine::new(&cfg).map_err(|e| format!("wasm engine: {e}"))?;
+        let engine = Engine::new(&cfg).map_err(|source| HostError::Engine { source })?;
         let stop = Arc::new(AtomicBool::new(false));
         let (e, s) = (engine.clone(), Arc::clone(&stop));
         std::thread::Builder::new()
@@ -179,7 +250,7 @@ impl Host {
                     e.increment_epoch();
                 }
             })
-            .map_err(|e| format!("epoch thread: {e}"))?;
+            .map_err(|source| HostError::EpochThread { source })?;
         Ok(Arc::new(Self { engine, clock, stop, cache }))
     }
 
@@ -193,14 +264,14 @@ impl Host {
     }
 
     /// Which world `bytes` implement (admission first).
-    pub fn world_of(&self, bytes: &[u8]) -> Result<WorldKind, String> {
-        let c = Component::new(&self.engine, bytes).map_err(|e| format!("not a component: {e:#}"))?;
+    pub fn world_of(&self, bytes: &[u8]) -> Result<WorldKind, WorldError> {
+        let c = Component::new(&self.engine, bytes).map_err(|source| WorldError::NotComponent { source })?;
         let a = AdmissionWorld::linker(&self.engine).and_then(|l| AdmissionWorld::pre(&l, &c).map(|_| ()));
         let r = RoutingWorld::linker(&self.engine).and_then(|l| RoutingWorld::pre(&l, &c).map(|_| ()));
         match (a, r) {
             (Ok(()), _) => Ok(WorldKind::Admission),
             (_, Ok(())) => Ok(WorldKind::Routing),
-            (Err(a), Err(r)) => Err(format!("neither world: admission: {a:#}; routing: {r:#}")),
+            (Err(admission), Err(routing)) => Err(WorldError::NeitherWorld { admission, routing }),
         }
     }
 }
@@ -490,9 +561,9 @@ impl<W: World> Plugin<W> {
             .map_err(|e| LoadError::Instantiate { name: name.clone(), error: format!("{e:#}") })?;
         arm(&mut live.store, v.spec.instantiate_deadline);
         match W::validate(&live.bindings, &mut live.store, &v.spec.config_json) {
-            Ok(Ok(())) => Ok(v),
-            Ok(Err(error)) => Err(LoadError::Config { name, error }),
-            Err(e) => Err(LoadError::Instantiate { name, error: format!("validate-config: {e:#}") }),
+            Ok(()) => Ok(v),
+            Err(ValidateError::Refused { reason }) => Err(LoadError::Config { name, error: reason }),
+            Err(e) => Err(LoadError::Instantiate { name, error: e.to_string() }),
         }
     }
 
@@ -749,7 +820,9 @@ impl<W: World> Direct<W> {
 pub mod calls;
 pub mod runtime;
 pub use calls::{AdmissionPlugin, Admit, PolicyRequest, QueueState, RoutingPlugin, Usage};
-pub use runtime::{CheckedPlugins, Plugins, Reread, Sender, TenantNames};
+pub use runtime::{
+    CheckedPlugins, PluginStartError, Plugins, ReloadError, Reread, RereadError, Sender, TenantNames,
+};
 
 #[cfg(test)]
 mod tests;
@@ -765,10 +838,10 @@ pub struct CheckReport {
 
 /// Which world a component implements and whether it accepts `config_json`: compiled, linked,
 /// instantiated and asked to `validate-config`, as the gateway would at start.
-pub fn check_component(path: &Path, config_json: &str) -> Result<CheckReport, String> {
+pub fn check_component(path: &Path, config_json: &str) -> Result<CheckReport, CheckError> {
     // A cache of its own, so the load below reuses the compile that found the world.
     let host = Host::new(Some(&std::env::temp_dir().join("baton-plugin-check")), Clock::monotonic())?;
-    let bytes = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+    let bytes = std::fs::read(path).map_err(|source| CheckError::Read { path: path.to_owned(), source })?;
     let started = Instant::now();
     let world = host.world_of(&bytes)?;
     let compile = started.elapsed();
@@ -778,7 +851,6 @@ pub fn check_component(path: &Path, config_json: &str) -> Result<CheckReport, St
     match world {
         WorldKind::Admission => AdmissionPlugin::load(&host, spec).map(|_| ()),
         WorldKind::Routing => RoutingPlugin::load(&host, spec).map(|_| ()),
-    }
-    .map_err(|e| e.to_string())?;
+    }?;
     Ok(CheckReport { world, sha256: sha256_hex(&bytes), bytes: bytes.len(), compile })
 }

@@ -9,7 +9,8 @@ use hyper::HeaderMap;
 use serde_json::{Value, json};
 
 use super::{
-    AdmissionPlugin, Clock, Fault, Host, LoadError, Plugin, PluginInfo, PolicyRequest, RoutingPlugin, World,
+    AdmissionPlugin, Clock, Fault, Host, HostError, LoadError, Plugin, PluginInfo, PolicyRequest,
+    RoutingPlugin, World,
 };
 use crate::telemetry::Scrape;
 
@@ -26,13 +27,41 @@ pub struct CheckedPlugins {
 /// What a reload reads again from the configuration: the plugins and the tenants.
 pub type Reloaded = (Option<CheckedPlugins>, BTreeMap<String, String>);
 
+/// Why the configuration could not be read again: the loader's own error (this module does not
+/// know the configuration's types).
+pub type RereadError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Reads the plugins' part of the configuration again (for a reload); given by whoever loaded it.
-pub struct Reread(pub Box<dyn Fn() -> Result<Reloaded, String> + Send + Sync>);
+pub struct Reread(pub Box<dyn Fn() -> Result<Reloaded, RereadError> + Send + Sync>);
 
 impl std::fmt::Debug for Reread {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Reread")
     }
+}
+
+/// Why the plugins could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PluginStartError {
+    /// The plugins' engine could not start.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// A configured plugin could not be loaded.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
+/// Why a reload was refused as a whole (each plugin's own result is separate).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReloadError {
+    /// The configuration could not be read again, or no longer checks.
+    #[error("{0}")]
+    Reread(#[source] RereadError),
+    /// The configuration names other plugins than the running ones.
+    #[error("adding or removing a plugin needs a restart")]
+    PluginSetChanged,
 }
 
 /// Tokens hashed into `prefix-hash`: one chunk, the unit a decoder caches by.
@@ -96,20 +125,10 @@ impl Plugins {
         c: &CheckedPlugins,
         tenants: TenantNames,
         source: Option<Reread>,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, PluginStartError> {
         let host = Host::new(Some(&c.cache_dir), Clock::monotonic())?;
-        let admission = c
-            .admission
-            .clone()
-            .map(|s| AdmissionPlugin::load(&host, s))
-            .transpose()
-            .map_err(|e| e.to_string())?;
-        let routing = c
-            .routing
-            .clone()
-            .map(|s| RoutingPlugin::load(&host, s))
-            .transpose()
-            .map_err(|e| e.to_string())?;
+        let admission = c.admission.clone().map(|s| AdmissionPlugin::load(&host, s)).transpose()?;
+        let routing = c.routing.clone().map(|s| RoutingPlugin::load(&host, s)).transpose()?;
         for info in admission.iter().map(|p| p.info()).chain(routing.iter().map(|p| p.info())) {
             tracing::info!(plugin = info.name, world = info.world, sha256 = info.sha256, "plugin loaded");
         }
@@ -169,13 +188,13 @@ impl Plugins {
     /// read again (and `[admission.tenants]`); each plugin keeps its old version on error. A TOML
     /// that no longer checks refuses the whole reload. Which plugins exist, their threads and the
     /// compile cache stay as started.
-    pub fn reload(&self) -> Result<Vec<Result<PluginInfo, LoadError>>, String> {
+    pub fn reload(&self) -> Result<Vec<Result<PluginInfo, LoadError>>, ReloadError> {
         let (mut adm, mut rt) = (None, None);
         if let Some(reread) = &self.source {
-            let (plugins, tenants) = (reread.0)()?;
+            let (plugins, tenants) = (reread.0)().map_err(ReloadError::Reread)?;
             (adm, rt) = plugins.map_or((None, None), |p| (p.admission, p.routing));
             if adm.is_some() != self.admission.is_some() || rt.is_some() != self.routing.is_some() {
-                return Err("adding or removing a plugin needs a restart".into());
+                return Err(ReloadError::PluginSetChanged);
             }
             self.tenants.set(tenants);
         }

@@ -128,11 +128,22 @@ pub trait World: Send + Sync + 'static {
     fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>>;
     fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre>;
     fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings>;
-    fn validate(
-        b: &Self::Bindings,
-        store: &mut Store<Ctx>,
-        config: &str,
-    ) -> wasmtime::Result<Result<(), String>>;
+    fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> Result<(), ValidateError>;
+}
+
+/// Why a plugin's `validate-config` did not accept its config.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ValidateError {
+    /// The plugin refused the config; the reason is the plugin's own.
+    #[error("{reason}")]
+    Refused { reason: String },
+    /// The call did not complete: a trap, the deadline or the memory limit.
+    #[error("validate-config: {source:#}")]
+    Call {
+        #[source]
+        source: wasmtime::Error,
+    },
 }
 
 /// WASI functions whose sync shims block on a Tokio runtime (wasmtime-wasi's `in_tokio`, which
@@ -196,12 +207,11 @@ macro_rules! world {
                 pre.instantiate(store)
             }
 
-            fn validate(
-                b: &Self::Bindings,
-                store: &mut Store<Ctx>,
-                config: &str,
-            ) -> wasmtime::Result<Result<(), String>> {
-                b.$export().call_validate_config(store, config)
+            fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> Result<(), ValidateError> {
+                b.$export()
+                    .call_validate_config(store, config)
+                    .map_err(|source| ValidateError::Call { source })?
+                    .map_err(|reason| ValidateError::Refused { reason })
             }
         }
     };

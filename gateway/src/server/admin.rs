@@ -183,7 +183,7 @@ pub async fn reload_plugins(g: &Gateway) -> Response<RespBody> {
     };
     let results = match tokio::task::spawn_blocking(move || p.reload()).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => return full(422, &json!({"reloaded": false, "error": e})),
+        Ok(Err(e)) => return full(422, &json!({"reloaded": false, "error": e.to_string()})),
         Err(_) => {
             return error_response(&GatewayError::Internal(crate::api::Internal::TaskLost {
                 task: "plugin reload",
@@ -215,7 +215,7 @@ pub fn reload_keys(g: &Gateway) -> Response<RespBody> {
                 tracing::warn!(error = %e, "API keys file refused; the keys in force stay");
                 full(
                     400,
-                    &json!({"error": {"message": e, "type": "invalid_request_error", "param": null, "code": "invalid_keys_file"}}),
+                    &json!({"error": {"message": e.to_string(), "type": "invalid_request_error", "param": null, "code": "invalid_keys_file"}}),
                 )
             }
         },

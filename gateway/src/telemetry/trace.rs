@@ -32,7 +32,7 @@ use opentelemetry_sdk::trace::{
 };
 
 use super::Phase;
-use crate::endpoints::{EngineClient, EngineUrl};
+use crate::endpoints::{EngineClient, EngineUrl, UrlError};
 
 /// The `service.name` of the spans when none is configured.
 pub const DEFAULT_SERVICE_NAME: &str = "baton";
@@ -50,6 +50,39 @@ pub const EXPORT_BATCH: usize = 2048;
 /// One export request's limit.
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why an OTLP endpoint is not a collector's URL.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectorError {
+    /// The scheme, host or port part is not an engine-style URL.
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    /// The path has a query or a fragment, which OTLP/HTTP does not use.
+    #[error("{endpoint:?}: no query or fragment")]
+    QueryOrFragment { endpoint: String },
+}
+
+/// Why tracing could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// The endpoint is not a collector's URL.
+    #[error(transparent)]
+    Collector(#[from] CollectorError),
+    /// Not called on a Tokio runtime, whose client would send the spans.
+    #[error("tracing: {source}")]
+    NoRuntime {
+        #[source]
+        source: tokio::runtime::TryCurrentError,
+    },
+    /// The OTLP exporter refused its settings.
+    #[error("OTLP exporter: {source}")]
+    Exporter {
+        #[source]
+        source: opentelemetry_otlp::ExporterBuildError,
+    },
+}
+
 /// `[telemetry]`'s trace settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TraceConfig {
@@ -64,7 +97,7 @@ pub struct TraceConfig {
 impl TraceConfig {
     /// The collector's base URL and the path spans are posted to; an error says why the URL is not
     /// one.
-    pub fn collector(&self) -> Result<(EngineUrl, String), String> {
+    pub fn collector(&self) -> Result<(EngineUrl, String), CollectorError> {
         let rest = self.endpoint.split_once("://").map_or("", |(_, r)| r);
         let (base, path) = match rest.find('/') {
             Some(at) => {
@@ -76,7 +109,7 @@ impl TraceConfig {
         let base = EngineUrl::parse(base)?;
         let path = if path.is_empty() || path == "/" { TRACES_PATH.to_owned() } else { path.to_owned() };
         if path.contains(['?', '#']) {
-            return Err(format!("{:?}: no query or fragment", self.endpoint));
+            return Err(CollectorError::QueryOrFragment { endpoint: self.endpoint.clone() });
         }
         Ok((base, path))
     }
@@ -89,7 +122,7 @@ impl TraceConfig {
         if self.service_name.is_empty() {
             return Err(("service_name", "must not be empty".into()));
         }
-        self.collector().map(|_| ()).map_err(|e| ("otlp_endpoint", e))
+        self.collector().map(|_| ()).map_err(|e| ("otlp_endpoint", e.to_string()))
     }
 }
 
@@ -131,9 +164,10 @@ pub struct Tracing {
 
 impl Tracing {
     /// Starts the exporter's pipeline; called on the gateway's runtime, whose client sends the spans.
-    pub fn start(cfg: &TraceConfig, client: EngineClient) -> Result<Self, String> {
+    pub fn start(cfg: &TraceConfig, client: EngineClient) -> Result<Self, TraceError> {
         let (to, path) = cfg.collector()?;
-        let runtime = tokio::runtime::Handle::try_current().map_err(|e| format!("tracing: {e}"))?;
+        let runtime =
+            tokio::runtime::Handle::try_current().map_err(|source| TraceError::NoRuntime { source })?;
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_http_client(Export { client, to: to.clone(), runtime })
@@ -141,7 +175,7 @@ impl Tracing {
             .with_endpoint(to.uri(&path))
             .with_timeout(EXPORT_TIMEOUT)
             .build()
-            .map_err(|e| format!("OTLP exporter: {e}"))?;
+            .map_err(|source| TraceError::Exporter { source })?;
         let batch = BatchConfigBuilder::default()
             .with_scheduled_delay(EXPORT_DELAY)
             .with_max_queue_size(EXPORT_QUEUE)
@@ -512,7 +546,7 @@ mod tests {
 
     #[test]
     fn collector_urls() {
-        let at = |e: &str| cfg(e).collector().map(|(u, p)| format!("{u} {p}"));
+        let at = |e: &str| cfg(e).collector().map(|(u, p)| format!("{u} {p}")).map_err(|e| e.to_string());
         assert_eq!(at("http://127.0.0.1:4318").as_deref(), Ok("http://127.0.0.1:4318 /v1/traces"));
         assert_eq!(at("http://otel:4318/").as_deref(), Ok("http://otel:4318 /v1/traces"));
         assert_eq!(
