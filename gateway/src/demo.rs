@@ -172,6 +172,21 @@ impl Demo {
     }
 }
 
+/// Why a demo could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// The simulated model's KV geometry is not valid (its shape, chunk or TP).
+    #[error("geometry: {0}")]
+    Geometry(#[from] baton_dataplane::geometry::GeometryError),
+    /// A simulated engine could not start.
+    #[error("engine: {0}")]
+    Engine(#[from] baton_sim::SimError),
+    /// The gateway in front could not start.
+    #[error(transparent)]
+    Gateway(#[from] StartError),
+}
+
 /// The engines of a demo, without a gateway.
 #[derive(Debug)]
 pub struct Engines {
@@ -193,19 +208,18 @@ impl Engines {
 }
 
 /// Starts the simulated engines.
-pub async fn start_engines(c: &DemoConfig) -> Result<Engines, String> {
+pub async fn start_engines(c: &DemoConfig) -> Result<Engines, DemoError> {
     start_engines_with(c, None).await
 }
 
 /// [`start_engines`]; `notify`: where LMCache prefillers send notifications (the gateway's
 /// listener), for a mode that has them.
-pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> Result<Engines, String> {
-    let tiny = tiny_geometry(c.tp).map_err(|e| e.to_string())?;
+pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> Result<Engines, DemoError> {
+    let tiny = tiny_geometry(c.tp)?;
     let [layers, kv_heads, head_dim, dtype_bytes] =
         c.shape.unwrap_or([tiny.layers, tiny.kv_heads, tiny.head_dim, tiny.dtype_bytes]);
     let geometry =
-        baton_dataplane::KvGeometry::new(layers, kv_heads, head_dim, dtype_bytes, c.chunk_tokens, c.tp)
-            .map_err(|e| e.to_string())?;
+        baton_dataplane::KvGeometry::new(layers, kv_heads, head_dim, dtype_bytes, c.chunk_tokens, c.tp)?;
     let engine = |role: SimRole| {
         let mut sc = SimConfig::new(role, geometry);
         sc.cache_blocks = c.cache_blocks;
@@ -216,19 +230,19 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
         } else {
             sc.faults = c.prefill_faults.clone();
         }
-        c.handoff.sim(c, notify, &mut sc);
+        c.handoff.sim(crate::handoff::SimSetup { demo: c, notify, engine: &mut sc });
         sc
     };
     let mut running = Vec::new();
     let mut prefills = Vec::new();
     for i in 0..c.prefills {
-        let r = launch(engine(SimRole::Prefill)).await.map_err(|e| e.to_string())?;
+        let r = launch(engine(SimRole::Prefill)).await?;
         prefills.push(Prefiller::new(format!("prefill-{i}"), r.addr));
         running.push(r);
     }
     let mut decoders = Vec::new();
     for i in 0..c.decoders {
-        let r = launch(engine(SimRole::Decode)).await.map_err(|e| e.to_string())?;
+        let r = launch(engine(SimRole::Decode)).await?;
         decoders.push((format!("decode-{i}"), r.addr, r.engine.stats()));
         running.push(r);
     }
@@ -249,7 +263,7 @@ pub async fn start_gateway(
     e: &Engines,
     listen: SocketAddr,
     setup: GatewaySetup,
-) -> Result<GatewayRun, String> {
+) -> Result<GatewayRun, DemoError> {
     start_gateway_with(e, listen, setup, start_decoder).await
 }
 
@@ -260,11 +274,11 @@ pub async fn start_gateway_with(
     listen: SocketAddr,
     setup: GatewaySetup,
     start: StartDecoder,
-) -> Result<GatewayRun, String> {
-    let shared = Shared::new(setup.limits, setup.health).map_err(|e| format!("metrics: {e}"))?;
+) -> Result<GatewayRun, DemoError> {
+    let shared = Shared::new(setup.limits, setup.health).map_err(StartError::Metrics)?;
     let tracing = match &setup.trace {
         Some(t) => Some(Arc::new(
-            crate::telemetry::trace::Tracing::start(t, shared.client.clone()).map_err(|e| e.to_string())?,
+            crate::telemetry::trace::Tracing::start(t, shared.client.clone()).map_err(StartError::Tracing)?,
         )),
         None => None,
     };
@@ -279,7 +293,7 @@ pub async fn start_gateway_with(
     for (name, http, stats) in &e.decoders {
         let d = DemoDecoder { http: *http, stats, geometry: e.geometry, setup: &setup };
         let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
-        decoders.push(start(checked, &ctx).await.map_err(|err| err.to_string())?);
+        decoders.push(start(checked, &ctx).await?);
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
@@ -305,20 +319,22 @@ pub async fn start_gateway_with(
         listeners: vec![(listen, setup.tls)],
         admin,
     };
-    let (gateway, listeners, _health) = crate::serve::assemble(parts).await.map_err(|e| e.to_string())?;
-    let addr = listeners.addrs.first().copied().ok_or("no listener")?;
+    let (gateway, listeners, _health) = crate::serve::assemble(parts).await?;
+    // One address was given, and `Listeners` binds every one it is given or fails.
+    let addr = listeners.addrs.first().copied().unwrap_or(listen);
     Ok(GatewayRun { addr, admin: listeners.admin_addr, gateway, listeners })
 }
 
 /// Starts the engines and the gateway.
-pub async fn start(c: DemoConfig) -> Result<Demo, String> {
+pub async fn start(c: DemoConfig) -> Result<Demo, DemoError> {
     start_with(c, start_decoder).await
 }
 
 /// [`start`], each decoder started by `start` ([`start_gateway_with`]).
-pub async fn start_with(mut c: DemoConfig, start: StartDecoder) -> Result<Demo, String> {
+pub async fn start_with(mut c: DemoConfig, start: StartDecoder) -> Result<Demo, DemoError> {
     if c.handoff.notifications() && c.gateway.lmcache.is_none() {
-        c.gateway.lmcache = Some(Notifications::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?);
+        c.gateway.lmcache =
+            Some(Notifications::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await.map_err(StartError::from)?);
     }
     let notify = c.gateway.lmcache.as_ref().map(|h| h.addr);
     let engines = start_engines_with(&c, notify).await?;

@@ -69,12 +69,12 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
             }
         }
     }
-    let metrics = Metrics::new(c.tenant_series, c.records).map_err(|e| StartError::Metrics(e.to_string()))?;
+    let metrics = Metrics::new(c.tenant_series, c.records).map_err(StartError::Metrics)?;
     let client = EngineClient::new(names, c.engine_tls.clone());
     let tracing = match &c.trace {
         Some(t) => {
-            let started = crate::telemetry::trace::Tracing::start(t, client.clone())
-                .map_err(|e| StartError::Tracing(e.to_string()))?;
+            let started =
+                crate::telemetry::trace::Tracing::start(t, client.clone()).map_err(StartError::Tracing)?;
             tracing::info!(to = t.endpoint, ratio = t.sampling_ratio, "tracing requests (OTLP/HTTP)");
             Some(Arc::new(started))
         }
@@ -83,7 +83,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let shared = Shared::with_client(c.limits, c.health, client, Arc::new(metrics));
     let lmcache = match c.lmcache_listen {
         Some(addr) => {
-            let hub = Notifications::bind(addr).await.map_err(StartError::Lmcache)?;
+            let hub = Notifications::bind(addr).await?;
             tracing::info!(at = %hub.addr, "listening for LMCache prefill notifications");
             Some(hub)
         }
@@ -112,7 +112,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let plugins = match &c.plugins {
         Some(p) => Some(
             crate::policy::Plugins::start(p, tenants.clone(), c.source.clone().map(reread))
-                .map_err(|e| StartError::Plugins(e.to_string()))?,
+                .map_err(StartError::Plugins)?,
         ),
         None => None,
     };
@@ -127,7 +127,8 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
             .transpose()
             .map_err(|e| StartError::Listen { addr, source: std::io::Error::other(e) })
     };
-    let public = c.listeners.into_iter().map(|(a, t)| Ok((a, tls(a, t)?))).collect::<Result<Vec<_>, _>>()?;
+    let public =
+        c.listeners.into_iter().map(|(a, t)| Ok((a, tls(a, t)?))).collect::<Result<Vec<_>, StartError>>()?;
     let admin = (
         c.admin.addr,
         tls(c.admin.addr, c.admin.tls)?,

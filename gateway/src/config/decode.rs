@@ -69,23 +69,39 @@ pub struct StartContext {
     pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
 }
 
-/// Why a pool could not be started.
+/// Why a gateway could not be started.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StartError {
+    /// A native decoder's data-plane ranks could not be reached or refused the handshake.
     #[error("decoder {decoder}: data plane: {source}")]
-    DataPlane { decoder: String, source: baton_dataplane::transport::TransportError },
+    DataPlane {
+        decoder: String,
+        #[source]
+        source: baton_dataplane::transport::TransportError,
+    },
+    /// A decoder's mode cannot start as configured.
     #[error("decoder {decoder}: {reason}")]
     Decoder { decoder: String, reason: String },
+    /// A listener could not be bound (or its TLS made).
     #[error("listen on {addr}: {source}")]
-    Listen { addr: SocketAddr, source: std::io::Error },
-    #[error("lmcache notifications: {0}")]
-    Lmcache(String),
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The LMCache notification listener could not be bound.
+    #[error(transparent)]
+    Lmcache(#[from] crate::handoff::lmcache::notify::BindError),
+    /// A policy plugin could not be loaded.
     #[error("plugins: {0}")]
-    Plugins(String),
+    Plugins(#[source] crate::policy::PluginStartError),
+    /// The metrics registry refused a series.
     #[error("metrics: {0}")]
-    Metrics(String),
+    Metrics(#[source] prometheus::Error),
+    /// The trace exporter could not start.
     #[error("tracing: {0}")]
-    Tracing(String),
+    Tracing(#[source] crate::telemetry::trace::TraceError),
 }
 
 /// Checks the pools; `geometry_for(tp)` is the model's geometry at a TP size.

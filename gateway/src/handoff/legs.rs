@@ -4,13 +4,15 @@
 //! against the engine), the prefill fallback order and the drains.
 
 use std::borrow::Borrow;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::{Request, Response};
 use serde::Serialize;
 use serde::ser::SerializeMap;
@@ -401,6 +403,72 @@ pub(crate) fn short_body(b: &[u8]) -> String {
 /// An engine answer's body as the gateway's.
 pub(crate) fn boxed(body: Incoming) -> RespBody {
     body.map_err(|e| Box::new(e) as BoxError).boxed()
+}
+
+/// What an engine's answer holds while it streams back to the client (the request's slot, its
+/// abort), and what may cut it short (a leg still running).
+pub(crate) trait Holds: Send + Sync + Unpin + 'static {
+    /// Before each frame of the engine's: `Some(frame)` to send that frame instead and end the
+    /// answer after it.
+    fn cut(&mut self, _cx: &mut Context<'_>) -> Option<Frame<Bytes>> {
+        None
+    }
+
+    /// The engine's answer ended whole.
+    fn ended(&mut self) {}
+
+    /// Whether the answer's size is the engine's (nothing may be added to it).
+    fn sized(&self) -> bool {
+        true
+    }
+}
+
+/// The request's slot, held until its answer ends.
+impl Holds for Option<crate::admission::SlotGuard> {}
+
+/// An engine's answer, holding `H` until it ends (or the client leaves and it is dropped).
+pub(crate) struct Held<H> {
+    inner: Incoming,
+    hold: H,
+    /// Cut short: ended after the frame that cut it.
+    cut: bool,
+}
+
+impl<H: Holds> Held<H> {
+    pub(crate) fn body(inner: Incoming, hold: H) -> RespBody {
+        Self { inner, hold, cut: false }.boxed()
+    }
+}
+
+impl<H: Holds> Body for Held<H> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.cut {
+            return Poll::Ready(None);
+        }
+        if let Some(frame) = self.hold.cut(cx) {
+            self.cut = true;
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        let next = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = next {
+            self.hold.ended();
+        }
+        next.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.cut || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.hold.sized() { self.inner.size_hint() } else { SizeHint::default() }
+    }
 }
 
 /// A body written once as JSON, for a leg that runs in a task of its own.

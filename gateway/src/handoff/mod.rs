@@ -85,6 +85,17 @@ pub struct Pool<'a> {
     pub queue: &'a SlotQueue,
 }
 
+/// A simulated engine of the demo, before it starts: the demo's settings, the gateway's LMCache
+/// notification listener (when the mode has one) and the engine's own configuration, which the
+/// mode completes.
+#[cfg(feature = "demo")]
+#[derive(Debug)]
+pub struct SimSetup<'a> {
+    pub demo: &'a crate::demo::DemoConfig,
+    pub notify: Option<std::net::SocketAddr>,
+    pub engine: &'a mut baton_sim::SimConfig,
+}
+
 /// A decoder of the demo: the simulated engine as started, for its mode to describe.
 #[cfg(feature = "demo")]
 #[derive(Debug)]
@@ -115,7 +126,7 @@ pub trait ModeSpec {
     const NOTIFICATIONS: bool = false;
     type Keys: PoolKeys;
 
-    /// The pool in one line, for `baton check-config`.
+    /// The pool's settings in one line, for `baton check-config` (after the mode's name).
     fn describe(c: &Checked<Self>) -> String;
 
     /// Host names the mode connects to beyond the pool's URL, with their keys (`dataplane[0]`).
@@ -130,10 +141,9 @@ pub trait ModeSpec {
         ctx: &StartContext,
     ) -> impl std::future::Future<Output = Result<Box<dyn Handoff>, StartError>> + Send;
 
-    /// How the demo's simulated engine of `role` plays the mode; `notify`: the gateway's LMCache
-    /// notification listener, when the mode has one.
+    /// How the demo's simulated engine plays the mode (by default as it comes).
     #[cfg(feature = "demo")]
-    fn sim(c: &crate::demo::DemoConfig, notify: Option<std::net::SocketAddr>, sim: &mut baton_sim::SimConfig);
+    fn sim(_s: SimSetup<'_>) {}
 
     /// The demo's decoder as a checked pool of the mode.
     #[cfg(feature = "demo")]
@@ -182,14 +192,9 @@ macro_rules! modes {
 
             /// How the demo's simulated engines play this mode.
             #[cfg(feature = "demo")]
-            pub fn sim(
-                self,
-                c: &crate::demo::DemoConfig,
-                notify: Option<std::net::SocketAddr>,
-                sim: &mut baton_sim::SimConfig,
-            ) {
+            pub fn sim(self, s: SimSetup<'_>) {
                 match self {
-                    $(Mode::$variant => <$spec as ModeSpec>::sim(c, notify, sim),)+
+                    $(Mode::$variant => <$spec as ModeSpec>::sim(s),)+
                 }
             }
 
@@ -237,7 +242,7 @@ macro_rules! modes {
             /// The pool in one line, for `baton check-config`.
             pub fn describe(&self) -> String {
                 match self {
-                    $(CheckedMode::$variant(c) => <$spec as ModeSpec>::describe(c),)+
+                    $(CheckedMode::$variant(c) => format!("{}, {}", self.name(), <$spec as ModeSpec>::describe(c)),)+
                 }
             }
 

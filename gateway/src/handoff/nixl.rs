@@ -20,24 +20,18 @@
 //! them at once. The prefill call itself runs to its end even if the client leaves, so its answer
 //! (and the blocks it names) is never lost.
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use http_body_util::BodyExt;
 use hyper::Response;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
+use super::legs::{Drains, Held, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
-use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal, Problem};
 use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
@@ -84,7 +78,7 @@ impl ModeSpec for Nixl {
     type Keys = Keys;
 
     fn describe(t: &LoadTarget) -> String {
-        format!("vllm-nixl, {}", t.describe())
+        t.describe()
     }
 
     async fn start(
@@ -98,43 +92,13 @@ impl ModeSpec for Nixl {
     }
 
     #[cfg(feature = "demo")]
-    fn sim(
-        c: &crate::demo::DemoConfig,
-        _notify: Option<std::net::SocketAddr>,
-        sim: &mut baton_sim::SimConfig,
-    ) {
-        sim.nixl = Some(c.nixl_abort_timeout);
+    fn sim(s: super::SimSetup<'_>) {
+        s.engine.nixl = Some(s.demo.nixl_abort_timeout);
     }
 
     #[cfg(feature = "demo")]
     fn demo(d: &super::DemoDecoder<'_>) -> LoadTarget {
         d.setup.nixl.clone()
-    }
-}
-
-/// A response body that holds the request's slot until it ends.
-struct Guarded {
-    inner: Incoming,
-    _slot: Option<SlotGuard>,
-}
-
-impl Body for Guarded {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx).map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 
@@ -269,7 +233,7 @@ impl Nixl {
         })?;
         owed.params = None;
         timing.mark(Phase::Decode);
-        Ok(resp.map(|inner| Guarded { inner, _slot: slots }.boxed()))
+        Ok(resp.map(|inner| Held::body(inner, slots)))
     }
 }
 

@@ -29,14 +29,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::legs::{BoxError, LegError, Patched, RespBody, raw_json};
+use super::legs::{Held, Holds, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -110,11 +110,9 @@ impl ModeSpec for Sglang {
     type Keys = Keys;
 
     fn describe(c: &Checked) -> String {
-        format!(
-            "sglang, bootstrap port {}, {}",
-            c.bootstrap_port.map_or("from each prefill's /get_server_info".to_owned(), |p| p.to_string()),
-            c.target.describe()
-        )
+        let port =
+            c.bootstrap_port.map_or("from each prefill's /get_server_info".to_owned(), |p| p.to_string());
+        format!("bootstrap port {port}, {}", c.target.describe())
     }
 
     async fn start(c: Checked, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
@@ -132,12 +130,8 @@ impl ModeSpec for Sglang {
     }
 
     #[cfg(feature = "demo")]
-    fn sim(
-        c: &crate::demo::DemoConfig,
-        _notify: Option<std::net::SocketAddr>,
-        sim: &mut baton_sim::SimConfig,
-    ) {
-        sim.sglang = Some(c.sglang.clone());
+    fn sim(s: super::SimSetup<'_>) {
+        s.engine.sglang = Some(s.demo.sglang.clone());
     }
 
     #[cfg(feature = "demo")]
@@ -293,7 +287,7 @@ impl Sglang {
         let prefill = (!prefill_done).then_some(prefill_rx);
         let shared = Arc::clone(&self.shared);
         Ok(resp.map(|inner| {
-            DecodeStream { inner, prefill, shared, _slot: slots, abort: Some(abort), cut: false }.boxed()
+            Held::body(inner, DecodeStream { prefill, shared, _slot: slots, abort: Some(abort) })
         }))
     }
 }
@@ -447,64 +441,44 @@ impl Drop for AbortGuard {
     }
 }
 
-/// The decoder's answer, holding the request's slot and its abort until it ends; a prefill that
-/// fails while it streams ends it with an error event.
+/// What the decoder's answer holds until it ends: the request's slot, its abort, and the prefill
+/// still running, whose failure while the answer streams ends it with an error event.
 struct DecodeStream {
-    inner: Incoming,
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
     shared: Arc<Shared>,
     _slot: Option<SlotGuard>,
     abort: Option<AbortGuard>,
-    /// The answer was ended early (its prefill failed).
-    cut: bool,
 }
 
-impl Body for DecodeStream {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.cut {
-            return Poll::Ready(None);
-        }
-        if let Some(rx) = self.prefill.as_mut()
-            && let Poll::Ready(p) = Pin::new(rx).poll(cx)
-        {
-            self.prefill = None;
-            match p {
-                Ok(PrefillOutcome { result: Ok(()), took }) => {
-                    self.shared.metrics.phase(Phase::Prefill, took)
-                }
-                Ok(PrefillOutcome { result: Err(e), .. }) => {
-                    // The decoder waits for KV that will not come: end the answer (the guard aborts
-                    // it on drop).
-                    tracing::warn!(error = %e, "sglang prefill failed after the decoder's answer started");
-                    let event = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
-                    self.cut = true;
-                    return Poll::Ready(Some(Ok(Frame::data(event))));
-                }
-                Err(_) => {}
+impl Holds for DecodeStream {
+    fn cut(&mut self, cx: &mut Context<'_>) -> Option<Frame<Bytes>> {
+        let rx = self.prefill.as_mut()?;
+        let Poll::Ready(p) = Pin::new(rx).poll(cx) else { return None };
+        self.prefill = None;
+        match p {
+            Ok(PrefillOutcome { result: Ok(()), took }) => {
+                self.shared.metrics.phase(Phase::Prefill, took);
+                None
             }
+            Ok(PrefillOutcome { result: Err(e), .. }) => {
+                // The decoder waits for KV that will not come: end the answer (the guard aborts it
+                // on drop).
+                tracing::warn!(error = %e, "sglang prefill failed after the decoder's answer started");
+                Some(Frame::data(Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))))
+            }
+            Err(_) => None,
         }
-        let next = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = next
-            && let Some(a) = self.abort.as_mut()
-        {
+    }
+
+    fn ended(&mut self) {
+        if let Some(a) = self.abort.as_mut() {
             // The answer ended whole: nothing to abort.
             a.armed = false;
         }
-        next.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.cut || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        if self.prefill.is_some() { SizeHint::default() } else { self.inner.size_hint() }
+    fn sized(&self) -> bool {
+        self.prefill.is_none()
     }
 }
 

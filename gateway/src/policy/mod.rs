@@ -288,7 +288,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// What a plugin's stores share: its name, config and state (across versions).
 #[derive(Debug)]
-pub struct Shared {
+pub struct PluginShared {
     pub name: String,
     pub config_json: String,
     pub state: Arc<SharedState>,
@@ -297,7 +297,7 @@ pub struct Shared {
     pub logs_dropped: AtomicU64,
 }
 
-impl Shared {
+impl PluginShared {
     fn log_allowed(&self) -> bool {
         let sec = self.state.clock().now_us() / 1_000_000;
         if self.log_window.swap(sec, Ordering::Relaxed) != sec {
@@ -398,7 +398,7 @@ struct Version<W: World> {
     id: u64,
     sha256: String,
     pre: W::Pre,
-    shared: Arc<Shared>,
+    shared: Arc<PluginShared>,
     spec: Spec,
     /// Faults in a row (reset by a good call).
     in_a_row: AtomicU32,
@@ -539,7 +539,7 @@ impl<W: World> Plugin<W> {
         };
         let component = Component::new(&host.engine, &bytes).map_err(comp_err)?;
         let pre = W::pre(linker, &component).map_err(comp_err)?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(PluginShared {
             name: spec.name.clone(),
             config_json: spec.config_json.clone(),
             state: Arc::clone(state),

@@ -5,7 +5,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Store, StoreLimits};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use super::Shared;
+use super::PluginShared;
 
 #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
 pub mod admission {
@@ -31,7 +31,7 @@ pub struct Ctx {
     wasi: WasiCtx,
     table: ResourceTable,
     pub(super) limits: StoreLimits,
-    pub(super) shared: std::sync::Arc<Shared>,
+    pub(super) shared: std::sync::Arc<PluginShared>,
     /// The running call's CPU budget, checked at each epoch deadline.
     pub(super) budget: super::budget::Budget,
 }
@@ -43,7 +43,7 @@ impl std::fmt::Debug for Ctx {
 }
 
 impl Ctx {
-    pub(super) fn new(shared: std::sync::Arc<Shared>, limits: StoreLimits) -> Self {
+    pub(super) fn new(shared: std::sync::Arc<PluginShared>, limits: StoreLimits) -> Self {
         // No preopened directories, no environment, no arguments, stdio to nowhere, no sockets.
         let wasi = WasiCtx::builder().allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false).build();
         Self {

@@ -108,7 +108,7 @@ impl ModeSpec for Lmcache {
     fn describe(c: &Checked) -> String {
         let lm = &c.lmcache;
         format!(
-            "lmcache, receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
+            "receiver {} init {:?} alloc {:?}, {} chunk slots ({} bytes per rank / {} tokens × {} KV bytes per token / TP {})",
             lm.target.receiver_host,
             lm.target.init_ports,
             lm.target.alloc_ports,
@@ -138,15 +138,16 @@ impl ModeSpec for Lmcache {
     }
 
     #[cfg(feature = "demo")]
-    fn sim(c: &crate::demo::DemoConfig, notify: Option<SocketAddr>, sim: &mut baton_sim::SimConfig) {
-        sim.lmcache = Some(match sim.role {
+    fn sim(s: super::SimSetup<'_>) {
+        let e = &mut *s.engine;
+        e.lmcache = Some(match e.role {
             baton_sim::SimRole::Prefill => baton_sim::LmcacheSimConfig {
-                proxy: notify,
-                async_send: c.lmcache_async_send,
+                proxy: s.notify,
+                async_send: s.demo.lmcache_async_send,
                 ..baton_sim::LmcacheSimConfig::default()
             },
             baton_sim::SimRole::Decode => baton_sim::LmcacheSimConfig {
-                pd_buffer_bytes: u64::from(c.pages) * sim.geometry.page_bytes_per_rank(),
+                pd_buffer_bytes: u64::from(s.demo.pages) * e.geometry.page_bytes_per_rank(),
                 ..baton_sim::LmcacheSimConfig::default()
             },
         });

@@ -57,13 +57,22 @@ impl Drop for Notifications {
     }
 }
 
+/// The notification listener could not listen.
+#[derive(Debug, thiserror::Error)]
+#[error("lmcache notifications on {addr}: {source}")]
+pub struct BindError {
+    pub addr: SocketAddr,
+    #[source]
+    pub source: baton_dataplane::compat::zmtp::ZmtpError,
+}
+
 impl Notifications {
     /// Binds the PULL socket on `addr`.
-    pub async fn bind(addr: SocketAddr) -> Result<Arc<Self>, String> {
+    pub async fn bind(addr: SocketAddr) -> Result<Arc<Self>, BindError> {
         let (tx, mut rx) = mpsc::channel::<Pulled>(4096);
         let server = PullServer::bind(addr, tx, DEFAULT_MAX_PEERS, DEFAULT_MAX_MESSAGE)
             .await
-            .map_err(|e| format!("lmcache notifications on {addr}: {e}"))?;
+            .map_err(|source| BindError { addr, source })?;
         Ok(Arc::new_cyclic(|weak: &Weak<Self>| {
             let weak = weak.clone();
             let task = tokio::spawn(async move {

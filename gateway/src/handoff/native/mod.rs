@@ -86,7 +86,7 @@ impl ModeSpec for Native {
 
     fn describe(c: &Checked) -> String {
         format!(
-            "native, TP {}, {} KV bytes per token, page {} bytes per rank{}",
+            "TP {}, {} KV bytes per token, page {} bytes per rank{}",
             c.ranks.len(),
             c.geometry.kv_bytes_per_token(),
             c.geometry.page_bytes_per_rank(),
@@ -103,14 +103,6 @@ impl ModeSpec for Native {
             .await
             .map_err(|source| StartError::DataPlane { decoder: pool.name.to_owned(), source })?;
         Ok(Box::new(native))
-    }
-
-    #[cfg(feature = "demo")]
-    fn sim(
-        _c: &crate::demo::DemoConfig,
-        _notify: Option<std::net::SocketAddr>,
-        _sim: &mut baton_sim::SimConfig,
-    ) {
     }
 
     #[cfg(feature = "demo")]
