@@ -21,7 +21,6 @@
 pub mod notify;
 mod shape;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -156,7 +155,8 @@ impl ModeSpec for Lmcache {
     #[cfg(feature = "demo")]
     fn demo(d: &super::DemoDecoder<'_>) -> Checked {
         let ranks = d.stats["lmcache"]["ranks"].as_array().cloned().unwrap_or_default();
-        let port = |v: &Value| v.as_str().and_then(|a| a.parse::<SocketAddr>().ok()).map(|a| a.port());
+        let port =
+            |v: &Value| v.as_str().and_then(|a| a.parse::<std::net::SocketAddr>().ok()).map(|a| a.port());
         let capacity = ranks
             .iter()
             .filter_map(|r| r["capacity_chunks"].as_u64())
