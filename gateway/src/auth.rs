@@ -194,6 +194,13 @@ impl ApiKeys {
     }
 }
 
+/// The SHA-256 of `bytes` in lowercase hex: how API keys, the admin token and plugin files are
+/// named without their contents.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,10 +212,7 @@ mod tests {
     }
 
     fn entry(key: &str, tenant: &str) -> String {
-        format!(
-            "[[keys]]\nsha256 = \"{}\"\ntenant = \"{tenant}\"\n",
-            crate::policy::sha256_hex(key.as_bytes())
-        )
+        format!("[[keys]]\nsha256 = \"{}\"\ntenant = \"{tenant}\"\n", sha256_hex(key.as_bytes()))
     }
 
     fn bearer(key: &str) -> hyper::HeaderMap {

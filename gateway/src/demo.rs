@@ -9,12 +9,13 @@ pub use baton_sim::DeviceKind;
 use baton_sim::{Running, SimConfig, SimRole, launch, tiny_geometry};
 
 use crate::admission::QueueConfig;
-use crate::config::{CheckedDecoder, StartContext, StartError};
+use crate::config::CheckedDecoder;
 use crate::handoff::lmcache::Notifications;
 use crate::handoff::scrape::LoadTarget;
-use crate::handoff::{BoxFuture, Decoder, DemoDecoder, Limits, Mode, Prefiller, Shared};
+use crate::handoff::{BoxFuture, Decoder, DemoDecoder, Limits, Mode, Prefiller, Shared, StartContext};
 use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::{Builtin, HealthConfig, Router};
+use crate::serve::StartError;
 use crate::server::{HttpTimeouts, Listeners, Surface};
 use crate::tokenize::Tokenizer;
 
@@ -230,7 +231,14 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
         } else {
             sc.faults = c.prefill_faults.clone();
         }
-        c.handoff.sim(crate::handoff::SimSetup { demo: c, notify, engine: &mut sc });
+        c.handoff.sim(crate::handoff::SimSetup {
+            engine: &mut sc,
+            notify,
+            pages: c.pages,
+            lmcache_async_send: c.lmcache_async_send,
+            nixl_abort_timeout: c.nixl_abort_timeout,
+            sglang: &c.sglang,
+        });
         sc
     };
     let mut running = Vec::new();
@@ -250,10 +258,15 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
 }
 
 /// How a checked decoder is started: [`CheckedDecoder::start`], or a test's own.
-pub type StartDecoder =
-    for<'a> fn(CheckedDecoder, &'a StartContext) -> BoxFuture<'a, Result<Arc<Decoder>, StartError>>;
+pub type StartDecoder = for<'a> fn(
+    CheckedDecoder,
+    &'a StartContext,
+) -> BoxFuture<'a, Result<Arc<Decoder>, crate::handoff::StartError>>;
 
-fn start_decoder(d: CheckedDecoder, ctx: &StartContext) -> BoxFuture<'_, Result<Arc<Decoder>, StartError>> {
+fn start_decoder(
+    d: CheckedDecoder,
+    ctx: &StartContext,
+) -> BoxFuture<'_, Result<Arc<Decoder>, crate::handoff::StartError>> {
     Box::pin(d.start(ctx))
 }
 
@@ -291,9 +304,9 @@ pub async fn start_gateway_with(
     };
     let mut decoders = Vec::new();
     for (name, http, stats) in &e.decoders {
-        let d = DemoDecoder { http: *http, stats, geometry: e.geometry, setup: &setup };
+        let d = DemoDecoder { http: *http, stats, geometry: e.geometry, load: &setup.nixl };
         let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
-        decoders.push(start(checked, &ctx).await?);
+        decoders.push(start(checked, &ctx).await.map_err(StartError::from)?);
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };

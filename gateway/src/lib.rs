@@ -1,7 +1,17 @@
 //! baton's gateway: the OpenAI-compatible front door of a PD-disaggregated fleet.
 //!
-//! Data flows one way: api → tokenize → routing/admission → handoff → endpoints. Lower layers never
-//! import higher ones.
+//! A request flows `server` (listeners, routes) → `pipeline` (the request driver: parsed by `api`,
+//! counted by `tokenize`, admitted by a `policy` plugin, routed by `routing`, queued by `admission`)
+//! → `handoff` (the decoder's mode runs its legs over the engines' client in `endpoints`) → back
+//! through `pipeline` (timing, headers, usage) and `server`. `config` reads the TOML file (each
+//! decode pool's own keys through `handoff`'s list of modes); `serve` and `demo` assemble a gateway
+//! from it or from simulated engines; `telemetry` (metrics, traces, request ids) and `auth` are
+//! used across.
+//!
+//! Imports follow that order: the leaves (`routing`, `admission`, `endpoints`, `kv_events`) import
+//! no module of the crate; `api` only `admission`; `handoff` nothing above it (`config` only from
+//! its test support, which the `demo` feature builds); `pipeline` nothing of `server`, `config`,
+//! `serve` or `demo`.
 
 pub mod admission;
 pub mod api;

@@ -7,14 +7,42 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::admission::QueueConfig;
-use crate::config::{Checked, StartContext, StartError};
+use crate::config::Checked;
 use crate::endpoints::{EngineClient, Names};
 use crate::handoff::lmcache::Notifications;
-use crate::handoff::{Prefiller, Shared};
+use crate::handoff::{Prefiller, Shared, StartContext};
 use crate::pipeline::{Access, Gateway, ModelInfo};
 use crate::routing::Router;
 use crate::server::{HttpTimeouts, Listeners, Surface};
 use crate::telemetry::Metrics;
+
+/// Why a gateway could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A decode pool could not be started.
+    #[error(transparent)]
+    Pool(#[from] crate::handoff::StartError),
+    /// A listener could not be bound (or its TLS made).
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The LMCache notification listener could not be bound.
+    #[error(transparent)]
+    Lmcache(#[from] crate::handoff::lmcache::notify::BindError),
+    /// A policy plugin could not be loaded.
+    #[error("plugins: {0}")]
+    Plugins(#[source] crate::policy::PluginStartError),
+    /// The metrics registry refused a series.
+    #[error("metrics: {0}")]
+    Metrics(#[source] prometheus::Error),
+    /// The trace exporter could not start.
+    #[error("tracing: {0}")]
+    Tracing(#[source] crate::telemetry::trace::TraceError),
+}
 
 /// A serving gateway.
 #[derive(Debug)]

@@ -3,7 +3,6 @@
 //! key of one mode on a pool of another is refused by the parser ("unknown field `dataplane`,
 //! expected `nixl`"); the list of modes (`crate::handoff`) picks the struct by `handoff`.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,11 +11,10 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
 use super::{ConfigError, err, parse_url};
-use crate::admission::{QueueConfig, SlotQueue};
+use crate::admission::SlotQueue;
 use crate::endpoints::EngineUrl;
 use crate::handoff::decoder::Decoder;
-use crate::handoff::lmcache::Notifications;
-use crate::handoff::{CheckContext, CheckedMode, Mode, Pool, PoolMode, Shared};
+use crate::handoff::{CheckContext, CheckedMode, KeyError, Mode, Pool, PoolMode, StartContext, StartError};
 
 /// A decode pool as written.
 #[derive(Debug)]
@@ -56,54 +54,6 @@ pub struct CheckedDecoder {
     pub mode: CheckedMode,
 }
 
-/// What the pools of one gateway share at start.
-#[derive(Debug)]
-pub struct StartContext {
-    pub shared: Arc<Shared>,
-    pub queue: QueueConfig,
-    /// The `lmcache` notification listener (bound when a pool uses the mode).
-    pub lmcache: Option<Arc<Notifications>>,
-    /// `[lmcache] first_token`.
-    pub first_token: bool,
-    /// `[dataplane_tls]`: how to reach `native` decoders' ranks when the data plane is authenticated.
-    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
-}
-
-/// Why a gateway could not be started.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StartError {
-    /// A native decoder's data-plane ranks could not be reached or refused the handshake.
-    #[error("decoder {decoder}: data plane: {source}")]
-    DataPlane {
-        decoder: String,
-        #[source]
-        source: baton_dataplane::transport::TransportError,
-    },
-    /// A decoder's mode cannot start as configured.
-    #[error("decoder {decoder}: {reason}")]
-    Decoder { decoder: String, reason: String },
-    /// A listener could not be bound (or its TLS made).
-    #[error("listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    /// The LMCache notification listener could not be bound.
-    #[error(transparent)]
-    Lmcache(#[from] crate::handoff::lmcache::notify::BindError),
-    /// A policy plugin could not be loaded.
-    #[error("plugins: {0}")]
-    Plugins(#[source] crate::policy::PluginStartError),
-    /// The metrics registry refused a series.
-    #[error("metrics: {0}")]
-    Metrics(#[source] prometheus::Error),
-    /// The trace exporter could not start.
-    #[error("tracing: {0}")]
-    Tracing(#[source] crate::telemetry::trace::TraceError),
-}
-
 /// Checks the pools; `geometry_for(tp)` is the model's geometry at a TP size.
 pub(super) fn check(
     pools: &[DecodePool],
@@ -114,11 +64,13 @@ pub(super) fn check(
     if pools.is_empty() {
         return Err(err("decode", "at least one decode pool is required"));
     }
+    // The model's geometry as the modes check it (their errors carry no line of their own).
+    let geometry = |tp: u32| geometry_for(tp).map_err(|e| KeyError { field: e.field, reason: e.reason });
     let mut out = Vec::new();
     for (i, d) in pools.iter().enumerate() {
         let field = format!("decode[{i}]");
         let http = parse_url(&format!("{field}.url"), &d.url)?;
-        let cx = CheckContext { field: &field, path, model_chunk, geometry_for };
+        let cx = CheckContext { field: &field, path, model_chunk, geometry_for: &geometry };
         out.push(CheckedDecoder { name: d.name.clone(), http, mode: d.mode.check(&cx)? });
     }
     Ok(out)

@@ -25,13 +25,12 @@ use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
 pub mod decode;
-pub(crate) mod lmcache;
 pub mod plugins;
 mod tls;
 
+pub use crate::handoff::lmcache::{CheckedLmcache, LmcachePool};
 pub use crate::handoff::{CheckedMode, PoolMode};
-pub use decode::{CheckedDecoder, DecodePool, StartContext, StartError};
-pub use lmcache::{CheckedLmcache, LmcachePool};
+pub use decode::{CheckedDecoder, DecodePool};
 pub use tls::{FrontTlsConfig, FrontTlsFileError};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
@@ -358,6 +357,13 @@ impl std::fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+/// A mode's key, as the file's error (the modes' checks know no line).
+impl From<crate::handoff::KeyError> for ConfigError {
+    fn from(e: crate::handoff::KeyError) -> Self {
+        Self { field: e.field, reason: e.reason, at: None }
+    }
+}
 
 pub(crate) fn err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError { field: field.into(), reason: reason.into(), at: None }

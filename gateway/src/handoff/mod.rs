@@ -30,9 +30,48 @@ pub use shared::{
     Limits, Prefiller, Shared,
 };
 
-use crate::admission::SlotQueue;
-use crate::config::{ConfigError, StartContext, StartError};
+use std::sync::Arc;
+
+use crate::admission::{QueueConfig, SlotQueue};
 use crate::endpoints::{EngineUrl, Host};
+
+/// A pool key that fails its check: its path in the file (`decode[1].nixl.max_in_flight`) and
+/// why. The configuration reports it as its own error, with the line when it has one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct KeyError {
+    pub field: String,
+    pub reason: String,
+}
+
+/// What the pools of one gateway share at start.
+#[derive(Debug)]
+pub struct StartContext {
+    pub shared: Arc<Shared>,
+    pub queue: QueueConfig,
+    /// The `lmcache` notification listener (bound when a pool uses the mode).
+    pub lmcache: Option<Arc<lmcache::Notifications>>,
+    /// `[lmcache] first_token`.
+    pub first_token: bool,
+    /// `[dataplane_tls]`: how to reach `native` decoders' ranks when the data plane is authenticated.
+    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
+}
+
+/// Why a decode pool could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A native decoder's data-plane ranks could not be reached or refused the handshake.
+    #[error("decoder {decoder}: data plane: {source}")]
+    DataPlane {
+        decoder: String,
+        #[source]
+        source: baton_dataplane::transport::TransportError,
+    },
+    /// A decoder's mode cannot start as configured.
+    #[error("decoder {decoder}: {reason}")]
+    Decoder { decoder: String, reason: String },
+}
 
 /// What a mode's keys are checked against: the pool's place in the file, the model.
 pub struct CheckContext<'a> {
@@ -43,7 +82,7 @@ pub struct CheckContext<'a> {
     /// `model.chunk_tokens`.
     pub model_chunk: u32,
     /// The model's KV geometry at a TP size.
-    pub geometry_for: &'a dyn Fn(u32) -> Result<baton_dataplane::KvGeometry, ConfigError>,
+    pub geometry_for: &'a dyn Fn(u32) -> Result<baton_dataplane::KvGeometry, KeyError>,
 }
 
 impl std::fmt::Debug for CheckContext<'_> {
@@ -57,12 +96,12 @@ impl std::fmt::Debug for CheckContext<'_> {
 
 impl CheckContext<'_> {
     /// An error at `key` of this pool.
-    pub fn err(&self, key: &str, reason: impl Into<String>) -> ConfigError {
-        crate::config::err(format!("{}.{key}", self.field), reason)
+    pub fn err(&self, key: &str, reason: impl Into<String>) -> KeyError {
+        KeyError { field: format!("{}.{key}", self.field), reason: reason.into() }
     }
 
     /// `max_slots`, which lowers a pool's slots: not 0.
-    pub fn max_slots(&self, m: Option<u32>) -> Result<Option<u32>, ConfigError> {
+    pub fn max_slots(&self, m: Option<u32>) -> Result<Option<u32>, KeyError> {
         match m {
             Some(0) => Err(self.err("max_slots", "must be greater than 0")),
             m => Ok(m),
@@ -70,9 +109,9 @@ impl CheckContext<'_> {
     }
 
     /// The model's geometry at `tp`, its errors named for this pool.
-    pub fn geometry(&self, tp: u32) -> Result<baton_dataplane::KvGeometry, ConfigError> {
+    pub fn geometry(&self, tp: u32) -> Result<baton_dataplane::KvGeometry, KeyError> {
         (self.geometry_for)(tp)
-            .map_err(|e| crate::config::err(format!("{} ({})", self.field, e.field), e.reason))
+            .map_err(|e| KeyError { field: format!("{} ({})", self.field, e.field), reason: e.reason })
     }
 }
 
@@ -85,15 +124,22 @@ pub struct Pool<'a> {
     pub queue: &'a SlotQueue,
 }
 
-/// A simulated engine of the demo, before it starts: the demo's settings, the gateway's LMCache
-/// notification listener (when the mode has one) and the engine's own configuration, which the
-/// mode completes.
+/// A simulated engine of the demo, before it starts: the engine's own configuration, which the
+/// mode completes, and the demo's settings for the modes.
 #[cfg(feature = "demo")]
 #[derive(Debug)]
 pub struct SimSetup<'a> {
-    pub demo: &'a crate::demo::DemoConfig,
-    pub notify: Option<std::net::SocketAddr>,
     pub engine: &'a mut baton_sim::SimConfig,
+    /// The gateway's LMCache notification listener, when the mode has one.
+    pub notify: Option<std::net::SocketAddr>,
+    /// PD buffer pages per decoder rank.
+    pub pages: u32,
+    /// `lmcache`: prefillers answer before their chunks are written.
+    pub lmcache_async_send: bool,
+    /// `vllm-nixl`: how long prefillers keep blocks nobody read.
+    pub nixl_abort_timeout: std::time::Duration,
+    /// `sglang`: the engines' bootstrap settings.
+    pub sglang: &'a baton_sim::SglangSimConfig,
 }
 
 /// A decoder of the demo: the simulated engine as started, for its mode to describe.
@@ -104,7 +150,8 @@ pub struct DemoDecoder<'a> {
     /// The engine's `stats()` (its ranks, its PD backend's ports).
     pub stats: &'a serde_json::Value,
     pub geometry: baton_dataplane::KvGeometry,
-    pub setup: &'a crate::demo::GatewaySetup,
+    /// Admission settings for the modes that admit from the decoder's metrics.
+    pub load: &'a scrape::LoadTarget,
 }
 
 /// A pool's keys beside `name`, `url` and `handoff`, as written.
@@ -112,7 +159,7 @@ pub trait PoolKeys: serde::de::DeserializeOwned + std::fmt::Debug {
     /// The keys, checked.
     type Checked: Clone + std::fmt::Debug;
 
-    fn check(&self, cx: &CheckContext<'_>) -> Result<Self::Checked, ConfigError>;
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Self::Checked, KeyError>;
 }
 
 /// A mode's checked keys.
@@ -214,7 +261,7 @@ macro_rules! modes {
         }
 
         impl PoolMode {
-            pub fn check(&self, cx: &CheckContext<'_>) -> Result<CheckedMode, ConfigError> {
+            pub fn check(&self, cx: &CheckContext<'_>) -> Result<CheckedMode, KeyError> {
                 Ok(match self {
                     $(PoolMode::$variant(k) => CheckedMode::$variant(k.check(cx)?),)+
                 })

@@ -32,8 +32,8 @@ use super::legs::{Drains, Held, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
+use super::{KeyError, StartContext, StartError};
 use crate::api::{GatewayError, Internal, Problem};
-use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
 
@@ -66,7 +66,7 @@ pub struct Nixl {
 impl PoolKeys for Keys {
     type Checked = LoadTarget;
 
-    fn check(&self, cx: &CheckContext<'_>) -> Result<LoadTarget, ConfigError> {
+    fn check(&self, cx: &CheckContext<'_>) -> Result<LoadTarget, KeyError> {
         // The decoder's own scheduler owns its KV: the model's geometry is checked, not used.
         cx.geometry(1)?;
         self.nixl.check(cx, "nixl")
@@ -93,12 +93,12 @@ impl ModeSpec for Nixl {
 
     #[cfg(feature = "demo")]
     fn sim(s: super::SimSetup<'_>) {
-        s.engine.nixl = Some(s.demo.nixl_abort_timeout);
+        s.engine.nixl = Some(s.nixl_abort_timeout);
     }
 
     #[cfg(feature = "demo")]
     fn demo(d: &super::DemoDecoder<'_>) -> LoadTarget {
-        d.setup.nixl.clone()
+        d.load.clone()
     }
 }
 

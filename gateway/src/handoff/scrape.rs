@@ -82,11 +82,7 @@ impl Default for LoadKeys {
 
 impl LoadKeys {
     /// Checked, as the pool's table `table` (`nixl`, `sglang`).
-    pub fn check(
-        &self,
-        cx: &super::CheckContext<'_>,
-        table: &str,
-    ) -> Result<LoadTarget, crate::config::ConfigError> {
+    pub fn check(&self, cx: &super::CheckContext<'_>, table: &str) -> Result<LoadTarget, super::KeyError> {
         if self.max_in_flight == 0 {
             return Err(cx.err(&format!("{table}.max_in_flight"), "must be greater than 0"));
         }

@@ -40,9 +40,9 @@ use super::legs::{Held, Holds, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
+use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal};
-use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
 
@@ -96,7 +96,7 @@ pub struct Sglang {
 impl PoolKeys for Keys {
     type Checked = Checked;
 
-    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, KeyError> {
         cx.geometry(1)?;
         if self.bootstrap_port == Some(0) {
             return Err(cx.err("bootstrap_port", "must be a port, not 0"));
@@ -131,13 +131,13 @@ impl ModeSpec for Sglang {
 
     #[cfg(feature = "demo")]
     fn sim(s: super::SimSetup<'_>) {
-        s.engine.sglang = Some(s.demo.sglang.clone());
+        s.engine.sglang = Some(s.sglang.clone());
     }
 
     #[cfg(feature = "demo")]
     fn demo(d: &super::DemoDecoder<'_>) -> Checked {
         // The bootstrap port is read from each prefill engine's /get_server_info.
-        Checked { target: d.setup.nixl.clone(), bootstrap_port: None }
+        Checked { target: d.load.clone(), bootstrap_port: None }
     }
 }
 

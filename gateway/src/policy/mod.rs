@@ -27,10 +27,10 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 use wasmtime::{Cache, CacheConfig, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
 
+pub use crate::auth::sha256_hex;
 pub use state::{Clock, SharedState};
 use worlds::Ctx;
 pub use worlds::{AdmissionWorld, RoutingWorld, ValidateError, World, WorldKind};
@@ -280,10 +280,6 @@ impl Host {
 fn arm(store: &mut Store<Ctx>, cpu: Duration) {
     store.data_mut().budget = budget::Budget::new(cpu);
     store.set_epoch_deadline(budget::Budget::FIRST_TICKS);
-}
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// What a plugin's stores share: its name, config and state (across versions).

@@ -18,6 +18,7 @@
 //! notifications and then sends a one-token *drain* decode so the decoder retrieves, and so frees,
 //! what was written; the slots come back after it. LMCache frees buffer objects only on retrieval.
 
+pub mod keys;
 pub mod notify;
 mod shape;
 
@@ -35,14 +36,15 @@ use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
+use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure};
-use crate::config::lmcache::{CheckedLmcache, LmcachePool, check_lmcache};
-use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::trace::RequestTrace;
 use crate::telemetry::{Live, Phase, Scrape, Timing};
+use keys::check_lmcache;
+pub use keys::{CheckedLmcache, LmcachePool};
 pub use notify::{Expect, Notifications, NotifyStats};
 use shape::{Shaper, now_secs, sse};
 
@@ -91,7 +93,7 @@ pub struct Lmcache {
 impl PoolKeys for Keys {
     type Checked = Checked;
 
-    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, KeyError> {
         let field = format!("{}.lmcache", cx.field);
         let lm = check_lmcache(&field, &self.lmcache, cx.path, cx.model_chunk, cx.geometry_for)?;
         let tp = u32::try_from(lm.target.alloc_ports.len()).unwrap_or(u32::MAX);
@@ -142,11 +144,11 @@ impl ModeSpec for Lmcache {
         e.lmcache = Some(match e.role {
             baton_sim::SimRole::Prefill => baton_sim::LmcacheSimConfig {
                 proxy: s.notify,
-                async_send: s.demo.lmcache_async_send,
+                async_send: s.lmcache_async_send,
                 ..baton_sim::LmcacheSimConfig::default()
             },
             baton_sim::SimRole::Decode => baton_sim::LmcacheSimConfig {
-                pd_buffer_bytes: u64::from(s.demo.pages) * e.geometry.page_bytes_per_rank(),
+                pd_buffer_bytes: u64::from(s.pages) * e.geometry.page_bytes_per_rank(),
                 ..baton_sim::LmcacheSimConfig::default()
             },
         });

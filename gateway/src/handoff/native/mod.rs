@@ -29,9 +29,9 @@ use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
 use super::legs::{Patched, RespBody, boxed};
 use super::shared::{Backoff, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
+use super::{KeyError, StartContext, StartError};
 use crate::admission::{SlotGuard, SlotQueue};
 use crate::api::{GatewayError, Internal, KvFailure, Waited};
-use crate::config::{ConfigError, StartContext, StartError};
 use crate::endpoints::{Host, HostPort};
 use crate::telemetry::Phase;
 pub use ranks::{RankLinks, Ranks};
@@ -70,7 +70,7 @@ pub struct Native {
 impl PoolKeys for Keys {
     type Checked = Checked;
 
-    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, ConfigError> {
+    fn check(&self, cx: &CheckContext<'_>) -> Result<Checked, KeyError> {
         if self.dataplane.is_empty() {
             return Err(cx.err("dataplane", "list one data-plane address per rank"));
         }

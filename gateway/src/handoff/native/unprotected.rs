@@ -14,8 +14,9 @@ use serde_json::Value;
 use super::{Native, RESERVE_BACKOFF, Ranks};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::{GatewayError, Waited};
-use crate::config::{CheckedDecoder, StartContext, StartError};
+use crate::config::CheckedDecoder;
 use crate::handoff::{BoxFuture, CheckedMode, Decoder, Handoff, Leg, ModeSpec, RespBody};
+use crate::handoff::{StartContext, StartError};
 
 /// A native decoder whose requests take their pages chunk by chunk, without admission.
 #[derive(Debug)]

@@ -6,7 +6,11 @@ use std::path::{Path, PathBuf};
 use baton_dataplane::KvGeometry;
 use serde::Deserialize;
 
-use super::{ConfigError, err};
+use crate::handoff::KeyError;
+
+fn err(field: impl Into<String>, reason: impl Into<String>) -> KeyError {
+    KeyError { field: field.into(), reason: reason.into() }
+}
 
 /// `[decode.lmcache]`: a decoder's LMCache PD backend. Values given here win over its YAML.
 #[derive(Debug, Deserialize, Default)]
@@ -72,8 +76,8 @@ pub(crate) fn check_lmcache(
     pool: &LmcachePool,
     path: &dyn Fn(&Path) -> PathBuf,
     model_chunk: u32,
-    geometry_for: &dyn Fn(u32) -> Result<KvGeometry, ConfigError>,
-) -> Result<CheckedLmcache, ConfigError> {
+    geometry_for: &dyn Fn(u32) -> Result<KvGeometry, KeyError>,
+) -> Result<CheckedLmcache, KeyError> {
     let yaml = match &pool.config {
         None => LmcacheYaml::default(),
         Some(p) => {
@@ -95,25 +99,16 @@ pub(crate) fn check_lmcache(
         }
     };
     // The TOML's value wins over the YAML's; one of them must be there.
-    fn pick<T>(f: &str, toml: Option<T>, yaml: Option<T>, field: &str, key: &str) -> Result<T, ConfigError> {
+    fn pick<T>(f: &str, toml: Option<T>, yaml: Option<T>, field: &str, key: &str) -> Result<T, KeyError> {
         toml.or(yaml).ok_or_else(|| err(format!("{f}.{field}"), format!("needed (or {key} in its YAML)")))
     }
     let receiver_host =
         pick(f, pool.receiver_host.clone(), yaml.pd_peer_host, "receiver_host", "pd_peer_host")?;
-    let init_ports = pick(
-        f,
-        pool.init_ports.clone(),
-        yaml.pd_peer_init_port.map(Ports::list),
-        "init_ports",
-        "pd_peer_init_port",
-    )?;
-    let alloc_ports = pick(
-        f,
-        pool.alloc_ports.clone(),
-        yaml.pd_peer_alloc_port.map(Ports::list),
-        "alloc_ports",
-        "pd_peer_alloc_port",
-    )?;
+    let ports = |toml: &Option<Vec<u16>>, yaml: Option<Ports>, field: &str, key: &str| {
+        pick(f, toml.clone(), yaml.map(Ports::list), field, key)
+    };
+    let init_ports = ports(&pool.init_ports, yaml.pd_peer_init_port, "init_ports", "pd_peer_init_port")?;
+    let alloc_ports = ports(&pool.alloc_ports, yaml.pd_peer_alloc_port, "alloc_ports", "pd_peer_alloc_port")?;
     if alloc_ports.is_empty() || alloc_ports.len() != init_ports.len() {
         return Err(err(
             format!("{f}.alloc_ports"),
@@ -146,7 +141,7 @@ pub(crate) fn check_lmcache(
         ));
     }
     Ok(CheckedLmcache {
-        target: crate::handoff::lmcache::LmcacheTarget { receiver_host, init_ports, alloc_ports },
+        target: super::LmcacheTarget { receiver_host, init_ports, alloc_ports },
         capacity,
         chunk_size,
         pd_buffer_size,
