@@ -327,3 +327,30 @@ impl Default for Mode {
         Mode::ALL[0]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Mode;
+
+    /// The docs name every mode of the list: the configuration reference's `handoff` row, the
+    /// gateway guide, and its `baton demo --handoff` line. A mode added to the list and not to the
+    /// docs fails here.
+    #[test]
+    fn the_docs_name_every_mode() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let (reference, guide) = (read("configs/README.md"), read("docs/gateway.md"));
+        let row = reference.lines().find(|l| l.contains("| `handoff` |")).expect("the handoff row");
+        let demo = guide.lines().find(|l| l.contains("baton demo --handoff")).expect("the demo line");
+        for m in Mode::ALL {
+            let name = format!("`{}`", m.name());
+            assert!(row.contains(&name), "configs/README.md's handoff row lacks {name}");
+            assert!(guide.contains(&name), "docs/gateway.md does not describe {name}");
+            assert!(*m == Mode::default() || demo.contains(m.name()), "the demo line lacks {name}");
+        }
+        assert!(
+            row.contains(&format!("| `{}` |", Mode::default().name())),
+            "the default is the list's first"
+        );
+    }
+}

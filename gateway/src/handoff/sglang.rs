@@ -44,7 +44,7 @@ use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal};
 use crate::endpoints::EngineUrl;
-use crate::telemetry::{Phase, Scrape};
+use crate::telemetry::{Later, Phase, Scrape};
 
 /// SGLang's gauges (`--enable-metrics`): token pool usage and requests in its waiting queue, per DP
 /// rank and reported by each TP rank.
@@ -285,9 +285,9 @@ impl Sglang {
         };
         timing.mark(Phase::Decode);
         let prefill = (!prefill_done).then_some(prefill_rx);
-        let shared = Arc::clone(&self.shared);
+        let (shared, timing) = (Arc::clone(&self.shared), prefill.is_some().then(|| timing.later()));
         Ok(resp.map(|inner| {
-            Held::body(inner, DecodeStream { prefill, shared, _slot: slots, abort: Some(abort) })
+            Held::body(inner, DecodeStream { prefill, timing, shared, _slot: slots, abort: Some(abort) })
         }))
     }
 }
@@ -445,6 +445,8 @@ impl Drop for AbortGuard {
 /// still running, whose failure while the answer streams ends it with an error event.
 struct DecodeStream {
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
+    /// The prefill's time, when it answers after the response started.
+    timing: Option<Later>,
     shared: Arc<Shared>,
     _slot: Option<SlotGuard>,
     abort: Option<AbortGuard>,
@@ -457,7 +459,9 @@ impl Holds for DecodeStream {
         self.prefill = None;
         match p {
             Ok(PrefillOutcome { result: Ok(()), took }) => {
-                self.shared.metrics.phase(Phase::Prefill, took);
+                if let Some(t) = self.timing.as_mut() {
+                    t.record(Phase::Prefill, took);
+                }
                 None
             }
             Ok(PrefillOutcome { result: Err(e), .. }) => {
@@ -485,11 +489,10 @@ impl Holds for DecodeStream {
 impl Drop for DecodeStream {
     fn drop(&mut self) {
         // The prefill's answer may come after the decoder's ended; it is still timed.
-        let Some(rx) = self.prefill.take() else { return };
-        let metrics = Arc::clone(&self.shared.metrics);
+        let (Some(rx), Some(mut timing)) = (self.prefill.take(), self.timing.take()) else { return };
         self.shared.spawn_from_drop(async move {
             if let Ok(PrefillOutcome { result: Ok(()), took }) = rx.await {
-                metrics.phase(Phase::Prefill, took);
+                timing.record(Phase::Prefill, took);
             }
         });
     }

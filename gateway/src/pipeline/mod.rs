@@ -539,7 +539,8 @@ impl Gateway {
         }
 
         // `route` up to here; then `queue`, the wait for the decoder's room.
-        let mut timing = Timing::tracked(Some(Arc::clone(live)), trace);
+        let recorder = Some((Arc::clone(&self.shared.metrics), dec.mode()));
+        let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
         let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;
@@ -556,7 +557,7 @@ impl Gateway {
             }
             resp
         });
-        self.record_phases(&timing, live);
+        self.record_phases(&timing, dec.mode(), live);
         if let Some(c) = owed.as_mut() {
             c.status = r.as_ref().map_or_else(GatewayError::status, |resp| resp.status().as_u16());
         }
@@ -667,8 +668,8 @@ impl Gateway {
     }
 
     /// The request's phases into the metrics and its in-flight entry.
-    fn record_phases(&self, timing: &Timing, live: &Arc<Live>) {
-        self.shared.metrics.record(timing);
+    fn record_phases(&self, timing: &Timing, mode: &str, live: &Arc<Live>) {
+        self.shared.metrics.record(timing, mode);
         let phases: smallvec::SmallVec<[(Phase, Duration); 8]> = timing.phases().iter().copied().collect();
         live.note("phases_ms", move || {
             let phases = phases.iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));

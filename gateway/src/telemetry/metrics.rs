@@ -159,9 +159,13 @@ impl Metrics {
     }
 
     /// Records every phase of a request.
-    pub fn record(&self, timing: &super::Timing) {
+    /// A request's phases; the wait for the KV also as the KV transfer of the decoder's `mode`.
+    pub fn record(&self, timing: &super::Timing, mode: &str) {
         for (p, d) in timing.phases() {
             self.phase(*p, *d);
+            if *p == super::Phase::KvReady {
+                self.kv_transfer(mode, *d);
+            }
         }
     }
 

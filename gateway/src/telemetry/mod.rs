@@ -132,6 +132,8 @@ pub struct Timing {
     live: Option<Arc<Live>>,
     /// The request's trace, when it is traced: a span per phase.
     trace: Option<Arc<trace::RequestTrace>>,
+    /// Where the driver records the phases, and the decoder's mode they are labelled with.
+    recorder: Option<(Arc<Metrics>, &'static str)>,
 }
 
 impl Default for Timing {
@@ -142,12 +144,30 @@ impl Default for Timing {
 
 impl Timing {
     pub fn start() -> Self {
-        Self { last: Instant::now(), phases: SmallVec::new(), live: None, trace: None }
+        Self { last: Instant::now(), phases: SmallVec::new(), live: None, trace: None, recorder: None }
     }
 
-    /// Timing from now for a request in the in-flight table, and in its trace.
-    pub fn tracked(live: Option<Arc<Live>>, trace: Option<Arc<trace::RequestTrace>>) -> Self {
-        Self { live, trace, ..Self::start() }
+    /// Timing from now for a request in the in-flight table, and in its trace; what runs on after
+    /// the response headers ([`Timing::later`]) is recorded in `metrics` under the decoder's `mode`.
+    pub fn tracked(
+        live: Option<Arc<Live>>,
+        trace: Option<Arc<trace::RequestTrace>>,
+        recorder: Option<(Arc<Metrics>, &'static str)>,
+    ) -> Self {
+        Self { live, trace, recorder, ..Self::start() }
+    }
+
+    /// The timing of a part of the request that runs on after the response headers (a streamed
+    /// decode, a leg that answers later): from now, shown in the same in-flight entry and trace,
+    /// and recorded in the metrics when it is dropped. The mode marks its phases; the driver's
+    /// recorder records them.
+    pub fn later(&self) -> Later {
+        Later(Self {
+            live: self.live.clone(),
+            trace: self.trace.clone(),
+            recorder: self.recorder.clone(),
+            ..Self::start()
+        })
     }
 
     /// The request is in `phase` from now (what the in-flight gauges and the stuck-request view
@@ -166,16 +186,6 @@ impl Timing {
         if let Some(l) = &self.live {
             l.note(part, v);
         }
-    }
-
-    /// The request's in-flight entry, for a part of it that runs on after the response headers.
-    pub fn live(&self) -> Option<Arc<Live>> {
-        self.live.clone()
-    }
-
-    /// The request's trace, for the same.
-    pub fn trace(&self) -> Option<Arc<trace::RequestTrace>> {
-        self.trace.clone()
     }
 
     /// Ends `phase` now: its duration (returned) is the time since the previous mark.
@@ -213,6 +223,33 @@ impl Timing {
             let _ = write!(s, "{};dur={:.3}", p.as_str(), d.as_secs_f64() * 1e3);
         }
         s
+    }
+}
+
+/// The timing of what runs on after the response headers ([`Timing::later`]); recorded in the
+/// metrics when dropped.
+#[derive(Debug)]
+pub struct Later(Timing);
+
+impl std::ops::Deref for Later {
+    type Target = Timing;
+
+    fn deref(&self) -> &Timing {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Later {
+    fn deref_mut(&mut self) -> &mut Timing {
+        &mut self.0
+    }
+}
+
+impl Drop for Later {
+    fn drop(&mut self) {
+        if let Some((metrics, mode)) = &self.0.recorder {
+            metrics.record(&self.0, mode);
+        }
     }
 }
 

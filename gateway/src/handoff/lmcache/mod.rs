@@ -41,8 +41,7 @@ use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
 use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure};
 use crate::endpoints::EngineUrl;
-use crate::telemetry::trace::RequestTrace;
-use crate::telemetry::{Live, Phase, Scrape, Timing};
+use crate::telemetry::{Later, Phase, Scrape, Timing};
 use keys::check_lmcache;
 pub use keys::{CheckedLmcache, LmcachePool};
 pub use notify::{Expect, Notifications, NotifyStats};
@@ -398,8 +397,6 @@ impl Lmcache {
             dec: Arc::clone(dec),
             body: raw_json(&decode_body)?,
             finished_early: remaining == Some(0),
-            live: timing.live(),
-            trace: timing.trace(),
         };
 
         if req.fields.stream {
@@ -412,9 +409,11 @@ impl Lmcache {
                 let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
             }
             timing.mark(Phase::FirstToken);
+            // The response starts at the first token: the KV wait and the decode are timed from here.
+            let later = timing.later();
             self.shared.spawn(async move {
                 let mut holding = holding;
-                let r = ctx.stream(&mut holding, &shaper, &tx, include_usage).await;
+                let r = ctx.stream(&mut holding, later, &shaper, &tx, include_usage).await;
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "lmcache decode failed after the response started");
                     let _ = tx.send(sse(&e.body())).await;
@@ -486,10 +485,6 @@ struct DecodeLeg {
     body: Box<RawValue>,
     /// The prefill's first token was all the client asked for: the decode only drains.
     finished_early: bool,
-    /// The request's in-flight entry: a streamed answer's later phases (the KV wait, the decode),
-    /// which end after the response started, are shown there too.
-    live: Option<Arc<Live>>,
-    trace: Option<Arc<RequestTrace>>,
 }
 
 impl DecodeLeg {
@@ -514,7 +509,7 @@ impl DecodeLeg {
                 })
             })?;
         }
-        self.shared.metrics.kv_transfer(Lmcache::NAME, timing.mark(Phase::KvReady));
+        timing.mark(Phase::KvReady);
         timing.enter(Phase::Decode);
         let answer = self.shared.call("decode", &*self.dec, "/v1/completions", &self.body).await;
         if answer.as_ref().is_ok() || matches!(answer, Err(LegError::Refused { .. })) {
@@ -550,16 +545,14 @@ impl DecodeLeg {
     async fn stream(
         &self,
         holding: &mut Holding,
+        mut timing: Later,
         shaper: &Shaper,
         tx: &mpsc::Sender<Bytes>,
         include_usage: bool,
     ) -> Result<(), GatewayError> {
-        // The response started at the first token: the KV wait and the decode are timed from there.
-        let mut timing = Timing::tracked(self.live.clone(), self.trace.clone());
         let resp = self.dispatch(holding, &mut timing).await?;
         timing.mark(Phase::Decode);
         timing.enter(Phase::Stream);
-        self.shared.metrics.record(&timing);
         let mut body = resp.into_body();
         let mut split = SseSplitter::default();
         let mut events = Vec::new();

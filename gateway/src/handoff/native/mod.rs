@@ -265,7 +265,7 @@ impl Native {
         timing.enter(Phase::KvReady);
 
         self.wait_ready(dec, &mut life).await?;
-        shared.metrics.kv_transfer(Self::NAME, timing.mark(Phase::KvReady));
+        timing.mark(Phase::KvReady);
         timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.

@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 
 use crate::admission::SlotQueue;
 use crate::endpoints::{Host, HostPort, Names};
+use crate::handoff::shared::Backoff;
 
 type Waiters = Arc<Mutex<HashMap<RequestKey, mpsc::UnboundedSender<RankEvent>>>>;
 
@@ -130,10 +131,9 @@ impl RankFeed {
             }
             // Requests waiting on this rank now run into their deadlines; new ones are served once
             // the feed is back.
-            let mut backoff = RECONNECT_MIN;
+            let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
             feed = loop {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(RECONNECT_MAX);
+                backoff.wait().await;
                 let Ok(mut c) = self.links.control(&self.addr, r32).await else {
                     continue;
                 };
