@@ -331,38 +331,7 @@ impl Lmcache {
             counters: Arc::clone(&self.drains),
         });
 
-        let (prefill, resp, in_flight) =
-            shared.prefill(prefills, "/v1/completions", &prefill_body, &mut holding.sent, true).await?;
-        holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
-        let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
-            if let LegError::Refused { status: 400..=499, .. } = e {
-                // vLLM refuses a request (4xx) before scheduling it: nothing was written into the
-                // decoder's buffer, so no drain is owed and the slots come back at once.
-                holding.sent = false;
-            }
-        })?;
-        drop(in_flight);
-        let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
-            leg: "prefill",
-            message: format!("answer is not JSON: {e}"),
-        })?;
-        let pre = PrefillOut {
-            first_tok: if first_token {
-                out.pointer("/kv_transfer_params/first_tok")
-                    .and_then(Value::as_u64)
-                    .and_then(|t| u32::try_from(t).ok())
-            } else {
-                None
-            },
-            first_text: out.pointer("/choices/0/text").and_then(Value::as_str).unwrap_or_default().to_owned(),
-            model: out.get("model").cloned().unwrap_or_else(|| json!(req.model())),
-        };
-        if first_token && pre.first_tok.is_none() {
-            tracing::warn!(
-                prefill = prefill.name,
-                "prefill answered without kv_transfer_params.first_tok; decoding from the prompt"
-            );
-        }
+        let pre = self.prefill(prefills, &prefill_body, &mut holding, first_token, req).await?;
         timing.mark(Phase::Prefill);
 
         // The decode leg: the prompt plus the first token, one token fewer to generate.
@@ -400,34 +369,8 @@ impl Lmcache {
         };
 
         if req.fields.stream {
-            // Headers and the first token go out now; the rest follows from the decoder.
-            let (tx, rx) = mpsc::channel::<Bytes>(32);
-            if req.endpoint == Endpoint::Chat {
-                let _ = tx.send(sse(&shaper.role_chunk(choices))).await;
-            }
-            if !first_text.is_empty() {
-                let _ = tx.send(sse(&shaper.chunk(&first_text, &Value::Null))).await;
-            }
-            timing.mark(Phase::FirstToken);
-            // The response starts at the first token: the KV wait and the decode are timed from here.
-            let later = timing.later();
-            self.shared.spawn(async move {
-                let mut holding = holding;
-                let r = ctx.stream(&mut holding, later, &shaper, &tx, include_usage).await;
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "lmcache decode failed after the response started");
-                    let _ = tx.send(sse(&e.body())).await;
-                }
-                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-            });
-            let mut r = Response::new(ChannelBody(rx).boxed());
-            r.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static("text/event-stream"),
-            );
-            r.headers_mut()
-                .insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
-            return Ok(r);
+            let opening = Opening { chat: req.endpoint == Endpoint::Chat, choices, first_text: &first_text };
+            return Ok(self.streamed(ctx, holding, shaper, opening, include_usage, timing).await);
         }
         let decoded = ctx.whole(&mut holding, timing).await?;
         timing.mark(Phase::Decode);
@@ -438,6 +381,98 @@ impl Lmcache {
         r.headers_mut()
             .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
         Ok(r)
+    }
+}
+
+/// What a streamed answer opens with, before the decoder's tokens.
+struct Opening<'a> {
+    /// Chat's first chunk carries the role.
+    chat: bool,
+    choices: u64,
+    /// The prefiller's first token, when it is used.
+    first_text: &'a str,
+}
+
+impl Lmcache {
+    /// A streamed answer: its headers, the role and the first token go out now; the decode
+    /// follows in a task of its own, which holds what the request holds.
+    async fn streamed(
+        &self,
+        ctx: DecodeLeg,
+        holding: Holding,
+        shaper: Shaper,
+        opening: Opening<'_>,
+        include_usage: bool,
+        timing: &mut Timing,
+    ) -> Response<RespBody> {
+        let (tx, rx) = mpsc::channel::<Bytes>(32);
+        if opening.chat {
+            let _ = tx.send(sse(&shaper.role_chunk(opening.choices))).await;
+        }
+        if !opening.first_text.is_empty() {
+            let _ = tx.send(sse(&shaper.chunk(opening.first_text, &Value::Null))).await;
+        }
+        timing.mark(Phase::FirstToken);
+        // The response starts at the first token: the KV wait and the decode are timed from here.
+        let later = timing.later();
+        self.shared.spawn(async move {
+            let mut holding = holding;
+            let r = ctx.stream(&mut holding, later, &shaper, &tx, include_usage).await;
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "lmcache decode failed after the response started");
+                let _ = tx.send(sse(&e.body())).await;
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let mut r = Response::new(ChannelBody(rx).boxed());
+        let h = r.headers_mut();
+        h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));
+        h.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
+        r
+    }
+
+    /// The prefill leg, to its answer: the prefiller writes the KV into the decoder's buffer and
+    /// answers with one token (the first of the answer, when `first_token`).
+    async fn prefill(
+        &self,
+        prefills: &[&super::Prefiller],
+        body: &Patched<'_>,
+        holding: &mut Holding,
+        first_token: bool,
+        req: &GenRequest,
+    ) -> Result<PrefillOut, GatewayError> {
+        let shared = &*self.shared;
+        let (prefill, resp, in_flight) =
+            shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true).await?;
+        holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
+        let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
+            if let LegError::Refused { status: 400..=499, .. } = e {
+                // vLLM refuses a request (4xx) before scheduling it: nothing was written into the
+                // decoder's buffer, so no drain is owed and the slots come back at once.
+                holding.sent = false;
+            }
+        })?;
+        drop(in_flight);
+        let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
+            leg: "prefill",
+            message: format!("answer is not JSON: {e}"),
+        })?;
+        let first_tok = out
+            .pointer("/kv_transfer_params/first_tok")
+            .and_then(Value::as_u64)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|_| first_token);
+        if first_token && first_tok.is_none() {
+            tracing::warn!(
+                prefill = prefill.name,
+                "prefill answered without kv_transfer_params.first_tok; decoding from the prompt"
+            );
+        }
+        Ok(PrefillOut {
+            first_tok,
+            first_text: out.pointer("/choices/0/text").and_then(Value::as_str).unwrap_or_default().to_owned(),
+            model: out.get("model").cloned().unwrap_or_else(|| json!(req.model())),
+        })
     }
 }
 
