@@ -2,7 +2,7 @@
 //! payload]`) decoded into typed batches, and a subscriber that reads them off one engine.
 //!
 //! The wire, as vLLM 0.32 sends it (`vllm/distributed/kv_events.py`; checked against a real
-//! server by `gateway/tests/vllm.rs`, frames kept in `gateway/tests/fixtures/`):
+//! server by `tests/vllm.rs`, frames kept in `gateway/tests/fixtures/`):
 //! - three frames: the topic (the publisher's `topic`, `""` by default: a subscriber on another
 //!   prefix silently gets nothing), the sequence number as 8 big-endian bytes (counting from 0 at
 //!   every engine start), and a msgpack `EventBatch`;
@@ -250,7 +250,7 @@ mod tests {
 
     use super::*;
 
-    /// Frames a real vLLM 0.32 server published (`gateway/tests/vllm.rs` captures them with
+    /// Frames a real vLLM 0.32 server published (`tests/vllm.rs` captures them with
     /// `BATON_CAPTURE_KV_EVENTS`): one JSON array of hex frames a line.
     const VLLM_0_32: &str = include_str!("../tests/fixtures/vllm-0.32-kv-events.jsonl");
 

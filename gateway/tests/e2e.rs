@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-#[path = "support/http.rs"]
+#[path = "../../tests/support/http.rs"]
 mod client;
 use client::http;
 

@@ -7,7 +7,7 @@
 //!   do_remote_decode: false, remote_block_ids, remote_engine_id, remote_request_id, remote_host,
 //!   remote_port, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
 //!   transfer_mode, remote_prefill_cached_tokens}`, as vLLM 0.32 does (checked against it by
-//!   `gateway/tests/vllm.rs`). The blocks stay held until a consumer has read them, or
+//!   `tests/vllm.rs`). The blocks stay held until a consumer has read them, or
 //!   `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s by default in vLLM 0.10-0.11; 0.32 holds them on a
 //!   30 s lease instead) passes, or a consumer that refused the request says `FREE`.
 //! - consumer (decode): a request with `do_remote_prefill: true` pulls the blocks from

@@ -1,7 +1,7 @@
 //! The `vllm-nixl` handoff: vLLM's NIXL connector, the decoder pulling the KV from the prefiller.
 //! The wire follows vLLM's own toy proxy (`tests/v1/kv_connector/nixl_integration/
 //! toy_proxy_server.py`) and connector (`vllm/distributed/kv_transfer/kv_connector/v1/
-//! nixl_connector.py`, vLLM 0.10-0.11; checked against vLLM 0.32 itself by `gateway/tests/vllm.rs`):
+//! nixl_connector.py`, vLLM 0.10-0.11; checked against vLLM 0.32 itself by `tests/vllm.rs`):
 //!
 //! 1. admit: one slot of the decoder's `max_in_flight`, closed while the decoder's own metrics say
 //!    its KV cache is nearly full or requests wait (`vllm:kv_cache_usage_perc`, falling back to
@@ -177,7 +177,7 @@ impl Nixl {
             // vLLM 0.32's decoder forks the choices of one request, and each pulls the same
             // remote blocks: the producer frees them after the first read, so the others read
             // blocks it may already have reused ("Potentially invalid KV blocks for unrecognized
-            // request", seen against vLLM 0.32 in gateway/tests/vllm.rs). Refused until choices
+            // request", seen against vLLM 0.32 in tests/vllm.rs). Refused until choices
             // get a prefill each.
             return Err(GatewayError::Invalid {
                 param: "n".into(),

@@ -176,7 +176,7 @@ async fn a_prefiller_that_is_not_a_nixl_producer_is_named_in_the_error() {
 /// sends no drain (a drain would pull blocks the producer may already have reused). When something
 /// in front of the decoder refuses (plain text: a proxy), nobody told the producer, and baton's
 /// drain frees the blocks at once instead of leaving them to the producer's timeout (30 s here).
-/// Either way the client gets the refusal naming the decode leg. Real vLLM: `gateway/tests/vllm.rs`.
+/// Either way the client gets the refusal naming the decode leg. Real vLLM: `tests/vllm.rs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_decode_frees_the_producers_blocks_once() {
     let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
