@@ -241,3 +241,31 @@ impl Backoff {
         tokio::time::sleep(self.pause()).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    /// A drain waits for what requests left running, within its bound, and says when the bound
+    /// passed first; the tracker takes new tasks again afterwards.
+    #[tokio::test]
+    async fn the_drain_waits_for_request_tasks() {
+        let shared =
+            Shared::new(Limits::default(), HealthConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&done);
+        shared.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            flag.store(true, Ordering::Relaxed);
+        });
+        assert_eq!(shared.tasks_running(), 1);
+        assert!(!shared.wait_for_tasks(Duration::from_millis(10)).await, "the task is still running");
+        assert!(shared.wait_for_tasks(Duration::from_secs(5)).await);
+        assert!(done.load(Ordering::Relaxed), "the wait ended only once the task had");
+        assert_eq!(shared.tasks_running(), 0);
+        let again = shared.spawn(async {});
+        assert!(again.await.is_ok());
+    }
+}
