@@ -17,19 +17,27 @@ use thiserror::Error;
 
 /// Errors building a geometry.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GeometryError {
+    /// A dimension is 0.
     #[error("{field} must be greater than 0")]
     Zero { field: &'static str },
+    /// The KV heads cannot be split evenly over the TP ranks.
     #[error("kv_heads {kv_heads} cannot be split over tp_size {tp_size}: one must divide the other")]
     HeadsNotDivisible { kv_heads: u32, tp_size: u32 },
+    /// A page (one chunk's KV on one rank) is larger than the limit.
     #[error("page of {bytes} bytes per rank is too large (limit {limit})")]
     PageTooLarge { bytes: u64, limit: u64 },
+    /// `config.json` is not JSON of a model config.
     #[error("config.json: {0}")]
     Json(String),
+    /// `config.json` lacks a field the geometry needs.
     #[error("config.json: missing field {0}")]
     Missing(&'static str),
+    /// `config.json` names a dtype the geometry has no size for.
     #[error("config.json: unsupported dtype {0:?} (expected bfloat16, float16, float32 or float8 variants)")]
     Dtype(String),
+    /// Multi-head latent attention, whose KV is not heads × head_dim.
     #[error(
         "config.json: multi-head latent attention (kv_lora_rank) is not supported yet; describe the \
          geometry explicitly"

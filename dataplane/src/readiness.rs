@@ -37,13 +37,18 @@ pub enum Progress {
 }
 
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
+#[non_exhaustive]
 pub enum ObserveError {
+    /// A status of another request (a caller's routing bug).
     #[error("status for {got} sent to the aggregator of {want}")]
     WrongRequest { got: RequestKey, want: RequestKey },
+    /// A status from a rank the request does not span.
     #[error("status from rank {rank}, but the request spans {ranks} ranks")]
     UnknownRank { rank: Rank, ranks: u32 },
+    /// A rank reported a second, different terminal state; the first stands.
     #[error("rank {rank} already reported {first:?}, now {then:?}; the first status stands")]
     Conflict { rank: Rank, first: TerminalState, then: TerminalState },
+    /// More ranks than an aggregator tracks.
     #[error("{ranks} ranks is more than the limit of {limit}")]
     TooManyRanks { ranks: u32, limit: u32 },
 }

@@ -73,15 +73,21 @@ pub struct Message {
 
 /// Why a message could not be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EventError {
+    /// The message is not the three frames a publisher sends.
     #[error("expected 3 frames (topic, seq, payload), got {0}")]
     Frames(usize),
+    /// The sequence number is not 8 bytes (big-endian u64).
     #[error("the sequence frame has {0} bytes, not 8")]
     Seq(usize),
+    /// The payload is not msgpack at all.
     #[error("payload is not msgpack: {0}")]
     Msgpack(String),
+    /// The payload is msgpack but not an event batch as vLLM or SGLang writes one.
     #[error("payload: {0}")]
     Shape(String),
+    /// The SUB connection failed.
     #[error(transparent)]
     Zmtp(#[from] ZmtpError),
 }

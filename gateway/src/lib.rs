@@ -9,9 +9,10 @@
 //! used across.
 //!
 //! Imports follow that order: the leaves (`routing`, `admission`, `endpoints`, `kv_events`) import
-//! no module of the crate; `api` only `admission`; `handoff` nothing above it (`config` only from
-//! its test support, which the `demo` feature builds); `pipeline` nothing of `server`, `config`,
-//! `serve` or `demo`.
+//! no module of the crate; `api` only `admission`; `auth` only `api`; `handoff` nothing above it
+//! (each mode's configuration keys live in its module and are checked with `handoff::KeyError`,
+//! which `config` reports as its own error); `pipeline` nothing of `server`, `config`, `serve` or
+//! `demo`.
 
 pub mod admission;
 pub mod api;

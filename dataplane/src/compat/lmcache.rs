@@ -50,9 +50,12 @@ pub enum PdMsg {
 }
 
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum MsgError {
+    /// The bytes are not one of LMCache's PD messages.
     #[error("not a PD message: {0}")]
     Decode(String),
+    /// A message could not be written as msgpack.
     #[error("cannot encode: {0}")]
     Encode(String),
 }

@@ -35,15 +35,21 @@ const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
 
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum ZmtpError {
+    /// The socket failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// The peer broke the ZMTP 3.1 protocol.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The peer's socket type cannot talk to ours (a PUSH to a PUB, say).
     #[error("peer is a {peer} socket; a {me} socket cannot talk to it")]
     Incompatible { me: &'static str, peer: String },
+    /// A message is larger than the limit.
     #[error("message of {size} bytes exceeds the limit of {limit}")]
     TooLarge { size: u64, limit: usize },
+    /// The greeting and handshake did not finish in time.
     #[error("handshake did not finish within {0:?}")]
     HandshakeTimeout(Duration),
 }

@@ -25,15 +25,21 @@ use crate::geometry::ChunkLayout;
 
 /// Errors of the device layer.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeviceError {
+    /// A page index beyond the buffer.
     #[error("page {page} out of range (buffer has {pages} pages)")]
     NoSuchPage { page: u32, pages: u32 },
+    /// An access past the end of a region.
     #[error("access of {len} bytes at offset {offset} overruns a region of {size} bytes")]
     OutOfBounds { offset: usize, len: usize, size: usize },
+    /// The engine's cache layout does not match the geometry.
     #[error("cache layout: {0}")]
     Layout(String),
+    /// The device could not allocate the buffer.
     #[error("allocation of {bytes} bytes failed: {reason}")]
     Alloc { bytes: usize, reason: String },
+    /// The device backend (CUDA, shared memory) failed.
     #[error("device: {0}")]
     Backend(String),
 }

@@ -29,49 +29,69 @@ pub(crate) type Events = SmallVec<[RankEvent; 4]>;
 
 /// Why a reservation was refused. Never blocks: the caller queues and retries.
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
+#[non_exhaustive]
 pub enum ReserveError {
+    /// The request needs more pages than the buffer holds: it can never fit.
     #[error("request needs {need} pages but the buffer holds {capacity}")]
     TooLarge { need: u32, capacity: u32 },
+    /// Not enough pages are free now; the caller retries.
     #[error("request needs {need} free pages but only {free} are free")]
     Busy { need: u32, free: u32 },
+    /// The request already holds a reservation here.
     #[error("request {key} already holds a reservation on this rank")]
     Duplicate { key: RequestKey },
+    /// The rank tracks as many requests as it may.
     #[error("{limit} requests already hold reservations on this rank")]
     TooManyRequests { limit: usize },
+    /// The lease's deadline has already passed.
     #[error("lease deadline has already passed")]
     LeaseInPast,
 }
 
 /// Why a chunk write was refused. None of these changes the buffer.
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
+#[non_exhaustive]
 pub enum WriteError {
+    /// A page index beyond the buffer.
     #[error("page {page} out of range (buffer has {pages} pages)")]
     NoSuchPage { page: u32, pages: u32 },
+    /// The address names an earlier generation of the page (it was freed and reused since).
     #[error("stale address: page {page} is at generation {current}, write names {got}")]
     Stale { page: u32, current: u32, got: u32 },
+    /// The page belongs to another request.
     #[error("page {page} does not belong to request {key}")]
     NotOwner { page: u32, key: RequestKey },
+    /// The chunk index is not the one this page was reserved for.
     #[error("chunk {chunk} of request {key} is not page {page}")]
     WrongChunk { chunk: u32, page: u32, key: RequestKey },
+    /// The request's lease ran out.
     #[error("request {key} expired")]
     Expired { key: RequestKey },
+    /// The request was cancelled.
     #[error("request {key} was cancelled")]
     Cancelled { key: RequestKey },
+    /// Another writer holds the page.
     #[error("page {page} is already being written")]
     InProgress { page: u32 },
+    /// The write goes past the end of the page.
     #[error("write of {len} bytes at offset {offset} overruns a page of {page_bytes} bytes")]
     Overrun { offset: usize, len: usize, page_bytes: usize },
+    /// A commit before the whole page was written.
     #[error("commit after {written} of {page_bytes} bytes")]
     Incomplete { written: usize, page_bytes: usize },
+    /// The device failed the copy.
     #[error("device: {0}")]
     Device(String),
 }
 
 /// Why a lifecycle call on a reservation failed.
 #[derive(Debug, Error, PartialEq, Eq, Clone, Copy)]
+#[non_exhaustive]
 pub enum LeaseError {
+    /// The lease ran out.
     #[error("lease expired")]
     Expired,
+    /// The reservation already ended in this state.
     #[error("reservation is closed ({})", .0.as_str())]
     Closed(TerminalState),
 }

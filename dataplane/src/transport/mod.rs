@@ -50,21 +50,30 @@ pub const DEFAULT_EVENT_BACKLOG: usize = 65_536;
 
 /// Errors of the transport.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum TransportError {
+    /// The connection failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// The peer sent a frame that does not decode.
     #[error("bad frame: {0}")]
     Frame(#[from] FrameError),
+    /// The peer closed the connection.
     #[error("peer closed the connection")]
     Closed,
+    /// The peer closed the connection with an `Error` frame.
     #[error("peer closed the connection with an error ({code:?}): {message}")]
     Remote { code: RefusalCode, message: String },
+    /// The rank refused the request (room, a duplicate, an expired lease).
     #[error("refused ({code:?}, need {need}, have {have}): {message}")]
     Refused { code: RefusalCode, need: u32, have: u32, message: String },
+    /// The peer sent a frame that does not belong here.
     #[error("unexpected frame: {0}")]
     Unexpected(String),
+    /// The TLS handshake or its configuration failed.
     #[error("tls: {0}")]
     Tls(String),
+    /// No answer within the limit.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
 }

@@ -20,9 +20,12 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 pub const ALPN: &[u8] = b"baton-dp/1";
 
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum TlsError {
+    /// A PEM file could not be read or holds nothing usable.
     #[error("{path}: {reason}")]
     File { path: String, reason: String },
+    /// rustls refused the configuration.
     #[error("tls configuration: {0}")]
     Config(String),
 }

@@ -235,21 +235,30 @@ pub enum DecodedHead {
 
 /// Why a frame could not be decoded. The connection that sent it is closed with an `Error` frame.
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
+#[non_exhaustive]
 pub enum FrameError {
+    /// The frame is larger than its kind's limit.
     #[error("frame of {len} bytes exceeds the limit of {limit} for its kind")]
     Oversized { len: usize, limit: usize },
+    /// The declared length is shorter than the header.
     #[error("frame declares {len} bytes, fewer than the {min}-byte header")]
     TooShort { len: usize, min: usize },
+    /// The peer speaks another protocol version.
     #[error("unsupported protocol version {got} (this build speaks {PROTOCOL_VERSION})")]
     Version { got: u8 },
+    /// An unknown frame kind.
     #[error("unknown frame kind {0}")]
     Kind(u8),
+    /// Flags this version does not define.
     #[error("unknown flags {0:#06x}")]
     Flags(u16),
+    /// The body ends before a field.
     #[error("frame body truncated reading {field}")]
     Truncated { field: &'static str },
+    /// Bytes after the last field.
     #[error("{0} trailing bytes after the frame body")]
     Trailing(usize),
+    /// A field holds a value outside its range.
     #[error("bad value for {field}: {value}")]
     Value { field: &'static str, value: u64 },
 }

@@ -48,11 +48,15 @@ impl Ticket {
 
 /// Why a request was not admitted.
 #[derive(Debug, Error, PartialEq, Clone)]
+#[non_exhaustive]
 pub enum AdmissionError {
+    /// The request needs more slots than the decoder has in all: it can never be admitted.
     #[error("request needs {need} slots but the decoder buffer holds {capacity}")]
     TooLarge { need: u32, capacity: u32 },
+    /// The decoder's queue already holds as many waiting requests as it may.
     #[error("{limit} requests are already waiting for this decoder")]
     QueueFull { limit: usize },
+    /// The request waited for room as long as it may.
     #[error("no room for {need} slots within {waited:?}")]
     Timeout { need: u32, waited: Duration },
 }

@@ -198,6 +198,10 @@ pub enum Internal {
     /// The readiness aggregator refused the decoder's rank count.
     #[error("readiness: {0}")]
     Readiness(String),
+    /// A native request waited for readiness without its event subscription (never: the
+    /// reservation makes it first).
+    #[error("no event subscription")]
+    Unsubscribed,
 }
 
 impl GatewayError {

@@ -4,17 +4,14 @@
 //! expected `nixl`"); the list of modes (`crate::handoff`) picks the struct by `handoff`.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use baton_dataplane::KvGeometry;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer};
 
 use super::{ConfigError, err, parse_url};
-use crate::admission::SlotQueue;
-use crate::endpoints::EngineUrl;
-use crate::handoff::decoder::Decoder;
-use crate::handoff::{CheckContext, CheckedMode, KeyError, Mode, Pool, PoolMode, StartContext, StartError};
+pub use crate::handoff::CheckedDecoder;
+use crate::handoff::{CheckContext, KeyError, Mode, PoolMode};
 
 /// A decode pool as written.
 #[derive(Debug)]
@@ -46,14 +43,6 @@ impl<'de> Deserialize<'de> for DecodePool {
     }
 }
 
-/// A decode pool, checked.
-#[derive(Debug, Clone)]
-pub struct CheckedDecoder {
-    pub name: String,
-    pub http: EngineUrl,
-    pub mode: CheckedMode,
-}
-
 /// Checks the pools; `geometry_for(tp)` is the model's geometry at a TP size.
 pub(super) fn check(
     pools: &[DecodePool],
@@ -74,15 +63,4 @@ pub(super) fn check(
         out.push(CheckedDecoder { name: d.name.clone(), http, mode: d.mode.check(&cx)? });
     }
     Ok(out)
-}
-
-impl CheckedDecoder {
-    /// Connects to the decoder as its mode needs and returns it, ready to serve.
-    pub async fn start(self, ctx: &StartContext) -> Result<Arc<Decoder>, StartError> {
-        let queue = SlotQueue::new(0, ctx.queue.clone());
-        let mode = self.mode.name();
-        let pool = Pool { name: &self.name, http: &self.http, queue: &queue };
-        let handoff = self.mode.start(pool, ctx).await?;
-        Ok(Arc::new(Decoder::new(self.name, self.http, queue, mode, handoff)))
-    }
 }

@@ -259,6 +259,18 @@ impl Shared {
         }
     }
 
+    /// [`Shared::call`], its answer read whole.
+    pub(crate) async fn fetch<B: Serialize + ?Sized>(
+        &self,
+        leg: &'static str,
+        to: &(impl Engine + ?Sized),
+        path: &str,
+        body: &B,
+    ) -> Result<Bytes, LegError> {
+        let resp = self.call(leg, to, path, body).await?;
+        Ok(resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default())
+    }
+
     /// An engine's answer: a 200 marks the engine healthy; any other status is its refusal, its
     /// body read (a 5xx counts against the engine).
     pub(crate) async fn accept(

@@ -35,6 +35,25 @@ use std::sync::Arc;
 use crate::admission::{QueueConfig, SlotQueue};
 use crate::endpoints::{EngineUrl, Host};
 
+/// A decode pool, checked: its name, its HTTP address, its mode with the mode's keys.
+#[derive(Debug, Clone)]
+pub struct CheckedDecoder {
+    pub name: String,
+    pub http: EngineUrl,
+    pub mode: CheckedMode,
+}
+
+impl CheckedDecoder {
+    /// Connects to the decoder as its mode needs and returns it, ready to serve.
+    pub async fn start(self, ctx: &StartContext) -> Result<Arc<Decoder>, StartError> {
+        let queue = SlotQueue::new(0, ctx.queue.clone());
+        let mode = self.mode.name();
+        let pool = Pool { name: &self.name, http: &self.http, queue: &queue };
+        let handoff = self.mode.start(pool, ctx).await?;
+        Ok(Arc::new(Decoder::new(self.name, self.http, queue, mode, handoff)))
+    }
+}
+
 /// A pool key that fails its check: its path in the file (`decode[1].nixl.max_in_flight`) and
 /// why. The configuration reports it as its own error, with the line when it has one.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -36,7 +36,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
-use super::legs::{Held, Holds, LegError, Patched, RespBody, raw_json};
+use super::legs::{Held, Holds, Patched, PostError, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -246,7 +246,9 @@ impl Sglang {
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
         let decoder = Arc::clone(dec);
         let mut decode = shared.spawn(async move {
-            let r = aborter.shared.call("decode", &*decoder, path, &decode_body).await;
+            // Health is counted by the request that waits for this answer, not here: an answer
+            // that comes after the request was abandoned says nothing of the decoder.
+            let r = aborter.shared.post(&decoder.http, "decode", path, &decode_body, false).await;
             aborter.decode_answered.store(true, Ordering::Relaxed);
             // Answered after the request was abandoned (an abort that came before it was ignored):
             // abort it now and close the answer.
@@ -274,14 +276,24 @@ impl Sglang {
             }
         };
         let resp = match resp {
-            Ok(Some(answer)) => answer?,
+            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await?,
+            Ok(Some(Err(e))) => {
+                shared.failed(&**dec);
+                return Err(e.on("decode"));
+            }
             Ok(None) => {
                 return Err(GatewayError::Upstream {
                     leg: "decode",
                     message: "the request was abandoned".into(),
                 });
             }
-            Err(_) => return Err(GatewayError::Internal(Internal::TaskLost { task: "decode" })),
+            Err(e) => {
+                shared.failed(&**dec);
+                return Err(GatewayError::Upstream {
+                    leg: "decode",
+                    message: format!("decode call task: {e}"),
+                });
+            }
         };
         timing.mark(Phase::Decode);
         let prefill = (!prefill_done).then_some(prefill_rx);
@@ -321,16 +333,8 @@ impl PrefillLeg {
         let Self { prefill: p, path, body, aborter } = self;
         let started = Instant::now();
         let in_flight = p.health.start();
-        let result = match aborter.shared.call("prefill", &p, path, &body).await {
-            // The answer (one token) is not used; it is read so the connection is reused.
-            Ok(resp) => resp
-                .into_body()
-                .collect()
-                .await
-                .map(drop)
-                .map_err(|e| GatewayError::Upstream { leg: "prefill", message: e.to_string() }),
-            Err(e) => Err(e.into()),
-        };
+        // The answer (one token) is not used; it is read so the connection is reused.
+        let result = aborter.shared.fetch("prefill", &p, path, &body).await.map(drop).map_err(Into::into);
         drop(in_flight);
         // The request was abandoned while this leg ran: the engine may have taken the abort before the
         // request and now holds the KV for a decoder that will not come.
@@ -351,7 +355,7 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 /// Ends a decode leg whose prefill failed: `/abort_request` until its call answers (bounded), then
 /// the call is dropped (SGLang aborts a request whose client left).
 async fn abort_decode(
-    decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, LegError>>>,
+    decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, PostError>>>,
     mut abort: AbortGuard,
 ) {
     abort.armed = false;

@@ -19,8 +19,7 @@ use super::Gateway;
 use crate::api::sse::{ChannelBody, SseSplitter, event};
 use crate::api::{Endpoint, GatewayError, GenRequest};
 use crate::handoff::shared::AbortOnDrop;
-use crate::handoff::{BoxError, RespBody};
-use crate::telemetry::request_id;
+use crate::handoff::{BoxError, RespBody, Shared};
 
 /// Most prompts one request may list: each is a PD request of its own, holding slots and pages.
 pub const MAX_PROMPTS: usize = 64;
@@ -80,7 +79,8 @@ impl Gateway {
         let mut legs = Vec::with_capacity(reqs.len());
         for req in reqs {
             let (this, headers) = (Arc::clone(self), headers.clone());
-            legs.push(AbortOnDrop(request_id::spawn(async move { this.track(req, &headers).await })));
+            let leg = self.shared.spawn(async move { this.track(req, &headers).await });
+            legs.push(AbortOnDrop(leg));
         }
         let mut answers = Vec::with_capacity(legs.len());
         for leg in &mut legs {
@@ -90,7 +90,7 @@ impl Gateway {
             answers.push(r);
         }
         if stream {
-            return Ok(merge_streams(answers, choices, include_usage));
+            return Ok(merge_streams(&self.shared, answers, choices, include_usage));
         }
         merge_whole(answers, choices).await
     }
@@ -157,13 +157,18 @@ async fn merge_whole(
 
 /// Streamed answers: their events interleaved as they come, each choice reindexed; one usage
 /// event (summed) and one `[DONE]` at the end.
-fn merge_streams(answers: Vec<Response<RespBody>>, choices: u64, include_usage: bool) -> Response<RespBody> {
+fn merge_streams(
+    shared: &Shared,
+    answers: Vec<Response<RespBody>>,
+    choices: u64,
+    include_usage: bool,
+) -> Response<RespBody> {
     let (tx, rx) = mpsc::channel::<Bytes>(32);
     let usage = Arc::new(std::sync::Mutex::new(([0u64; 3], None::<Value>)));
     let mut readers = Vec::with_capacity(answers.len());
     for (i, r) in answers.into_iter().enumerate() {
         let (tx, usage) = (tx.clone(), Arc::clone(&usage));
-        readers.push(request_id::spawn(async move {
+        readers.push(shared.spawn(async move {
             let mut body = r.into_body();
             let (mut split, mut events) = (SseSplitter::default(), Vec::new());
             while let Some(Ok(frame)) = body.frame().await {
@@ -196,7 +201,7 @@ fn merge_streams(answers: Vec<Response<RespBody>>, choices: u64, include_usage: 
             }
         }));
     }
-    request_id::spawn(async move {
+    shared.spawn(async move {
         for r in readers {
             let _ = r.await;
         }

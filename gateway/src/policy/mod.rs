@@ -107,17 +107,24 @@ impl Spec {
 
 /// Why a plugin could not be loaded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LoadError {
+    /// The plugin file could not be read.
     #[error("plugin {name}: read {path}: {error}")]
     Read { name: String, path: String, error: String },
+    /// The plugin file is larger than the host loads.
     #[error("plugin {name}: {path} is {bytes} bytes, more than the limit of {limit}")]
     TooLarge { name: String, path: String, bytes: u64, limit: u64 },
+    /// The file's SHA-256 is not the one the configuration pins.
     #[error("plugin {name}: sha256 of {path} is {actual}, the config pins {pinned}")]
     Pin { name: String, path: String, actual: String, pinned: String },
+    /// The file is not a component of the plugin's world.
     #[error("plugin {name}: {path} is not a {world} component: {error}")]
     Component { name: String, path: String, world: &'static str, error: String },
+    /// The component could not be instantiated (a missing import, a trap in its start).
     #[error("plugin {name}: instantiation failed: {error}")]
     Instantiate { name: String, error: String },
+    /// The plugin refused its configuration in `init`.
     #[error("plugin {name}: config refused by the plugin: {error}")]
     Config { name: String, error: String },
 }

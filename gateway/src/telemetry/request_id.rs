@@ -103,15 +103,6 @@ pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     .instrument(tracing::Span::current())
 }
 
-/// `tokio::spawn` for a task of the current request: it carries the request's id, span and trace.
-pub fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    tokio::spawn(carry(fut))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,11 +119,12 @@ mod tests {
         assert_ne!(RequestId::new(), RequestId::new());
     }
 
+    /// A future carried into a task of its own keeps the request's id; one spawned bare has none.
     #[tokio::test]
-    async fn spawned_tasks_carry_the_id() {
+    async fn carried_tasks_keep_the_id() {
         let id = RequestId::new();
-        let got = scope(id.clone(), async { spawn(async { current() }).await.unwrap() }).await;
+        let got = scope(id.clone(), async { tokio::spawn(carry(async { current() })).await.unwrap() }).await;
         assert_eq!(got, Some(id));
-        assert_eq!(spawn(async { current() }).await.unwrap(), None);
+        assert_eq!(tokio::spawn(carry(async { current() })).await.unwrap(), None);
     }
 }

@@ -201,6 +201,9 @@ const PREFILL_OMIT: &[&str] =
 const DRAIN_OMIT: &[&str] = &["max_completion_tokens", "stream_options"];
 /// Fields the decode leg leaves out (`max_tokens` is set from the client's count).
 const DECODE_OMIT: &[&str] = &["max_completion_tokens"];
+/// The same when the client set no count (a `max_tokens: null` is left out: vLLM reads a missing
+/// count as its default, a null one as "up to the context").
+const DECODE_OMIT_UNCOUNTED: &[&str] = &["max_completion_tokens", "max_tokens"];
 
 /// The client's request as a `/v1/completions` body over token ids: chat-only fields dropped, chat's
 /// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
@@ -342,7 +345,8 @@ impl Lmcache {
             decode_ids.push(t);
         }
         let remaining = client_max.map(|n| n.saturating_sub(extra));
-        let mut decode_body = over.body(&decode_ids, DECODE_OMIT, true).set("stream", &req.fields.stream);
+        let omit = if remaining.is_some() { DECODE_OMIT } else { DECODE_OMIT_UNCOUNTED };
+        let mut decode_body = over.body(&decode_ids, omit, true).set("stream", &req.fields.stream);
         if let Some(n) = remaining {
             decode_body = decode_body.set("max_tokens", &n.max(1));
         }

@@ -188,7 +188,7 @@ impl Native {
             .map_err(|e| GatewayError::Internal(Internal::Readiness(e.to_string())))?;
         let outcome = loop {
             let Some(rx) = life.rx.as_mut() else {
-                return Err(GatewayError::KvTransfer(KvFailure::FeedClosed));
+                return Err(GatewayError::Internal(Internal::Unsubscribed));
             };
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, rx.recv()).await {

@@ -14,8 +14,10 @@ use serde_json::Value;
 use super::{Native, RESERVE_BACKOFF, Ranks};
 use crate::admission::{SlotGuard, SlotQueue, Ticket};
 use crate::api::{GatewayError, Waited};
-use crate::config::CheckedDecoder;
-use crate::handoff::{BoxFuture, CheckedMode, Decoder, Handoff, Leg, ModeSpec, RespBody};
+
+use crate::handoff::{
+    BoxFuture, CheckedDecoder, CheckedMode, Decoder, Handoff, Leg, ModeSpec, RespBody, Shared,
+};
 use crate::handoff::{StartContext, StartError};
 
 /// A native decoder whose requests take their pages chunk by chunk, without admission.
@@ -23,7 +25,7 @@ use crate::handoff::{StartContext, StartError};
 pub struct Unprotected(Native);
 
 /// Starts `d` (a native pool) with its protections off; the demo's
-/// [`crate::demo::start_gateway_with`] takes this in place of [`CheckedDecoder::start`].
+/// `crate::demo::start_gateway_with` takes this in place of [`CheckedDecoder::start`].
 pub fn start(d: CheckedDecoder, ctx: &StartContext) -> BoxFuture<'_, Result<Arc<Decoder>, StartError>> {
     Box::pin(async move {
         let CheckedMode::Native(c) = d.mode else {
@@ -45,7 +47,7 @@ impl Unprotected {
     /// then gives them back for the native leg to reserve the request as a whole.
     async fn hold_chunk_by_chunk(&self, chunks: u32) -> Result<(), GatewayError> {
         let (shared, dec) = (&self.0.shared, &self.0.ranks);
-        let mut held = ChunkHolds { ranks: Arc::clone(dec), keys: Vec::new() };
+        let mut held = ChunkHolds { shared: Arc::clone(shared), ranks: Arc::clone(dec), keys: Vec::new() };
         let give_up = Instant::now() + shared.limits.queue_timeout;
         while held.keys.len() < chunks as usize {
             let key = shared.keys.next();
@@ -102,6 +104,7 @@ impl Handoff for Unprotected {
 
 /// Single-chunk reservations held by [`Unprotected::hold_chunk_by_chunk`]; cancelled on drop.
 struct ChunkHolds {
+    shared: Arc<Shared>,
     ranks: Arc<Ranks>,
     keys: Vec<RequestKey>,
 }
@@ -112,12 +115,10 @@ impl Drop for ChunkHolds {
         if keys.is_empty() {
             return;
         }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                for k in keys {
-                    dec.cancel(k, true).await;
-                }
-            });
-        }
+        self.shared.spawn_from_drop(async move {
+            for k in keys {
+                dec.cancel(k, true).await;
+            }
+        });
     }
 }
