@@ -360,7 +360,7 @@ mod tests {
         let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
         let (reference, guide) = (read("configs/README.md"), read("docs/gateway.md"));
         let row = reference.lines().find(|l| l.contains("| `handoff` |")).expect("the handoff row");
-        let demo = guide.lines().find(|l| l.contains("baton demo --handoff")).expect("the demo line");
+        let demo = guide.lines().find(|l| l.starts_with("`baton demo --handoff ")).expect("the demo line");
         for m in Mode::ALL {
             let name = format!("`{}`", m.name());
             assert!(row.contains(&name), "configs/README.md's handoff row lacks {name}");
