@@ -159,6 +159,13 @@ name = "vllm-decode"
 url = "http://{decode}"
 handoff = "vllm-nixl"
 nixl = {{ {nixl} }}
+
+# Each server's API process shares its one pinned core with its engine, so on the 2-core CI machine
+# `/health` can take over the default 1 s while a forward pass runs, and one late answer takes the
+# only decoder out of routing until the next check (seen once in a cold run: a 503 "no healthy
+# decode endpoint" between two requests of one test). These tests check the handoff, not ejection.
+[routing]
+health_check_timeout_ms = 10000
 "#,
             ctx = engines::CONTEXT
         ),
