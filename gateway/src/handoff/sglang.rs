@@ -32,7 +32,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
 use serde_json::value::RawValue;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg};
@@ -186,40 +186,8 @@ impl Sglang {
         let shared = &*self.shared;
         let prefill = prefills.first().ok_or(GatewayError::NoEndpoint("prefill"))?;
         let port = self.bootstrap_port(prefill).await?;
-        let key = shared.keys.next();
-        let rid = format!("baton-{:032x}", key.request.0);
-        // At most validate::MAX_N: the request was validated.
-        let choices = req.raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
-        // The host as configured, as SGLang's router sends it: a name is resolved by the decoder.
-        let host = prefill.http.host();
-        let id = key.request.0;
-        let folded =
-            u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
-        let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
-        let mut body = Patched::new(&req.raw, &[]);
-        body = match choices {
-            Some(n) => {
-                let k = usize::try_from(n).unwrap_or(0);
-                body.set("bootstrap_host", &vec![host; k])
-                    .set("bootstrap_port", &vec![port; k])
-                    .set("bootstrap_room", &(0..n).map(room).collect::<Vec<_>>())
-            }
-            None => {
-                body.set("bootstrap_host", &host).set("bootstrap_port", &port).set("bootstrap_room", &room(0))
-            }
-        };
-        // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
-        let rid = match (choices, req.raw.get("rid").and_then(Value::as_str)) {
-            (None, Some(theirs)) => Some(theirs.to_owned()),
-            (None, None) => {
-                body = body.set("rid", &rid);
-                Some(rid)
-            }
-            (Some(_), _) => None,
-        };
-        // Both bodies written now: each leg runs in a task of its own.
-        let decode_body = raw_json(&body)?;
-        let prefill_body = raw_json(&body.set("stream", &false).omit(&["stream_options"]))?;
+        let Bodies { decode: decode_body, prefill: prefill_body, rid } =
+            bodies(&req.raw, &prefill.http, port, shared.keys.next().request.0)?;
         let aborter = Arc::new(Aborter {
             shared: Arc::clone(&self.shared),
             rid,
@@ -302,6 +270,56 @@ impl Sglang {
             Held::body(inner, DecodeStream { prefill, timing, shared, _slot: slots, abort: Some(abort) })
         }))
     }
+}
+
+/// Both legs' bodies, written once (each leg runs in a task of its own), and the `rid` SGLang knows
+/// the request by (none with `n > 1`: SGLang names the choices itself).
+struct Bodies {
+    decode: Box<RawValue>,
+    prefill: Box<RawValue>,
+    rid: Option<String>,
+}
+
+/// The client's request to both legs with the bootstrap of the prefill server at `prefill` (its
+/// `port`): `bootstrap_host`, `bootstrap_port` and a `bootstrap_room` drawn from the request's
+/// unique `id`, lists of each with `n > 1`; the prefill leg unstreamed.
+fn bodies(
+    raw: &Map<String, Value>,
+    prefill: &EngineUrl,
+    port: u16,
+    id: u128,
+) -> Result<Bodies, GatewayError> {
+    // At most validate::MAX_N: the request was validated.
+    let choices = raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
+    // The host as configured, as SGLang's router sends it: a name is resolved by the decoder.
+    let host = prefill.host();
+    let folded = u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
+    let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
+    let mut body = Patched::new(raw, &[]);
+    body = match choices {
+        Some(n) => {
+            let k = usize::try_from(n).unwrap_or(0);
+            body.set("bootstrap_host", &vec![host; k])
+                .set("bootstrap_port", &vec![port; k])
+                .set("bootstrap_room", &(0..n).map(room).collect::<Vec<_>>())
+        }
+        None => {
+            body.set("bootstrap_host", &host).set("bootstrap_port", &port).set("bootstrap_room", &room(0))
+        }
+    };
+    // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
+    let rid = match (choices, raw.get("rid").and_then(Value::as_str)) {
+        (None, Some(theirs)) => Some(theirs.to_owned()),
+        (None, None) => {
+            let ours = format!("baton-{id:032x}");
+            body = body.set("rid", &ours);
+            Some(ours)
+        }
+        (Some(_), _) => None,
+    };
+    let decode = raw_json(&body)?;
+    let prefill = raw_json(&body.set("stream", &false).omit(&["stream_options"]))?;
+    Ok(Bodies { decode, prefill, rid })
 }
 
 /// SplitMix64: bootstrap rooms spread over the whole range from the request's unique id.
@@ -537,6 +555,48 @@ impl Handoff for Sglang {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn map(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().unwrap_or_default()
+    }
+
+    fn parse(b: &RawValue) -> Value {
+        serde_json::from_str(b.get()).unwrap_or_default()
+    }
+
+    /// One choice: scalars and our `rid` (or the client's); `n > 1`: a list of each, one per choice,
+    /// no `rid`. The prefill leg is the same request, unstreamed.
+    #[test]
+    fn both_legs_carry_the_bootstrap() {
+        let prefill = EngineUrl::parse("http://prefill-0:30000").unwrap_or_else(|e| panic!("{e}"));
+        let raw = map(json!({"prompt": "p", "stream": true, "stream_options": {"include_usage": true}}));
+        let b = bodies(&raw, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+        let (d, p) = (parse(&b.decode), parse(&b.prefill));
+        assert_eq!(
+            (d["bootstrap_host"].clone(), d["bootstrap_port"].clone()),
+            (json!("prefill-0"), json!(8998))
+        );
+        assert!(d["bootstrap_room"].as_u64().is_some_and(|r| r <= i64::MAX as u64));
+        assert_eq!(b.rid.as_deref(), Some("baton-00000000000000000000000000000007"));
+        assert_eq!(d["rid"], json!(b.rid));
+        assert_eq!((d["stream"].clone(), p["stream"].clone()), (json!(true), json!(false)));
+        assert!(p.get("stream_options").is_none() && d.get("stream_options").is_some());
+        assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
+
+        let theirs = map(json!({"prompt": "p", "rid": "client-1"}));
+        let b = bodies(&theirs, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(b.rid.as_deref(), Some("client-1"));
+
+        let three = map(json!({"prompt": "p", "n": 3}));
+        let b = bodies(&three, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+        let d = parse(&b.decode);
+        assert_eq!(b.rid, None);
+        assert!(d.get("rid").is_none());
+        assert_eq!(d["bootstrap_port"], json!([8998, 8998, 8998]));
+        let rooms = d["bootstrap_room"].as_array().cloned().unwrap_or_default();
+        assert_eq!(rooms.len(), 3);
+        assert!(rooms[0] != rooms[1] && rooms[1] != rooms[2]);
+    }
 
     #[test]
     fn rooms_are_spread_and_within_sglangs_range() {
