@@ -148,20 +148,10 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
     let access = Access { plugins, keys: c.keys, tenants, explain: c.explain, tracing };
-    // The listeners' TLS as configured, made into acceptors (the files were checked with the
-    // configuration; a failure here is reported as the listener's).
-    let tls = |addr: SocketAddr, t: Option<crate::config::FrontTlsConfig>| {
-        t.map(crate::server::tls::FrontTls::from_config)
-            .transpose()
-            .map_err(|e| StartError::Listen { addr, source: std::io::Error::other(e) })
-    };
-    let public =
-        c.listeners.into_iter().map(|(a, t)| Ok((a, tls(a, t)?))).collect::<Result<Vec<_>, StartError>>()?;
-    let admin = (
-        c.admin.addr,
-        tls(c.admin.addr, c.admin.tls)?,
-        Surface::Admin { token_sha256: c.admin.token_sha256 },
-    );
+    // The listeners' TLS as the configuration made it (its files were read and checked there).
+    let tls = |t: Option<crate::config::FrontTlsConfig>| t.map(crate::server::tls::FrontTls::from);
+    let public = c.listeners.into_iter().map(|(a, t)| (a, tls(t))).collect();
+    let admin = (c.admin.addr, tls(c.admin.tls), Surface::Admin { token_sha256: c.admin.token_sha256 });
     let parts = Parts {
         model,
         prefills,

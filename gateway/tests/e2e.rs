@@ -503,6 +503,7 @@ async fn two_replicas_share_one_decoder() {
 mod tls {
     use std::sync::Arc;
 
+    use baton_gateway::config::FrontTlsConfig;
     use baton_gateway::demo::{DemoConfig, GatewaySetup, start_engines, start_gateway};
     use baton_gateway::server::tls::FrontTls;
     use bytes::Bytes;
@@ -565,8 +566,9 @@ mod tls {
 
     async fn gateway(p: &Pki, mtls: bool) -> std::net::SocketAddr {
         let engines = start_engines(&DemoConfig::default()).await.unwrap();
-        let tls = FrontTls::new(p.server.0.clone(), p.server.1.clone_key(), mtls.then(|| vec![p.ca.clone()]))
-            .unwrap();
+        let ca = mtls.then(|| vec![p.ca.clone()]);
+        let tls =
+            FrontTls::from(FrontTlsConfig::new(p.server.0.clone(), p.server.1.clone_key(), ca).unwrap());
         let run = start_gateway(
             &engines,
             "127.0.0.1:0".parse().unwrap(),

@@ -1,44 +1,45 @@
 //! The TLS of the gateway's own listeners (public and admin) as configured: the PEM files read and
-//! checked. The server builds its acceptor from a [`FrontTlsConfig`] (`server::tls`); this module
-//! never depends on the server.
+//! made into rustls' server configuration, once, when the configuration is checked, so a bad file
+//! is refused with the configuration (`check-config` included), not at start. The server wraps it
+//! in its acceptor (`server::tls`); this module never depends on the server.
+//!
+//! TLS 1.2 and 1.3 only (1.0 and 1.1 are refused: deprecated by RFC 8996), ALPN `h2` and
+//! `http/1.1`, and client-certificate verification (mTLS) when a client CA is configured.
 
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
 use baton_dataplane::transport::{TlsError, pem_certs, pem_key};
-use rustls::RootCertStore;
-use rustls::sign::CertifiedKey;
+use rustls::server::{VerifierBuilderError, WebPkiClientVerifier};
+use rustls::{RootCertStore, ServerConfig};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
-/// A listener's TLS: its certificate chain and key and, for mTLS, the CA certificates that clients'
-/// certificates must chain to.
+/// A listener's TLS, ready to accept connections.
+#[derive(Clone)]
 pub struct FrontTlsConfig {
-    pub chain: Vec<CertificateDer<'static>>,
-    pub key: PrivateKeyDer<'static>,
-    /// With it, clients must present a certificate from one of these CAs (mTLS).
-    pub client_ca: Option<Vec<CertificateDer<'static>>>,
+    pub server: Arc<ServerConfig>,
+    /// Clients must present a certificate from the client CA (mTLS).
+    pub client_auth: bool,
 }
 
 impl fmt::Debug for FrontTlsConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The certificates' bytes say nothing in a log; the key is never shown.
-        f.debug_struct("FrontTlsConfig")
-            .field("chain", &self.chain.len())
-            .field("client_ca", &self.client_ca.as_ref().map(Vec::len))
-            .finish_non_exhaustive()
+        f.debug_struct("FrontTlsConfig").field("client_auth", &self.client_auth).finish_non_exhaustive()
     }
 }
 
-/// Why a listener's TLS files are refused.
+/// Why a listener's TLS is refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FrontTlsFileError {
     /// A PEM file could not be read, or holds no certificate or key.
     #[error(transparent)]
     Pem(#[from] TlsError),
-    /// The key is of a kind that cannot sign, or does not match the certificate.
+    /// rustls refused the protocol versions (never with the ring provider, which has both).
     #[error("{source}")]
-    Identity {
+    Versions {
         #[source]
         source: rustls::Error,
     },
@@ -48,12 +49,26 @@ pub enum FrontTlsFileError {
         #[source]
         source: rustls::Error,
     },
+    /// No client certificate verifier could be made from the client CA (no certificate in it).
+    #[error("client CA: {source}")]
+    ClientVerifier {
+        #[source]
+        source: VerifierBuilderError,
+    },
+    /// The key is of a kind that cannot sign, or does not match the certificate.
+    #[error("{source}")]
+    Identity {
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
 }
 
 impl FrontTlsConfig {
-    /// Reads the certificate chain, the key and the client CA from PEM files, and checks what the
-    /// server would refuse when it builds the listener (with the same messages), so that a bad
-    /// file is refused with the configuration (`check-config` included), not at start.
+    /// Reads the certificate chain, the key and the client CA from PEM files.
     pub fn from_pem_files(
         cert: &Path,
         key: &Path,
@@ -62,21 +77,42 @@ impl FrontTlsConfig {
         let key = pem_key(key)?;
         let chain = pem_certs(cert)?;
         let client_ca = client_ca.map(pem_certs).transpose()?;
-        if let Some(cas) = &client_ca {
-            let mut roots = RootCertStore::empty();
-            for ca in cas {
-                roots.add(ca.clone()).map_err(|source| FrontTlsFileError::ClientCa { source })?;
+        Self::new(chain, key, client_ca)
+    }
+
+    /// A listener's TLS from its chain and key and, for mTLS, the CA certificates that clients'
+    /// certificates must chain to.
+    pub fn new(
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        client_ca: Option<Vec<CertificateDer<'static>>>,
+    ) -> Result<Self, FrontTlsFileError> {
+        let builder = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|source| FrontTlsFileError::Versions { source })?;
+        let client_auth = client_ca.is_some();
+        let builder = match client_ca {
+            Some(cas) => {
+                let mut roots = RootCertStore::empty();
+                for ca in cas {
+                    roots.add(ca).map_err(|source| FrontTlsFileError::ClientCa { source })?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                    .build()
+                    .map_err(|source| FrontTlsFileError::ClientVerifier { source })?;
+                builder.with_client_cert_verifier(verifier)
             }
-        }
-        let provider = rustls::crypto::ring::default_provider();
-        CertifiedKey::from_der(chain.clone(), key.clone_key(), &provider)
-            .map_err(|source| FrontTlsFileError::Identity { source })?;
-        Ok(Self { chain, key, client_ca })
+            None => builder.with_no_client_auth(),
+        };
+        let mut server =
+            builder.with_single_cert(chain, key).map_err(|source| FrontTlsFileError::Identity { source })?;
+        server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Self { server: Arc::new(server), client_auth })
     }
 
     /// Clients must present a certificate from the client CA.
     pub fn client_auth(&self) -> bool {
-        self.client_ca.is_some()
+        self.client_auth
     }
 }
 
@@ -102,7 +138,8 @@ mod tests {
         let (cert, key) = pair(&dir, "a");
         let (_, other_key) = pair(&dir, "b");
         let plain = FrontTlsConfig::from_pem_files(&cert, &key, None).unwrap();
-        assert_eq!((plain.chain.len(), plain.client_auth()), (1, false));
+        assert!(!plain.client_auth());
+        assert_eq!(plain.server.alpn_protocols, [b"h2".to_vec(), b"http/1.1".to_vec()]);
         assert!(FrontTlsConfig::from_pem_files(&cert, &key, Some(&cert)).unwrap().client_auth());
         let e = FrontTlsConfig::from_pem_files(&cert, &other_key, None).unwrap_err();
         assert!(matches!(e, FrontTlsFileError::Identity { .. }), "{e}");
