@@ -201,13 +201,6 @@ pub struct Engines {
     pub running: Vec<Running>,
 }
 
-impl Engines {
-    /// The KV geometry's fingerprint, as the engines' data planes check it.
-    pub fn fingerprint(&self) -> u64 {
-        self.geometry.fingerprint()
-    }
-}
-
 /// Starts the simulated engines.
 pub async fn start_engines(c: &DemoConfig) -> Result<Engines, DemoError> {
     start_engines_with(c, None).await
@@ -304,7 +297,7 @@ pub async fn start_gateway_with(
     };
     let mut decoders = Vec::new();
     for (name, http, stats) in &e.decoders {
-        let d = DemoDecoder { http: *http, stats, geometry: e.geometry, load: &setup.nixl };
+        let d = DemoDecoder { stats, geometry: e.geometry, load: &setup.nixl };
         let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
         decoders.push(start(checked, &ctx).await.map_err(StartError::from)?);
     }

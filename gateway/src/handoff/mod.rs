@@ -165,7 +165,6 @@ pub struct SimSetup<'a> {
 #[cfg(feature = "demo")]
 #[derive(Debug)]
 pub struct DemoDecoder<'a> {
-    pub http: std::net::SocketAddr,
     /// The engine's `stats()` (its ranks, its PD backend's ports).
     pub stats: &'a serde_json::Value,
     pub geometry: baton_dataplane::KvGeometry,

@@ -557,7 +557,7 @@ impl Gateway {
             }
             resp
         });
-        self.record_phases(&timing, dec.mode(), live);
+        self.record_phases(&timing, live);
         if let Some(c) = owed.as_mut() {
             c.status = r.as_ref().map_or_else(GatewayError::status, |resp| resp.status().as_u16());
         }
@@ -668,8 +668,8 @@ impl Gateway {
     }
 
     /// The request's phases into the metrics and its in-flight entry.
-    fn record_phases(&self, timing: &Timing, mode: &str, live: &Arc<Live>) {
-        self.shared.metrics.record(timing, mode);
+    fn record_phases(&self, timing: &Timing, live: &Arc<Live>) {
+        timing.record_metrics();
         let phases: smallvec::SmallVec<[(Phase, Duration); 8]> = timing.phases().iter().copied().collect();
         live.note("phases_ms", move || {
             let phases = phases.iter().map(|(p, d)| (p.as_str().to_owned(), json!(round_ms(*d))));

@@ -209,6 +209,14 @@ impl Timing {
         }
     }
 
+    /// Records the phases in the driver's metrics, under the decoder's mode (nothing for a timing
+    /// made without a recorder).
+    pub fn record_metrics(&self) {
+        if let Some((metrics, mode)) = &self.recorder {
+            metrics.record(self, mode);
+        }
+    }
+
     pub fn phases(&self) -> &[(Phase, Duration)] {
         &self.phases
     }
@@ -247,9 +255,7 @@ impl std::ops::DerefMut for Later {
 
 impl Drop for Later {
     fn drop(&mut self) {
-        if let Some((metrics, mode)) = &self.0.recorder {
-            metrics.record(&self.0, mode);
-        }
+        self.0.record_metrics();
     }
 }
 

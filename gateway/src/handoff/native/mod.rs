@@ -99,7 +99,7 @@ impl ModeSpec for Native {
     }
 
     async fn start(c: Checked, pool: Pool<'_>, ctx: &StartContext) -> Result<Box<dyn Handoff>, StartError> {
-        let native = Native::connect(Arc::clone(&ctx.shared), pool.name.to_owned(), c, ctx, pool.queue)
+        let native = Native::connect(pool.name.to_owned(), c, ctx, pool.queue)
             .await
             .map_err(|source| StartError::DataPlane { decoder: pool.name.to_owned(), source })?;
         Ok(Box::new(native))
@@ -121,7 +121,6 @@ impl Native {
     /// Connects to every rank; `queue` is sized from the pages they report (lowered to
     /// `max_slots`).
     pub async fn connect(
-        shared: Arc<Shared>,
         name: String,
         c: Checked,
         ctx: &StartContext,
@@ -131,10 +130,10 @@ impl Native {
             addrs: c.ranks,
             fingerprint: c.geometry.fingerprint(),
             tls: ctx.dataplane_tls.clone(),
-            names: shared.client.names().clone(),
+            names: ctx.shared.client.names().clone(),
         };
         let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
-        Ok(Self { shared, ranks: Arc::new(ranks) })
+        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks) })
     }
 
     /// Reserves the request's pages on every rank; a refusal for room (another replica's pages)

@@ -35,7 +35,7 @@ pub fn start(d: CheckedDecoder, ctx: &StartContext) -> BoxFuture<'_, Result<Arc<
             });
         };
         let queue = SlotQueue::new(0, ctx.queue.clone());
-        let native = Native::connect(Arc::clone(&ctx.shared), d.name.clone(), c, ctx, &queue)
+        let native = Native::connect(d.name.clone(), c, ctx, &queue)
             .await
             .map_err(|source| StartError::DataPlane { decoder: d.name.clone(), source })?;
         Ok(Arc::new(Decoder::new(d.name, d.http, queue, Native::NAME, Box::new(Unprotected(native)))))
