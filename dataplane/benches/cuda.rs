@@ -1,12 +1,15 @@
 //! GPU gather/scatter bandwidth next to a device-to-device copy of the same bytes, measured in the
-//! same run, for Llama-3.1-8B (TP 1) and Llama-3.1-70B (TP 8) geometries at 256-token chunks, plus
-//! the CUDA IPC write bandwidth (a page copied into an IPC-opened mapping of a buffer).
+//! same run, for Llama-3.1-8B (TP 1) and Llama-3.1-70B (TP 8) geometries (bf16) at 256-token chunks,
+//! the engine cache NHD and HND with 16- and 64-token blocks, plus the CUDA IPC write bandwidth (a
+//! page copied into an IPC-opened mapping of a buffer).
 //!
 //! `cargo bench -p baton-dataplane --bench cuda -- --out bench/cuda-gather-scatter.json`
 //!
+//! Each operation of a batch reads and writes other bytes than the one before, over at least 512 MiB
+//! (more than any GPU's L2), so no figure is served from cache.
 //! Bandwidth counts bytes read plus bytes written (2 × the page for every operation). Each figure is
 //! the median of 5 timed batches of 50 operations (CUDA events around each batch) after a warm-up.
-//! The engine cache is NHD with 16-token blocks and a shuffled block table. Without a GPU it prints
+//! The engine's block table is shuffled (reversed). Without a GPU it prints
 //! SKIP and exits 0 (`BATON_REQUIRE_GPU=1`: exits 1). `BATON_BENCH_QUICK=1`: 1 batch of 3.
 
 #![allow(
@@ -44,11 +47,11 @@ fn time(gpu: &CudaDevice, batches: usize, per: usize, bytes: usize, mut op: impl
     gpu.synchronize().unwrap();
     let mut rates = Vec::new();
     for _ in 0..batches {
-        let start = gpu.record_event().unwrap();
+        let start = gpu.record_timed_event().unwrap();
         for _ in 0..per {
             op();
         }
-        let end = gpu.record_event().unwrap();
+        let end = gpu.record_timed_event().unwrap();
         end.synchronize().unwrap();
         let ms = start.elapsed_ms(&end).unwrap() as f64;
         rates.push((bytes * per) as f64 / (ms / 1e3) / 1e9);
@@ -56,34 +59,63 @@ fn time(gpu: &CudaDevice, batches: usize, per: usize, bytes: usize, mut op: impl
     median(rates)
 }
 
-fn geometry_row(gpu: &CudaDevice, name: &str, g: KvGeometry, batches: usize, per: usize) -> Row {
+/// How the engine's cache is laid out in a row: NHD or HND, and its block size in tokens.
+#[derive(Clone, Copy)]
+struct Cache {
+    hnd: bool,
+    block_size: u32,
+}
+
+fn geometry_row(
+    gpu: &CudaDevice,
+    name: &str,
+    g: KvGeometry,
+    cache_kind: Cache,
+    batches: usize,
+    per: usize,
+) -> Row {
     let cl: ChunkLayout = g.chunk_layout();
-    let block_size = 16;
-    let blocks = 4 * cl.chunk_tokens.div_ceil(block_size);
-    let layout = CacheLayout::nhd(blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes);
+    let Cache { hnd, block_size } = cache_kind;
+    let page = cl.page_bytes();
+    // Every operation of a batch touches other bytes than the last, and the ring spans 512 MiB or
+    // more of buffer and as much of cache: the H100's 50 MiB L2 cannot serve a row from cache.
+    let ring = u32::try_from((512usize << 20).div_ceil(page)).unwrap().max(4);
+    let blocks_per_chunk = cl.chunk_tokens.div_ceil(block_size);
+    let blocks = ring * blocks_per_chunk;
+    let layout = if hnd {
+        CacheLayout::hnd(blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes)
+    } else {
+        CacheLayout::nhd(blocks, block_size, cl.heads, cl.head_dim, cl.dtype_bytes)
+    };
+    let name = format!("{name} {} b{block_size}", if hnd { "HND" } else { "NHD" });
     let cache: Vec<CudaTensor> =
         (0..cl.layers).map(|_| gpu.alloc_tensor(layout.min_tensor_bytes()).unwrap()).collect();
     let mut table: Vec<u32> = (0..blocks).collect();
     table.reverse();
-    let span = KvSpan { layout: &layout, block_table: &table, first_token: 0, tokens: cl.chunk_tokens };
-    let page = cl.page_bytes();
-    let buf = gpu.alloc_buffer(4, page).unwrap();
+    // Chunk `i` of the request whose blocks are `table`: its own blocks, its own page of the buffer.
+    let span = |i: u32| KvSpan {
+        layout: &layout,
+        block_table: &table,
+        first_token: i * blocks_per_chunk * block_size,
+        tokens: cl.chunk_tokens,
+    };
+    let buf = gpu.alloc_buffer(ring, page).unwrap();
     let rw = 2 * page;
     let mut i = 0u32;
     let gather = time(gpu, batches, per, rw, || {
-        i = (i + 1) % 4;
-        gpu.gather_async(&cache, &span, &cl, &buf, i).unwrap();
+        i = (i + 1) % ring;
+        gpu.gather_async(&cache, &span(i), &cl, &buf, i).unwrap();
     });
     let scatter = time(gpu, batches, per, rw, || {
-        i = (i + 1) % 4;
-        gpu.scatter_async(&buf, i, &cl, &cache, &span).unwrap();
+        i = (i + 1) % ring;
+        gpu.scatter_async(&buf, i, &cl, &cache, &span(i)).unwrap();
     });
     let copy = time(gpu, batches, per, rw, || {
-        i = (i + 1) % 4;
-        gpu.copy_page_async(&buf, i, &buf, (i + 1) % 4, page).unwrap();
+        i = (i + 1) % ring;
+        gpu.copy_page_async(&buf, i, &buf, (i + ring / 2) % ring, page).unwrap();
     });
     Row {
-        name: name.into(),
+        name,
         page_mib: page as f64 / (1 << 20) as f64,
         gather_gbps: gather,
         scatter_gbps: scatter,
@@ -111,10 +143,14 @@ fn main() -> ExitCode {
     println!("GPU: {} (kernels: {:?})", gpu.name_of_gpu(), gpu.kernel_source());
     let g8 = KvGeometry::new(32, 8, 128, 2, 256, 1).unwrap();
     let g70 = KvGeometry::new(80, 8, 128, 2, 256, 8).unwrap();
-    let mut rows = vec![
-        geometry_row(&gpu, "Llama-3.1-8B TP1", g8, batches, per),
-        geometry_row(&gpu, "Llama-3.1-70B TP8", g70, batches, per),
-    ];
+    let mut rows = Vec::new();
+    for (name, g) in [("Llama-3.1-8B TP1", g8), ("Llama-3.1-70B TP8", g70)] {
+        for hnd in [false, true] {
+            for block_size in [16, 64] {
+                rows.push(geometry_row(&gpu, name, g, Cache { hnd, block_size }, batches, per));
+            }
+        }
+    }
     // IPC write: this process exports, and (here, the same process) opens the handle and writes
     // pages into the mapping, as a same-node prefiller would.
     if let Some(row) = rows.first_mut() {
@@ -133,7 +169,7 @@ fn main() -> ExitCode {
     let mut json = Vec::new();
     for r in &rows {
         println!(
-            "{:<20} page {:>6.1} MiB  gather {:>7.1} GB/s ({:>5.1} %)  scatter {:>7.1} GB/s ({:>5.1} %)  d2d copy {:>7.1} GB/s{}",
+            "{:<28} page {:>6.1} MiB  gather {:>7.1} GB/s ({:>5.1} %)  scatter {:>7.1} GB/s ({:>5.1} %)  d2d copy {:>7.1} GB/s{}",
             r.name,
             r.page_mib,
             r.gather_gbps,

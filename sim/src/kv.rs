@@ -126,6 +126,10 @@ pub fn head_bytes(prefix: u64, layer: u32, kv: u32, rank: u32, head: u32, out: &
 }
 
 /// Writes the KV of every token of a request into an engine's paged cache (one tensor per layer).
+///
+/// Each block's K (or V) is laid out on the host and written with one copy; the slots past the
+/// prompt in its last block are read first and written back as they were. On a GPU a copy is a
+/// driver call and a stream wait, so a copy per head per token would cost a request thousands.
 pub fn write_kv<D: Device>(
     dev: &D,
     cache: &[D::Tensor],
@@ -137,20 +141,31 @@ pub fn write_kv<D: Device>(
     if neutral() {
         return Ok(());
     }
-    let mut buf = vec![0u8; layout.head_bytes()];
     let bs = layout.block_size as usize;
+    let block_bytes = bs * layout.heads as usize * layout.head_bytes();
+    let mut image = vec![0u8; block_bytes];
     for (layer, tensor) in cache.iter().enumerate() {
         let layer = u32::try_from(layer).unwrap_or(u32::MAX);
-        for (t, prefix) in hashes.iter().enumerate() {
+        for (b, tokens) in hashes.chunks(bs).enumerate() {
             let block = *block_table
-                .get(t / bs)
-                .ok_or_else(|| DeviceError::Layout(format!("block table too short for token {t}")))?;
-            let slot = u32::try_from(t % bs).unwrap_or(0);
+                .get(b)
+                .ok_or_else(|| DeviceError::Layout(format!("block table too short for token {}", b * bs)))?;
             for kv in 0..2 {
-                for head in 0..layout.heads {
-                    head_bytes(*prefix, layer, kv, rank, head, &mut buf);
-                    dev.write_tensor(tensor, layout.offset(kv, block, slot, head), &buf)?;
+                let base = layout.offset(kv, block, 0, 0);
+                if tokens.len() < bs {
+                    dev.read_tensor(tensor, base, &mut image)?;
                 }
+                for (slot, prefix) in tokens.iter().enumerate() {
+                    let slot = u32::try_from(slot).unwrap_or(0);
+                    for head in 0..layout.heads {
+                        let at = layout.offset(kv, block, slot, head) - base;
+                        let out = image.get_mut(at..at + layout.head_bytes()).ok_or_else(|| {
+                            DeviceError::Layout("a block's heads are not contiguous".into())
+                        })?;
+                        head_bytes(*prefix, layer, kv, rank, head, out);
+                    }
+                }
+                dev.write_tensor(tensor, base, &image)?;
             }
         }
     }

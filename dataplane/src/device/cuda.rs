@@ -301,6 +301,15 @@ impl CudaDevice {
             .map_err(|e| backend("copy", e))
     }
 
+    /// An event that records a time, for measuring the queued work between two of them with
+    /// [`CudaEvent::elapsed_ms`]. [`Device::record_event`]'s events record none (cheaper to wait
+    /// on), and the driver refuses to time them.
+    pub fn record_timed_event(&self) -> Result<CudaEvent, DeviceError> {
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| backend("record timed event", e))
+    }
+
     /// Waits for everything queued on the device's stream.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         self.stream.synchronize().map_err(|e| backend("synchronize", e))

@@ -50,6 +50,20 @@ impl Rng {
     }
 }
 
+/// Timed events measure the work between them (the CUDA bench times with them); the data plane's
+/// own events record no time, which the driver refuses to measure.
+#[test]
+fn gpu_timed_events_measure() {
+    let Some(gpu) = gpu() else { return };
+    let buf = gpu.alloc_buffer(2, 1 << 20).unwrap();
+    let start = gpu.record_timed_event().unwrap();
+    gpu.copy_page_async(&buf, 0, &buf, 1, 1 << 20).unwrap();
+    let end = gpu.record_timed_event().unwrap();
+    end.synchronize().unwrap();
+    let ms = start.elapsed_ms(&end).unwrap();
+    assert!(ms >= 0.0 && ms.is_finite(), "{ms} ms");
+}
+
 /// Random layouts (NHD and HND, block sizes 1-32, 1-4 layers and heads, head bytes 1-512 for fp8,
 /// bf16 and fp32, partial chunks, shuffled block tables): gather and scatter on the GPU produce the
 /// CPU reference's bytes exactly.
