@@ -15,14 +15,18 @@
 //!
 //! An event type this reader does not know is kept as [`KvEvent::Other`] with its name, never an
 //! error: an engine upgrade must not stop the stream. Nothing here decides routing; it only reads.
+//!
+//! The sockets are the `zeromq` crate's (a maintained native implementation of ZeroMQ), which puts
+//! no bound on a message's size: an engine's publisher is trusted as its HTTP API is, and is
+//! reached on the engines' network only.
 
 use std::net::SocketAddr;
 
-use baton_dataplane::compat::zmtp::{Connection, SocketType, ZmtpError};
-use rmpv::Value;
+use std::time::Duration;
 
-/// Largest event message read (a batch of stored blocks carries their token ids: a few KB each).
-pub const MAX_MESSAGE: usize = 16 << 20;
+use bytes::Bytes;
+use rmpv::Value;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqError, ZmqMessage};
 
 /// A block's hash as the engine computed it: compared for equality only, never recomputed here.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -44,6 +48,14 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<u64>,
         medium: Option<String>,
+        /// The adapter's name (vLLM 0.12 on, SGLang).
+        lora_name: Option<String>,
+        /// Per block: whether the engine hashed more than its tokens into it (vLLM's
+        /// `extra_keys`: multimodal inputs, a cache salt, an adapter). Empty when none did.
+        extra_keys: Vec<bool>,
+        /// The KV cache group's kind (vLLM 0.33's `kv_cache_spec_kind`: `full_attention`,
+        /// `sliding_window`, `mamba`, …); `None` when the engine does not say.
+        kind: Option<String>,
     },
     /// Blocks left it.
     BlockRemoved { block_hashes: Vec<BlockHash>, medium: Option<String> },
@@ -88,8 +100,12 @@ pub enum EventError {
     #[error("payload: {0}")]
     Shape(String),
     /// The SUB connection failed.
-    #[error(transparent)]
-    Zmtp(#[from] ZmtpError),
+    /// The ZeroMQ socket failed (connect, receive, send).
+    #[error("zeromq: {0}")]
+    Zmq(#[from] ZmqError),
+    /// The replay socket did not finish within its time.
+    #[error("the replay did not end within {0:?}")]
+    ReplayTimeout(Duration),
 }
 
 fn shape(m: impl Into<String>) -> EventError {
@@ -97,12 +113,12 @@ fn shape(m: impl Into<String>) -> EventError {
 }
 
 /// Decodes one message's frames.
-pub fn decode(frames: &[Vec<u8>]) -> Result<Message, EventError> {
+pub fn decode<F: AsRef<[u8]>>(frames: &[F]) -> Result<Message, EventError> {
     let [topic, seq, payload] = frames else { return Err(EventError::Frames(frames.len())) };
-    let seq: [u8; 8] = seq.as_slice().try_into().map_err(|_| EventError::Seq(seq.len()))?;
+    let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| EventError::Seq(seq.as_ref().len()))?;
     let value =
-        rmpv::decode::read_value(&mut payload.as_slice()).map_err(|e| EventError::Msgpack(e.to_string()))?;
-    Ok(Message { topic: topic.clone(), seq: u64::from_be_bytes(seq), batch: batch(&value)? })
+        rmpv::decode::read_value(&mut payload.as_ref()).map_err(|e| EventError::Msgpack(e.to_string()))?;
+    Ok(Message { topic: topic.as_ref().to_vec(), seq: u64::from_be_bytes(seq), batch: batch(&value)? })
 }
 
 /// `[ts, events, dp_rank]`, or a map with `ts`, `events` and `data_parallel_rank`.
@@ -129,6 +145,9 @@ fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 }
 
 /// An event's fields: by name (map form) or by position after the tag (array form).
+/// The position of a field that only the map encoding has (newer than the array one).
+const NAME_ONLY: usize = usize::MAX;
+
 enum Fields<'a> {
     Map(&'a Value),
     Array(&'a [Value]),
@@ -139,7 +158,7 @@ impl<'a> Fields<'a> {
     fn get(&self, name: &str, at: usize) -> Option<&'a Value> {
         match self {
             Self::Map(v) => field(v, name),
-            Self::Array(a) => a.get(at + 1),
+            Self::Array(a) => a.get(at.checked_add(1)?),
         }
         .filter(|v| !v.is_nil())
     }
@@ -188,6 +207,13 @@ fn event(v: &Value) -> Result<KvEvent, EventError> {
                 .ok_or_else(|| shape("BlockStored without block_size"))?,
             lora_id: present("lora_id", 4).and_then(Value::as_u64),
             medium: medium(5),
+            // Fields newer than the array encoding are read by name only.
+            lora_name: present("lora_name", NAME_ONLY).and_then(Value::as_str).map(str::to_owned),
+            extra_keys: present("extra_keys", NAME_ONLY)
+                .and_then(Value::as_array)
+                .map(|a| a.iter().map(|k| !k.is_nil()).collect())
+                .unwrap_or_default(),
+            kind: present("kv_cache_spec_kind", NAME_ONLY).and_then(Value::as_str).map(str::to_owned),
         },
         "BlockRemoved" => {
             KvEvent::BlockRemoved { block_hashes: hashes("block_hashes", 0)?, medium: medium(1) }
@@ -209,45 +235,140 @@ fn hash(v: &Value) -> Result<BlockHash, EventError> {
     }
 }
 
-/// A SUB connection to one engine's publisher, on one topic.
-#[derive(Debug)]
+/// A subscription to one engine's publisher (a ZeroMQ SUB socket, from the `zeromq` crate, that
+/// reconnects by itself when the publisher restarts).
+///
+/// It subscribes to every topic and checks the topic itself, so that a publisher on another
+/// topic is seen ([`Next::OtherTopic`]) rather than silently filtered out.
 pub struct Subscriber {
-    conn: Connection,
+    socket: SubSocket,
     topic: Vec<u8>,
     next_seq: Option<u64>,
-    /// Messages known lost on this connection: sequence numbers skipped (the publisher dropped
-    /// them for a slow subscriber). An engine restart closes the connection (`next` answers
-    /// `Ok(None)`); the caller reconnects and treats what it knew of that engine as stale.
+    /// Messages the sequence numbers say were published but not received, since connecting.
     pub missed: u64,
 }
 
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("topic", &String::from_utf8_lossy(&self.topic))
+            .field("next_seq", &self.next_seq)
+            .field("missed", &self.missed)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a subscriber read next.
+#[derive(Debug)]
+pub enum Next {
+    /// A message in order, or after a gap (`missed` messages published between the last one read
+    /// and this one), or after the publisher started again (its sequence went back: it counts
+    /// from 0 at every start, and its cache started empty).
+    Message { message: Message, missed: u64, restarted: bool },
+    /// A message on another topic than the subscription's (its topic, lossily as text).
+    OtherTopic(String),
+}
+
+/// `tcp://host:port` for an endpoint written `host:port` or already a ZeroMQ endpoint.
+pub fn endpoint(addr: &str) -> String {
+    if addr.contains("://") { addr.to_owned() } else { format!("tcp://{addr}") }
+}
+
 impl Subscriber {
-    /// Connects to a publisher that binds (`tcp://*:port` in the engine's config) and subscribes
-    /// to `topic`. A message on a longer topic that starts with it is dropped here, not delivered.
-    pub async fn connect(addr: SocketAddr, topic: &[u8]) -> Result<Self, EventError> {
-        let mut conn = Connection::connect(addr, SocketType::Sub, MAX_MESSAGE).await?;
-        conn.subscribe(topic).await?;
-        Ok(Self { conn, topic: topic.to_vec(), next_seq: None, missed: 0 })
+    /// Subscribes to `addr` (`host:port` or `tcp://host:port`), waiting at most `timeout` for
+    /// the first connection.
+    pub async fn connect_to(addr: &str, topic: &[u8], timeout: Duration) -> Result<Self, EventError> {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(timeout);
+        let mut socket = SubSocket::with_options(options);
+        socket.connect(&endpoint(addr)).await?;
+        socket.subscribe("").await?;
+        Ok(Self { socket, topic: topic.to_vec(), next_seq: None, missed: 0 })
     }
 
-    /// The next message on the topic; `Ok(None)` when the publisher closed the connection.
+    /// Subscribes to a publisher at `addr`.
+    pub async fn connect(addr: SocketAddr, topic: &[u8]) -> Result<Self, EventError> {
+        Self::connect_to(&addr.to_string(), topic, Duration::from_secs(5)).await
+    }
+
+    /// The next message on the subscription's topic (other topics are skipped).
     pub async fn next(&mut self) -> Result<Option<Message>, EventError> {
         loop {
-            let Some(frames) = self.conn.recv().await? else { return Ok(None) };
-            // A longer topic that starts with ours (ZeroMQ matches prefixes) is another stream.
-            if frames.first().is_some_and(|t| *t != self.topic) {
-                continue;
+            if let Next::Message { message, .. } = self.next_any().await? {
+                return Ok(Some(message));
             }
-            let m = decode(&frames)?;
-            if let Some(want) = self.next_seq
-                && m.seq > want
-            {
-                self.missed += m.seq - want;
-            }
-            self.next_seq = Some(m.seq.wrapping_add(1));
-            return Ok(Some(m));
         }
     }
+
+    /// The next message, with what its sequence number says.
+    pub async fn next_any(&mut self) -> Result<Next, EventError> {
+        let msg = self.socket.recv().await?;
+        let frames: Vec<Bytes> = msg.into_vec();
+        if frames.first().is_some_and(|t| t.as_ref() != self.topic.as_slice()) {
+            let topic = frames.first().map(|t| String::from_utf8_lossy(t).into_owned()).unwrap_or_default();
+            return Ok(Next::OtherTopic(topic));
+        }
+        let message = decode(&frames)?;
+        let (missed, restarted) = match self.next_seq {
+            Some(want) if message.seq > want => (message.seq - want, false),
+            Some(want) if message.seq < want => (0, true),
+            _ => (0, false),
+        };
+        self.missed += missed;
+        self.next_seq = Some(message.seq.wrapping_add(1));
+        Ok(Next::Message { message, missed, restarted })
+    }
+}
+
+/// The sequence number vLLM's replay socket ends a replay with (`-1`, 8 bytes big-endian).
+pub const END_OF_REPLAY: [u8; 8] = [0xff; 8];
+
+/// Asks a publisher's replay socket (ZeroMQ ROUTER; vLLM's and SGLang's `replay_endpoint`) for
+/// every message it still holds from `from` on, as their `ZmqEventPublisher` serves it: the
+/// request is `["", from as 8 bytes big-endian]` from a DEALER; each answer is
+/// `["", topic, seq, payload]` (vLLM before 0.26: `["", seq, payload]`), the last one with seq
+/// `-1`. The messages come back with the subscription's `topic`. At most `max` messages, and
+/// `timeout` in all.
+pub async fn replay(
+    addr: &str,
+    from: u64,
+    topic: &[u8],
+    max: usize,
+    timeout: Duration,
+) -> Result<Vec<Message>, EventError> {
+    let run = async {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(timeout);
+        let mut socket = DealerSocket::with_options(options);
+        socket.connect(&endpoint(addr)).await?;
+        let mut ask = ZmqMessage::from(Bytes::new());
+        ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+        socket.send(ask).await?;
+        let mut out = Vec::new();
+        loop {
+            let frames = socket.recv().await?.into_vec();
+            // A DEALER sees what the ROUTER sent after the peer's identity: the empty delimiter,
+            // then `[topic, seq, payload]` (vLLM 0.26 on, SGLang) or `[seq, payload]` (before);
+            // the end is the same with seq -1 and empty topic and payload.
+            let body = match frames.first() {
+                Some(f) if f.is_empty() => frames.get(1..).unwrap_or_default(),
+                _ => &frames[..],
+            };
+            let (seq, payload) = match body {
+                [_, seq, payload] | [seq, payload] => (seq, payload),
+                _ => return Err(EventError::Frames(body.len())),
+            };
+            if seq.as_ref() == END_OF_REPLAY {
+                return Ok(out);
+            }
+            let with_topic = [Bytes::copy_from_slice(topic), seq.clone(), payload.clone()];
+            out.push(decode(&with_topic)?);
+            if out.len() >= max {
+                return Ok(out);
+            }
+        }
+    };
+    tokio::time::timeout(timeout, run).await.map_err(|_| EventError::ReplayTimeout(timeout))?
 }
 
 #[cfg(test)]
@@ -333,6 +454,9 @@ mod tests {
                     block_size: 2,
                     lora_id: None,
                     medium: Some("cpu".into()),
+                    lora_name: None,
+                    extra_keys: Vec::new(),
+                    kind: None,
                 },
                 KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(9)], medium: None },
                 KvEvent::Other("SomethingNew".into()),

@@ -25,6 +25,7 @@ pub mod handoff;
 pub mod kv_events;
 pub mod pipeline;
 pub mod policy;
+pub mod prefix;
 pub mod routing;
 pub mod serve;
 pub mod server;
