@@ -311,7 +311,9 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
         // connection was lost): what the engine still holds comes from its replay socket.
         // Without one, what the feed said before can no longer be trusted.
         this.index.clear_feed(f.config.engine, f.config.rank);
-        let mut replayed_to = this.replay(&f, 0, None).await;
+        if let Some(next) = this.replay(&f, 0, None).await {
+            sub.expect(next);
+        }
         f.set(FeedState::Live);
         drop(this);
         loop {
@@ -319,13 +321,6 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
             let Some(this) = feeds.upgrade() else { return };
             match next {
                 Ok(Next::Message { message, missed, restarted }) => {
-                    // Live messages that the first replay already applied.
-                    if let Some(to) = replayed_to {
-                        if message.seq < to && !restarted {
-                            continue;
-                        }
-                        replayed_to = None;
-                    }
                     this.heard(&f);
                     if f.task_state() != FeedState::Live {
                         f.set(FeedState::Live);
@@ -362,5 +357,192 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::collections::VecDeque;
+
+    use bytes::Bytes;
+    use rmpv::Value as V;
+    use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+    use super::*;
+    use crate::kv_events::END_OF_REPLAY;
+
+    /// A publisher as vLLM 0.32's `ZmqEventPublisher` is: PUB `[topic, seq, batch]`, and a ROUTER
+    /// replay socket answering `["", start]` with `["", topic, seq, batch]`… then the end marker.
+    struct Publisher {
+        pub_socket: PubSocket,
+        buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>,
+        topic: String,
+        seq: u64,
+        pub_addr: String,
+        replay_addr: String,
+    }
+
+    fn port(e: &zeromq::Endpoint) -> String {
+        match e {
+            zeromq::Endpoint::Tcp(h, p) => format!("{h}:{p}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    impl Publisher {
+        async fn start(topic: &str) -> Self {
+            let mut pub_socket = PubSocket::new();
+            let pub_addr = port(&pub_socket.bind("tcp://127.0.0.1:0").await.unwrap());
+            let mut router = RouterSocket::new();
+            let replay_addr = port(&router.bind("tcp://127.0.0.1:0").await.unwrap());
+            let buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>> = Arc::default();
+            let (b, t) = (Arc::clone(&buffer), topic.to_owned());
+            tokio::spawn(async move {
+                while let Ok(m) = router.recv().await {
+                    let frames = m.into_vec();
+                    let [id, _, start] = &frames[..] else { continue };
+                    let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
+                    let held: Vec<(u64, Vec<u8>)> =
+                        b.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+                    for (seq, payload) in held.into_iter().chain([(u64::MAX, Vec::new())]) {
+                        let mut out = ZmqMessage::from(id.clone());
+                        out.push_back(Bytes::new());
+                        out.push_back(if seq == u64::MAX { Bytes::new() } else { Bytes::from(t.clone()) });
+                        out.push_back(if seq == u64::MAX {
+                            Bytes::copy_from_slice(&END_OF_REPLAY)
+                        } else {
+                            Bytes::copy_from_slice(&seq.to_be_bytes())
+                        });
+                        out.push_back(Bytes::from(payload));
+                        router.send(out).await.unwrap();
+                    }
+                }
+            });
+            Self { pub_socket, buffer, topic: topic.to_owned(), seq: 0, pub_addr, replay_addr }
+        }
+
+        /// Publishes the next batch (or only keeps it for replay: a message the subscriber loses).
+        async fn publish(&mut self, events: Vec<V>, send: bool) {
+            let batch = V::Array(vec![V::from(1.7e9), V::Array(events), V::Nil]);
+            let mut payload = Vec::new();
+            rmpv::encode::write_value(&mut payload, &batch).unwrap();
+            self.buffer.lock().unwrap().push_back((self.seq, payload.clone()));
+            if send {
+                let mut m = ZmqMessage::from(self.topic.clone());
+                m.push_back(Bytes::copy_from_slice(&self.seq.to_be_bytes()));
+                m.push_back(Bytes::from(payload));
+                self.pub_socket.send(m).await.unwrap();
+            }
+            self.seq += 1;
+        }
+    }
+
+    fn stored(hash: i64, parent: Option<i64>, tokens: std::ops::Range<u32>) -> V {
+        V::Map(vec![
+            (V::from("type"), V::from("BlockStored")),
+            (V::from("block_hashes"), V::Array(vec![V::from(hash)])),
+            (V::from("parent_block_hash"), parent.map_or(V::Nil, V::from)),
+            (V::from("token_ids"), V::Array(tokens.map(V::from).collect())),
+            (V::from("block_size"), V::from(4)),
+            (V::from("lora_id"), V::Nil),
+            (V::from("medium"), V::from("GPU")),
+            (V::from("lora_name"), V::Nil),
+        ])
+    }
+
+    async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+        for _ in 0..200 {
+            if ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    fn feeds(p: &Publisher, topic: &str, silent_after: Duration) -> Arc<Feeds> {
+        let index = Arc::new(PrefixIndex::new(vec!["p".into()], 4, 1000, Duration::from_secs(60)));
+        let config = FeedConfig {
+            engine: 0,
+            rank: 0,
+            endpoint: p.pub_addr.clone(),
+            replay: Some(p.replay_addr.clone()),
+            topic: topic.into(),
+        };
+        Feeds::new(index, vec![config], silent_after)
+    }
+
+    /// A gateway that starts after the engine rebuilds from replay; a lost message is replayed;
+    /// a publisher that starts again (sequence back to 0) has its old blocks forgotten.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn late_start_gap_and_restart() {
+        let prompt: Vec<u32> = (0..16).collect();
+        let mut p = Publisher::start("").await;
+        p.publish(vec![stored(1, None, 0..4)], true).await;
+        p.publish(vec![stored(2, Some(1), 4..8)], true).await;
+        let f = feeds(&p, "", Duration::from_secs(60));
+        f.start(Duration::from_secs(60));
+        let s = Arc::clone(&f.feeds()[0]);
+        until("the replay of what came before", || f.index.cached_tokens(&prompt) == vec![8]).await;
+        assert_eq!(s.replayed.load(Ordering::Relaxed), 2);
+        until("live", || f.state(&s) == FeedState::Live).await;
+        f.refresh_exact();
+        assert!(f.index.engines()[0].exact());
+        // Subscriptions reach a PUB socket a moment after connecting: publish until one arrives.
+        for _ in 0..100 {
+            p.publish(vec![stored(1, None, 0..4)], true).await;
+            if s.messages.load(Ordering::Relaxed) > 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(s.messages.load(Ordering::Relaxed) > 2, "no live message arrived");
+        // seq n is kept for replay only; n+1 shows the gap, and n comes back from the replay.
+        p.publish(vec![stored(3, Some(2), 8..12)], false).await;
+        p.publish(vec![stored(4, Some(3), 12..16)], true).await;
+        until("the gap replayed", || f.index.cached_tokens(&prompt) == vec![16]).await;
+        assert_eq!(s.missed.load(Ordering::Relaxed), 1);
+        assert!(s.replays.load(Ordering::Relaxed) >= 2);
+        // The engine starts again: its sequence goes back to 0 and its old cache is gone.
+        p.seq = 0;
+        p.publish(vec![stored(9, None, 100..104)], true).await;
+        until("the restart", || s.restarts.load(Ordering::Relaxed) == 1).await;
+        assert_eq!(f.index.cached_tokens(&prompt), vec![0]);
+        assert_eq!(f.index.cached_tokens(&[100, 101, 102, 103]), vec![4]);
+    }
+
+    /// Messages on another topic mark the feed (and its engine falls back); an engine that is
+    /// sent requests and says nothing is silent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn other_topic_and_silence_are_reported() {
+        let mut p = Publisher::start("kv").await;
+        let f = feeds(&p, "", Duration::from_millis(300));
+        f.start(Duration::from_secs(60));
+        let s = Arc::clone(&f.feeds()[0]);
+        until("connected", || f.state(&s) == FeedState::Live).await;
+        for _ in 0..50 {
+            p.publish(vec![stored(1, None, 0..4)], true).await;
+            if s.other_topic_messages.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(f.state(&s), FeedState::OtherTopic);
+        assert_eq!(s.seen_topic().as_deref(), Some("kv"));
+        f.refresh_exact();
+        assert!(!f.index.engines()[0].exact());
+
+        // Silence: a publisher nobody publishes on.
+        let quiet = Publisher::start("").await;
+        let f = feeds(&quiet, "", Duration::from_millis(200));
+        f.start(Duration::from_secs(60));
+        let s = Arc::clone(&f.feeds()[0]);
+        until("connected", || f.state(&s) == FeedState::Live).await;
+        f.routed(0);
+        until("silent", || f.state(&s) == FeedState::Silent).await;
+        f.refresh_exact();
+        assert!(!f.index.engines()[0].exact(), "a silent engine falls back to approximate entries");
     }
 }
