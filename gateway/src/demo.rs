@@ -304,7 +304,22 @@ pub async fn start_gateway_with(
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
     let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
-    let prefills = e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();
+    let prefills: Vec<Prefiller> =
+        e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();
+    let mut router = Router::new(setup.routing);
+    if matches!(setup.routing, Builtin::CacheAware(_)) {
+        // The simulated engines publish no KV events: what was routed where is the index.
+        let c = crate::config::cache::CacheRouting::default();
+        let settings = crate::config::cache::PrefixSettings {
+            block_size: c.block_size,
+            routed_ttl: Duration::from_millis(c.routed_ttl_ms),
+            max_blocks: c.max_blocks,
+            silent_after: Duration::from_millis(c.silent_after_ms),
+            feeds: Vec::new(),
+        };
+        let engines = prefills.iter().map(|p| p.name.clone()).chain(decoders.iter().map(|d| d.name.clone()));
+        router.prefix = Some(crate::prefix::feed::Feeds::start_with(engines.collect(), settings));
+    }
     let access = Access {
         plugins: None,
         keys: None,
@@ -319,7 +334,7 @@ pub async fn start_gateway_with(
         prefills,
         decoders,
         shared,
-        router: Router::new(setup.routing),
+        router,
         http: setup.http,
         access,
         listeners: vec![(listen, setup.tls)],

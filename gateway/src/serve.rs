@@ -128,7 +128,15 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     for d in c.decoders {
         decoders.push(d.start(&ctx).await?);
     }
-    let prefills = c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
+    let prefills: Vec<Prefiller> = c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
+    for w in &c.warnings {
+        tracing::warn!("{w}");
+    }
+    let mut router = Router::new(c.routing);
+    if let Some(settings) = c.prefix {
+        let engines = prefills.iter().map(|p| p.name.clone()).chain(decoders.iter().map(|d| d.name.clone()));
+        router.prefix = Some(crate::prefix::feed::Feeds::start_with(engines.collect(), settings));
+    }
     if !c.tokenizer.is_exact() {
         tracing::warn!(
             "model {} has no tokenizer configured: prompts are counted by the byte-level upper bound, which over-counts slots",
@@ -157,7 +165,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         prefills,
         decoders,
         shared,
-        router: Router::new(c.routing),
+        router,
         http: HttpTimeouts::default(),
         access,
         listeners: public,

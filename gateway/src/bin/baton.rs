@@ -79,6 +79,28 @@ async fn check(file: &Path) -> ExitCode {
                 c.tokenizer.describe()
             );
             println!("  routing {}, logs {:?} at {:?}", c.routing.name(), c.log.format, c.log.filter);
+            if let Some(p) = &c.prefix {
+                println!(
+                    "  block index: {} KV-event feeds; engines without events keyed by {}-token blocks of what was routed to them, for {} s",
+                    p.feeds.len(),
+                    p.block_size,
+                    p.routed_ttl.as_secs()
+                );
+                let names: Vec<&str> = c
+                    .prefills
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .chain(c.decoders.iter().map(|d| d.name.as_str()))
+                    .collect();
+                for f in &p.feeds {
+                    let name = names.get(f.engine).copied().unwrap_or("?");
+                    let replay = f.replay.as_deref().map_or(String::from("no replay"), |r| format!("replay {r}"));
+                    println!("    {name} rank {}: {} topic {:?}, {replay}", f.rank, f.endpoint, f.topic);
+                }
+            }
+            for w in &c.warnings {
+                println!("  warning: {w}");
+            }
             match &c.trace {
                 Some(t) => println!(
                     "  traces to {} (OTLP/HTTP, {} of requests, service {:?})",

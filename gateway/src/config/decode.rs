@@ -19,6 +19,8 @@ pub struct DecodePool {
     pub name: String,
     pub url: String,
     pub mode: PoolMode,
+    /// Its KV-event publisher.
+    pub events: super::cache::KvEventsKeys,
 }
 
 impl<'de> Deserialize<'de> for DecodePool {
@@ -38,8 +40,9 @@ impl<'de> Deserialize<'de> for DecodePool {
                 D::Error::custom(format!("unknown variant `{h}`, expected one of {}", names.join(", ")))
             })?,
         };
+        let events = super::cache::KvEventsKeys::take(&mut t).map_err(D::Error::custom)?;
         let mode = mode.keys(t).map_err(|e| D::Error::custom(e.message()))?;
-        Ok(Self { name, url, mode })
+        Ok(Self { name, url, mode, events })
     }
 }
 

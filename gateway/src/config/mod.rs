@@ -24,6 +24,7 @@ use crate::routing::{
 use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
+pub mod cache;
 pub mod decode;
 pub mod plugins;
 mod tls;
@@ -227,6 +228,24 @@ pub struct PrefillPool {
     pub name: String,
     /// `http://host:port`
     pub url: String,
+    /// Its KV-event publisher (see [`cache::KvEventsKeys`]).
+    pub kv_events: Option<String>,
+    pub kv_events_replay: Option<String>,
+    #[serde(default)]
+    pub kv_events_topic: String,
+    pub data_parallel_size: Option<u16>,
+}
+
+impl PrefillPool {
+    /// Its KV-event keys.
+    pub fn events(&self) -> cache::KvEventsKeys {
+        cache::KvEventsKeys {
+            endpoint: self.kv_events.clone(),
+            replay: self.kv_events_replay.clone(),
+            topic: self.kv_events_topic.clone(),
+            ranks: self.data_parallel_size.unwrap_or(1),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -259,6 +278,8 @@ pub struct Routing {
     pub health_check_interval_ms: u64,
     /// Health check answer deadline, ms (default [`DEFAULT_HEALTH_CHECK_TIMEOUT`]).
     pub health_check_timeout_ms: u64,
+    /// `[routing.cache]`: the cache-aware policy and the block index.
+    pub cache: cache::CacheRouting,
 }
 
 impl Default for Routing {
@@ -269,6 +290,7 @@ impl Default for Routing {
             eject_ms: ms(DEFAULT_EJECT_FOR),
             health_check_interval_ms: ms(DEFAULT_HEALTH_CHECK_INTERVAL),
             health_check_timeout_ms: ms(DEFAULT_HEALTH_CHECK_TIMEOUT),
+            cache: cache::CacheRouting::default(),
         }
     }
 }
@@ -393,6 +415,11 @@ pub struct Checked {
     pub tokenizer: std::sync::Arc<Tokenizer>,
     pub routing: Builtin,
     pub health: HealthConfig,
+    /// The block index and its KV-event feeds, when routing is cache-aware or an engine
+    /// publishes events.
+    pub prefix: Option<cache::PrefixSettings>,
+    /// What check-config and the start warn of (the configuration is usable).
+    pub warnings: Vec<String>,
     pub log: LogConfig,
     /// `[telemetry] tenant_series`.
     pub tenant_series: usize,
@@ -505,6 +532,12 @@ impl Config {
             ));
         }
         let (routing, health) = self.routing.check()?;
+        let events: Vec<(String, cache::KvEventsKeys)> = (self.prefill.iter().enumerate())
+            .map(|(i, p)| (format!("prefill[{i}]"), p.events()))
+            .chain(self.decode.iter().enumerate().map(|(i, d)| (format!("decode[{i}]"), d.events.clone())))
+            .collect();
+        let events: Vec<(String, &cache::KvEventsKeys)> = events.iter().map(|(f, k)| (f.clone(), k)).collect();
+        let (prefix, warnings) = self.routing.cache.check(routing, &events)?;
         let resolver = self.check_resolver()?;
         let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;
 
@@ -545,6 +578,8 @@ impl Config {
             tokenizer: std::sync::Arc::new(tokenizer),
             routing,
             health,
+            prefix,
+            warnings,
             log,
             tenant_series: self
                 .telemetry
@@ -777,9 +812,16 @@ impl Admission {
 
 impl Routing {
     fn check(&self) -> Result<(Builtin, HealthConfig), ConfigError> {
-        let routing = Builtin::parse(&self.policy).ok_or_else(|| {
-            err("routing.policy", format!("{:?} is not one of {}", self.policy, Builtin::NAMES.join(", ")))
-        })?;
+        let routing = match Builtin::parse(&self.policy) {
+            Some(Builtin::CacheAware(_)) => Builtin::CacheAware(self.cache.params()?),
+            Some(b) => b,
+            None => {
+                return Err(err(
+                    "routing.policy",
+                    format!("{:?} is not one of {}", self.policy, Builtin::NAMES.join(", ")),
+                ));
+            }
+        };
         for (field, v) in [
             ("routing.eject_after_failures", u64::from(self.eject_after_failures)),
             ("routing.health_check_interval_ms", self.health_check_interval_ms),

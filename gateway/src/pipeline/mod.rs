@@ -89,7 +89,8 @@ impl Roster {
                 json!({"name": name, "mode": mode, "won": i == chosen.decode, "why_not": lost,
                        "healthy": d.healthy.get(i), "slots_needed": d.slots_needed.get(i),
                        "capacity_slots": d.capacity_slots.get(i), "free_slots": d.free_slots.get(i),
-                       "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i)})
+                       "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i),
+                       "cached_tokens": d.cached_tokens.get(i)})
             })
             .collect();
         let p = &c.prefill;
@@ -99,7 +100,8 @@ impl Roster {
             .enumerate()
             .map(|(i, name)| {
                 json!({"name": name, "won": i == chosen.prefill, "healthy": p.healthy.get(i),
-                       "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i)})
+                       "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i),
+                       "cached_tokens": p.cached_tokens.get(i)})
             })
             .collect();
         json!({
@@ -233,14 +235,18 @@ impl Gateway {
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
-    pub fn candidates(&self, tokens: usize) -> Candidates {
+    pub fn candidates(&self, ids: &[u32]) -> Candidates {
+        let tokens = ids.len();
+        let mut cached = self.router.prefix.as_ref().map(|f| f.index.cached_tokens(ids)).unwrap_or_default();
+        let decode_cached = cached.split_off(self.prefills.len().min(cached.len()));
         let mut c = Candidates {
             prefill: PrefillView {
                 healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
                 in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
                 latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
+                cached_tokens: cached,
             },
-            decode: DecodeView::default(),
+            decode: DecodeView { cached_tokens: decode_cached, ..DecodeView::default() },
         };
         for d in &self.decoders {
             let l = d.queue.load();
@@ -529,7 +535,7 @@ impl Gateway {
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
-        let routes = self.route(preq.as_ref(), &facts, ids.len(), live, trace.as_ref()).await?;
+        let routes = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
@@ -629,11 +635,11 @@ impl Gateway {
         &self,
         preq: Option<&Arc<PolicyRequest>>,
         facts: &RouteFacts<'_>,
-        prompt_tokens: usize,
+        ids: &[u32],
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
     ) -> Result<Vec<Route>, GatewayError> {
-        let cands = self.candidates(prompt_tokens);
+        let cands = self.candidates(ids);
         let mut by_plugin = None;
         let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
             (Some(p), Some(preq)) => {
@@ -660,11 +666,25 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         if let Some(chosen) = routes.first().copied() {
+            self.note_routed(chosen, ids);
             let roster = Arc::clone(&self.roster);
             let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
             live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
         }
         Ok(routes)
+    }
+
+    /// Tells the block index where the prompt went: engines without live events get its blocks
+    /// as approximate entries, and engines with feeds are expected to publish.
+    fn note_routed(&self, chosen: Route, ids: &[u32]) {
+        let Some(feeds) = &self.router.prefix else { return };
+        let p = self.prefills.len();
+        for engine in [chosen.prefill, p + chosen.decode] {
+            feeds.index.routed(engine, ids);
+            if ids.len() >= feeds.index.block_size(engine) as usize {
+                feeds.routed(engine);
+            }
+        }
     }
 
     /// The request's phases into the metrics and its in-flight entry.

@@ -180,6 +180,15 @@ impl Feeds {
         })
     }
 
+    /// The index over `engines` (prefills first, then decoders) and its feeds as configured,
+    /// started. Must run inside a Tokio runtime.
+    pub fn start_with(engines: Vec<String>, s: crate::config::cache::PrefixSettings) -> Arc<Self> {
+        let index = Arc::new(PrefixIndex::new(engines, s.block_size, s.max_blocks, s.routed_ttl));
+        let feeds = Self::new(index, s.feeds, s.silent_after);
+        feeds.start((s.routed_ttl / 4).max(Duration::from_secs(1)));
+        feeds
+    }
+
     /// Starts a task per feed, and one that marks silent feeds, updates which engines are exact
     /// and sweeps expired approximate entries. Must run inside a Tokio runtime.
     pub fn start(self: &Arc<Self>, sweep_every: Duration) {

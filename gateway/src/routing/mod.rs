@@ -15,6 +15,8 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 /// Consecutive failures (connection refused, 5xx, timeouts) that eject an endpoint.
 pub const DEFAULT_EJECT_AFTER_FAILURES: u32 = 3;
 /// How long a first ejection lasts.
@@ -25,6 +27,55 @@ pub const MAX_EJECT_FOR: Duration = Duration::from_secs(60);
 pub const DEFAULT_HEALTH_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 /// An endpoint that does not answer its health check within this is marked down.
 pub const DEFAULT_HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The cache-aware policy's load guard and weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CacheParams {
+    /// An engine whose load is above this share of the least loaded candidate's (percent) and
+    /// more than `guard_slack` above it is never chosen for its cache.
+    pub guard_ratio_pct: u32,
+    /// Load (requests) any engine may carry above the least loaded one whatever the ratio, so an
+    /// idle fleet does not spread a conversation over every engine.
+    pub guard_slack: u32,
+    /// How much a cached prompt counts against load, percent: a candidate's score is
+    /// `weight × cached/prompt − (load − least)/(guard limit − least + 1)`.
+    pub cache_weight_pct: u32,
+}
+
+impl Default for CacheParams {
+    fn default() -> Self {
+        Self { guard_ratio_pct: 150, guard_slack: 2, cache_weight_pct: 100 }
+    }
+}
+
+impl CacheParams {
+    /// The most load a candidate may carry and still be chosen for its cache.
+    pub fn guard_limit(&self, least: u32) -> u32 {
+        let by_ratio = u64::from(least) * u64::from(self.guard_ratio_pct) / 100;
+        u32::try_from(by_ratio).unwrap_or(u32::MAX).max(least.saturating_add(self.guard_slack))
+    }
+
+    /// The candidate with the best score among `candidates` within the load guard (ties: the
+    /// least loaded, then the first).
+    fn pick(
+        &self,
+        candidates: &[usize],
+        load: impl Fn(usize) -> u32,
+        cached: impl Fn(usize) -> u32,
+        prompt_tokens: u32,
+    ) -> Option<usize> {
+        let least = candidates.iter().map(|&i| load(i)).min()?;
+        let limit = self.guard_limit(least);
+        let score = |i: usize| {
+            let cache = f64::from(cached(i)) / f64::from(prompt_tokens.max(1));
+            let over = f64::from(load(i).saturating_sub(least)) / f64::from(limit - least + 1);
+            f64::from(self.cache_weight_pct) / 100.0 * cache - over
+        };
+        candidates.iter().copied().filter(|&i| load(i) <= limit).min_by(|&a, &b| {
+            score(b).total_cmp(&score(a)).then(load(a).cmp(&load(b))).then(a.cmp(&b))
+        })
+    }
+}
 
 /// The built-in policies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -37,16 +88,21 @@ pub enum Builtin {
     /// slots free; prefill: fewest in flight.
     #[default]
     KvAware,
+    /// Where the prompt's prefix is cached: prefill and decode engines scored by the tokens of
+    /// the prompt they hold (from their KV events, or from what was routed to them) against
+    /// their load, never above the load guard; decoders must fit the request as in `KvAware`.
+    CacheAware(CacheParams),
 }
 
 impl Builtin {
-    pub const NAMES: [&'static str; 3] = ["round-robin", "least-loaded", "kv-aware"];
+    pub const NAMES: [&'static str; 4] = ["round-robin", "least-loaded", "kv-aware", "cache-aware"];
 
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "round-robin" => Some(Self::RoundRobin),
             "least-loaded" => Some(Self::LeastLoaded),
             "kv-aware" => Some(Self::KvAware),
+            "cache-aware" => Some(Self::CacheAware(CacheParams::default())),
             _ => None,
         }
     }
@@ -56,6 +112,7 @@ impl Builtin {
             Self::RoundRobin => "round-robin",
             Self::LeastLoaded => "least-loaded",
             Self::KvAware => "kv-aware",
+            Self::CacheAware(_) => "cache-aware",
         }
     }
 }
@@ -79,6 +136,8 @@ pub struct PrefillView {
     pub in_flight: Vec<u32>,
     /// Moving average of the prefill leg, µs (0 before the first request).
     pub latency_us: Vec<u32>,
+    /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
+    pub cached_tokens: Vec<u32>,
 }
 
 /// Decode candidates, one list per metric.
@@ -93,6 +152,27 @@ pub struct DecodeView {
     pub waiting_slots: Vec<u64>,
     /// Requests holding slots on the decoder (admitted, not yet released).
     pub in_flight: Vec<u32>,
+    /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
+    pub cached_tokens: Vec<u32>,
+}
+
+impl DecodeView {
+    /// Slots the request needs on decoder `i`.
+    fn need(&self, i: usize, f: &RouteFacts<'_>) -> u32 {
+        self.slots_needed.get(i).copied().unwrap_or(f.slots)
+    }
+
+    /// Whether decoder `i`'s buffer can hold the request at all.
+    fn fits(&self, i: usize, f: &RouteFacts<'_>) -> bool {
+        self.capacity_slots.get(i).is_some_and(|&c| c >= self.need(i, f))
+    }
+
+    /// Decoder `i`'s load in requests: those holding slots, and those waiting (their slots over
+    /// this request's).
+    pub fn load(&self, i: usize, f: &RouteFacts<'_>) -> u32 {
+        let waiting = self.waiting_slots.get(i).copied().unwrap_or(0).div_ceil(u64::from(self.need(i, f).max(1)));
+        self.in_flight.get(i).copied().unwrap_or(0).saturating_add(u32::try_from(waiting).unwrap_or(u32::MAX))
+    }
 }
 
 /// Every candidate.
@@ -138,6 +218,15 @@ fn fewest_in_flight(p: &PrefillView) -> Option<usize> {
     healthy_indexes(&p.healthy).min_by_key(|&i| p.in_flight.get(i).copied().unwrap_or(u32::MAX))
 }
 
+/// Among decoders whose buffer can hold the request, fewest slots waiting, then most free; when
+/// none can, the largest (whose admission refuses with both numbers).
+fn kv_aware(f: &RouteFacts<'_>, d: &DecodeView) -> Option<usize> {
+    let best = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).min_by_key(|&i| {
+        (d.waiting_slots.get(i).copied().unwrap_or(0), u32::MAX - d.free_slots.get(i).copied().unwrap_or(0))
+    });
+    best.or_else(|| healthy_indexes(&d.healthy).max_by_key(|&i| d.capacity_slots.get(i).copied().unwrap_or(0)))
+}
+
 impl RoutingPolicy for Builtin {
     fn name(&self) -> &str {
         Builtin::name(*self)
@@ -155,22 +244,21 @@ impl RoutingPolicy for Builtin {
             Self::LeastLoaded => {
                 (fewest_in_flight(&c.prefill), healthy_indexes(&d.healthy).min_by_key(|&i| held(i)))
             }
-            Self::KvAware => {
-                let fits = |i: &usize| {
-                    let need = d.slots_needed.get(*i).copied().unwrap_or(f.slots);
-                    d.capacity_slots.get(*i).is_some_and(|&c| c >= need)
-                };
-                let best = healthy_indexes(&d.healthy).filter(fits).min_by_key(|&i| {
-                    (
-                        d.waiting_slots.get(i).copied().unwrap_or(0),
-                        u32::MAX - d.free_slots.get(i).copied().unwrap_or(0),
-                    )
-                });
-                // None fits: the largest, whose admission refuses with both numbers.
-                let decode = best.or_else(|| {
-                    healthy_indexes(&d.healthy).max_by_key(|&i| d.capacity_slots.get(i).copied().unwrap_or(0))
-                });
-                (fewest_in_flight(&c.prefill), decode)
+            Self::KvAware => (fewest_in_flight(&c.prefill), kv_aware(f, d)),
+            Self::CacheAware(params) => {
+                let p = &c.prefill;
+                let up: SmallVec<[usize; 16]> = healthy_indexes(&p.healthy).collect();
+                let prefill = params.pick(
+                    &up,
+                    |i| p.in_flight.get(i).copied().unwrap_or(0),
+                    |i| p.cached_tokens.get(i).copied().unwrap_or(0),
+                    f.prompt_tokens,
+                );
+                let fitting: SmallVec<[usize; 16]> = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).collect();
+                let decode = params
+                    .pick(&fitting, |i| d.load(i, f), |i| d.cached_tokens.get(i).copied().unwrap_or(0), f.prompt_tokens)
+                    .or_else(|| kv_aware(f, d));
+                (prefill, decode)
             }
         };
         match (prefill, decode) {
@@ -191,6 +279,8 @@ impl Builtin {
             u64::from(get(&d.capacity_slots, i).saturating_sub(get(&d.free_slots, i))) + waiting(i)
         };
         let need = |i: usize| d.slots_needed.get(i).copied().unwrap_or(f.slots);
+        let cached = |i: usize| d.cached_tokens.get(i).copied().unwrap_or(0);
+        let least = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).map(|i| d.load(i, f)).min().unwrap_or(0);
         (0..d.healthy.len())
             .map(|i| {
                 if i == chosen {
@@ -204,7 +294,7 @@ impl Builtin {
                     Self::LeastLoaded if held(i) > held(chosen) => {
                         format!("more slots held or waiting: {} against {}", held(i), held(chosen))
                     }
-                    Self::KvAware if get(&d.capacity_slots, i) < need(i) => {
+                    Self::KvAware | Self::CacheAware(_) if get(&d.capacity_slots, i) < need(i) => {
                         format!(
                             "cannot hold the request: it needs {} slots, the buffer has {}",
                             need(i),
@@ -221,6 +311,26 @@ impl Builtin {
                             get(&d.free_slots, chosen)
                         )
                     }
+                    Self::CacheAware(p) if d.load(i, f) > p.guard_limit(least) => format!(
+                        "over the load guard: {} requests against the least loaded's {} (limit {})",
+                        d.load(i, f),
+                        least,
+                        p.guard_limit(least)
+                    ),
+                    Self::CacheAware(_) if cached(i) < cached(chosen) => format!(
+                        "fewer prompt tokens cached: {} against {} (load {} against {})",
+                        cached(i),
+                        cached(chosen),
+                        d.load(i, f),
+                        d.load(chosen, f)
+                    ),
+                    Self::CacheAware(_) if d.load(i, f) > d.load(chosen, f) => format!(
+                        "its load outweighs its cache: {} requests against {}, {} tokens cached against {}",
+                        d.load(i, f),
+                        d.load(chosen, f),
+                        cached(i),
+                        cached(chosen)
+                    ),
                     _ => "tied with the chosen one, which comes first".to_owned(),
                 })
             })
@@ -242,11 +352,14 @@ pub struct Router {
     pub policy: Option<Box<dyn RoutingPolicy>>,
     /// Decisions of `policy` that were invalid and replaced by the built-in one.
     pub invalid: AtomicU64,
+    /// The block index and its KV-event feeds (engines numbered prefills first, then decoders),
+    /// when kept: the candidates' cached tokens come from it.
+    pub prefix: Option<std::sync::Arc<crate::prefix::feed::Feeds>>,
 }
 
 impl Router {
     pub fn new(builtin: Builtin) -> Self {
-        Self { builtin, policy: None, invalid: AtomicU64::new(0) }
+        Self { builtin, policy: None, invalid: AtomicU64::new(0), prefix: None }
     }
 
     fn valid(r: &Route, c: &Candidates) -> bool {

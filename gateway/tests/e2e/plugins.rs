@@ -241,7 +241,7 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         let headers = hyper::HeaderMap::new();
         let sender = baton_gateway::policy::Sender { headers: &headers, tenant: None };
         let facts = plugins.request("baton-sim", "completions", sender, &ids, 1, Some(2));
-        let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(ids.len()));
+        let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(&ids));
         let want = match direct.route(&facts, &p, &d) {
             Some(baton_gateway::routing::Decision::Route(r)) => format!("d{}", r[0].decode),
             other => panic!("{other:?}"),
