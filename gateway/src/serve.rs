@@ -128,7 +128,8 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     for d in c.decoders {
         decoders.push(d.start(&ctx).await?);
     }
-    let prefills: Vec<Prefiller> = c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
+    let prefills: Vec<Prefiller> =
+        c.prefills.into_iter().map(|(name, http)| Prefiller::new(name, http)).collect();
     for w in &c.warnings {
         tracing::warn!("{w}");
     }

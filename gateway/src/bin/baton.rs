@@ -94,7 +94,8 @@ async fn check(file: &Path) -> ExitCode {
                     .collect();
                 for f in &p.feeds {
                     let name = names.get(f.engine).copied().unwrap_or("?");
-                    let replay = f.replay.as_deref().map_or(String::from("no replay"), |r| format!("replay {r}"));
+                    let replay =
+                        f.replay.as_deref().map_or(String::from("no replay"), |r| format!("replay {r}"));
                     println!("    {name} rank {}: {} topic {:?}, {replay}", f.rank, f.endpoint, f.topic);
                 }
             }

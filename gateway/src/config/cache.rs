@@ -40,7 +40,9 @@ impl KvEventsKeys {
             Some(toml::Value::Integer(n)) => {
                 u16::try_from(n).map_err(|_| format!("data_parallel_size: {n} is not between 1 and 65535"))?
             }
-            Some(v) => return Err(format!("data_parallel_size: expected an integer, found {}", v.type_str())),
+            Some(v) => {
+                return Err(format!("data_parallel_size: expected an integer, found {}", v.type_str()));
+            }
         };
         Ok(Self { endpoint, replay, topic, ranks })
     }
@@ -63,7 +65,9 @@ impl KvEventsKeys {
                     rank,
                     endpoint: offset(endpoint, rank).map_err(|e| err(format!("{field}.kv_events"), e))?,
                     replay: match &self.replay {
-                        Some(r) => Some(offset(r, rank).map_err(|e| err(format!("{field}.kv_events_replay"), e))?),
+                        Some(r) => {
+                            Some(offset(r, rank).map_err(|e| err(format!("{field}.kv_events_replay"), e))?)
+                        }
                         None => None,
                     },
                     topic: self.topic.clone(),
@@ -78,15 +82,22 @@ impl KvEventsKeys {
 fn offset(endpoint: &str, rank: u16) -> Result<String, String> {
     let (scheme, rest) = match endpoint.split_once("://") {
         Some(("tcp", rest)) => ("tcp://", rest),
-        Some((other, _)) => return Err(format!("{endpoint:?}: only tcp:// endpoints are read, not {other}://")),
+        Some((other, _)) => {
+            return Err(format!("{endpoint:?}: only tcp:// endpoints are read, not {other}://"));
+        }
         None => ("tcp://", endpoint),
     };
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("{endpoint:?} has no port"))?;
     if host.is_empty() || host == "*" {
-        return Err(format!("{endpoint:?}: name the engine's host (the engine binds `*`, the gateway connects)"));
+        return Err(format!(
+            "{endpoint:?}: name the engine's host (the engine binds `*`, the gateway connects)"
+        ));
     }
     let port: u16 = port.parse().map_err(|_| format!("{endpoint:?}: {port:?} is not a port"))?;
-    let port = port.checked_add(rank).filter(|p| *p != 0).ok_or_else(|| format!("{endpoint:?}: rank {rank} overflows the port"))?;
+    let port = port
+        .checked_add(rank)
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("{endpoint:?}: rank {rank} overflows the port"))?;
     Ok(format!("{scheme}{host}:{port}"))
 }
 
@@ -142,10 +153,16 @@ impl CacheRouting {
     /// The policy's parameters.
     pub fn params(&self) -> Result<CacheParams, ConfigError> {
         if !(1.0..=100.0).contains(&self.guard_ratio) {
-            return Err(err("routing.cache.guard_ratio", format!("{} is not between 1 and 100", self.guard_ratio)));
+            return Err(err(
+                "routing.cache.guard_ratio",
+                format!("{} is not between 1 and 100", self.guard_ratio),
+            ));
         }
         if !(0.0..=100.0).contains(&self.cache_weight) {
-            return Err(err("routing.cache.cache_weight", format!("{} is not between 0 and 100", self.cache_weight)));
+            return Err(err(
+                "routing.cache.cache_weight",
+                format!("{} is not between 0 and 100", self.cache_weight),
+            ));
         }
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let pct = |v: f64| (v * 100.0).round() as u32;

@@ -536,7 +536,8 @@ impl Config {
             .map(|(i, p)| (format!("prefill[{i}]"), p.events()))
             .chain(self.decode.iter().enumerate().map(|(i, d)| (format!("decode[{i}]"), d.events.clone())))
             .collect();
-        let events: Vec<(String, &cache::KvEventsKeys)> = events.iter().map(|(f, k)| (f.clone(), k)).collect();
+        let events: Vec<(String, &cache::KvEventsKeys)> =
+            events.iter().map(|(f, k)| (f.clone(), k)).collect();
         let (prefix, warnings) = self.routing.cache.check(routing, &events)?;
         let resolver = self.check_resolver()?;
         let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;

@@ -207,7 +207,12 @@ fn compiled_components_come_from_the_disk_cache_the_second_time() {
 fn cands(free: Vec<u32>, waiting: Vec<u64>) -> Candidates {
     let n = free.len();
     Candidates {
-        prefill: PrefillView { healthy: vec![true, true], in_flight: vec![3, 1], latency_us: vec![900, 800] },
+        prefill: PrefillView {
+            healthy: vec![true, true],
+            in_flight: vec![3, 1],
+            latency_us: vec![900, 800],
+            cached_tokens: Vec::new(),
+        },
         decode: DecodeView {
             healthy: vec![true; n],
             slots_needed: vec![2; n],
@@ -215,6 +220,7 @@ fn cands(free: Vec<u32>, waiting: Vec<u64>) -> Candidates {
             free_slots: free,
             waiting_slots: waiting,
             in_flight: vec![0; n],
+            cached_tokens: Vec::new(),
         },
     }
 }

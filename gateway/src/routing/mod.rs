@@ -71,9 +71,11 @@ impl CacheParams {
             let over = f64::from(load(i).saturating_sub(least)) / f64::from(limit - least + 1);
             f64::from(self.cache_weight_pct) / 100.0 * cache - over
         };
-        candidates.iter().copied().filter(|&i| load(i) <= limit).min_by(|&a, &b| {
-            score(b).total_cmp(&score(a)).then(load(a).cmp(&load(b))).then(a.cmp(&b))
-        })
+        candidates
+            .iter()
+            .copied()
+            .filter(|&i| load(i) <= limit)
+            .min_by(|&a, &b| score(b).total_cmp(&score(a)).then(load(a).cmp(&load(b))).then(a.cmp(&b)))
     }
 }
 
@@ -170,7 +172,8 @@ impl DecodeView {
     /// Decoder `i`'s load in requests: those holding slots, and those waiting (their slots over
     /// this request's).
     pub fn load(&self, i: usize, f: &RouteFacts<'_>) -> u32 {
-        let waiting = self.waiting_slots.get(i).copied().unwrap_or(0).div_ceil(u64::from(self.need(i, f).max(1)));
+        let waiting =
+            self.waiting_slots.get(i).copied().unwrap_or(0).div_ceil(u64::from(self.need(i, f).max(1)));
         self.in_flight.get(i).copied().unwrap_or(0).saturating_add(u32::try_from(waiting).unwrap_or(u32::MAX))
     }
 }
@@ -224,7 +227,9 @@ fn kv_aware(f: &RouteFacts<'_>, d: &DecodeView) -> Option<usize> {
     let best = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).min_by_key(|&i| {
         (d.waiting_slots.get(i).copied().unwrap_or(0), u32::MAX - d.free_slots.get(i).copied().unwrap_or(0))
     });
-    best.or_else(|| healthy_indexes(&d.healthy).max_by_key(|&i| d.capacity_slots.get(i).copied().unwrap_or(0)))
+    best.or_else(|| {
+        healthy_indexes(&d.healthy).max_by_key(|&i| d.capacity_slots.get(i).copied().unwrap_or(0))
+    })
 }
 
 impl RoutingPolicy for Builtin {
@@ -254,9 +259,15 @@ impl RoutingPolicy for Builtin {
                     |i| p.cached_tokens.get(i).copied().unwrap_or(0),
                     f.prompt_tokens,
                 );
-                let fitting: SmallVec<[usize; 16]> = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).collect();
+                let fitting: SmallVec<[usize; 16]> =
+                    healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).collect();
                 let decode = params
-                    .pick(&fitting, |i| d.load(i, f), |i| d.cached_tokens.get(i).copied().unwrap_or(0), f.prompt_tokens)
+                    .pick(
+                        &fitting,
+                        |i| d.load(i, f),
+                        |i| d.cached_tokens.get(i).copied().unwrap_or(0),
+                        f.prompt_tokens,
+                    )
                     .or_else(|| kv_aware(f, d));
                 (prefill, decode)
             }
@@ -280,7 +291,8 @@ impl Builtin {
         };
         let need = |i: usize| d.slots_needed.get(i).copied().unwrap_or(f.slots);
         let cached = |i: usize| d.cached_tokens.get(i).copied().unwrap_or(0);
-        let least = healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).map(|i| d.load(i, f)).min().unwrap_or(0);
+        let least =
+            healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).map(|i| d.load(i, f)).min().unwrap_or(0);
         (0..d.healthy.len())
             .map(|i| {
                 if i == chosen {
@@ -548,6 +560,7 @@ mod tests {
                 healthy: vec![true, true, true],
                 in_flight: vec![5, 1, 3],
                 latency_us: vec![0; 3],
+                cached_tokens: Vec::new(),
             },
             decode: DecodeView {
                 healthy: vec![true, true, true],
@@ -556,6 +569,7 @@ mod tests {
                 free_slots: vec![60, 10, 32],
                 waiting_slots: vec![0, 0, 4],
                 in_flight: vec![0; 3],
+                cached_tokens: Vec::new(),
             },
         }
     }
@@ -596,6 +610,83 @@ mod tests {
         let mut c = cands();
         c.decode.slots_needed = vec![500, 500, 1];
         assert_eq!(first(Builtin::KvAware.route(&facts(500, 0), &c)).decode, 2);
+    }
+
+    #[test]
+    fn cache_aware_prefers_the_cache_within_the_load_guard() {
+        let ca = Builtin::CacheAware(CacheParams::default());
+        let f = facts(8, 0); // 128 prompt tokens
+        let mut c = cands();
+        c.prefill.in_flight = vec![2, 0, 1];
+        c.prefill.cached_tokens = vec![128, 0, 64];
+        c.decode.in_flight = vec![1, 0, 0];
+        c.decode.cached_tokens = vec![0, 0, 96];
+        // Prefill 0 holds the whole prompt at 2 in flight (the least has 0, the guard allows
+        // 0 + 2); decoder 2 holds most of it.
+        assert_eq!(first(ca.route(&f, &c)), Route { prefill: 0, decode: 2 });
+        // Past the guard (least 0, limit 2): prefill 0 is not chosen for its cache; prefill 2
+        // (half cached, 1 in flight) is, over the idle one.
+        c.prefill.in_flight = vec![3, 0, 1];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 2);
+        // The ratio applies at load: least 10, limit 15. Half the prompt cached is worth 2 more
+        // requests (score 0.5 - 2/6), not 5 (0.5 - 5/6, less than the idle one's 0).
+        c.prefill.in_flight = vec![16, 10, 12];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 2);
+        c.prefill.in_flight = vec![16, 10, 15];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 1);
+        // No cache anywhere: the least loaded.
+        c.prefill.cached_tokens = vec![0; 3];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 1);
+        // A decoder that cannot hold the request is never chosen for its cache: of the two that
+        // can, the less loaded.
+        c.decode.cached_tokens = vec![0, 0, 128];
+        assert_eq!(first(ca.route(&facts(40, 0), &c)).decode, 1);
+        let why = ca.why_not(&facts(40, 0), &c, 1);
+        assert!(why[2].as_deref().unwrap().contains("cannot hold"), "{why:?}");
+        // The losers are told in the numbers compared.
+        // 9 holding slots and 4 slots waiting (one request of 8): 10 against a limit of 2.
+        c.decode.in_flight = vec![0, 0, 9];
+        let why = ca.why_not(&f, &c, 0);
+        assert!(why[2].as_deref().unwrap().contains("over the load guard: 10 requests"), "{why:?}");
+        assert!(why[1].as_deref().unwrap().contains("tied"), "{why:?}");
+    }
+
+    /// Nine requests in ten share one prefix, which every engine's cache soon holds on one
+    /// engine: the guard keeps that engine within its limit at every choice, and the others
+    /// take the rest.
+    #[test]
+    fn a_hot_prefix_never_pushes_an_engine_past_the_guard() {
+        let p = CacheParams::default();
+        let ca = Builtin::CacheAware(p);
+        let mut load = [0u32; 4];
+        let mut cached_on = [false; 4];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        for seq in 0..10_000u64 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let hot = rng % 10 != 0;
+            let c = Candidates {
+                prefill: PrefillView {
+                    healthy: vec![true; 4],
+                    in_flight: load.to_vec(),
+                    latency_us: vec![0; 4],
+                    cached_tokens: cached_on.iter().map(|&h| if hot && h { 1024 } else { 0 }).collect(),
+                },
+                decode: cands().decode,
+            };
+            let f = RouteFacts { model: "m", prompt_tokens: 1100, slots: 1, max_tokens: None, seq };
+            let chosen = first(ca.route(&f, &c)).prefill;
+            let least = *load.iter().min().unwrap();
+            assert!(load[chosen] <= p.guard_limit(least), "{load:?} chose {chosen}");
+            load[chosen] += 1;
+            if hot {
+                cached_on[chosen] = true;
+            }
+            // Requests finish at random.
+            let done = usize::try_from(rng >> 32).unwrap() % 4;
+            load[done] = load[done].saturating_sub(1);
+        }
     }
 
     #[derive(Debug)]
