@@ -666,7 +666,7 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         if let Some(chosen) = routes.first().copied() {
-            self.note_routed(chosen, ids);
+            self.note_routed(chosen, ids, &cands);
             let roster = Arc::clone(&self.roster);
             let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
             live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
@@ -676,8 +676,10 @@ impl Gateway {
 
     /// Tells the block index where the prompt went: engines without live events get its blocks
     /// as approximate entries, and engines with feeds are expected to publish.
-    fn note_routed(&self, chosen: Route, ids: &[u32]) {
+    fn note_routed(&self, chosen: Route, ids: &[u32], c: &Candidates) {
         let Some(feeds) = &self.router.prefix else { return };
+        feeds.count_route(0, ids.len(), c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0));
+        feeds.count_route(1, ids.len(), c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0));
         let p = self.prefills.len();
         for engine in [chosen.prefill, p + chosen.decode] {
             feeds.index.routed(engine, ids);

@@ -18,10 +18,12 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use tokio::task::JoinHandle;
 
 use super::PrefixIndex;
 use crate::kv_events::{EventError, Message, Next, Subscriber, replay};
+use crate::telemetry::Scrape;
 
 /// How long a connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -155,6 +157,9 @@ impl FeedStatus {
 pub struct Feeds {
     pub index: Arc<PrefixIndex>,
     feeds: Vec<Arc<FeedStatus>>,
+    /// Prompt tokens routed, and of them those the chosen engine held, per pool (prefill, decode).
+    routed_tokens: [AtomicU64; 2],
+    cached_routed_tokens: [AtomicU64; 2],
     epoch: Instant,
     silent_after: Duration,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -174,6 +179,8 @@ impl Feeds {
         Arc::new(Self {
             index,
             feeds: configs.into_iter().map(|c| Arc::new(FeedStatus::new(c))).collect(),
+            routed_tokens: Default::default(),
+            cached_routed_tokens: Default::default(),
             epoch: Instant::now(),
             silent_after,
             tasks: Mutex::new(Vec::new()),
@@ -245,6 +252,158 @@ impl Feeds {
         for f in self.feeds.iter().filter(|f| f.config.engine == engine) {
             let _ = f.routed_since_ms.compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
         }
+    }
+
+    /// Counts a routed prompt of `prompt` tokens, `cached` of which the chosen engine of `pool`
+    /// (0 prefill, 1 decode) held.
+    pub fn count_route(&self, pool: usize, prompt: usize, cached: u32) {
+        if let (Some(r), Some(c)) = (self.routed_tokens.get(pool), self.cached_routed_tokens.get(pool)) {
+            r.fetch_add(prompt as u64, Ordering::Relaxed);
+            c.fetch_add(u64::from(cached), Ordering::Relaxed);
+        }
+    }
+
+    /// The index's and the feeds' series for `/metrics`.
+    pub fn scrape(&self, s: &mut Scrape) {
+        let c = self.index.counts();
+        let help = "(engine, block) entries in the block index, by where they came from.";
+        s.gauge(
+            "baton_prefix_index_entries",
+            help,
+            &[("source", "events")],
+            (c.entries - c.routed_entries) as f64,
+        );
+        s.gauge("baton_prefix_index_entries", help, &[("source", "routed")], c.routed_entries as f64);
+        s.gauge("baton_prefix_index_keys", "Distinct block keys in the block index.", &[], c.keys as f64);
+        s.counter(
+            "baton_prefix_index_dropped_total",
+            "Entries not indexed because the index was full (routing.cache.max_blocks).",
+            &[],
+            c.dropped as f64,
+        );
+        for (pool, i) in [("prefill", 0), ("decode", 1)] {
+            let get = |a: &[AtomicU64; 2]| a.get(i).map_or(0.0, |v| v.load(Ordering::Relaxed) as f64);
+            s.counter(
+                "baton_route_prompt_tokens_total",
+                "Prompt tokens of routed requests, per pool.",
+                &[("pool", pool)],
+                get(&self.routed_tokens),
+            );
+            s.counter(
+                "baton_route_cached_tokens_total",
+                "Of them, tokens the chosen engine held in KV cache as the index saw it (the hit ratio is their quotient).",
+                &[("pool", pool)],
+                get(&self.cached_routed_tokens),
+            );
+        }
+        for (e, engine) in self.index.engines().iter().enumerate() {
+            if self.has_feed(e) {
+                s.gauge(
+                    "baton_prefix_engine_exact",
+                    "1 when every KV-event feed of the engine is live (0: it is matched by what was routed to it).",
+                    &[("engine", &engine.name)],
+                    f64::from(u8::from(engine.exact())),
+                );
+            }
+        }
+        for f in &self.feeds {
+            let name = self.index.engines().get(f.config.engine).map_or("?", |e| e.name.as_str());
+            let rank = f.config.rank.to_string();
+            let labels = [("engine", name), ("rank", rank.as_str())];
+            let now = self.state(f);
+            for st in FeedState::ALL {
+                let l = [("engine", name), ("rank", rank.as_str()), ("state", st.name())];
+                s.gauge(
+                    "baton_kv_events_feed_state",
+                    "1 for the state a KV-event feed is in.",
+                    &l,
+                    f64::from(u8::from(st == now)),
+                );
+            }
+            let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+            for (name, help, v) in [
+                (
+                    "baton_kv_events_messages_total",
+                    "KV-event batches applied (live and replayed).",
+                    &f.messages,
+                ),
+                (
+                    "baton_kv_events_blocks_stored_total",
+                    "Blocks the engine stored, indexed.",
+                    &f.blocks_stored,
+                ),
+                (
+                    "baton_kv_events_blocks_removed_total",
+                    "Blocks the engine removed or cleared.",
+                    &f.blocks_removed,
+                ),
+                (
+                    "baton_kv_events_orphaned_blocks_total",
+                    "Blocks stored under a parent the index never saw (not indexed).",
+                    &f.orphaned,
+                ),
+                ("baton_kv_events_missed_total", "Batches the sequence numbers say were lost.", &f.missed),
+                (
+                    "baton_kv_events_replayed_total",
+                    "Batches applied from the engine's replay socket.",
+                    &f.replayed,
+                ),
+                (
+                    "baton_kv_events_replay_failures_total",
+                    "Replays that failed (the feed's entries were forgotten).",
+                    &f.replay_failures,
+                ),
+                (
+                    "baton_kv_events_restarts_total",
+                    "Times the engine's sequence went back (it started again).",
+                    &f.restarts,
+                ),
+                (
+                    "baton_kv_events_other_topic_total",
+                    "Messages on another topic than kv_events_topic.",
+                    &f.other_topic_messages,
+                ),
+                ("baton_kv_events_decode_errors_total", "Messages that did not decode.", &f.decode_errors),
+            ] {
+                s.counter(name, help, &labels, n(v));
+            }
+        }
+    }
+
+    /// `/admin/cache`: the index's size and every feed's state and counters.
+    pub fn view(&self) -> serde_json::Value {
+        let c = self.index.counts();
+        let exact = self.index.exact_blocks();
+        let engines: Vec<serde_json::Value> = (self.index.engines().iter().enumerate())
+            .map(|(e, engine)| {
+                let media: serde_json::Map<String, serde_json::Value> =
+                    exact.get(e).into_iter().flatten().map(|(m, n)| (m.clone(), json!(n))).collect();
+                json!({"name": engine.name, "has_kv_events": self.has_feed(e), "exact": engine.exact(),
+                       "block_size": self.index.block_size(e), "exact_blocks": media})
+            })
+            .collect();
+        let feeds: Vec<serde_json::Value> = self
+            .feeds
+            .iter()
+            .map(|f| {
+                let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                let last = f.last_message_ms.load(Ordering::Relaxed);
+                json!({
+                    "engine": self.index.engines().get(f.config.engine).map(|e| e.name.as_str()),
+                    "rank": f.config.rank, "endpoint": f.config.endpoint, "replay": f.config.replay,
+                    "topic": f.config.topic, "state": self.state(f).name(),
+                    "last_message_ago_ms": (last != 0).then(|| self.now_ms().saturating_sub(last)),
+                    "messages": n(&f.messages), "blocks_stored": n(&f.blocks_stored),
+                    "blocks_removed": n(&f.blocks_removed), "orphaned_blocks": n(&f.orphaned),
+                    "missed": n(&f.missed), "replays": n(&f.replays), "replayed": n(&f.replayed),
+                    "replay_failures": n(&f.replay_failures), "restarts": n(&f.restarts),
+                    "other_topic_messages": n(&f.other_topic_messages), "other_topic": f.seen_topic(),
+                    "decode_errors": n(&f.decode_errors), "last_error": f.last_error(),
+                })
+            })
+            .collect();
+        json!({"entries": c.entries, "routed_entries": c.routed_entries, "keys": c.keys, "dropped": c.dropped,
+               "engines": engines, "feeds": feeds})
     }
 
     /// Marks each engine with feeds exact when every one of them is live.

@@ -319,6 +319,15 @@ impl Gateway {
             }
             (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
             (&Method::GET, "/admin/names") => return full(200, &admin::names(&self)),
+            (&Method::GET, "/admin/cache") => {
+                return match &self.router.prefix {
+                    Some(f) => full(200, &f.view()),
+                    None => full(
+                        404,
+                        &serde_json::json!({"error": {"message": "no block index: routing.policy is not cache-aware and no engine has kv_events", "type": "invalid_request_error", "param": null, "code": "not_found"}}),
+                    ),
+                };
+            }
             (&Method::GET, "/admin/requests") => return admin::requests(&self, req.uri().query()),
             (&Method::GET, p) if p.starts_with("/admin/requests/") => {
                 return admin::request(&self, p.trim_start_matches("/admin/requests/"));
