@@ -64,6 +64,7 @@ fn candidates(i: usize) -> Candidates {
             healthy: vec![true; n],
             in_flight: (0..n).map(|k| ((k + i) % 7) as u32).collect(),
             latency_us: (0..n).map(|k| 40_000 + ((k * 13 + i) % 97) as u32 * 100).collect(),
+            cached_tokens: Vec::new(),
         },
         decode: DecodeView {
             healthy: (0..n).map(|k| k != 5).collect(),
@@ -72,6 +73,7 @@ fn candidates(i: usize) -> Candidates {
             free_slots: (0..n).map(|k| ((k * 37 + i) % 512) as u32).collect(),
             waiting_slots: (0..n).map(|k| ((k + i) % 3) as u64).collect(),
             in_flight: (0..n).map(|k| ((k * 5 + i) % 11) as u32).collect(),
+            cached_tokens: Vec::new(),
         },
     }
 }

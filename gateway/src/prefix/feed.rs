@@ -541,11 +541,14 @@ mod tests {
     use super::*;
     use crate::kv_events::END_OF_REPLAY;
 
+    /// Published batches by sequence number, for replay.
+    type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
+
     /// A publisher as vLLM 0.32's `ZmqEventPublisher` is: PUB `[topic, seq, batch]`, and a ROUTER
     /// replay socket answering `["", start]` with `["", topic, seq, batch]`… then the end marker.
     struct Publisher {
         pub_socket: PubSocket,
-        buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>,
+        buffer: Buffer,
         topic: String,
         seq: u64,
         pub_addr: String,
@@ -565,7 +568,7 @@ mod tests {
             let pub_addr = port(&pub_socket.bind("tcp://127.0.0.1:0").await.unwrap());
             let mut router = RouterSocket::new();
             let replay_addr = port(&router.bind("tcp://127.0.0.1:0").await.unwrap());
-            let buffer: Arc<Mutex<VecDeque<(u64, Vec<u8>)>>> = Arc::default();
+            let buffer: Buffer = Arc::default();
             let (b, t) = (Arc::clone(&buffer), topic.to_owned());
             tokio::spawn(async move {
                 while let Ok(m) = router.recv().await {

@@ -665,7 +665,7 @@ mod tests {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
-            let hot = rng % 10 != 0;
+            let hot = !rng.is_multiple_of(10);
             let c = Candidates {
                 prefill: PrefillView {
                     healthy: vec![true; 4],
