@@ -60,6 +60,9 @@ pub struct DemoConfig {
     pub nixl_abort_timeout: Duration,
     /// `sglang` mode: the engines' bootstrap settings.
     pub sglang: baton_sim::SglangSimConfig,
+    /// The engines as prefix caches (each gets a copy; an `events` listen port of 0 binds an
+    /// ephemeral one per engine), and the gateway subscribed to their KV events.
+    pub prefix_cache: Option<baton_sim::cache::CacheConfig>,
     /// The gateway in front (its limits, tokenizer, routing).
     pub gateway: GatewaySetup,
 }
@@ -133,6 +136,7 @@ impl Default for DemoConfig {
             lmcache_async_send: false,
             nixl_abort_timeout: baton_sim::nixl::DEFAULT_NIXL_ABORT_TIMEOUT,
             sglang: baton_sim::SglangSimConfig::default(),
+            prefix_cache: None,
             gateway: GatewaySetup::default(),
         }
     }
@@ -199,6 +203,10 @@ pub struct Engines {
     /// The mode the engines play.
     pub mode: Mode,
     pub running: Vec<Running>,
+    /// Each engine's KV-event publisher and replay socket (prefills first, then decoders), when
+    /// it publishes; and the engines' block size.
+    pub kv_events: Vec<Option<(SocketAddr, Option<SocketAddr>)>>,
+    pub block_size: u32,
 }
 
 /// Starts the simulated engines.
@@ -219,6 +227,10 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
         sc.cache_blocks = c.cache_blocks;
         sc.device = c.device;
         sc.token_delay = c.token_delay;
+        sc.prefix_cache = c.prefix_cache.clone().map(|mut p| {
+            p.block_size = sc.block_size;
+            p
+        });
         if role == SimRole::Decode {
             sc.pages = c.pages;
         } else {
@@ -247,7 +259,9 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
         decoders.push((format!("decode-{i}"), r.addr, r.engine.stats()));
         running.push(r);
     }
-    Ok(Engines { prefills, decoders, geometry, mode: c.handoff, running })
+    let kv_events = running.iter().map(|r| r.engine.cache.as_ref().and_then(|c| c.published_at)).collect();
+    let block_size = baton_sim::DEFAULT_SIM_BLOCK_SIZE;
+    Ok(Engines { prefills, decoders, geometry, mode: c.handoff, running, kv_events, block_size })
 }
 
 /// How a checked decoder is started: [`CheckedDecoder::start`], or a test's own.
@@ -307,15 +321,26 @@ pub async fn start_gateway_with(
     let prefills: Vec<Prefiller> =
         e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();
     let mut router = Router::new(setup.routing);
-    if matches!(setup.routing, Builtin::CacheAware(_)) {
-        // The simulated engines publish no KV events: what was routed where is the index.
+    let feeds: Vec<crate::prefix::feed::FeedConfig> = (e.kv_events.iter().enumerate())
+        .filter_map(|(engine, ev)| {
+            ev.map(|(at, replay)| crate::prefix::feed::FeedConfig {
+                engine,
+                rank: 0,
+                endpoint: at.to_string(),
+                replay: replay.map(|r| r.to_string()),
+                topic: String::new(),
+            })
+        })
+        .collect();
+    if matches!(setup.routing, Builtin::CacheAware(_)) || !feeds.is_empty() {
+        // Engines that publish no KV events are matched by what was routed to them.
         let c = crate::config::cache::CacheRouting::default();
         let settings = crate::config::cache::PrefixSettings {
-            block_size: c.block_size,
+            block_size: e.block_size,
             routed_ttl: Duration::from_millis(c.routed_ttl_ms),
             max_blocks: c.max_blocks,
             silent_after: Duration::from_millis(c.silent_after_ms),
-            feeds: Vec::new(),
+            feeds,
         };
         let engines = prefills.iter().map(|p| p.name.clone()).chain(decoders.iter().map(|d| d.name.clone()));
         router.prefix = Some(crate::prefix::feed::Feeds::start_with(engines.collect(), settings));

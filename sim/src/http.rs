@@ -79,12 +79,13 @@ impl Drop for Running {
     }
 }
 
-/// The PD protocols an engine also plays, beside baton's native one.
+/// The PD protocols an engine also plays, beside baton's native one, and its prefix cache.
 #[derive(Debug, Default)]
 pub struct Protocols {
     pub lmcache: Option<LmcacheRole>,
     pub nixl: Option<NixlRole>,
     pub sglang: Option<Arc<super::sglang::Sglang>>,
+    pub cache: Option<Arc<super::cache::PrefixCache>>,
 }
 
 /// A simulated engine behind HTTP.
@@ -94,6 +95,8 @@ pub struct SimEngine {
     pub lmcache: Option<LmcacheRole>,
     pub nixl: Option<NixlRole>,
     pub sglang: Option<Arc<super::sglang::Sglang>>,
+    /// The engine's prefix cache, when it models one.
+    pub cache: Option<Arc<super::cache::PrefixCache>>,
     /// Generation requests in progress (vLLM's `num_requests_running`).
     running: Arc<AtomicU64>,
     pub model: String,
@@ -174,12 +177,13 @@ impl SimEngine {
         faults: Arc<Faults>,
         token_delay: Duration,
     ) -> Arc<Self> {
-        let Protocols { lmcache, nixl, sglang } = protocols;
+        let Protocols { lmcache, nixl, sglang, cache } = protocols;
         Arc::new(Self {
             role,
             lmcache,
             nixl,
             sglang,
+            cache,
             running: Arc::default(),
             model,
             faults,
@@ -503,6 +507,24 @@ impl SimEngine {
             return Err(SimError::status(status, message));
         }
         let ids = req.token_ids(ep).map_err(SimError::bad)?;
+        // The prefix cache: what of the prompt is cached, and the prefill's time when this engine
+        // computes the prompt (a prefiller always; a decoder only when no KV comes to it).
+        let cached = match &self.cache {
+            Some(c) => {
+                let cached = c.admit(&ids);
+                let handed = req.baton.is_some()
+                    || req.nixl_params()?.is_some_and(|p| p.do_remote_prefill)
+                    || req.sglang_params()?.is_some()
+                    || req.lmcache_params()?.is_some();
+                let computes = matches!(self.role, Role::Prefill(_)) || !handed;
+                let t = c.prefill_time(ids.len(), cached);
+                if computes && !t.is_zero() {
+                    tokio::time::sleep(t).await;
+                }
+                Some(cached)
+            }
+            None => None,
+        };
         let model = req.openai.model.clone().unwrap_or_else(|| self.model.clone());
         let id = match &req.baton {
             Some(b) => b.request_id.clone(),
@@ -585,6 +607,9 @@ impl SimEngine {
             }
             drop(held);
             let mut body = full_response(ep, &id, &model, &choices, prompt, lp);
+            if let Some(c) = cached {
+                body["usage"]["prompt_tokens_details"] = json!({"cached_tokens": c});
+            }
             if let Some(t) = first_tok {
                 body["kv_transfer_params"] = json!({"first_tok": t});
             }
@@ -643,9 +668,11 @@ impl SimEngine {
                 }
             }
             let completion = n.saturating_mul(u32::try_from(choices.len()).unwrap_or(u32::MAX));
-            if include_usage
-                && tx.send(event(usage_chunk(ep, &id, &model, prompt, completion))).await.is_err()
-            {
+            let mut usage = usage_chunk(ep, &id, &model, prompt, completion);
+            if let Some(c) = cached {
+                usage["usage"]["prompt_tokens_details"] = json!({"cached_tokens": c});
+            }
+            if include_usage && tx.send(event(usage)).await.is_err() {
                 return;
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;

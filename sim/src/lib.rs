@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod blocks;
+pub mod cache;
 pub mod decode;
 pub mod faults;
 pub mod http;
@@ -125,6 +126,9 @@ pub struct SimConfig {
     /// mTLS on baton's data plane: decode ranks serve it and require client certificates from the
     /// CA; a prefiller connects to them with it.
     pub dp_tls: Option<DpTls>,
+    /// The engine as a prefix cache (prefill time by uncached tokens, `cached_tokens` in usage,
+    /// KV events); `None`: every prompt computed in no time, as before.
+    pub prefix_cache: Option<cache::CacheConfig>,
 }
 
 /// An engine's data-plane identity: one certificate and key, used to serve its ranks (peers must
@@ -205,6 +209,7 @@ impl SimConfig {
             device: DeviceKind::Cpu,
             sglang: None,
             dp_tls: None,
+            prefix_cache: None,
         }
     }
 }
@@ -282,7 +287,16 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
         )),
         (Some(s), SimRole::Decode) => Some(Arc::new(sglang::Sglang::decode(c.geometry, s.room_wait))),
     };
-    let engine = SimEngine::new(role, Protocols { lmcache, nixl, sglang }, c.model, faults, c.token_delay);
+    let cache = match c.prefix_cache {
+        Some(p) => Some(
+            cache::PrefixCache::start(p)
+                .await
+                .map_err(|e| SimError::internal(format!("KV event publisher: {e}")))?,
+        ),
+        None => None,
+    };
+    let engine =
+        SimEngine::new(role, Protocols { lmcache, nixl, sglang, cache }, c.model, faults, c.token_delay);
     let listener = TcpListener::bind(c.listen)
         .await
         .map_err(|e| SimError::internal(format!("bind {}: {e}", c.listen)))?;

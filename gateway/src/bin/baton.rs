@@ -345,6 +345,16 @@ mod demo {
         /// Routing policy
         #[arg(long, value_parser = routing, default_value = "kv-aware")]
         routing: Builtin,
+        /// Make each engine a prefix cache of N blocks publishing vLLM-format KV events, which the
+        /// gateway subscribes to (with --routing cache-aware, it routes by them)
+        #[arg(long, value_name = "N")]
+        prefix_cache_blocks: Option<usize>,
+        /// With --prefix-cache-blocks: a prefill's fixed time, ms
+        #[arg(long, value_name = "MS", default_value_t = 0, requires = "prefix_cache_blocks")]
+        prefill_fixed_ms: u64,
+        /// With --prefix-cache-blocks: a prefill's time per prompt token not cached, µs
+        #[arg(long, value_name = "US", default_value_t = 0, requires = "prefix_cache_blocks")]
+        prefill_us_per_token: u64,
         /// Log format: text or json
         #[arg(long, value_name = "FORMAT")]
         log_format: Option<String>,
@@ -401,6 +411,17 @@ mod demo {
                 c.gateway.tokenizer = Some(Arc::new(t));
             }
             c.gateway.routing = self.routing;
+            c.prefix_cache = self.prefix_cache_blocks.map(|blocks| baton_sim::cache::CacheConfig {
+                blocks,
+                block_size: baton_sim::DEFAULT_SIM_BLOCK_SIZE,
+                prefill_fixed: Duration::from_millis(self.prefill_fixed_ms),
+                prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
+                events: Some(baton_sim::cache::EventsConfig {
+                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    replay: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+                    topic: String::new(),
+                }),
+            });
             if let Some(endpoint) = self.otlp_endpoint {
                 let t = baton_gateway::telemetry::trace::TraceConfig {
                     endpoint,

@@ -137,6 +137,25 @@ struct Cli {
     /// measuring a proxy in front of it
     #[arg(long)]
     neutral: bool,
+    /// Model a prefix cache of N blocks (LRU): a prefill costs --prefill-fixed-ms plus
+    /// --prefill-us-per-token for each token not cached, and usage reports cached_tokens
+    #[arg(long, value_name = "N")]
+    prefix_cache_blocks: Option<usize>,
+    /// With --prefix-cache-blocks: a prefill's fixed time, ms
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    prefill_fixed_ms: u64,
+    /// With --prefix-cache-blocks: a prefill's time per token not cached, µs
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    prefill_us_per_token: u64,
+    /// With --prefix-cache-blocks: publish KV events as vLLM does (ZeroMQ PUB) on ADDR
+    #[arg(long, value_name = "ADDR", requires = "prefix_cache_blocks")]
+    kv_events: Option<SocketAddr>,
+    /// With --kv-events: the replay socket (ZeroMQ ROUTER) on ADDR
+    #[arg(long, value_name = "ADDR", requires = "kv_events")]
+    kv_events_replay: Option<SocketAddr>,
+    /// With --kv-events: the topic (vLLM's default: empty)
+    #[arg(long, value_name = "TOPIC", default_value = "", requires = "kv_events")]
+    kv_events_topic: String,
 }
 
 /// `--role`: clap's own enum, as the library's `SimRole` knows nothing of clap.
@@ -194,6 +213,19 @@ impl Cli {
             }
         };
         let mut c = SimConfig::new(role, geometry);
+        if let Some(blocks) = self.prefix_cache_blocks {
+            c.prefix_cache = Some(baton_sim::cache::CacheConfig {
+                blocks,
+                block_size: c.block_size,
+                prefill_fixed: Duration::from_millis(self.prefill_fixed_ms),
+                prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
+                events: self.kv_events.map(|listen| baton_sim::cache::EventsConfig {
+                    listen,
+                    replay: self.kv_events_replay,
+                    topic: self.kv_events_topic.clone(),
+                }),
+            });
+        }
         if let Some(l) = self.listen {
             c.listen = l;
         }
