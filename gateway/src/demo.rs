@@ -93,6 +93,8 @@ pub struct GatewaySetup {
     pub explain: bool,
     /// `[telemetry] otlp_endpoint` and the rest: requests are traced.
     pub trace: Option<crate::telemetry::trace::TraceConfig>,
+    /// `[routing.cache]`: the block index's settings (the policy's come with `routing`).
+    pub cache: crate::config::cache::CacheRouting,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -334,7 +336,7 @@ pub async fn start_gateway_with(
         .collect();
     if matches!(setup.routing, Builtin::CacheAware(_)) || !feeds.is_empty() {
         // Engines that publish no KV events are matched by what was routed to them.
-        let c = crate::config::cache::CacheRouting::default();
+        let c = &setup.cache;
         let settings = crate::config::cache::PrefixSettings {
             block_size: e.block_size,
             routed_ttl: Duration::from_millis(c.routed_ttl_ms),

@@ -1343,6 +1343,9 @@ mod lmcache;
 #[path = "e2e/nixl.rs"]
 mod nixl;
 
+#[path = "e2e/cache.rs"]
+mod cache;
+
 #[path = "e2e/sglang.rs"]
 mod sglang;
 

@@ -102,7 +102,7 @@ fn offset(endpoint: &str, rank: u16) -> Result<String, String> {
 }
 
 /// `[routing.cache]`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheRouting {
     /// The load guard: an engine more loaded than this times the least loaded candidate (and more

@@ -468,6 +468,7 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
             Err(e) => {
                 f.error(format!("connecting to {}: {e}", f.config.endpoint));
                 f.set(FeedState::Lost);
+                this.refresh_exact();
                 drop(this);
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -483,6 +484,7 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
             sub.expect(next);
         }
         f.set(FeedState::Live);
+        this.refresh_exact();
         drop(this);
         loop {
             let next = sub.next_any().await;
@@ -492,6 +494,7 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                     this.heard(&f);
                     if f.task_state() != FeedState::Live {
                         f.set(FeedState::Live);
+                        this.refresh_exact();
                     }
                     if restarted {
                         f.restarts.fetch_add(1, Ordering::Relaxed);
@@ -508,13 +511,15 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                 Ok(Next::OtherTopic(topic)) => {
                     f.other_topic_messages.fetch_add(1, Ordering::Relaxed);
                     *f.other_topic.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(topic);
-                    if f.messages.load(Ordering::Relaxed) == 0 {
+                    if f.messages.load(Ordering::Relaxed) == 0 && f.task_state() != FeedState::OtherTopic {
                         f.set(FeedState::OtherTopic);
+                        this.refresh_exact();
                     }
                 }
                 Err(e @ EventError::Zmq(_)) => {
                     f.error(e);
                     f.set(FeedState::Lost);
+                    this.refresh_exact();
                     break;
                 }
                 // A message that does not decode is lost, and the next one's sequence number
