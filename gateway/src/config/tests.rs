@@ -23,6 +23,55 @@ url = "http://127.0.0.1:8200"
 dataplane = ["127.0.0.1:9000", "127.0.0.1:9001"]
 "#;
 
+/// KV-event keys on any engine, and the cache-aware policy's settings, reach the checked
+/// configuration; what is usable but probably not meant is a warning.
+#[test]
+fn kv_events_and_the_cache_aware_policy() {
+    let events = GOOD
+        .replace("name = \"p0\"", "name = \"p0\"\nkv_events = \"p0.pd:5557\"\nkv_events_replay = \"p0.pd:5558\"\ndata_parallel_size = 2")
+        .replace("name = \"d0\"", "name = \"d0\"\nkv_events = \"tcp://10.0.0.2:6000\"\nkv_events_topic = \"kv\"");
+    let text = format!(
+        "{events}\n[routing]\npolicy = \"cache-aware\"\n[routing.cache]\nguard_ratio = 2.0\nguard_slack = 0\n"
+    );
+    let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap();
+    assert_eq!(
+        c.routing,
+        crate::routing::Builtin::CacheAware(crate::routing::CacheParams {
+            guard_ratio_pct: 200,
+            guard_slack: 0,
+            cache_weight_pct: 100
+        })
+    );
+    let p = c.prefix.unwrap();
+    let feeds: Vec<(usize, u16, &str, Option<&str>, &str)> = p
+        .feeds
+        .iter()
+        .map(|f| (f.engine, f.rank, f.endpoint.as_str(), f.replay.as_deref(), f.topic.as_str()))
+        .collect();
+    assert_eq!(
+        feeds,
+        vec![
+            (0, 0, "tcp://p0.pd:5557", Some("tcp://p0.pd:5558"), ""),
+            (0, 1, "tcp://p0.pd:5558", Some("tcp://p0.pd:5559"), ""),
+            (1, 0, "tcp://10.0.0.2:6000", None, "kv"),
+        ]
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    // Cache-aware without events: usable (approximate), with a warning.
+    let c = Config::parse(&format!("{GOOD}\n[routing]\npolicy = \"cache-aware\"\n"))
+        .unwrap()
+        .check(Path::new("."))
+        .unwrap();
+    assert!(c.prefix.is_some_and(|p| p.feeds.is_empty()));
+    assert!(c.warnings.iter().any(|w| w.contains("no engine has kv_events")), "{:?}", c.warnings);
+    // Events without the policy: the index is kept for /admin, with a warning.
+    let c = Config::parse(&events).unwrap().check(Path::new(".")).unwrap();
+    assert!(c.prefix.is_some());
+    assert!(c.warnings.iter().any(|w| w.contains("does not route")), "{:?}", c.warnings);
+    // Neither: no index.
+    assert!(Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap().prefix.is_none());
+}
+
 #[test]
 fn a_good_file_checks_with_defaults() {
     let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
@@ -167,6 +216,29 @@ tls_key = "nope.key""#,
             "listeners[0].tls",
         ),
         ("unknown routing", format!("{GOOD}\n[routing]\npolicy = \"random\"\n"), "routing.policy"),
+        (
+            "kv_events bound to every interface",
+            GOOD.replace("name = \"p0\"", "name = \"p0\"\nkv_events = \"*:5557\""),
+            "prefill[0].kv_events",
+        ),
+        (
+            "replay without a publisher",
+            GOOD.replace("name = \"d0\"", "name = \"d0\"\nkv_events_replay = \"127.0.0.1:5558\""),
+            "decode[0].kv_events_replay",
+        ),
+        (
+            "no data-parallel ranks",
+            GOOD.replace(
+                "name = \"p0\"",
+                "name = \"p0\"\nkv_events = \"127.0.0.1:5557\"\ndata_parallel_size = 0",
+            ),
+            "prefill[0].data_parallel_size",
+        ),
+        (
+            "guard ratio below 1",
+            format!("{GOOD}\n[routing]\npolicy = \"cache-aware\"\n[routing.cache]\nguard_ratio = 0.5\n"),
+            "routing.cache.guard_ratio",
+        ),
         (
             "zero health interval",
             format!("{GOOD}\n[routing]\nhealth_check_interval_ms = 0\n"),
