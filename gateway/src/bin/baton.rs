@@ -44,7 +44,8 @@ enum Command {
     },
     /// The gateway in front of simulated prefill/decode engines on loopback (no GPU, no files)
     #[cfg(feature = "demo")]
-    Demo(demo::DemoArgs),
+    // Boxed: its flags make it far larger than the other commands.
+    Demo(Box<demo::DemoArgs>),
 }
 
 #[derive(Debug, Subcommand)]
@@ -286,7 +287,7 @@ async fn main() -> ExitCode {
             plugin_check(&file, config.as_deref())
         }
         #[cfg(feature = "demo")]
-        Command::Demo(args) => demo::run(args).await,
+        Command::Demo(args) => demo::run(*args).await,
     }
 }
 
