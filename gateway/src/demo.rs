@@ -341,7 +341,7 @@ pub async fn start_gateway_with(
             block_size: e.block_size,
             routed_ttl: Duration::from_millis(c.routed_ttl_ms),
             max_blocks: c.max_blocks,
-            silent_after: Duration::from_millis(c.silent_after_ms),
+            silent_after: Duration::from_millis(c.silent_after_ms.max(1)),
             feeds,
         };
         let engines = prefills.iter().map(|p| p.name.clone()).chain(decoders.iter().map(|d| d.name.clone()));

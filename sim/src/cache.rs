@@ -119,22 +119,34 @@ impl PrefixCache {
         let mut lru = lock(&self.lru);
         let mut parent = None;
         let mut cached = 0;
-        let mut stored = Vec::new();
-        let mut stored_parent = None;
-        let mut tokens = Vec::new();
+        // Each run of blocks not held is one store, chained to the block before it.
+        let mut batch = Vec::new();
+        let mut run: Option<(Option<i64>, Vec<i64>, Vec<u32>)> = None;
+        let mut hashes = Vec::new();
         for (i, block) in ids.chunks_exact(bs).enumerate() {
             let h = block_hash(parent, block);
-            if lru.used.contains_key(&h) && stored.is_empty() {
-                cached = i + 1;
-            } else if !lru.used.contains_key(&h) {
-                if stored.is_empty() {
-                    stored_parent = parent;
+            if lru.used.contains_key(&h) {
+                if run.is_none() && i == cached {
+                    cached = i + 1;
                 }
-                stored.push(h);
+                if let Some((p, hs, tokens)) = run.take() {
+                    batch.push(Event::Stored { hashes: hs, parent: p, tokens });
+                }
+            } else {
+                let (_, hs, tokens) = run.get_or_insert_with(|| (parent, Vec::new(), Vec::new()));
+                hs.push(h);
                 tokens.extend_from_slice(block);
             }
-            lru.touch(h);
+            hashes.push(h);
             parent = Some(h);
+        }
+        if let Some((p, hs, tokens)) = run.take() {
+            batch.push(Event::Stored { hashes: hs, parent: p, tokens });
+        }
+        // As vLLM frees a request's blocks, the last block goes first: the prompt's start, which
+        // later prompts share most, stays longest.
+        for h in hashes.iter().rev() {
+            lru.touch(*h);
         }
         let mut removed = Vec::new();
         while lru.used.len() > self.config.blocks {
@@ -143,17 +155,13 @@ impl PrefixCache {
             removed.push(h);
         }
         drop(lru);
-        if let Some(tx) = &self.events {
-            let mut batch = Vec::new();
-            if !stored.is_empty() {
-                batch.push(Event::Stored { hashes: stored, parent: stored_parent, tokens });
-            }
-            if !removed.is_empty() {
-                batch.push(Event::Removed { hashes: removed });
-            }
-            if !batch.is_empty() {
-                let _ = tx.send(batch);
-            }
+        if !removed.is_empty() {
+            batch.push(Event::Removed { hashes: removed });
+        }
+        if let Some(tx) = &self.events
+            && !batch.is_empty()
+        {
+            let _ = tx.send(batch);
         }
         cached * bs
     }
@@ -273,5 +281,43 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {
             end.push_back(f);
         }
         let _ = router.send(end).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn cache(blocks: usize) -> PrefixCache {
+        PrefixCache {
+            config: CacheConfig {
+                blocks,
+                block_size: 4,
+                prefill_fixed: Duration::from_millis(1),
+                prefill_per_token: Duration::from_micros(10),
+                events: None,
+            },
+            lru: Mutex::new(Lru::default()),
+            events: None,
+            published_at: None,
+        }
+    }
+
+    #[test]
+    fn prefixes_are_cached_and_the_start_of_a_prompt_is_evicted_last() {
+        let c = cache(4);
+        let a: Vec<u32> = (0..16).collect();
+        assert_eq!(c.admit(&a), 0);
+        assert_eq!(c.admit(&a), 16);
+        let mut b = a.clone();
+        b[9] = 99;
+        assert_eq!(c.admit(&b[..14]), 8, "the first two blocks are shared; a partial block is never cached");
+        // 4 blocks held of 5 admitted (b's third block is new): the oldest tail went first, so
+        // the shared start is still there.
+        assert_eq!(c.blocks(), 4);
+        assert_eq!(c.admit(&a[..8]), 8);
+        assert_eq!(c.prefill_time(100, 40), Duration::from_millis(1) + Duration::from_micros(600));
     }
 }

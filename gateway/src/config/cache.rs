@@ -158,6 +158,12 @@ impl CacheRouting {
                 format!("{} is not between 1 and 100", self.guard_ratio),
             ));
         }
+        if self.guard_slack > 1_000_000 {
+            return Err(err(
+                "routing.cache.guard_slack",
+                format!("{} is more than 1000000 requests", self.guard_slack),
+            ));
+        }
         if !(0.0..=100.0).contains(&self.cache_weight) {
             return Err(err(
                 "routing.cache.cache_weight",

@@ -681,9 +681,17 @@ impl Gateway {
         feeds.count_route(0, ids.len(), c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0));
         feeds.count_route(1, ids.len(), c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0));
         let p = self.prefills.len();
-        for engine in [chosen.prefill, p + chosen.decode] {
+        let cached = [
+            c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0),
+            c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0),
+        ];
+        for (engine, cached) in [chosen.prefill, p + chosen.decode].into_iter().zip(cached) {
             feeds.index.routed(engine, ids);
-            if ids.len() >= feeds.index.block_size(engine) as usize {
+            // An engine publishes only blocks it did not hold: a request it holds whole says
+            // nothing, and must not count against its feed.
+            let new_blocks =
+                ids.len().saturating_sub(cached as usize) >= feeds.index.block_size(engine) as usize;
+            if new_blocks {
                 feeds.routed(engine);
             }
         }

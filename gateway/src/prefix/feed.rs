@@ -57,10 +57,14 @@ pub enum FeedState {
     Lost = 2,
     Silent = 3,
     OtherTopic = 4,
+    /// Live, but what the engine held before a gap could not be replayed: its exact entries are
+    /// incomplete for a while (`routed_ttl`), and what is routed to it counts meanwhile.
+    Resyncing = 5,
 }
 
 impl FeedState {
-    pub const ALL: [Self; 5] = [Self::Connecting, Self::Live, Self::Lost, Self::Silent, Self::OtherTopic];
+    pub const ALL: [Self; 6] =
+        [Self::Connecting, Self::Live, Self::Lost, Self::Silent, Self::OtherTopic, Self::Resyncing];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -69,6 +73,7 @@ impl FeedState {
             Self::Lost => "lost",
             Self::Silent => "silent",
             Self::OtherTopic => "other_topic",
+            Self::Resyncing => "resyncing",
         }
     }
 
@@ -97,6 +102,10 @@ pub struct FeedStatus {
     pub other_topic_messages: AtomicU64,
     /// Messages that did not decode.
     pub decode_errors: AtomicU64,
+    /// Messages received live (not replayed) on the topic.
+    pub live_messages: AtomicU64,
+    /// Until when (ms after the feeds' start) the feed is resyncing (0: it is not).
+    resync_until_ms: AtomicU64,
     /// Milliseconds after the feeds' start of the last message (0: none yet).
     last_message_ms: AtomicU64,
     /// When a request with whole blocks was first sent to the engine after its last message
@@ -123,6 +132,8 @@ impl FeedStatus {
             restarts: AtomicU64::new(0),
             other_topic_messages: AtomicU64::new(0),
             decode_errors: AtomicU64::new(0),
+            live_messages: AtomicU64::new(0),
+            resync_until_ms: AtomicU64::new(0),
             last_message_ms: AtomicU64::new(0),
             routed_since_ms: AtomicU64::new(0),
             last_error: Mutex::new(None),
@@ -162,6 +173,8 @@ pub struct Feeds {
     cached_routed_tokens: [AtomicU64; 2],
     epoch: Instant,
     silent_after: Duration,
+    /// How long a feed resyncs after a gap it could not replay.
+    resync_for: Duration,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -175,7 +188,12 @@ impl Drop for Feeds {
 
 impl Feeds {
     /// The feeds, not started (no task runs; [`Feeds::start`] starts them).
-    pub fn new(index: Arc<PrefixIndex>, configs: Vec<FeedConfig>, silent_after: Duration) -> Arc<Self> {
+    pub fn new(
+        index: Arc<PrefixIndex>,
+        configs: Vec<FeedConfig>,
+        silent_after: Duration,
+        resync_for: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             index,
             feeds: configs.into_iter().map(|c| Arc::new(FeedStatus::new(c))).collect(),
@@ -183,6 +201,7 @@ impl Feeds {
             cached_routed_tokens: Default::default(),
             epoch: Instant::now(),
             silent_after,
+            resync_for,
             tasks: Mutex::new(Vec::new()),
         })
     }
@@ -191,7 +210,7 @@ impl Feeds {
     /// started. Must run inside a Tokio runtime.
     pub fn start_with(engines: Vec<String>, s: crate::config::cache::PrefixSettings) -> Arc<Self> {
         let index = Arc::new(PrefixIndex::new(engines, s.block_size, s.max_blocks, s.routed_ttl));
-        let feeds = Self::new(index, s.feeds, s.silent_after);
+        let feeds = Self::new(index, s.feeds, s.silent_after, s.routed_ttl);
         feeds.start((s.routed_ttl / 4).max(Duration::from_secs(1)));
         feeds
     }
@@ -234,8 +253,10 @@ impl Feeds {
         let silent = since != 0
             && self.now_ms().saturating_sub(since)
                 > u64::try_from(self.silent_after.as_millis()).unwrap_or(u64::MAX);
+        let resyncing = f.resync_until_ms.load(Ordering::Relaxed) > self.now_ms();
         match s {
             FeedState::Live | FeedState::Connecting if silent => FeedState::Silent,
+            FeedState::Live if resyncing => FeedState::Resyncing,
             s => s,
         }
     }
@@ -418,6 +439,15 @@ impl Feeds {
         }
     }
 
+    /// What the engine held could not all be had again: its entries are incomplete for
+    /// `resync_for`, and it is routed as an engine without events meanwhile.
+    fn resync(&self, f: &FeedStatus) {
+        let until =
+            self.now_ms().saturating_add(u64::try_from(self.resync_for.as_millis()).unwrap_or(u64::MAX));
+        f.resync_until_ms.store(until, Ordering::Relaxed);
+        self.refresh_exact();
+    }
+
     fn heard(&self, f: &FeedStatus) {
         f.last_message_ms.store(self.now_ms(), Ordering::Relaxed);
         f.routed_since_ms.store(0, Ordering::Relaxed);
@@ -439,12 +469,25 @@ impl Feeds {
         match replay(addr, from, f.config.topic.as_bytes(), MAX_REPLAY, REPLAY_TIMEOUT).await {
             Ok(messages) => {
                 let mut last = None;
+                let mut next = from;
+                let mut whole = true;
                 for m in messages.iter().filter(|m| m.seq >= from && until.is_none_or(|u| m.seq < u)) {
+                    // The publisher's buffer may have started past `from`, a batch may not have
+                    // decoded: a hole means what the engine removed there is not known.
+                    whole &= m.seq == next;
+                    next = m.seq + 1;
                     self.apply(f, m);
                     f.replayed.fetch_add(1, Ordering::Relaxed);
                     last = Some(m.seq);
                 }
                 self.heard(f);
+                if let Some(u) = until
+                    && (!whole || next != u)
+                {
+                    f.replay_failures.fetch_add(1, Ordering::Relaxed);
+                    f.error(format!("the replay from {from} did not hold every batch up to {u}"));
+                    return None;
+                }
                 Some(last.map_or(from, |l| l + 1))
             }
             Err(e) => {
@@ -475,13 +518,14 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                 continue;
             }
         };
-        backoff = Duration::from_millis(200);
-        // What this gateway missed before subscribing (it started after the engine, or the
-        // connection was lost): what the engine still holds comes from its replay socket.
-        // Without one, what the feed said before can no longer be trusted.
+        // What this gateway missed before subscribing (it started after the engine, the
+        // connection was lost, the engine started again): what the engine still holds comes from
+        // its replay socket. Without one, what the feed said before can no longer be trusted.
         this.index.clear_feed(f.config.engine, f.config.rank);
-        if let Some(next) = this.replay(&f, 0, None).await {
-            sub.expect(next);
+        match this.replay(&f, 0, None).await {
+            Some(next) => sub.expect(next),
+            None if f.messages.load(Ordering::Relaxed) > 0 => this.resync(&f),
+            None => {}
         }
         f.set(FeedState::Live);
         this.refresh_exact();
@@ -492,18 +536,26 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
             match next {
                 Ok(Next::Message { message, missed, restarted }) => {
                     this.heard(&f);
+                    f.live_messages.fetch_add(1, Ordering::Relaxed);
+                    backoff = Duration::from_millis(200);
                     if f.task_state() != FeedState::Live {
                         f.set(FeedState::Live);
                         this.refresh_exact();
                     }
                     if restarted {
+                        // The engine started again with an empty cache: what it stored since is
+                        // in its replay buffer from 0.
                         f.restarts.fetch_add(1, Ordering::Relaxed);
                         this.index.clear_feed(f.config.engine, f.config.rank);
+                        if message.seq > 0 && this.replay(&f, 0, Some(message.seq)).await.is_none() {
+                            this.resync(&f);
+                        }
                     } else if missed > 0 {
                         f.missed.fetch_add(missed, Ordering::Relaxed);
                         let from = message.seq - missed;
                         if this.replay(&f, from, Some(message.seq)).await.is_none() {
                             this.index.clear_feed(f.config.engine, f.config.rank);
+                            this.resync(&f);
                         }
                     }
                     this.apply(&f, &message);
@@ -511,15 +563,19 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                 Ok(Next::OtherTopic(topic)) => {
                     f.other_topic_messages.fetch_add(1, Ordering::Relaxed);
                     *f.other_topic.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(topic);
-                    if f.messages.load(Ordering::Relaxed) == 0 && f.task_state() != FeedState::OtherTopic {
+                    if f.live_messages.load(Ordering::Relaxed) == 0 && f.task_state() != FeedState::OtherTopic
+                    {
                         f.set(FeedState::OtherTopic);
                         this.refresh_exact();
                     }
                 }
-                Err(e @ EventError::Zmq(_)) => {
+                Err(e @ (EventError::Zmq(_) | EventError::Disconnected)) => {
                     f.error(e);
                     f.set(FeedState::Lost);
                     this.refresh_exact();
+                    drop(this);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                     break;
                 }
                 // A message that does not decode is lost, and the next one's sequence number
@@ -558,6 +614,24 @@ mod tests {
         seq: u64,
         pub_addr: String,
         replay_addr: String,
+        replay_task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for Publisher {
+        fn drop(&mut self) {
+            self.replay_task.abort();
+        }
+    }
+
+    /// Binds `at`, waiting while a socket that was just closed still holds the port.
+    async fn bind<S: Socket>(s: &mut S, at: &str) -> String {
+        for _ in 0..100 {
+            match s.bind(&format!("tcp://{at}")).await {
+                Ok(e) => return port(&e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        panic!("cannot bind {at}");
     }
 
     fn port(e: &zeromq::Endpoint) -> String {
@@ -569,13 +643,17 @@ mod tests {
 
     impl Publisher {
         async fn start(topic: &str) -> Self {
+            Self::start_at(topic, "127.0.0.1:0", "127.0.0.1:0").await
+        }
+
+        async fn start_at(topic: &str, pub_at: &str, replay_at: &str) -> Self {
             let mut pub_socket = PubSocket::new();
-            let pub_addr = port(&pub_socket.bind("tcp://127.0.0.1:0").await.unwrap());
+            let pub_addr = bind(&mut pub_socket, pub_at).await;
             let mut router = RouterSocket::new();
-            let replay_addr = port(&router.bind("tcp://127.0.0.1:0").await.unwrap());
+            let replay_addr = bind(&mut router, replay_at).await;
             let buffer: Buffer = Arc::default();
             let (b, t) = (Arc::clone(&buffer), topic.to_owned());
-            tokio::spawn(async move {
+            let replay_task = tokio::spawn(async move {
                 while let Ok(m) = router.recv().await {
                     let frames = m.into_vec();
                     let [id, _, start] = &frames[..] else { continue };
@@ -596,7 +674,7 @@ mod tests {
                     }
                 }
             });
-            Self { pub_socket, buffer, topic: topic.to_owned(), seq: 0, pub_addr, replay_addr }
+            Self { pub_socket, buffer, topic: topic.to_owned(), seq: 0, pub_addr, replay_addr, replay_task }
         }
 
         /// Publishes the next batch (or only keeps it for replay: a message the subscriber loses).
@@ -647,7 +725,7 @@ mod tests {
             replay: Some(p.replay_addr.clone()),
             topic: topic.into(),
         };
-        Feeds::new(index, vec![config], silent_after)
+        Feeds::new(index, vec![config], silent_after, Duration::from_secs(60))
     }
 
     /// A gateway that starts after the engine rebuilds from replay; a lost message is replayed;
@@ -687,6 +765,28 @@ mod tests {
         until("the restart", || s.restarts.load(Ordering::Relaxed) == 1).await;
         assert_eq!(f.index.cached_tokens(&prompt), vec![0]);
         assert_eq!(f.index.cached_tokens(&[100, 101, 102, 103]), vec![4]);
+    }
+
+    /// The publisher goes away and another starts on its ports (an engine restarted): the feed
+    /// sees the disconnection, reconnects, forgets the old blocks and has the new ones from the
+    /// new publisher's replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restarted_publisher_is_resubscribed_and_replayed() {
+        let mut p = Publisher::start("").await;
+        p.publish(vec![stored(1, None, 0..4)], true).await;
+        let f = feeds(&p, "", Duration::from_secs(60));
+        f.start(Duration::from_secs(60));
+        let s = Arc::clone(&f.feeds()[0]);
+        until("the first replay", || f.index.cached_tokens(&[0, 1, 2, 3]) == vec![4]).await;
+        let (pub_at, replay_at) = (p.pub_addr.clone(), p.replay_addr.clone());
+        drop(p);
+        until("the disconnection", || f.state(&s) != FeedState::Live).await;
+        let mut q = Publisher::start_at("", &pub_at, &replay_at).await;
+        q.publish(vec![stored(5, None, 50..54)], true).await;
+        until("the new publisher's blocks", || f.index.cached_tokens(&[50, 51, 52, 53]) == vec![4]).await;
+        assert_eq!(f.index.cached_tokens(&[0, 1, 2, 3]), vec![0], "the old blocks are forgotten");
+        until("live again", || f.state(&s) == FeedState::Live).await;
+        assert!(s.last_error().is_some_and(|e| e.contains("disconnected")), "{:?}", s.last_error());
     }
 
     /// Messages on another topic mark the feed (and its engine falls back); an engine that is

@@ -16,15 +16,6 @@ use smallvec::SmallVec;
 use super::{BlockKey, block_keys, chain, root, salted};
 use crate::kv_events::{BlockHash, EventBatch, KvEvent};
 
-/// Where an entry came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// The engine said it stored the block (a KV event).
-    Events,
-    /// The gateway sent the engine a request with this block; the engine probably still holds it.
-    Routed,
-}
-
 /// The rank an approximate entry is filed under (events come from ranks 0..).
 const ROUTED: u16 = u16::MAX;
 /// Distinct media names kept (`GPU`, `CPU`, `DISK`, …); more share the last.
@@ -45,13 +36,15 @@ struct Holder {
 /// resolve to.
 #[derive(Default, Debug)]
 struct Feed {
-    by_hash: FxHashMap<(BlockHash, u8), BlockKey>,
+    /// The key, and how many stores of the hash on the medium are not yet removed (an engine
+    /// with several attention groups stores and removes a block once per group).
+    by_hash: FxHashMap<(BlockHash, u8), (BlockKey, u16)>,
 }
 
 impl Feed {
     /// A parent's key, whichever medium holds it.
     fn key_of(&self, hash: &BlockHash, media: usize) -> Option<BlockKey> {
-        (0..media).find_map(|m| self.by_hash.get(&(hash.clone(), u8::try_from(m).ok()?)).copied())
+        (0..media).find_map(|m| self.by_hash.get(&(hash.clone(), u8::try_from(m).ok()?)).map(|(k, _)| *k))
     }
 }
 
@@ -272,6 +265,9 @@ impl PrefixIndex {
     /// Removes approximate entries whose time has passed; returns how many.
     pub fn sweep(&self) -> usize {
         let now = self.now_ms();
+        if self.read().routed_entries == 0 {
+            return 0;
+        }
         let mut inner = self.write();
         let mut gone = 0;
         inner.blocks.retain(|_, holders| {
@@ -311,7 +307,10 @@ impl PrefixIndex {
                         done.skipped += u64::try_from(block_hashes.len()).unwrap_or(u64::MAX);
                         continue;
                     }
-                    state.block_size.store(*block_size, Ordering::Relaxed);
+                    // An offloading tier may use other blocks; the engine's own are its GPU's.
+                    if medium.as_deref().is_none_or(|m| m == "GPU") {
+                        state.block_size.store(*block_size, Ordering::Relaxed);
+                    }
                     let medium = inner.medium(medium.as_deref());
                     let id_bytes = lora_id.map(u64::to_le_bytes);
                     let adapter =
@@ -401,11 +400,19 @@ impl Inner {
     /// Files `hash` on `medium` (keyed `key`) under the publisher; false when the index is full.
     fn insert(&mut self, e: u16, rank: u16, medium: u8, hash: BlockHash, key: BlockKey, max: usize) -> bool {
         let at = (hash, medium);
-        match self.feeds.get(&(e, rank)).and_then(|f| f.by_hash.get(&at)).copied() {
-            Some(old) if old == key => return true,
-            Some(_) => {
-                self.remove(e, rank, &at.0, medium);
+        match self.feeds.get_mut(&(e, rank)).and_then(|f| f.by_hash.get_mut(&at)) {
+            Some((old, stores)) if *old == key => {
+                *stores = stores.saturating_add(1);
+                if let Some(h) = self
+                    .blocks
+                    .get_mut(&key)
+                    .and_then(|hs| hs.iter_mut().find(|h| h.engine == e && h.rank == rank))
+                {
+                    h.refs = h.refs.saturating_add(1);
+                }
+                return true;
             }
+            Some(_) => while self.remove(e, rank, &at.0, medium) {},
             None => {}
         }
         let holders = self.blocks.entry(key).or_default();
@@ -420,7 +427,7 @@ impl Inner {
             holders.push(Holder { engine: e, rank, refs: 1, expires_ms: 0 });
             self.entries += 1;
         }
-        self.feeds.entry((e, rank)).or_default().by_hash.insert(at, key);
+        self.feeds.entry((e, rank)).or_default().by_hash.insert(at, (key, 1));
         true
     }
 
@@ -441,20 +448,27 @@ impl Inner {
         true
     }
 
+    /// Removes one store of `hash` on `medium`.
     fn remove(&mut self, e: u16, rank: u16, hash: &BlockHash, medium: u8) -> bool {
-        let Some(key) =
-            self.feeds.get_mut(&(e, rank)).and_then(|f| f.by_hash.remove(&(hash.clone(), medium)))
-        else {
-            return false;
-        };
+        let at = (hash.clone(), medium);
+        let Some(feed) = self.feeds.get_mut(&(e, rank)) else { return false };
+        let Some((key, stores)) = feed.by_hash.get_mut(&at) else { return false };
+        let key = *key;
+        *stores = stores.saturating_sub(1);
+        if *stores == 0 {
+            feed.by_hash.remove(&at);
+        }
         self.unfile(e, rank, key)
     }
 
     fn clear(&mut self, e: u16, rank: u16) -> u64 {
         let Some(feed) = self.feeds.remove(&(e, rank)) else { return 0 };
         let mut n = 0;
-        for key in feed.by_hash.into_values() {
-            n += u64::from(self.unfile(e, rank, key));
+        for (key, stores) in feed.by_hash.into_values() {
+            for _ in 0..stores {
+                self.unfile(e, rank, key);
+            }
+            n += 1;
         }
         n
     }
@@ -544,6 +558,23 @@ mod tests {
         assert_eq!(ix.cached_tokens(&prompt), vec![0, 0], "expired entries do not count");
         assert_eq!(ix.sweep(), 2);
         assert_eq!(ix.counts(), Counts { entries: 0, routed_entries: 0, keys: 0, dropped: 0 });
+    }
+
+    /// A block stored once per attention group (the same hash twice) stays until removed as often.
+    #[test]
+    fn a_block_stored_twice_stays_until_removed_twice() {
+        let ix = index(0);
+        let prompt: Vec<u32> = (0..4).collect();
+        let removed =
+            || batch(vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(7)], medium: None }]);
+        ix.apply(0, 0, &batch(vec![stored(&[7], None, &prompt, 4), stored(&[7], None, &prompt, 4)]));
+        assert_eq!(ix.counts().entries, 1);
+        ix.apply(0, 0, &removed());
+        assert_eq!(ix.cached_tokens(&prompt), vec![4, 0]);
+        ix.apply(0, 0, &removed());
+        assert_eq!(ix.cached_tokens(&prompt), vec![0, 0]);
+        assert_eq!(ix.counts().entries, 0);
+        assert_eq!(ix.sweep(), 0);
     }
 
     #[test]

@@ -9,13 +9,13 @@
 //! - [`PrefixIndex`] holds, per block key, which engines hold it and on which medium; *exact*
 //!   entries come from engine KV events ([`feed`]), *approximate* ones from what the gateway routed
 //!   there, with a time to live, for engines whose events are not configured or not arriving.
-//! - [`PrefixIndex::cached`] answers, for each engine, the longest run of consecutive blocks from
+//! - [`PrefixIndex::cached_tokens`] answers, for each engine, the longest run of consecutive blocks from
 //!   the start of the prompt that it holds: the tokens its prefill would not compute again.
 
 pub mod feed;
 mod index;
 
-pub use index::{Counts, EngineState, PrefixIndex, Source};
+pub use index::{Applied, Counts, EngineState, PrefixIndex};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 

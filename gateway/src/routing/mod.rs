@@ -68,7 +68,7 @@ impl CacheParams {
         let limit = self.guard_limit(least);
         let score = |i: usize| {
             let cache = f64::from(cached(i)) / f64::from(prompt_tokens.max(1));
-            let over = f64::from(load(i).saturating_sub(least)) / f64::from(limit - least + 1);
+            let over = f64::from(load(i).saturating_sub(least)) / (f64::from(limit - least) + 1.0);
             f64::from(self.cache_weight_pct) / 100.0 * cache - over
         };
         candidates
