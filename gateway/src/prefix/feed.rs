@@ -499,6 +499,17 @@ impl Feeds {
     }
 }
 
+/// The feed cannot reach its publisher: marked lost (its engine falls back), then a wait that
+/// doubles while it stays so.
+async fn lost(feeds: Arc<Feeds>, f: &FeedStatus, why: String, backoff: &mut Duration) {
+    f.error(why);
+    f.set(FeedState::Lost);
+    feeds.refresh_exact();
+    drop(feeds);
+    tokio::time::sleep(*backoff).await;
+    *backoff = (*backoff * 2).min(MAX_BACKOFF);
+}
+
 async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
     let mut backoff = Duration::from_millis(200);
     loop {
@@ -509,12 +520,7 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
         let mut sub = match sub {
             Ok(s) => s,
             Err(e) => {
-                f.error(format!("connecting to {}: {e}", f.config.endpoint));
-                f.set(FeedState::Lost);
-                this.refresh_exact();
-                drop(this);
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                lost(this, &f, format!("connecting to {}: {e}", f.config.endpoint), &mut backoff).await;
                 continue;
             }
         };
@@ -570,12 +576,7 @@ async fn run(feeds: std::sync::Weak<Feeds>, f: Arc<FeedStatus>) {
                     }
                 }
                 Err(e @ (EventError::Zmq(_) | EventError::Disconnected)) => {
-                    f.error(e);
-                    f.set(FeedState::Lost);
-                    this.refresh_exact();
-                    drop(this);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    lost(this, &f, e.to_string(), &mut backoff).await;
                     break;
                 }
                 // A message that does not decode is lost, and the next one's sequence number
