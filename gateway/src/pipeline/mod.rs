@@ -30,6 +30,7 @@ use crate::auth::ApiKeys;
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNames};
+use crate::prefix::PromptKeys;
 use crate::routing::{Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router};
 use crate::telemetry::trace::{self, End, RequestFacts, Tracing};
 use crate::telemetry::{Live, Phase, Timing, request_id};
@@ -236,8 +237,16 @@ impl Gateway {
 
     /// Every endpoint's state, one list per metric, for the routing policy.
     pub fn candidates(&self, ids: &[u32]) -> Candidates {
-        let tokens = ids.len();
-        let mut cached = self.router.prefix.as_ref().map(|f| f.index.cached_tokens(ids)).unwrap_or_default();
+        let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
+        self.candidates_keyed(ids.len(), keys.as_ref())
+    }
+
+    /// [`Gateway::candidates`] for a prompt of `tokens` whose block keys are made.
+    fn candidates_keyed(&self, tokens: usize, keys: Option<&PromptKeys>) -> Candidates {
+        let mut cached = match (&self.router.prefix, keys) {
+            (Some(f), Some(k)) => f.index.cached_tokens(k),
+            _ => Vec::new(),
+        };
         let decode_cached = cached.split_off(self.prefills.len().min(cached.len()));
         let mut c = Candidates {
             prefill: PrefillView {
@@ -639,7 +648,8 @@ impl Gateway {
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
     ) -> Result<Vec<Route>, GatewayError> {
-        let cands = self.candidates(ids);
+        let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
+        let cands = self.candidates_keyed(ids.len(), keys.as_ref());
         let mut by_plugin = None;
         let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
             (Some(p), Some(preq)) => {
@@ -666,7 +676,9 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         if let Some(chosen) = routes.first().copied() {
-            self.note_routed(chosen, ids, &cands);
+            if let Some(keys) = &keys {
+                self.note_routed(chosen, keys, &cands);
+            }
             let roster = Arc::clone(&self.roster);
             let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
             live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
@@ -676,21 +688,22 @@ impl Gateway {
 
     /// Tells the block index where the prompt went: engines without live events get its blocks
     /// as approximate entries, and engines with feeds are expected to publish.
-    fn note_routed(&self, chosen: Route, ids: &[u32], c: &Candidates) {
+    fn note_routed(&self, chosen: Route, keys: &PromptKeys, c: &Candidates) {
         let Some(feeds) = &self.router.prefix else { return };
-        feeds.count_route(0, ids.len(), c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0));
-        feeds.count_route(1, ids.len(), c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0));
+        let tokens = keys.tokens;
+        feeds.count_route(0, tokens, c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0));
+        feeds.count_route(1, tokens, c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0));
         let p = self.prefills.len();
         let cached = [
             c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0),
             c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0),
         ];
         for (engine, cached) in [chosen.prefill, p + chosen.decode].into_iter().zip(cached) {
-            feeds.index.routed(engine, ids);
+            feeds.index.routed(engine, keys);
             // An engine publishes only blocks it did not hold: a request it holds whole says
             // nothing, and must not count against its feed.
             let new_blocks =
-                ids.len().saturating_sub(cached as usize) >= feeds.index.block_size(engine) as usize;
+                tokens.saturating_sub(cached as usize) >= feeds.index.block_size(engine) as usize;
             if new_blocks {
                 feeds.routed(engine);
             }

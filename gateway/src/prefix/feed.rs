@@ -740,7 +740,8 @@ mod tests {
         let f = feeds(&p, "", Duration::from_secs(60));
         f.start(Duration::from_secs(60));
         let s = Arc::clone(&f.feeds()[0]);
-        until("the replay of what came before", || f.index.cached_tokens(&prompt) == vec![8]).await;
+        until("the replay of what came before", || f.index.cached_tokens(&f.index.keys(&prompt)) == vec![8])
+            .await;
         assert_eq!(s.replayed.load(Ordering::Relaxed), 2);
         until("live", || f.state(&s) == FeedState::Live).await;
         f.refresh_exact();
@@ -757,15 +758,15 @@ mod tests {
         // seq n is kept for replay only; n+1 shows the gap, and n comes back from the replay.
         p.publish(vec![stored(3, Some(2), 8..12)], false).await;
         p.publish(vec![stored(4, Some(3), 12..16)], true).await;
-        until("the gap replayed", || f.index.cached_tokens(&prompt) == vec![16]).await;
+        until("the gap replayed", || f.index.cached_tokens(&f.index.keys(&prompt)) == vec![16]).await;
         assert_eq!(s.missed.load(Ordering::Relaxed), 1);
         assert!(s.replays.load(Ordering::Relaxed) >= 2);
         // The engine starts again: its sequence goes back to 0 and its old cache is gone.
         p.seq = 0;
         p.publish(vec![stored(9, None, 100..104)], true).await;
         until("the restart", || s.restarts.load(Ordering::Relaxed) == 1).await;
-        assert_eq!(f.index.cached_tokens(&prompt), vec![0]);
-        assert_eq!(f.index.cached_tokens(&[100, 101, 102, 103]), vec![4]);
+        assert_eq!(f.index.cached_tokens(&f.index.keys(&prompt)), vec![0]);
+        assert_eq!(f.index.cached_tokens(&f.index.keys(&[100, 101, 102, 103])), vec![4]);
     }
 
     /// The publisher goes away and another starts on its ports (an engine restarted): the feed
@@ -778,14 +779,21 @@ mod tests {
         let f = feeds(&p, "", Duration::from_secs(60));
         f.start(Duration::from_secs(60));
         let s = Arc::clone(&f.feeds()[0]);
-        until("the first replay", || f.index.cached_tokens(&[0, 1, 2, 3]) == vec![4]).await;
+        until("the first replay", || f.index.cached_tokens(&f.index.keys(&[0, 1, 2, 3])) == vec![4]).await;
         let (pub_at, replay_at) = (p.pub_addr.clone(), p.replay_addr.clone());
         drop(p);
         until("the disconnection", || f.state(&s) != FeedState::Live).await;
         let mut q = Publisher::start_at("", &pub_at, &replay_at).await;
         q.publish(vec![stored(5, None, 50..54)], true).await;
-        until("the new publisher's blocks", || f.index.cached_tokens(&[50, 51, 52, 53]) == vec![4]).await;
-        assert_eq!(f.index.cached_tokens(&[0, 1, 2, 3]), vec![0], "the old blocks are forgotten");
+        until("the new publisher's blocks", || {
+            f.index.cached_tokens(&f.index.keys(&[50, 51, 52, 53])) == vec![4]
+        })
+        .await;
+        assert_eq!(
+            f.index.cached_tokens(&f.index.keys(&[0, 1, 2, 3])),
+            vec![0],
+            "the old blocks are forgotten"
+        );
         until("live again", || f.state(&s) == FeedState::Live).await;
         assert!(s.last_error().is_some_and(|e| e.contains("disconnected")), "{:?}", s.last_error());
     }

@@ -57,6 +57,21 @@ struct Inner {
     routed_entries: usize,
 }
 
+/// A prompt's block keys, per block size.
+#[derive(Debug, Clone, Default)]
+pub struct PromptKeys {
+    /// The prompt's length in tokens.
+    pub tokens: usize,
+    by_size: SmallVec<[(u32, Vec<BlockKey>); 1]>,
+}
+
+impl PromptKeys {
+    /// The keys at block size `bs`, if they were made.
+    pub fn of(&self, bs: u32) -> Option<&[BlockKey]> {
+        self.by_size.iter().find(|(b, _)| *b == bs).map(|(_, k)| k.as_slice())
+    }
+}
+
 /// One engine as the index sees it.
 #[derive(Debug)]
 pub struct EngineState {
@@ -169,29 +184,33 @@ impl PrefixIndex {
         self.inner.write().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// For each engine, how many tokens at the start of `ids` it holds in cache (whole blocks of
-    /// its block size, consecutive from the first).
-    pub fn cached_tokens(&self, ids: &[u32]) -> Vec<u32> {
-        let mut out = vec![0u32; self.engines.len()];
-        // Engines grouped by block size: one key walk per size (a fleet usually has one).
-        let mut sizes: SmallVec<[u32; 2]> = SmallVec::new();
+    /// A prompt's block keys at every block size the engines use (a fleet usually has one),
+    /// computed once a request for both the lookup and the routed entries.
+    pub fn keys(&self, ids: &[u32]) -> PromptKeys {
+        let mut keys = PromptKeys { tokens: ids.len(), by_size: SmallVec::new() };
         for e in 0..self.engines.len() {
             let bs = self.block_size(e);
-            if !sizes.contains(&bs) {
-                sizes.push(bs);
+            if keys.of(bs).is_none() {
+                let mut k = Vec::new();
+                block_keys(ids, bs, &mut k);
+                keys.by_size.push((bs, k));
             }
         }
-        let mut keys = Vec::new();
+        keys
+    }
+
+    /// For each engine, how many tokens at the start of the prompt it holds in cache (whole
+    /// blocks of its block size, consecutive from the first).
+    pub fn cached_tokens(&self, keys: &PromptKeys) -> Vec<u32> {
+        let mut out = vec![0u32; self.engines.len()];
         let now = self.now_ms();
-        for bs in sizes {
-            keys.clear();
-            block_keys(ids, bs, &mut keys);
+        for (bs, k) in &keys.by_size {
             let engines: SmallVec<[usize; 16]> =
-                (0..self.engines.len()).filter(|&e| self.block_size(e) == bs).collect();
-            let blocks = self.walk(&keys, &engines, now);
+                (0..self.engines.len()).filter(|&e| self.block_size(e) == *bs).collect();
+            let blocks = self.walk(k, &engines, now);
             for (e, n) in engines.iter().zip(blocks) {
                 if let Some(slot) = out.get_mut(*e) {
-                    *slot = n.saturating_mul(bs);
+                    *slot = n.saturating_mul(*bs);
                 }
             }
         }
@@ -232,17 +251,17 @@ impl PrefixIndex {
     /// Records that a request with `ids` was sent to `engine`, unless the engine's events are
     /// live (then its own events say what it stored): its full blocks become approximate
     /// entries for the time to live, or have it renewed.
-    pub fn routed(&self, engine: usize, ids: &[u32]) {
+    pub fn routed(&self, engine: usize, keys: &PromptKeys) {
         let Some(state) = self.engines.get(engine) else { return };
         if state.exact() || self.ttl.is_zero() {
             return;
         }
         let Ok(e) = u16::try_from(engine) else { return };
-        let mut keys = Vec::new();
-        block_keys(ids, self.block_size(engine), &mut keys);
+        // The engine's block size changed since the keys were made (its first event): next time.
+        let Some(keys) = keys.of(self.block_size(engine)) else { return };
         let expires = self.now_ms().saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX));
         let mut inner = self.write();
-        for key in keys {
+        for &key in keys {
             let full = inner.entries >= self.max_entries;
             let holders = inner.blocks.entry(key).or_default();
             if let Some(h) = holders.iter_mut().find(|h| h.engine == e && h.rank == ROUTED) {
@@ -512,11 +531,11 @@ mod tests {
         ix.apply(0, 0, &batch(vec![stored(&[12], Some(11), &prompt[8..12], 4)]));
         // Engine 1 stores block 0 only.
         ix.apply(1, 0, &batch(vec![stored(&[99], None, &prompt[..4], 4)]));
-        assert_eq!(ix.cached_tokens(&prompt), vec![12, 4]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![12, 4]);
         // Another prompt sharing only the first block.
         let mut other = prompt.clone();
         other[5] = 1000;
-        assert_eq!(ix.cached_tokens(&other), vec![4, 4]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&other)), vec![4, 4]);
         // Removal by the engine's own hash breaks the run there.
         let r = ix.apply(
             0,
@@ -524,10 +543,10 @@ mod tests {
             &batch(vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(11)], medium: None }]),
         );
         assert_eq!(r.removed, 1);
-        assert_eq!(ix.cached_tokens(&prompt), vec![4, 4]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![4, 4]);
         let c = ix.apply(0, 0, &batch(vec![KvEvent::AllBlocksCleared]));
         assert_eq!(c.cleared, 2);
-        assert_eq!(ix.cached_tokens(&prompt), vec![0, 4]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![0, 4]);
         assert_eq!(ix.counts().entries, 1);
     }
 
@@ -542,7 +561,7 @@ mod tests {
         assert_eq!((f.stored, f.dropped), (3, 7));
         assert_eq!(ix.counts().entries, 3);
         assert_eq!(ix.counts().dropped, 7);
-        assert_eq!(ix.cached_tokens(&prompt), vec![12]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![12]);
     }
 
     #[test]
@@ -550,12 +569,12 @@ mod tests {
         let ix = index(50);
         let prompt: Vec<u32> = (0..10).collect();
         ix.set_exact(1, true);
-        ix.routed(0, &prompt);
-        ix.routed(1, &prompt);
-        assert_eq!(ix.cached_tokens(&prompt), vec![8, 0]);
+        ix.routed(0, &ix.keys(&prompt));
+        ix.routed(1, &ix.keys(&prompt));
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![8, 0]);
         assert_eq!(ix.counts().routed_entries, 2);
         std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(ix.cached_tokens(&prompt), vec![0, 0], "expired entries do not count");
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![0, 0], "expired entries do not count");
         assert_eq!(ix.sweep(), 2);
         assert_eq!(ix.counts(), Counts { entries: 0, routed_entries: 0, keys: 0, dropped: 0 });
     }
@@ -570,9 +589,9 @@ mod tests {
         ix.apply(0, 0, &batch(vec![stored(&[7], None, &prompt, 4), stored(&[7], None, &prompt, 4)]));
         assert_eq!(ix.counts().entries, 1);
         ix.apply(0, 0, &removed());
-        assert_eq!(ix.cached_tokens(&prompt), vec![4, 0]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![4, 0]);
         ix.apply(0, 0, &removed());
-        assert_eq!(ix.cached_tokens(&prompt), vec![0, 0]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![0, 0]);
         assert_eq!(ix.counts().entries, 0);
         assert_eq!(ix.sweep(), 0);
     }
@@ -584,7 +603,7 @@ mod tests {
         ix.apply(1, 0, &batch(vec![stored(&[1, 2], None, &prompt[..32], 16)]));
         ix.apply(0, 0, &batch(vec![stored(&[1], None, &prompt[..4], 4)]));
         assert_eq!(ix.block_size(1), 16);
-        assert_eq!(ix.cached_tokens(&prompt), vec![4, 32]);
+        assert_eq!(ix.cached_tokens(&ix.keys(&prompt)), vec![4, 32]);
         assert_eq!(ix.exact_blocks()[1], vec![("GPU".to_owned(), 2)]);
     }
 }

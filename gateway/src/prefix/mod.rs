@@ -15,7 +15,7 @@
 pub mod feed;
 mod index;
 
-pub use index::{Applied, Counts, EngineState, PrefixIndex};
+pub use index::{Applied, Counts, EngineState, PrefixIndex, PromptKeys};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
