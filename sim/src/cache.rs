@@ -80,9 +80,25 @@ impl Lru {
 pub struct PrefixCache {
     config: CacheConfig,
     lru: Mutex<Lru>,
-    events: Option<mpsc::UnboundedSender<Vec<Event>>>,
+    events: Option<Publisher>,
     /// Where the publisher listens (the bound ports, when 0 was asked for).
     pub published_at: Option<(SocketAddr, Option<SocketAddr>)>,
+}
+
+/// The publisher's tasks (they own its sockets, whose ports they free when aborted with the
+/// cache) and the channel into them.
+#[derive(Debug)]
+struct Publisher {
+    tx: mpsc::UnboundedSender<Vec<Event>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
 }
 
 /// The engine's hash of a block: its tokens and its parent's hash (vLLM's shape; not its function).
@@ -158,10 +174,10 @@ impl PrefixCache {
         if !removed.is_empty() {
             batch.push(Event::Removed { hashes: removed });
         }
-        if let Some(tx) = &self.events
+        if let Some(p) = &self.events
             && !batch.is_empty()
         {
-            let _ = tx.send(batch);
+            let _ = p.tx.send(batch);
         }
         cached * bs
     }
@@ -216,7 +232,7 @@ type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 async fn publish(
     e: &EventsConfig,
     block_size: u32,
-) -> std::io::Result<(mpsc::UnboundedSender<Vec<Event>>, (SocketAddr, Option<SocketAddr>))> {
+) -> std::io::Result<(Publisher, (SocketAddr, Option<SocketAddr>))> {
     let io = |e: zeromq::ZmqError| std::io::Error::other(e.to_string());
     let addr = |ep: zeromq::Endpoint| match ep {
         zeromq::Endpoint::Tcp(host, port) => {
@@ -228,17 +244,18 @@ async fn publish(
     let at = addr(pub_socket.bind(&format!("tcp://{}", e.listen)).await.map_err(io)?)?;
     let buffer: Buffer = Arc::default();
     let topic = Bytes::from(e.topic.clone());
+    let mut tasks = Vec::new();
     let replay_at = match e.replay {
         Some(r) => {
             let mut router = RouterSocket::new();
             let at = addr(router.bind(&format!("tcp://{r}")).await.map_err(io)?)?;
-            tokio::spawn(serve_replay(router, Arc::clone(&buffer), topic.clone()));
+            tasks.push(tokio::spawn(serve_replay(router, Arc::clone(&buffer), topic.clone())));
             Some(at)
         }
         None => None,
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Event>>();
-    tokio::spawn(async move {
+    tasks.push(tokio::spawn(async move {
         let mut seq: u64 = 0;
         while let Some(events) = rx.recv().await {
             let payload = Bytes::from(encode(&events, block_size));
@@ -256,8 +273,8 @@ async fn publish(
             let _ = pub_socket.send(m).await;
             seq += 1;
         }
-    });
-    Ok((tx, (at, replay_at)))
+    }));
+    Ok((Publisher { tx, tasks }, (at, replay_at)))
 }
 
 async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {

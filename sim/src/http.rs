@@ -512,11 +512,11 @@ impl SimEngine {
         let cached = match &self.cache {
             Some(c) => {
                 let cached = c.admit(&ids);
-                let handed = req.baton.is_some()
-                    || req.nixl_params()?.is_some_and(|p| p.do_remote_prefill)
-                    || req.sglang_params()?.is_some()
-                    || req.lmcache_params()?.is_some();
-                let computes = matches!(self.role, Role::Prefill(_)) || !handed;
+                let computes = matches!(self.role, Role::Prefill(_))
+                    || !(req.baton.is_some()
+                        || req.nixl_params()?.is_some_and(|p| p.do_remote_prefill)
+                        || req.sglang_params()?.is_some()
+                        || req.lmcache_params()?.is_some());
                 let t = c.prefill_time(ids.len(), cached);
                 if computes && !t.is_zero() {
                     tokio::time::sleep(t).await;
