@@ -8,12 +8,8 @@ use baton_gateway::config::cache::CacheRouting;
 use baton_gateway::demo::{Demo, DemoConfig, GatewaySetup, start, start_engines, start_gateway};
 use baton_gateway::handoff::Mode;
 use baton_gateway::routing::{Builtin, CacheParams};
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
+use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use super::http;
@@ -64,16 +60,8 @@ fn config(handoff: Mode, token_delay: Duration) -> DemoConfig {
 
 /// A completion with its decision record (`x-baton-explain`) and its answer.
 async fn explained(addr: SocketAddr, body: Value) -> (u16, Value, Value) {
-    let conn = TcpStream::connect(addr).await.unwrap();
-    let (mut send, c) = hyper::client::conn::http1::handshake(TokioIo::new(conn)).await.unwrap();
-    tokio::spawn(c);
-    let req = Request::post("/v1/completions")
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .header("x-baton-explain", "1")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    let res = send.send_request(req).await.unwrap();
+    let res =
+        super::client::send_with(addr, "/v1/completions", Some(&body), &[("x-baton-explain", "1")]).await;
     let status = res.status().as_u16();
     let record = res
         .headers()

@@ -402,19 +402,10 @@ async fn explain_sends_the_record_only_when_allowed() {
         .await
         .unwrap();
         for stream in [false, true] {
-            let stream_conn = TcpStream::connect(d.addr).await.unwrap();
-            let (mut send, conn) =
-                hyper::client::conn::http1::handshake(TokioIo::new(stream_conn)).await.unwrap();
-            tokio::spawn(conn);
             let body = json!({"prompt": prompt(40, 6), "max_tokens": 3, "stream": stream});
-            let req = Request::post("/v1/completions")
-                .header("host", d.addr.to_string())
-                .header("content-type", "application/json")
-                .header("x-request-id", format!("explain-{stream}"))
-                .header("x-baton-explain", "1")
-                .body(Full::new(Bytes::from(body.to_string())))
-                .unwrap();
-            let res = send.send_request(req).await.unwrap();
+            let id = format!("explain-{stream}");
+            let headers = [("x-request-id", id.as_str()), ("x-baton-explain", "1")];
+            let res = super::client::send_with(d.addr, "/v1/completions", Some(&body), &headers).await;
             assert_eq!(res.status(), 200);
             let header = res.headers().get("x-baton-explain").map(|v| v.to_str().unwrap().to_owned());
             let text =

@@ -14,31 +14,13 @@ use baton_dataplane::wire::RefusalCode;
 use baton_dataplane::{KvGeometry, PageAddr, PrefixKey, RankEvent, RequestId, RequestKey};
 use baton_sim::kv::prefix_hashes;
 use baton_sim::kv::{render_chat, tokenize};
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-/// POSTs JSON (or GETs when `body` is None) and returns the status and body.
-pub async fn http(addr: SocketAddr, path: &str, body: Option<&Value>) -> (u16, Bytes) {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-    tokio::spawn(conn);
-    let req = match body {
-        Some(b) => Request::post(path)
-            .header("host", addr.to_string())
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(b.to_string())))
-            .unwrap(),
-        None => Request::get(path).header("host", addr.to_string()).body(Full::new(Bytes::new())).unwrap(),
-    };
-    let res = send.send_request(req).await.unwrap();
-    let status = res.status().as_u16();
-    (status, res.into_body().collect().await.unwrap().to_bytes())
-}
+// The suite's HTTP client (one new connection a request), shared with the gateway's tests.
+#[path = "../../../tests/support/http.rs"]
+mod client;
+pub use client::http;
 
 pub async fn stats(addr: SocketAddr) -> Value {
     let (status, body) = http(addr, "/sim/stats", None).await;
