@@ -2,14 +2,16 @@
 //! payload]`) decoded into typed batches, and a subscriber that reads them off one engine.
 //!
 //! The wire, as vLLM 0.32 sends it (`vllm/distributed/kv_events.py`; checked against a real
-//! server by `tests/vllm.rs`, frames kept in `gateway/tests/fixtures/`):
+//! server by `tests/vllm.rs`, and against vLLM 0.32's and 0.9.2's own `ZmqEventPublisher`, whose
+//! frames `scripts/capture-kv-events` captured; all kept in `gateway/tests/fixtures/`):
 //! - three frames: the topic (the publisher's `topic`, `""` by default: a subscriber on another
 //!   prefix silently gets nothing), the sequence number as 8 big-endian bytes (counting from 0 at
 //!   every engine start), and a msgpack `EventBatch`;
 //! - the batch is an array `[ts, events, data_parallel_rank]` (a map with those names is read
 //!   too);
-//! - each event is a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`; vLLM
-//!   before 0.12 and SGLang send the same events as arrays whose first element is the tag);
+//! - each event is a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`; older
+//!   vLLM, 0.9.2 for one, and SGLang before 0.5 send the same events as arrays whose first element
+//!   is the tag);
 //! - block hashes are integers (vLLM's default `builtin` hash, 64-bit, possibly negative) or bytes
 //!   (`sha256` hashes); `medium` says where the block is (`"GPU"` even on a CPU build).
 //!
@@ -359,6 +361,39 @@ impl Subscriber {
 /// The sequence number vLLM's replay socket ends a replay with (`-1`, 8 bytes big-endian).
 pub const END_OF_REPLAY: [u8; 8] = [0xff; 8];
 
+/// One answer from a replay socket.
+#[derive(Debug)]
+pub enum Answer {
+    /// A message it still held, with the subscription's topic.
+    Message(Message),
+    /// A message whose payload does not decode.
+    Undecodable(EventError),
+    /// The end of the replay (seq -1).
+    End,
+}
+
+/// Reads one answer as a DEALER receives it: the ROUTER's empty delimiter, then
+/// `[topic, seq, payload]` (vLLM 0.26 on, SGLang) or `[seq, payload]` (before); the end is the
+/// same with seq -1 and an empty payload. The message gets `topic` (the subscription's), whatever
+/// topic frame the answer had.
+pub fn replay_answer<F: AsRef<[u8]>>(frames: &[F], topic: &[u8]) -> Result<Answer, EventError> {
+    let body = match frames.first() {
+        Some(f) if f.as_ref().is_empty() => frames.get(1..).unwrap_or_default(),
+        _ => frames,
+    };
+    let (seq, payload) = match body {
+        [_, seq, payload] | [seq, payload] => (seq.as_ref(), payload.as_ref()),
+        _ => return Err(EventError::Frames(body.len())),
+    };
+    if seq == END_OF_REPLAY {
+        return Ok(Answer::End);
+    }
+    Ok(match decode(&[topic, seq, payload]) {
+        Ok(m) => Answer::Message(m),
+        Err(e) => Answer::Undecodable(e),
+    })
+}
+
 /// Asks a publisher's replay socket (ZeroMQ ROUTER; vLLM's and SGLang's `replay_endpoint`) for
 /// every message it still holds from `from` on, as their `ZmqEventPublisher` serves it: the
 /// request is `["", from as 8 bytes big-endian]` from a DEALER; each answer is
@@ -383,25 +418,11 @@ pub async fn replay(
         socket.send(ask).await?;
         let mut out = Vec::new();
         loop {
-            let frames = socket.recv().await?.into_vec();
-            // A DEALER sees what the ROUTER sent after the peer's identity: the empty delimiter,
-            // then `[topic, seq, payload]` (vLLM 0.26 on, SGLang) or `[seq, payload]` (before);
-            // the end is the same with seq -1 and empty topic and payload.
-            let body = match frames.first() {
-                Some(f) if f.is_empty() => frames.get(1..).unwrap_or_default(),
-                _ => &frames[..],
-            };
-            let (seq, payload) = match body {
-                [_, seq, payload] | [seq, payload] => (seq, payload),
-                _ => return Err(EventError::Frames(body.len())),
-            };
-            if seq.as_ref() == END_OF_REPLAY {
-                return Ok(out);
-            }
-            let with_topic = [Bytes::copy_from_slice(topic), seq.clone(), payload.clone()];
-            // One batch that does not decode is left out (the caller sees its sequence missing).
-            if let Ok(m) = decode(&with_topic) {
-                out.push(m);
+            match replay_answer(&socket.recv().await?.into_vec(), topic)? {
+                Answer::End => return Ok(out),
+                Answer::Message(m) => out.push(m),
+                // One batch that does not decode is left out (the caller sees its sequence missing).
+                Answer::Undecodable(_) => {}
             }
             if out.len() >= max {
                 return Ok(out);
@@ -452,6 +473,95 @@ mod tests {
         }
         assert!(stored >= 2, "{stored} blocks stored");
         assert_eq!(cleared, 1);
+    }
+
+    /// What vLLM's own `ZmqEventPublisher` sent (0.32: events as maps; 0.9.2: events as arrays),
+    /// captured by `scripts/capture-kv-events`, decodes to exactly what it was given, live and
+    /// from its replay socket (whose answers differ between the two: 0.32 adds a topic frame).
+    #[test]
+    fn vllm_publisher_code_decodes_exactly() {
+        use serde_json::Value as J;
+        fn hex(s: &str) -> Vec<u8> {
+            (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        }
+        fn frames(v: &J) -> Vec<Vec<u8>> {
+            v.as_array().unwrap().iter().map(|f| hex(f.as_str().unwrap())).collect()
+        }
+        fn hash(v: &J) -> BlockHash {
+            match v {
+                J::Object(o) => BlockHash::Bytes(hex(o["hex"].as_str().unwrap())),
+                n => BlockHash::Int(n.as_u64().unwrap_or_else(|| n.as_i64().unwrap().cast_unsigned())),
+            }
+        }
+        let hashes = |e: &J| e["block_hashes"].as_array().unwrap().iter().map(hash).collect::<Vec<_>>();
+        let text = |e: &J, k: &str| e.get(k).and_then(J::as_str).map(str::to_owned);
+        let expected = |b: &J| EventBatch {
+            ts: b["ts"].as_f64().unwrap(),
+            dp_rank: b["data_parallel_rank"].as_u64().map(|r| u32::try_from(r).unwrap()),
+            events: b["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| match e["type"].as_str().unwrap() {
+                    "BlockStored" => KvEvent::BlockStored {
+                        block_hashes: hashes(e),
+                        parent_block_hash: e.get("parent_block_hash").filter(|p| !p.is_null()).map(hash),
+                        token_ids: e["token_ids"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|t| u32::try_from(t.as_u64().unwrap()).unwrap())
+                            .collect(),
+                        block_size: u32::try_from(e["block_size"].as_u64().unwrap()).unwrap(),
+                        lora_id: e["lora_id"].as_u64(),
+                        medium: text(e, "medium"),
+                        lora_name: text(e, "lora_name"),
+                        extra_keys: e
+                            .get("extra_keys")
+                            .and_then(J::as_array)
+                            .map(|k| k.iter().map(|k| !k.is_null()).collect())
+                            .unwrap_or_default(),
+                        kind: text(e, "kv_cache_spec_kind"),
+                    },
+                    "BlockRemoved" => {
+                        KvEvent::BlockRemoved { block_hashes: hashes(e), medium: text(e, "medium") }
+                    }
+                    "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+                    other => panic!("{other}"),
+                })
+                .collect(),
+        };
+        for (version, fixture, topic, array_events) in [
+            ("0.32", include_str!("../tests/fixtures/vllm-publisher-0.32.0.json"), &b""[..], false),
+            ("0.9.2", include_str!("../tests/fixtures/vllm-publisher-0.9.2.json"), &b"kv"[..], true),
+        ] {
+            let f: J = serde_json::from_str(fixture).unwrap();
+            let live = f["live"].as_array().unwrap();
+            for (seq, entry) in live.iter().enumerate() {
+                let raw = frames(&entry["frames"]);
+                // The encoding really is the one this fixture stands for.
+                let payload = rmpv::decode::read_value(&mut &raw[2][..]).unwrap();
+                let first_event = &payload.as_array().unwrap()[1].as_array().unwrap()[0];
+                assert_eq!(first_event.is_array(), array_events, "{version}: {first_event}");
+                let m = decode(&raw).unwrap();
+                assert_eq!(m.topic, topic, "{version}");
+                assert_eq!(m.seq, seq as u64, "{version}");
+                assert_eq!(m.batch, expected(&entry["batch"]), "{version} batch {seq}");
+            }
+            let from = usize::try_from(f["replay_from"].as_u64().unwrap()).unwrap();
+            let answers = f["replay"].as_array().unwrap();
+            assert_eq!(answers.len(), live.len() - from + 1, "{version}");
+            for (i, a) in answers.iter().enumerate() {
+                match replay_answer(&frames(a), topic).unwrap() {
+                    Answer::Message(m) => {
+                        assert_eq!(m.seq, (from + i) as u64, "{version}");
+                        assert_eq!(m.batch, expected(&live[from + i]["batch"]), "{version} replay {i}");
+                    }
+                    Answer::End => assert_eq!(i, answers.len() - 1, "{version}: early end"),
+                    Answer::Undecodable(e) => panic!("{version} replay {i}: {e}"),
+                }
+            }
+        }
     }
 
     /// The older array form (vLLM before 0.12, SGLang) and the map form read the same, unknown

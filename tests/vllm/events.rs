@@ -9,8 +9,8 @@ use super::client::{http, json};
 use super::engines::{self, Fleet, MODEL};
 use super::{baton, block_on, prompt};
 
-/// vLLM's KV events, read by baton's reader (`baton_gateway::kv_events`) over baton's own ZMTP
-/// SUB socket: a request through baton makes the prefill server store the prompt's full blocks,
+/// vLLM's KV events, read by baton's reader (`baton_gateway::kv_events`, a `zeromq` SUB socket;
+/// the raw capture uses baton's own ZMTP connection, a second implementation): a request through baton makes the prefill server store the prompt's full blocks,
 /// whose token ids are exactly baton's tokenizer's ids for the prompt, and the decode server
 /// store the same blocks once it has pulled them; `/reset_prefix_cache` clears the cache with
 /// one `AllBlocksCleared` (published with the engine's next step, not at the reset). With `BATON_CAPTURE_KV_EVENTS=FILE` the prefill server's raw frames
