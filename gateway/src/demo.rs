@@ -342,6 +342,7 @@ pub async fn start_gateway_with(
             routed_ttl: Duration::from_millis(c.routed_ttl_ms),
             max_blocks: c.max_blocks,
             silent_after: Duration::from_millis(c.silent_after_ms.max(1)),
+            skip_prefill_within: c.skip_within(),
             feeds,
         };
         let engines = prefills.iter().map(|p| p.name.clone()).chain(decoders.iter().map(|d| d.name.clone()));

@@ -10,7 +10,7 @@
 //! - the batch is an array `[ts, events, data_parallel_rank]` (a map with those names is read
 //!   too);
 //! - each event is a map tagged by `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`; older
-//!   vLLM, 0.9.2 for one, and SGLang before 0.5 send the same events as arrays whose first element
+//!   vLLM, 0.9.2 for one, and older SGLang releases send the same events as arrays whose first element
 //!   is the tag);
 //! - block hashes are integers (vLLM's default `builtin` hash, 64-bit, possibly negative) or bytes
 //!   (`sha256` hashes); `medium` says where the block is (`"GPU"` even on a CPU build).

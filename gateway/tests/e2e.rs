@@ -987,6 +987,56 @@ mod real_tokenizers {
         assert_eq!(checked, 22);
     }
 
+    /// A conversation's earlier messages are not tokenized again at each turn, and the ids are
+    /// still exactly the whole rendered chat's: a chat growing over 12 turns, its messages holding
+    /// special tokens' text, the edges of whitespace, unicode and code, compared at every turn
+    /// with the text encoded whole; later turns reuse most of their tokens.
+    #[test]
+    fn a_growing_chat_reuses_its_earlier_tokens_with_the_same_ids() {
+        use std::sync::atomic::Ordering;
+        let contents = [
+            "You are a careful assistant. Answer in English.\n\n",
+            "  leading and trailing spaces  ",
+            "<|eot_id|> and <|im_end|> typed by a user, and <|start_header_id|>x",
+            "fn main() {\n    println!(\"héllo, wörld\");\n}\n\t// 日本語のテキスト 😀",
+            "",
+            "\n\nThe baton passes between prefill and decode ranks. ",
+            "'s 'll 123456 ...!!! ???",
+        ];
+        for model in ["llama3_1", "qwen3"] {
+            let tok = load(model);
+            assert_eq!(tok.reuse_off(), None, "{model}");
+            let mut messages = vec![json!({"role": "system", "content": contents[0].repeat(8)})];
+            let (mut reused_before, mut turns_mostly_reused) = (0, 0);
+            for turn in 0..12 {
+                let role = if turn % 2 == 0 { "user" } else { "assistant" };
+                let text =
+                    format!("{} turn {turn}. {}", contents[turn % contents.len()], contents[(turn * 3) % 7]);
+                messages.push(json!({"role": role, "content": text.repeat(1 + turn % 3)}));
+                let req = chat(&json!(messages));
+                let whole = tok.encode(&tok.render_chat(&req).unwrap(), false).unwrap();
+                let reuse = tok.reuse().unwrap();
+                let (r0, e0) = (reuse.reused.load(Ordering::Relaxed), reuse.encoded.load(Ordering::Relaxed));
+                assert_eq!(tok.token_ids(&req).unwrap(), whole, "{model} turn {turn}");
+                let (r1, e1) = (reuse.reused.load(Ordering::Relaxed), reuse.encoded.load(Ordering::Relaxed));
+                assert_eq!(
+                    (r1 - r0) + (e1 - e0),
+                    whole.len() as u64,
+                    "{model} turn {turn}: every token counted once"
+                );
+                if turn > 0 && (r1 - r0) * 2 > whole.len() as u64 {
+                    turns_mostly_reused += 1;
+                }
+                reused_before = r1;
+            }
+            assert!(reused_before > 0, "{model}");
+            assert!(
+                turns_mostly_reused >= 9,
+                "{model}: {turns_mostly_reused} of 11 later turns reused most tokens"
+            );
+        }
+    }
+
     fn python() -> PathBuf {
         let p = std::env::var_os("BATON_TEST_PYTHON")
             .map_or_else(|| repo().join(".cache/venv/bin/python"), PathBuf::from);

@@ -122,6 +122,12 @@ pub struct CacheRouting {
     /// An engine sent requests with whole blocks whose publisher says nothing for this long is
     /// marked silent (and routed as one without events), ms.
     pub silent_after_ms: u64,
+    /// Send a request to its decoder alone, with no prefill leg, when the decoder holds all but
+    /// `skip_prefill_within` of the prompt's tokens (and at least one block of it): the decoder
+    /// computes the rest itself, sooner than a prefill leg and a KV transfer would bring it.
+    /// Only modes whose decoders can (vllm-nixl); others always prefill.
+    pub skip_prefill: bool,
+    pub skip_prefill_within: u32,
 }
 
 impl Default for CacheRouting {
@@ -134,6 +140,8 @@ impl Default for CacheRouting {
             routed_ttl_ms: 120_000,
             max_blocks: 1 << 20,
             silent_after_ms: 10_000,
+            skip_prefill: true,
+            skip_prefill_within: 256,
         }
     }
 }
@@ -145,11 +153,21 @@ pub struct PrefixSettings {
     pub routed_ttl: Duration,
     pub max_blocks: usize,
     pub silent_after: Duration,
+    /// `skip_prefill_within` when `skip_prefill` is on.
+    pub skip_prefill_within: Option<u32>,
     /// Every publisher, engines numbered prefills first, then decoders, in the file's order.
     pub feeds: Vec<FeedConfig>,
 }
 
+/// The most tokens `skip_prefill_within` may leave to a decoder (a bound on a typo, not a tuning).
+const MAX_SKIP_WITHIN: u32 = 1 << 20;
+
 impl CacheRouting {
+    /// How many uncached tokens a decoder computes itself instead of a prefill leg, when on.
+    pub fn skip_within(&self) -> Option<u32> {
+        self.skip_prefill.then_some(self.skip_prefill_within)
+    }
+
     /// The policy's parameters.
     pub fn params(&self) -> Result<CacheParams, ConfigError> {
         if !(1.0..=100.0).contains(&self.guard_ratio) {
@@ -196,6 +214,12 @@ impl CacheRouting {
         if self.max_blocks == 0 {
             return Err(err("routing.cache.max_blocks", "must be greater than 0"));
         }
+        if self.skip_prefill_within > MAX_SKIP_WITHIN {
+            return Err(err(
+                "routing.cache.skip_prefill_within",
+                format!("{} is more than {MAX_SKIP_WITHIN} tokens", self.skip_prefill_within),
+            ));
+        }
         let cache_aware = matches!(routing, Builtin::CacheAware(_));
         let mut warnings = Vec::new();
         if cache_aware && feeds.is_empty() {
@@ -221,6 +245,7 @@ impl CacheRouting {
                 routed_ttl: Duration::from_millis(self.routed_ttl_ms),
                 max_blocks: self.max_blocks,
                 silent_after: Duration::from_millis(self.silent_after_ms.max(1)),
+                skip_prefill_within: self.skip_within(),
                 feeds,
             }),
             warnings,

@@ -89,6 +89,9 @@ pub struct Leg<'a> {
     pub slots: Option<SlotGuard>,
     /// The phases so far; the mode marks its own.
     pub timing: &'a mut Timing,
+    /// Send the request to the decoder alone, no prefill leg: it holds nearly all of the prompt
+    /// in its KV cache and computes the rest itself. Set only where [`Handoff::serves_alone`].
+    pub alone: bool,
 }
 
 /// A handoff mode: the strategy the driver runs a request through once it is admitted and routed.
@@ -115,6 +118,13 @@ pub trait Handoff: Send + Sync + std::fmt::Debug {
         queue_timeout: std::time::Duration,
     ) -> BoxFuture<'a, Result<Option<SlotGuard>, GatewayError>> {
         Box::pin(queue_admit(dec, need, ticket, queue_timeout))
+    }
+
+    /// Whether the decoder can serve a request by itself, computing its prompt, when it holds
+    /// nearly all of it ([`Leg::alone`]): not by default (the mode's decoders expect their KV from
+    /// a prefill leg).
+    fn serves_alone(&self) -> bool {
+        false
     }
 
     /// Runs the legs: prefill, wait for the KV, decode; the decoder's answer (streamed or whole).

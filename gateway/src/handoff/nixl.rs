@@ -172,7 +172,16 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, alone, .. } = leg;
+        let path = req.endpoint.path();
+        if alone {
+            // The decoder holds nearly all of the prompt: the client's request as it came, with no
+            // `kv_transfer_params`, is a plain request it computes (and answers) by itself.
+            timing.enter(Phase::Decode);
+            let resp = self.shared.call("decode", &**dec, path, &Patched::new(&req.raw, &[])).await?;
+            timing.mark(Phase::Decode);
+            return Ok(resp.map(|inner| Held::body(inner, slots)));
+        }
         if let Some(n) = req.raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1) {
             // vLLM 0.32's decoder forks the choices of one request, and each pulls the same
             // remote blocks: the producer frees them after the first read, so the others read
@@ -189,7 +198,6 @@ impl Nixl {
             });
         }
         timing.enter(Phase::Prefill);
-        let path = req.endpoint.path();
         let prefill_body = raw_json(&prefill_body(&req.raw))?;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
         // the params drains them when dropped.
@@ -238,6 +246,12 @@ impl Nixl {
 }
 
 impl Handoff for Nixl {
+    /// A vLLM decoder (`kv_role = "kv_both"`, as NIXL's PD setups start it) serves a plain request
+    /// as any vLLM server does, from its own prefix cache.
+    fn serves_alone(&self) -> bool {
+        true
+    }
+
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {
         Box::pin(self.exchange(leg))
     }

@@ -544,9 +544,9 @@ impl Gateway {
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
-        let routes = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
+        let (routes, alone) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        let prefills = self.prefill_order(routes.iter().map(|r| r.prefill));
+        let prefills = if alone { Vec::new() } else { self.prefill_order(routes.iter().map(|r| r.prefill)) };
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
         live.routed(route.decode);
         if let Some(t) = &trace {
@@ -558,13 +558,11 @@ impl Gateway {
         let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
-        let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing).await;
+        let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing, alone).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
-            if let Some(p) = prefills.first()
-                && let Ok(v) =
-                    header::HeaderValue::from_str(&format!("prefill={}, decode={}", p.name, dec.name))
-            {
+            let prefill = prefills.first().map_or("none", |p| p.name.as_str());
+            if let Ok(v) = header::HeaderValue::from_str(&format!("prefill={prefill}, decode={}", dec.name)) {
                 h.insert(ROUTE_HEADER, v);
             }
             if let Ok(v) = header::HeaderValue::from_str(&timing.header()) {
@@ -639,7 +637,9 @@ impl Gateway {
     }
 
     /// The routes to try, best first: the routing plugin's choice (checked), or the built-in
-    /// policy's; the decision recorded.
+    /// policy's; the decision recorded. With it, whether the chosen decoder gets the request
+    /// alone, no prefill leg (it holds all but `routing.cache.skip_prefill_within` of the prompt,
+    /// and its mode can).
     async fn route(
         &self,
         preq: Option<&Arc<PolicyRequest>>,
@@ -647,7 +647,7 @@ impl Gateway {
         ids: &[u32],
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
-    ) -> Result<Vec<Route>, GatewayError> {
+    ) -> Result<(Vec<Route>, bool), GatewayError> {
         let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
         let cands = self.candidates_keyed(ids.len(), keys.as_ref());
         let mut by_plugin = None;
@@ -675,30 +675,45 @@ impl Gateway {
             NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
+        let mut alone = false;
         if let Some(chosen) = routes.first().copied() {
-            if let Some(keys) = &keys {
-                self.note_routed(chosen, keys, &cands);
+            if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
+                let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
+                alone = self.decoders.get(chosen.decode).is_some_and(|d| d.handoff.serves_alone())
+                    && feeds.skips_prefill(ids.len(), cached);
+                if alone {
+                    feeds.count_skip();
+                    let computed = ids.len().saturating_sub(cached as usize);
+                    live.note("prefill", move || {
+                        json!({"skipped": true, "decoder_cached_tokens": cached, "computed_by_decoder": computed})
+                    });
+                }
+                self.note_routed(chosen, keys, &cands, alone);
             }
             let roster = Arc::clone(&self.roster);
             let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
             live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
         }
-        Ok(routes)
+        Ok((routes, alone))
     }
 
     /// Tells the block index where the prompt went: engines without live events get its blocks
     /// as approximate entries, and engines with feeds are expected to publish.
-    fn note_routed(&self, chosen: Route, keys: &PromptKeys, c: &Candidates) {
+    /// With `alone`, the prefiller gets nothing and is left out.
+    fn note_routed(&self, chosen: Route, keys: &PromptKeys, c: &Candidates, alone: bool) {
         let Some(feeds) = &self.router.prefix else { return };
         let tokens = keys.tokens;
-        feeds.count_route(0, tokens, c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0));
-        feeds.count_route(1, tokens, c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0));
-        let p = self.prefills.len();
         let cached = [
             c.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0),
             c.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0),
         ];
-        for (engine, cached) in [chosen.prefill, p + chosen.decode].into_iter().zip(cached) {
+        if !alone {
+            feeds.count_route(0, tokens, cached[0]);
+        }
+        feeds.count_route(1, tokens, cached[1]);
+        let p = self.prefills.len();
+        let engines = [(chosen.prefill, cached[0]), (p + chosen.decode, cached[1])];
+        for (engine, cached) in engines.into_iter().skip(usize::from(alone)) {
             feeds.index.routed(engine, keys);
             // An engine publishes only blocks it did not hold: a request it holds whole says
             // nothing, and must not count against its feed.
@@ -743,6 +758,7 @@ impl Gateway {
         ids: &[u32],
         ticket: Ticket,
         timing: &mut Timing,
+        alone: bool,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
@@ -752,7 +768,7 @@ impl Gateway {
         timing.note("queue", move || {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing }).await
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

@@ -171,6 +171,10 @@ pub struct Feeds {
     /// Prompt tokens routed, and of them those the chosen engine held, per pool (prefill, decode).
     routed_tokens: [AtomicU64; 2],
     cached_routed_tokens: [AtomicU64; 2],
+    /// A decoder holding all but this many of a prompt's tokens gets it alone (no prefill leg).
+    pub skip_prefill_within: Option<u32>,
+    /// Requests sent to their decoder alone.
+    prefill_skipped: AtomicU64,
     epoch: Instant,
     silent_after: Duration,
     /// How long a feed resyncs after a gap it could not replay.
@@ -193,12 +197,15 @@ impl Feeds {
         configs: Vec<FeedConfig>,
         silent_after: Duration,
         resync_for: Duration,
+        skip_prefill_within: Option<u32>,
     ) -> Arc<Self> {
         Arc::new(Self {
             index,
             feeds: configs.into_iter().map(|c| Arc::new(FeedStatus::new(c))).collect(),
             routed_tokens: Default::default(),
             cached_routed_tokens: Default::default(),
+            skip_prefill_within,
+            prefill_skipped: AtomicU64::new(0),
             epoch: Instant::now(),
             silent_after,
             resync_for,
@@ -210,7 +217,7 @@ impl Feeds {
     /// started. Must run inside a Tokio runtime.
     pub fn start_with(engines: Vec<String>, s: crate::config::cache::PrefixSettings) -> Arc<Self> {
         let index = Arc::new(PrefixIndex::new(engines, s.block_size, s.max_blocks, s.routed_ttl));
-        let feeds = Self::new(index, s.feeds, s.silent_after, s.routed_ttl);
+        let feeds = Self::new(index, s.feeds, s.silent_after, s.routed_ttl, s.skip_prefill_within);
         feeds.start((s.routed_ttl / 4).max(Duration::from_secs(1)));
         feeds
     }
@@ -277,6 +284,18 @@ impl Feeds {
 
     /// Counts a routed prompt of `prompt` tokens, `cached` of which the chosen engine of `pool`
     /// (0 prefill, 1 decode) held.
+    /// Whether a prompt of `tokens` goes to a decoder holding `cached` of them alone: it holds
+    /// at least one block and all but `skip_prefill_within` tokens.
+    pub fn skips_prefill(&self, tokens: usize, cached: u32) -> bool {
+        self.skip_prefill_within
+            .is_some_and(|within| cached > 0 && tokens.saturating_sub(cached as usize) <= within as usize)
+    }
+
+    /// Counts a request sent to its decoder alone.
+    pub fn count_skip(&self) {
+        self.prefill_skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn count_route(&self, pool: usize, prompt: usize, cached: u32) {
         if let (Some(r), Some(c)) = (self.routed_tokens.get(pool), self.cached_routed_tokens.get(pool)) {
             r.fetch_add(prompt as u64, Ordering::Relaxed);
@@ -287,6 +306,12 @@ impl Feeds {
     /// The index's and the feeds' series for `/metrics`.
     pub fn scrape(&self, s: &mut Scrape) {
         let c = self.index.counts();
+        s.counter(
+            "baton_prefill_skipped_total",
+            "Requests sent to their decoder alone, with no prefill leg: it held all but routing.cache.skip_prefill_within of the prompt.",
+            &[],
+            self.prefill_skipped.load(Ordering::Relaxed) as f64,
+        );
         let help = "(engine, block) entries in the block index, by where they came from.";
         s.gauge(
             "baton_prefix_index_entries",
@@ -726,7 +751,7 @@ mod tests {
             replay: Some(p.replay_addr.clone()),
             topic: topic.into(),
         };
-        Feeds::new(index, vec![config], silent_after, Duration::from_secs(60))
+        Feeds::new(index, vec![config], silent_after, Duration::from_secs(60), Some(256))
     }
 
     /// A gateway that starts after the engine rebuilds from replay; a lost message is replayed;

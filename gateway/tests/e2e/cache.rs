@@ -222,3 +222,61 @@ async fn a_hot_prefix_stays_within_the_load_guard() {
     assert_eq!(spread.len(), 2, "both prefillers served: {spread:?}");
     d.shutdown().await;
 }
+
+/// A decoder that holds all but `skip_prefill_within` (256) of a prompt gets it alone in
+/// vllm-nixl: no prefill leg (`x-baton-route: prefill=none`), in the decision record and the
+/// metrics, and the decoder answers from its own cache. A turn that adds more than that, or a
+/// mode whose decoders cannot compute a prompt (native), keeps its prefill leg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_that_holds_the_prompt_gets_it_alone() {
+    for handoff in [Mode::VllmNixl, Mode::Native] {
+        let d = start(config(handoff, Duration::ZERO)).await.unwrap();
+        feeds_live(&d).await;
+        let words = |n: usize, from: usize| (from..from + n).map(|i| format!("w{i} ")).collect::<String>();
+        let first = words(300, 0);
+        let turns = [
+            (first.clone(), false),
+            // 180 more tokens (the demo counts bytes): within 256 of what the decoder holds.
+            (format!("{first}{}", words(30, 1000)), true),
+            // 1800 more: a prefill leg again.
+            (format!("{first}{}{}", words(30, 1000), words(300, 2000)), false),
+        ];
+        let mut skipped = 0;
+        for (turn, (prompt, alone)) in turns.iter().enumerate() {
+            let alone = *alone && handoff == Mode::VllmNixl;
+            let body = json!({"prompt": prompt, "max_tokens": 4});
+            let res =
+                super::client::send_with(d.addr, "/v1/completions", Some(&body), &[("x-baton-explain", "1")])
+                    .await;
+            assert_eq!(res.status(), 200, "{handoff:?} turn {turn}");
+            let route = res.headers()["x-baton-route"].to_str().unwrap().to_owned();
+            let record: Value =
+                serde_json::from_str(res.headers()["x-baton-explain"].to_str().unwrap()).unwrap();
+            let answer: Value =
+                serde_json::from_slice(&res.into_body().collect().await.unwrap().to_bytes()).unwrap();
+            let tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+            let reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+            if alone {
+                skipped += 1;
+                assert!(route.starts_with("prefill=none, decode="), "{handoff:?} turn {turn}: {route} {record}");
+                assert_eq!(record["prefill"]["skipped"], true, "{record}");
+                let held = record["prefill"]["decoder_cached_tokens"].as_u64().unwrap();
+                assert!(tokens - held <= 256 && held > 0, "{record}");
+                assert_eq!(record["prefill"]["computed_by_decoder"], tokens - held, "{record}");
+                assert!(reported >= held, "the decoder computed only what it did not hold: {answer}");
+            } else {
+                assert!(!route.starts_with("prefill=none"), "{handoff:?} turn {turn}: {route}");
+                assert_eq!(record.get("prefill"), None, "{handoff:?} turn {turn}: {record}");
+            }
+            // The engines' events arrive asynchronously; the next turn waits for them.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let metrics = metrics_text(d.admin).await;
+        assert!(
+            metrics.contains(&format!("baton_prefill_skipped_total {skipped}")),
+            "{handoff:?}: {metrics}"
+        );
+        assert_eq!(skipped, usize::from(handoff == Mode::VllmNixl));
+        d.shutdown().await;
+    }
+}

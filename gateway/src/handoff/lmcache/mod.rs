@@ -302,7 +302,7 @@ fn first_token_usable(req: &GenRequest) -> bool {
 
 impl Lmcache {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, .. } = leg;
         timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
         let req_id = format!("baton-{:032x}", shared.keys.next().request.0);

@@ -215,7 +215,7 @@ impl Native {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, .. } = leg;
         let shared = &*self.shared;
         let chunks = self.ranks.slots_for(ids.len());
         let mut life = Lifecycle {

@@ -20,6 +20,8 @@ use serde_json::{Map, Value};
 
 use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
+pub mod reuse;
+
 /// Renders chat messages with the fallback template, for a model configured without its
 /// tokenizer: `<|role|>\ncontent\n` per message, then `<|assistant|>\n`. It counts a role marker and
 /// a newline per message, close to what real templates add; the byte-level count stays an upper
@@ -55,7 +57,12 @@ pub struct Tokenizer {
 
 enum Kind {
     Fallback,
-    Hf { tok: Box<tokenizers::Tokenizer>, chat: Option<Box<ChatTemplate>> },
+    Hf {
+        tok: Box<tokenizers::Tokenizer>,
+        chat: Option<Box<ChatTemplate>>,
+        /// A rendered chat's pieces reused across requests, or why not.
+        reuse: Result<reuse::Reuse, reuse::Off>,
+    },
 }
 
 struct ChatTemplate {
@@ -136,7 +143,8 @@ impl Tokenizer {
                 ))
             }
         };
-        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), chat } })
+        let reuse = reuse::Reuse::new(&tok, reuse::DEFAULT_CAPACITY_TOKENS);
+        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), chat, reuse } })
     }
 
     /// True when counts come from the model's own tokenizer.
@@ -160,6 +168,54 @@ impl Tokenizer {
         }
     }
 
+    /// Why a rendered chat's token ids are not reused across requests (`None`: they are).
+    pub fn reuse_off(&self) -> Option<String> {
+        match &self.kind {
+            Kind::Fallback => None,
+            Kind::Hf { reuse, .. } => reuse.as_ref().err().map(ToString::to_string),
+        }
+    }
+
+    /// The reuse of rendered chats' token ids, when on.
+    pub fn reuse(&self) -> Option<&reuse::Reuse> {
+        match &self.kind {
+            Kind::Hf { reuse: Ok(r), .. } => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The token reuse's counters, for `/metrics`.
+    pub fn scrape(&self, s: &mut crate::telemetry::Scrape) {
+        let Kind::Hf { reuse: Ok(r), .. } = &self.kind else { return };
+        let help =
+            "Tokens of rendered chats, by whether their ids were reused from an earlier request or encoded.";
+        for (how, n) in [("reused", &r.reused), ("encoded", &r.encoded)] {
+            s.counter(
+                "baton_tokenize_chat_tokens_total",
+                help,
+                &[("ids", how)],
+                n.load(std::sync::atomic::Ordering::Relaxed) as f64,
+            );
+        }
+        s.gauge(
+            "baton_tokenize_reuse_cached_tokens",
+            "Token ids the chat reuse cache holds (bounded).",
+            &[],
+            r.cached_tokens() as f64,
+        );
+    }
+
+    /// Token ids of a rendered chat: as [`Self::encode`] without special tokens, its pieces
+    /// reused when the tokenizer allows ([`reuse`]).
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, GatewayError> {
+        match &self.kind {
+            Kind::Hf { tok, reuse: Ok(r), .. } => r
+                .encode(tok, text)
+                .map_err(|e| GatewayError::Internal(crate::api::Internal::Tokenizer(e.to_string()))),
+            _ => self.encode(text, false),
+        }
+    }
+
     /// Token ids of a text.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, GatewayError> {
         match &self.kind {
@@ -177,7 +233,7 @@ impl Tokenizer {
             (Endpoint::Completions, Some(Prompt::Tokens(ids))) => Ok(ids.clone()),
             (Endpoint::Completions, Some(Prompt::Text(t))) => self.encode(t, true),
             (Endpoint::Completions, None) => Ok(Vec::new()),
-            (Endpoint::Chat, _) => self.encode(&self.render_chat(req)?, false),
+            (Endpoint::Chat, _) => self.encode_chat(&self.render_chat(req)?),
         }
     }
 
