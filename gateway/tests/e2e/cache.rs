@@ -258,7 +258,10 @@ async fn a_decoder_that_holds_the_prompt_gets_it_alone() {
             let reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
             if alone {
                 skipped += 1;
-                assert!(route.starts_with("prefill=none, decode="), "{handoff:?} turn {turn}: {route} {record}");
+                assert!(
+                    route.starts_with("prefill=none, decode="),
+                    "{handoff:?} turn {turn}: {route} {record}"
+                );
                 assert_eq!(record["prefill"]["skipped"], true, "{record}");
                 let held = record["prefill"]["decoder_cached_tokens"].as_u64().unwrap();
                 assert!(tokens - held <= 256 && held > 0, "{record}");
