@@ -476,8 +476,8 @@ mod tests {
     }
 
     /// What vLLM's own `ZmqEventPublisher` sent (0.32: events as maps; 0.9.2: events as arrays),
-    /// captured by `scripts/capture-kv-events`, decodes to exactly what it was given, live and
-    /// from its replay socket (whose answers differ between the two: 0.32 adds a topic frame).
+    /// captured by `scripts/capture-kv-events`, decodes to what it was given in every field this
+    /// reader keeps (`extra_keys` as present or not per block), live and from its replay socket (whose answers differ between the two: 0.32 adds a topic frame).
     #[test]
     fn vllm_publisher_code_decodes_exactly() {
         use serde_json::Value as J;

@@ -538,7 +538,12 @@ impl Config {
             .collect();
         let events: Vec<(String, &cache::KvEventsKeys)> =
             events.iter().map(|(f, k)| (f.clone(), k)).collect();
-        let (prefix, warnings) = self.routing.cache.check(routing, &events)?;
+        let (prefix, mut warnings) = self.routing.cache.check(routing, &events)?;
+        if let Some(why) = tokenizer.reuse_off() {
+            warnings.push(format!(
+                "model.tokenizer: a chat's token ids are not reused across its turns ({why}): every request is tokenized whole"
+            ));
+        }
         let resolver = self.check_resolver()?;
         let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;
 

@@ -558,7 +558,7 @@ impl Gateway {
         let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
-        let r = self.handoff(dec, &prefills, &req, &ids, ticket, &mut timing, alone).await;
+        let r = self.handoff(dec, (!alone).then_some(&prefills[..]), &req, &ids, ticket, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
@@ -680,7 +680,7 @@ impl Gateway {
             if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
                 let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
                 alone = self.decoders.get(chosen.decode).is_some_and(|d| d.handoff.serves_alone())
-                    && feeds.skips_prefill(ids.len(), cached);
+                    && feeds.skips_prefill(self.prefills.len() + chosen.decode, ids.len(), cached);
                 if alone {
                     feeds.count_skip();
                     let computed = ids.len().saturating_sub(cached as usize);
@@ -749,16 +749,16 @@ impl Gateway {
         order.iter().filter_map(|&i| self.prefills.get(i)).collect()
     }
 
-    /// Admission on the decoder, then the mode's legs.
+    /// Admission on the decoder, then the mode's legs; `prefills` in the order to try, or `None`
+    /// when the decoder gets the request alone.
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
-        prefills: &[&Prefiller],
+        prefills: Option<&[&Prefiller]>,
         req: &GenRequest,
         ids: &[u32],
         ticket: Ticket,
         timing: &mut Timing,
-        alone: bool,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
@@ -768,6 +768,8 @@ impl Gateway {
         timing.note("queue", move || {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
+        let alone = prefills.is_none();
+        let prefills = prefills.unwrap_or_default();
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone }).await
     }
 

@@ -282,13 +282,16 @@ impl Feeds {
         }
     }
 
-    /// Counts a routed prompt of `prompt` tokens, `cached` of which the chosen engine of `pool`
-    /// (0 prefill, 1 decode) held.
-    /// Whether a prompt of `tokens` goes to a decoder holding `cached` of them alone: it holds
-    /// at least one block and all but `skip_prefill_within` tokens.
-    pub fn skips_prefill(&self, tokens: usize, cached: u32) -> bool {
-        self.skip_prefill_within
-            .is_some_and(|within| cached > 0 && tokens.saturating_sub(cached as usize) <= within as usize)
+    /// Whether a prompt of `tokens` goes alone to the decoder `engine` (numbered after the
+    /// prefills), which holds `cached` of them: it holds at least one block and all but
+    /// `skip_prefill_within` tokens, as its own live events say (approximate entries are what
+    /// was routed there, not KV it computed: parallel or retried requests would go alone on a
+    /// guess).
+    pub fn skips_prefill(&self, engine: usize, tokens: usize, cached: u32) -> bool {
+        let exact = self.index.engines().get(engine).is_some_and(super::EngineState::exact);
+        self.skip_prefill_within.is_some_and(|within| {
+            exact && cached > 0 && tokens.saturating_sub(cached as usize) <= within as usize
+        })
     }
 
     /// Counts a request sent to its decoder alone.
@@ -296,6 +299,8 @@ impl Feeds {
         self.prefill_skipped.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a routed prompt of `prompt` tokens, `cached` of which the chosen engine of `pool`
+    /// (0 prefill, 1 decode) held.
     pub fn count_route(&self, pool: usize, prompt: usize, cached: u32) {
         if let (Some(r), Some(c)) = (self.routed_tokens.get(pool), self.cached_routed_tokens.get(pool)) {
             r.fetch_add(prompt as u64, Ordering::Relaxed);

@@ -2,10 +2,10 @@
 //!
 //! A multi-turn conversation sends its whole history again at every turn, and exact cache-aware
 //! routing needs the token ids of all of it before the request is routed. Tokenizing costs about
-//! 0.7–1.5 µs a token with a BPE (`bench/README.md`, "Tokenization"), so a 32k-token chat would pay
-//! 30–50 ms at each turn for text the gateway has tokenized before.
+//! 0.7–1.1 µs a token with a BPE (`bench/README.md`, "Tokenization"), so a 32k-token chat would pay
+//! 25–35 ms at each turn for text the gateway has tokenized before.
 //!
-//! Why it is exact: a HuggingFace tokenizer first splits its input at its added tokens (`<|eot_id|>`,
+//! Why it is exact: a HuggingFace tokenizer (one without a position-dependent pre-tokenizer, below) first splits its input at its added tokens (`<|eot_id|>`,
 //! `<|im_end|>`, …: one Aho-Corasick pass, leftmost-longest, over the tokens that are not
 //! normalized), then normalizes, pre-tokenizes and encodes each piece between them on its own.
 //! Nothing crosses an added token. So a rendered chat cut right after each added token the
@@ -18,8 +18,11 @@
 //! tokens that strip the whitespace on their right or must stand as a word (their match depends on
 //! what follows the cut), a tokenizer that encodes special tokens as text, truncation or padding
 //! configured in `tokenizer.json`. A self-check at load also compares both ways on probes built
-//! from the tokenizer's own added tokens. The unit tests compare them on real chats for Llama 3.1
-//! and Qwen3.
+//! from the tokenizer's own added tokens: it turns reuse off for a pre-tokenizer that treats the
+//! text's first piece apart (Metaspace with `prepend_scheme = "first"`, SentencePiece conversions),
+//! where each piece would be taken for a first one. `gateway/tests/e2e.rs` (`real_tokenizers`)
+//! compares both ways on real chats for Llama 3.1 and Qwen3; `baton check-config` and the start
+//! say when reuse is off, and why.
 //!
 //! Only chats (`add_special_tokens = false`: the template writes them) are cut; a completion's
 //! prompt is encoded whole.
@@ -28,16 +31,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 /// The cache's default bound, in token ids (4 bytes each, plus moka's per-entry overhead).
 pub const DEFAULT_CAPACITY_TOKENS: u64 = 4 << 20;
+
+/// An entry's overhead in the cache's weight, in token ids (4 bytes each).
+const ENTRY_OVERHEAD: u32 = 24;
 
 /// Where to cut a rendered chat, and the ids of the pieces seen before.
 pub struct Reuse {
     /// Every added token the tokenizer matches before normalizing, as its own trie has them.
     trie: AhoCorasick,
     cache: moka::sync::Cache<u128, Arc<[u32]>>,
+    /// The pieces' hash seed, random per process: xxh3 is not collision-resistant, and a client
+    /// must not be able to make its piece's key another's.
+    seed: u64,
     /// Prompt tokens whose ids came from the cache, and tokens encoded.
     pub reused: AtomicU64,
     pub encoded: AtomicU64,
@@ -106,9 +115,14 @@ impl Reuse {
             .map_err(|e| Off::Mismatch(e.to_string()))?;
         let cache = moka::sync::Cache::builder()
             .max_capacity(capacity)
-            .weigher(|_, ids: &Arc<[u32]>| u32::try_from(ids.len()).unwrap_or(u32::MAX).max(1))
+            // An entry's ids plus its overhead (key, `Arc`, moka's node: ~100 bytes, as many as
+            // 24 ids), so many tiny pieces cannot hold more memory than the bound says.
+            .weigher(|_, ids: &Arc<[u32]>| {
+                u32::try_from(ids.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+            })
             .build();
-        let reuse = Self { trie, cache, reused: AtomicU64::new(0), encoded: AtomicU64::new(0) };
+        let seed = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u64);
+        let reuse = Self { trie, cache, seed, reused: AtomicU64::new(0), encoded: AtomicU64::new(0) };
         reuse.self_check(tok, &added)?;
         Ok(reuse)
     }
@@ -127,7 +141,9 @@ impl Reuse {
                 }
             }
             probes.push(format!("{s}{s}"));
-            probes.push(format!("{}{s}", &s[..s.len() / 2]));
+            // Half a token (cut at a character: a token may hold `▁` or `｜`), then the token.
+            let half: String = s.chars().take(s.chars().count() / 2).collect();
+            probes.push(format!("{half}{s}"));
         }
         for p in &probes {
             let whole = tok.encode_fast(p.as_str(), false).map(|e| e.get_ids().to_vec());
@@ -168,7 +184,7 @@ impl Reuse {
         // Every piece is looked up, the short ones too (a role's header, `<|im_start|>`): the
         // same few recur in every chat, and a lookup costs less than a tokenizer call.
         for piece in self.pieces(text) {
-            let key = xxh3_128(piece.as_bytes());
+            let key = xxh3_128_with_seed(piece.as_bytes(), self.seed);
             if let Some(hit) = self.cache.get(&key) {
                 reused += hit.len();
                 ids.extend_from_slice(&hit);
