@@ -13,12 +13,13 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use rmpv::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::lock;
@@ -37,6 +38,9 @@ pub struct CacheConfig {
     pub prefill_fixed: Duration,
     /// A prefill's time per prompt token not cached.
     pub prefill_per_token: Duration,
+    /// Prefills the engine computes at once (its compute: later ones wait for a lane, as a real
+    /// engine's queue does); 0 for no limit.
+    pub prefill_lanes: usize,
     /// Where to publish KV events, if anywhere.
     pub events: Option<EventsConfig>,
 }
@@ -52,21 +56,21 @@ pub struct EventsConfig {
 /// One event, as the engine publishes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Event {
-    Stored { hashes: Vec<i64>, parent: Option<i64>, tokens: Vec<u32> },
-    Removed { hashes: Vec<i64> },
+    Stored { hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32> },
+    Removed { hashes: Vec<u64> },
 }
 
 #[derive(Debug, Default)]
 struct Lru {
     /// Block hash → its last use.
-    used: HashMap<i64, u64>,
+    used: HashMap<u64, u64>,
     /// Last use → block hash (oldest first).
-    order: BTreeMap<u64, i64>,
+    order: BTreeMap<u64, u64>,
     tick: u64,
 }
 
 impl Lru {
-    fn touch(&mut self, h: i64) {
+    fn touch(&mut self, h: u64) {
         self.tick += 1;
         if let Some(old) = self.used.insert(h, self.tick) {
             self.order.remove(&old);
@@ -75,11 +79,22 @@ impl Lru {
     }
 }
 
+/// What the engine computed: prompts, their tokens and how many of those were cached.
+#[derive(Debug, Default)]
+struct Computed {
+    prompts: AtomicU64,
+    tokens: AtomicU64,
+    cached: AtomicU64,
+}
+
 /// The engine's prefix cache.
 #[derive(Debug)]
 pub struct PrefixCache {
     config: CacheConfig,
     lru: Mutex<Lru>,
+    /// The compute lanes, when limited.
+    lanes: Option<Arc<Semaphore>>,
+    computed: Computed,
     events: Option<Publisher>,
     /// Where the publisher listens (the bound ports, when 0 was asked for).
     pub published_at: Option<(SocketAddr, Option<SocketAddr>)>,
@@ -102,13 +117,15 @@ impl Drop for Publisher {
 }
 
 /// The engine's hash of a block: its tokens and its parent's hash (vLLM's shape; not its function).
-fn block_hash(parent: Option<i64>, tokens: &[u32]) -> i64 {
-    let mut h: u64 = parent.map_or(0x9e37_79b9_7f4a_7c15, i64::cast_unsigned);
+/// Unsigned 64-bit, as vLLM 0.32 publishes them by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`:
+/// the digest's low 64 bits).
+fn block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h: u64 = parent.unwrap_or(0x9e37_79b9_7f4a_7c15);
     for t in tokens {
         h ^= u64::from(*t);
         h = h.wrapping_mul(0x0100_0000_01b3).rotate_left(29) ^ 0xcbf2_9ce4_8422_2325;
     }
-    h.cast_signed()
+    h
 }
 
 impl PrefixCache {
@@ -121,7 +138,47 @@ impl PrefixCache {
             }
             None => (None, None),
         };
-        Ok(Arc::new(Self { config, lru: Mutex::new(Lru::default()), events, published_at }))
+        let lanes = (config.prefill_lanes > 0).then(|| Arc::new(Semaphore::new(config.prefill_lanes)));
+        Ok(Arc::new(Self {
+            config,
+            lru: Mutex::new(Lru::default()),
+            lanes,
+            computed: Computed::default(),
+            events,
+            published_at,
+        }))
+    }
+
+    /// Computes a prompt as the engine's prefill does: waits for a compute lane (when lanes are
+    /// limited), looks the prompt up and caches it, and takes the prefill's time for what was not
+    /// cached. Returns the tokens that were cached.
+    pub async fn compute(&self, ids: &[u32]) -> usize {
+        let _lane = match &self.lanes {
+            Some(l) => Some(Arc::clone(l).acquire_owned().await),
+            None => None,
+        };
+        let cached = self.admit(ids);
+        let c = &self.computed;
+        c.prompts.fetch_add(1, Ordering::Relaxed);
+        c.tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        c.cached.fetch_add(cached as u64, Ordering::Relaxed);
+        let t = self.prefill_time(ids.len(), cached);
+        if !t.is_zero() {
+            tokio::time::sleep(t).await;
+        }
+        cached
+    }
+
+    /// The cache's state and what the engine computed, for `/sim/stats`.
+    pub fn stats(&self) -> serde_json::Value {
+        let c = &self.computed;
+        serde_json::json!({
+            "blocks": self.blocks(),
+            "capacity_blocks": self.config.blocks,
+            "computed_prompts": c.prompts.load(Ordering::Relaxed),
+            "computed_prompt_tokens": c.tokens.load(Ordering::Relaxed),
+            "computed_cached_tokens": c.cached.load(Ordering::Relaxed),
+        })
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -137,7 +194,7 @@ impl PrefixCache {
         let mut cached = 0;
         // Each run of blocks not held is one store, chained to the block before it.
         let mut batch = Vec::new();
-        let mut run: Option<(Option<i64>, Vec<i64>, Vec<u32>)> = None;
+        let mut run: Option<(Option<u64>, Vec<u64>, Vec<u32>)> = None;
         let mut hashes = Vec::new();
         for (i, block) in ids.chunks_exact(bs).enumerate() {
             let h = block_hash(parent, block);
@@ -314,9 +371,12 @@ mod tests {
                 block_size: 4,
                 prefill_fixed: Duration::from_millis(1),
                 prefill_per_token: Duration::from_micros(10),
+                prefill_lanes: 0,
                 events: None,
             },
             lru: Mutex::new(Lru::default()),
+            lanes: None,
+            computed: Computed::default(),
             events: None,
             published_at: None,
         }

@@ -456,6 +456,7 @@ impl SimEngine {
         v["lmcache"] = self.lmcache_stats();
         v["nixl"] = self.nixl_stats();
         v["sglang"] = self.sglang_stats();
+        v["prefix_cache"] = self.cache.as_ref().map_or(Value::Null, |c| c.stats());
         v
     }
 
@@ -511,17 +512,12 @@ impl SimEngine {
         // computes the prompt (a prefiller always; a decoder only when no KV comes to it).
         let cached = match &self.cache {
             Some(c) => {
-                let cached = c.admit(&ids);
                 let computes = matches!(self.role, Role::Prefill(_))
                     || !(req.baton.is_some()
                         || req.nixl_params()?.is_some_and(|p| p.do_remote_prefill)
                         || req.sglang_params()?.is_some()
                         || req.lmcache_params()?.is_some());
-                let t = c.prefill_time(ids.len(), cached);
-                if computes && !t.is_zero() {
-                    tokio::time::sleep(t).await;
-                }
-                Some(cached)
+                Some(if computes { c.compute(&ids).await } else { c.admit(&ids) })
             }
             None => None,
         };

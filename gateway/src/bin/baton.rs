@@ -263,7 +263,7 @@ fn plugin_check(file: &Path, config: Option<&Path>) -> ExitCode {
     };
     match baton_gateway::policy::check_component(file, &config) {
         Ok(r) => {
-            println!("{}: implements baton:policy/{}@0.1.0", file.display(), r.world.name());
+            println!("{}: implements baton:policy/{}@{}", file.display(), r.world.name(), r.wit);
             println!(
                 "  sha256 {} ({} bytes, compiled or read from the cache in {:?})",
                 r.sha256, r.bytes, r.compile
@@ -356,6 +356,10 @@ mod demo {
         /// With --prefix-cache-blocks: a prefill's time per prompt token not cached, µs
         #[arg(long, value_name = "US", default_value_t = 0, requires = "prefix_cache_blocks")]
         prefill_us_per_token: u64,
+        /// With --prefix-cache-blocks: prefills an engine computes at once, later ones queue (0: no
+        /// limit)
+        #[arg(long, value_name = "N", default_value_t = 0, requires = "prefix_cache_blocks")]
+        prefill_lanes: usize,
         /// Log format: text or json
         #[arg(long, value_name = "FORMAT")]
         log_format: Option<String>,
@@ -417,6 +421,7 @@ mod demo {
                 block_size: baton_sim::DEFAULT_SIM_BLOCK_SIZE,
                 prefill_fixed: Duration::from_millis(self.prefill_fixed_ms),
                 prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
+                prefill_lanes: self.prefill_lanes,
                 events: Some(baton_sim::cache::EventsConfig {
                     listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                     replay: Some(SocketAddr::from(([127, 0, 0, 1], 0))),

@@ -232,7 +232,8 @@ impl CacheRouting {
         }
         if !cache_aware && !feeds.is_empty() {
             warnings.push(format!(
-                "engines have kv_events but routing.policy is {:?}: the index is kept (and shown in /admin) but does not route",
+                "engines have kv_events but routing.policy is {:?}: the index is kept (shown in /admin, and given to a \
+                 routing plugin as cached-tokens) but the built-in policy does not route by it",
                 routing.name()
             ));
         }

@@ -3,8 +3,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use wasmtime::Store;
+
 use super::worlds::admission::exports::baton::policy::admission_policy as wa;
 use super::worlds::routing::exports::baton::policy::routing_policy as wr;
+use super::worlds::v0_1::admission::baton::policy::types as t0_1;
+use super::worlds::v0_1::admission::exports::baton::policy::admission_policy as wa0_1;
+use super::worlds::v0_1::routing::exports::baton::policy::routing_policy as wr0_1;
+use super::worlds::{Admission, Ctx, Routing};
 use super::{AdmissionWorld, Direct, Fault, Plugin, RoutingWorld};
 use crate::routing::{Candidates, Decision, Route};
 
@@ -85,6 +91,7 @@ pub fn views(c: &Candidates) -> (wr::PrefillView, wr::DecodeView) {
             healthy: c.prefill.healthy.clone(),
             in_flight: c.prefill.in_flight.clone(),
             latency_us: c.prefill.latency_us.clone(),
+            cached_tokens: c.prefill.cached_tokens.clone(),
         },
         wr::DecodeView {
             healthy: c.decode.healthy.clone(),
@@ -93,14 +100,115 @@ pub fn views(c: &Candidates) -> (wr::PrefillView, wr::DecodeView) {
             free_slots: c.decode.free_slots.clone(),
             waiting_slots: u32s(&c.decode.waiting_slots),
             in_flight: c.decode.in_flight.clone(),
+            cached_tokens: c.decode.cached_tokens.clone(),
         },
     )
+}
+
+/// A request as a 0.1.0 plugin sees it (the same fields).
+fn request_0_1(r: &PolicyRequest) -> t0_1::Request {
+    t0_1::Request {
+        model: r.model.clone(),
+        endpoint: r.endpoint.clone(),
+        tenant: r.tenant.clone(),
+        prompt_tokens: r.prompt_tokens,
+        slots: r.slots,
+        max_tokens: r.max_tokens,
+        priority: r.priority.clone(),
+        prefix_hash: r.prefix_hash,
+        headers: r
+            .headers
+            .iter()
+            .map(|h| t0_1::Header { name: h.name.clone(), value: h.value.clone() })
+            .collect(),
+    }
+}
+
+/// The calls of the admission world, in the component's version.
+impl Admission {
+    fn admit(
+        &self,
+        s: &mut Store<Ctx>,
+        req: &PolicyRequest,
+        q: QueueState,
+    ) -> wasmtime::Result<wa::Decision> {
+        let b = match self {
+            Self::Current(b) => return b.baton_policy_admission_policy().call_admit(s, req, q),
+            Self::V0_1(b) => b.baton_policy_admission_policy(),
+        };
+        let q = wa0_1::QueueState {
+            capacity_slots: q.capacity_slots,
+            free_slots: q.free_slots,
+            waiting_requests: q.waiting_requests,
+            waiting_slots: q.waiting_slots,
+        };
+        Ok(match b.call_admit(s, &request_0_1(req), q)? {
+            wa0_1::Decision::Admit(class) => wa::Decision::Admit(class),
+            wa0_1::Decision::Queue(q) => {
+                wa::Decision::Queue(wa::Queued { priority: q.priority, max_wait_ms: q.max_wait_ms })
+            }
+            wa0_1::Decision::Reject(r) => wa::Decision::Reject(wa::Rejection {
+                status: r.status,
+                message: r.message,
+                retry_after_s: r.retry_after_s,
+            }),
+        })
+    }
+
+    fn on_complete(&self, s: &mut Store<Ctx>, req: &PolicyRequest, u: Usage) -> wasmtime::Result<()> {
+        match self {
+            Self::Current(b) => b.baton_policy_admission_policy().call_on_complete(s, req, u),
+            Self::V0_1(b) => {
+                let u = wa0_1::Usage {
+                    prompt_tokens: u.prompt_tokens,
+                    completion_tokens: u.completion_tokens,
+                    status: u.status,
+                };
+                b.baton_policy_admission_policy().call_on_complete(s, &request_0_1(req), u)
+            }
+        }
+    }
+}
+
+/// The calls of the routing world, in the component's version (0.1.0 sees no `cached-tokens`).
+impl Routing {
+    fn route(
+        &self,
+        s: &mut Store<Ctx>,
+        req: &PolicyRequest,
+        p: &wr::PrefillView,
+        d: &wr::DecodeView,
+    ) -> wasmtime::Result<wr::Decision> {
+        let b = match self {
+            Self::Current(b) => return b.baton_policy_routing_policy().call_route(s, req, p, d),
+            Self::V0_1(b) => b.baton_policy_routing_policy(),
+        };
+        let p0 = wr0_1::PrefillView {
+            healthy: p.healthy.clone(),
+            in_flight: p.in_flight.clone(),
+            latency_us: p.latency_us.clone(),
+        };
+        let d0 = wr0_1::DecodeView {
+            healthy: d.healthy.clone(),
+            slots_needed: d.slots_needed.clone(),
+            capacity_slots: d.capacity_slots.clone(),
+            free_slots: d.free_slots.clone(),
+            waiting_slots: d.waiting_slots.clone(),
+            in_flight: d.in_flight.clone(),
+        };
+        Ok(match b.call_route(s, &request_0_1(req), &p0, &d0)? {
+            wr0_1::Decision::UseDefault => wr::Decision::UseDefault,
+            wr0_1::Decision::Pairs(pairs) => wr::Decision::Pairs(
+                pairs.into_iter().map(|x| wr::Pair { prefill: x.prefill, decode: x.decode }).collect(),
+            ),
+        })
+    }
 }
 
 impl Plugin<AdmissionWorld> {
     /// The plugin's decision, or `None` when the built-in decides.
     pub async fn admit(self: &Arc<Self>, req: Arc<PolicyRequest>, q: QueueState) -> Option<Admit> {
-        let d = self.call(move |b, s| b.baton_policy_admission_policy().call_admit(s, &req, q)).await?;
+        let d = self.call(move |b, s| b.admit(s, &req, q)).await?;
         self.checked(d)
     }
 
@@ -122,24 +230,24 @@ impl Plugin<AdmissionWorld> {
             return;
         }
         if v.spec.inline {
-            self.call_inline(&v, |b, s| b.baton_policy_admission_policy().call_on_complete(s, &req, usage));
+            self.call_inline(&v, |b, s| b.on_complete(s, &req, usage));
             return;
         }
         let me = Arc::clone(self);
         self.send(Box::new(move |live| {
-            me.run(&v, live, |b, s| b.baton_policy_admission_policy().call_on_complete(s, &req, usage));
+            me.run(&v, live, |b, s| b.on_complete(s, &req, usage));
         }));
     }
 }
 
 impl Direct<AdmissionWorld> {
     pub fn admit(&mut self, req: &PolicyRequest, q: QueueState) -> Option<Admit> {
-        let d = self.run(|b, s| b.baton_policy_admission_policy().call_admit(s, req, q))?;
+        let d = self.run(|b, s| b.admit(s, req, q))?;
         self.plugin.checked(d)
     }
 
     pub fn complete(&mut self, req: &PolicyRequest, usage: Usage) -> Option<()> {
-        self.run(|b, s| b.baton_policy_admission_policy().call_on_complete(s, req, usage))
+        self.run(|b, s| b.on_complete(s, req, usage))
     }
 }
 
@@ -148,7 +256,7 @@ impl Plugin<RoutingWorld> {
     /// reports an invalid one back with [`Plugin::invalid`]), or `None` when the built-in decides.
     pub async fn route(self: &Arc<Self>, req: Arc<PolicyRequest>, c: &Candidates) -> Option<Decision> {
         let (p, d) = views(c);
-        let r = self.call(move |b, s| b.baton_policy_routing_policy().call_route(s, &req, &p, &d)).await?;
+        let r = self.call(move |b, s| b.route(s, &req, &p, &d)).await?;
         Some(to_decision(r))
     }
 }
@@ -160,7 +268,7 @@ impl Direct<RoutingWorld> {
         p: &wr::PrefillView,
         d: &wr::DecodeView,
     ) -> Option<Decision> {
-        self.run(|b, s| b.baton_policy_routing_policy().call_route(s, req, p, d)).map(to_decision)
+        self.run(|b, s| b.route(s, req, p, d)).map(to_decision)
     }
 }
 

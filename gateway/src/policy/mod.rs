@@ -454,6 +454,8 @@ impl<W: World> Drop for Plugin<W> {
 pub struct PluginInfo {
     pub name: String,
     pub world: &'static str,
+    /// The `baton:policy` version the component was built for.
+    pub wit: &'static str,
     pub path: String,
     pub sha256: String,
     pub version: u64,
@@ -595,6 +597,7 @@ impl<W: World> Plugin<W> {
         PluginInfo {
             name: v.spec.name.clone(),
             world: W::KIND.name(),
+            wit: W::wit_version(&v.pre),
             path: v.spec.path.display().to_string(),
             sha256: v.sha256.clone(),
             version: v.id,
@@ -834,6 +837,8 @@ mod tests;
 #[derive(Clone, Debug)]
 pub struct CheckReport {
     pub world: WorldKind,
+    /// The `baton:policy` version it was built for.
+    pub wit: &'static str,
     pub sha256: String,
     pub bytes: usize,
     pub compile: Duration,
@@ -851,9 +856,9 @@ pub fn check_component(path: &Path, config_json: &str) -> Result<CheckReport, Ch
     let mut spec = Spec::new(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plugin"), path);
     spec.config_json = config_json.to_owned();
     spec.threads = 1;
-    match world {
-        WorldKind::Admission => AdmissionPlugin::load(&host, spec).map(|_| ()),
-        WorldKind::Routing => RoutingPlugin::load(&host, spec).map(|_| ()),
+    let info = match world {
+        WorldKind::Admission => AdmissionPlugin::load(&host, spec).map(|p| p.info()),
+        WorldKind::Routing => RoutingPlugin::load(&host, spec).map(|p| p.info()),
     }?;
-    Ok(CheckReport { world, sha256: sha256_hex(&bytes), bytes: bytes.len(), compile })
+    Ok(CheckReport { world, wit: info.wit, sha256: sha256_hex(&bytes), bytes: bytes.len(), compile })
 }

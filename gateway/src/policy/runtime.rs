@@ -130,7 +130,13 @@ impl Plugins {
         let admission = c.admission.clone().map(|s| AdmissionPlugin::load(&host, s)).transpose()?;
         let routing = c.routing.clone().map(|s| RoutingPlugin::load(&host, s)).transpose()?;
         for info in admission.iter().map(|p| p.info()).chain(routing.iter().map(|p| p.info())) {
-            tracing::info!(plugin = info.name, world = info.world, sha256 = info.sha256, "plugin loaded");
+            tracing::info!(
+                plugin = info.name,
+                world = info.world,
+                wit = info.wit,
+                sha256 = info.sha256,
+                "plugin loaded"
+            );
         }
         Ok(Arc::new(Self {
             host,
@@ -297,7 +303,7 @@ fn view_of<W: World>(p: &Plugin<W>) -> Value {
     let faults: serde_json::Map<String, Value> =
         Fault::ALL.iter().map(|&f| (f.name().to_owned(), json!(s.fault_count(f)))).collect();
     json!({
-        "name": i.name, "world": i.world, "path": i.path, "sha256": i.sha256, "version": i.version,
+        "name": i.name, "world": i.world, "wit": format!("baton:policy@{}", i.wit), "path": i.path, "sha256": i.sha256, "version": i.version,
         "disabled": i.disabled, "calls": s.calls.load(Ordering::Relaxed), "faults": faults,
         "busy": s.busy.load(Ordering::Relaxed), "skipped_while_disabled": s.disabled_skips.load(Ordering::Relaxed),
         "reloads": s.reloads.load(Ordering::Relaxed), "reload_failures": s.reload_failures.load(Ordering::Relaxed),

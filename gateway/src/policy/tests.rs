@@ -259,6 +259,51 @@ fn prefix_affinity_keeps_a_prefix_on_one_decoder_and_spills_to_the_freest() {
     );
 }
 
+/// With `baton:policy@0.2.0` the plugin sees where the prompt is cached and follows it; the same
+/// source built for 0.1.0 still loads and runs, sees no cache, and routes by the prefix hash alone.
+#[test]
+fn routing_plugins_see_cached_tokens_from_0_2_and_0_1_plugins_still_run() {
+    let host = Host::new(None, Clock::monotonic()).unwrap();
+    let current = RoutingPlugin::load(&host, Spec::new("pa", plugin_path("prefix_affinity"))).unwrap();
+    let old = RoutingPlugin::load(&host, Spec::new("pa01", plugin_path("prefix_affinity_0_1"))).unwrap();
+    assert_eq!((current.info().wit, old.info().wit), ("0.2.0", "0.1.0"));
+    let route = |p: &Arc<RoutingPlugin>, c: &Candidates| {
+        let mut r = req("t", 10, 1, 2, None);
+        r.prefix_hash = 7;
+        let (pv, dv) = views(c);
+        match p.direct().route(&r, &pv, &dv) {
+            Some(Decision::Route(routes)) => routes[0],
+            other => panic!("{other:?}"),
+        }
+    };
+    let blind = cands(vec![30, 40, 50, 60], vec![0; 4]);
+    let by_hash = route(&current, &blind);
+    assert_eq!(route(&old, &blind), by_hash, "one source, one choice without a cache");
+    let mut cached = blind.clone();
+    let holder = (by_hash.decode + 1) % 4;
+    cached.decode.cached_tokens = vec![0; 4];
+    cached.decode.cached_tokens[holder] = 512;
+    cached.prefill.cached_tokens = vec![256, 0];
+    assert_eq!(route(&current, &cached), Route { prefill: 0, decode: holder }, "where the prompt is");
+    assert_eq!(route(&old, &cached), by_hash, "0.1.0 is told nothing of caches");
+    // The 0.1.0 admission plugin (faulty) and the 0.2.0 one both run.
+    assert_eq!(faulty(&host, 0).info().wit, "0.1.0");
+    let tb = AdmissionPlugin::load(&host, Spec::new("tb", plugin_path("token_budget"))).unwrap();
+    assert_eq!(tb.info().wit, "0.2.0");
+}
+
+/// A component of the other world (or of a version the gateway does not run) is refused, naming the
+/// versions it runs.
+#[test]
+fn a_component_without_a_known_export_is_refused_with_the_versions_run() {
+    let host = Host::new(None, Clock::monotonic()).unwrap();
+    let e = AdmissionPlugin::load(&host, Spec::new("pa", plugin_path("prefix_affinity"))).unwrap_err();
+    assert!(
+        e.to_string().contains("the component exports no baton:policy/admission-policy@0.2.0 or @0.1.0"),
+        "{e}"
+    );
+}
+
 /// Blocking WASI calls trap (wasmtime-wasi's sync shims would panic on a runtime thread), so an
 /// inline call on a request thread is safe; and any host panic would be caught as a trap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

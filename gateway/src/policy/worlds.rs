@@ -24,7 +24,29 @@ pub mod routing {
     });
 }
 
-use admission::baton::policy::host::{self as wit_host, BucketState, Level};
+/// The frozen `baton:policy@0.1.0` (`wit/0.1.0`): components built for it still run, their calls
+/// converted to and from the current types (they see the routing views without `cached-tokens`).
+pub mod v0_1 {
+    #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+    pub mod admission {
+        wasmtime::component::bindgen!({ world: "admission", path: "../wit/0.1.0" });
+    }
+
+    #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+    pub mod routing {
+        wasmtime::component::bindgen!({
+            world: "routing",
+            path: "../wit/0.1.0",
+            with: {
+                "baton:policy/host": super::admission::baton::policy::host,
+                "baton:policy/types": super::admission::baton::policy::types,
+            },
+        });
+    }
+}
+
+/// The package versions the gateway runs, newest first.
+pub const WIT_VERSIONS: [&str; 2] = ["0.2.0", "0.1.0"];
 
 /// What every store holds: WASI (no files, no network), the memory limit, the plugin's shared part.
 pub struct Ctx {
@@ -65,44 +87,75 @@ impl WasiView for Ctx {
 /// Longest log line kept from a plugin (bytes).
 pub const MAX_LOG_BYTES: usize = 1024;
 
-impl wit_host::Host for Ctx {
-    fn log(&mut self, level: Level, message: String) {
+impl Ctx {
+    fn log_line(&self, level: tracing::Level, message: &str) {
         if !self.shared.log_allowed() {
             return;
         }
         let end = message.floor_char_boundary(MAX_LOG_BYTES);
         let (plugin, msg) = (&self.shared.name, message.get(..end).unwrap_or(""));
         match level {
-            Level::Debug => tracing::debug!(plugin, "{msg}"),
-            Level::Info => tracing::info!(plugin, "{msg}"),
-            Level::Warn => tracing::warn!(plugin, "{msg}"),
-            Level::Error => tracing::error!(plugin, "{msg}"),
+            tracing::Level::DEBUG | tracing::Level::TRACE => tracing::debug!(plugin, "{msg}"),
+            tracing::Level::INFO => tracing::info!(plugin, "{msg}"),
+            tracing::Level::WARN => tracing::warn!(plugin, "{msg}"),
+            tracing::Level::ERROR => tracing::error!(plugin, "{msg}"),
         }
-    }
-
-    fn now_us(&mut self) -> u64 {
-        self.shared.state.clock().now_us()
-    }
-
-    fn config(&mut self) -> String {
-        self.shared.config_json.clone()
-    }
-
-    fn counter_add(&mut self, key: String, delta: i32, ttl_ms: u32) -> i32 {
-        self.shared.state.counter_add(&key, delta, ttl_ms)
-    }
-
-    fn bucket_take(&mut self, key: String, capacity: u32, refill_per_min: u32, amount: u32) -> BucketState {
-        let t = self.shared.state.bucket_take(&key, capacity, refill_per_min, amount);
-        BucketState { taken: t.taken, remaining: t.remaining, retry_after_ms: t.retry_after_ms }
-    }
-
-    fn bucket_give(&mut self, key: String, amount: u32) {
-        self.shared.state.bucket_give(&key, amount);
     }
 }
 
-impl admission::baton::policy::types::Host for Ctx {}
+/// The `host` interface of one package version: the same functions over that version's types.
+macro_rules! host_impl {
+    ($($m:ident)::+) => {
+        impl $($m)::+::baton::policy::host::Host for Ctx {
+            fn log(&mut self, level: $($m)::+::baton::policy::host::Level, message: String) {
+                use $($m)::+::baton::policy::host::Level as L;
+                let level = match level {
+                    L::Debug => tracing::Level::DEBUG,
+                    L::Info => tracing::Level::INFO,
+                    L::Warn => tracing::Level::WARN,
+                    L::Error => tracing::Level::ERROR,
+                };
+                self.log_line(level, &message);
+            }
+
+            fn now_us(&mut self) -> u64 {
+                self.shared.state.clock().now_us()
+            }
+
+            fn config(&mut self) -> String {
+                self.shared.config_json.clone()
+            }
+
+            fn counter_add(&mut self, key: String, delta: i32, ttl_ms: u32) -> i32 {
+                self.shared.state.counter_add(&key, delta, ttl_ms)
+            }
+
+            fn bucket_take(
+                &mut self,
+                key: String,
+                capacity: u32,
+                refill_per_min: u32,
+                amount: u32,
+            ) -> $($m)::+::baton::policy::host::BucketState {
+                let t = self.shared.state.bucket_take(&key, capacity, refill_per_min, amount);
+                $($m)::+::baton::policy::host::BucketState {
+                    taken: t.taken,
+                    remaining: t.remaining,
+                    retry_after_ms: t.retry_after_ms,
+                }
+            }
+
+            fn bucket_give(&mut self, key: String, amount: u32) {
+                self.shared.state.bucket_give(&key, amount);
+            }
+        }
+
+        impl $($m)::+::baton::policy::types::Host for Ctx {}
+    };
+}
+
+host_impl!(admission);
+host_impl!(v0_1::admission);
 
 /// Which world a component implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +182,8 @@ pub trait World: Send + Sync + 'static {
     fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre>;
     fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings>;
     fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> Result<(), ValidateError>;
+    /// The `baton:policy` version the component was built for.
+    fn wit_version(pre: &Self::Pre) -> &'static str;
 }
 
 /// Why a plugin's `validate-config` did not accept its config.
@@ -181,37 +236,81 @@ fn base_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
     Ok(l)
 }
 
-/// A [`World`] for one `bindgen!` module: the two worlds differ only in their names.
+/// A [`World`] over its two package versions: the pre-instantiated component and the instance are
+/// of the version the component exports (the current one tried first), and the calls convert.
 macro_rules! world {
-    ($(#[$doc:meta])* $name:ident, $kind:ident, $module:ident, $bindings:ident, $pre:ident, $export:ident) => {
+    ($(#[$doc:meta])* $name:ident, $kind:ident, $module:ident, $bindings:ident, $pre:ident,
+     $export:ident, $export_name:literal) => {
         $(#[$doc])*
         #[derive(Debug)]
         pub struct $name;
 
+        /// The component, pre-instantiated, in the version it was built for.
+        #[allow(missing_debug_implementations)]
+        pub enum $pre {
+            Current($module::$pre<Ctx>),
+            V0_1(v0_1::$module::$pre<Ctx>),
+        }
+
+        /// An instance, in the version it was built for.
+        #[allow(missing_debug_implementations)]
+        pub enum $bindings {
+            Current($module::$bindings),
+            V0_1(v0_1::$module::$bindings),
+        }
+
         impl World for $name {
-            type Pre = $module::$pre<Ctx>;
-            type Bindings = $module::$bindings;
+            type Pre = $pre;
+            type Bindings = $bindings;
             const KIND: WorldKind = WorldKind::$kind;
 
             fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<Ctx>> {
                 let mut l = base_linker(engine)?;
                 $module::$bindings::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
+                v0_1::$module::$bindings::add_to_linker::<Ctx, HasSelf<Ctx>>(&mut l, |c| c)?;
                 Ok(l)
             }
 
             fn pre(linker: &Linker<Ctx>, c: &Component) -> wasmtime::Result<Self::Pre> {
-                $module::$pre::new(linker.instantiate_pre(c)?)
+                let pre = linker.instantiate_pre(c).map_err(|e| {
+                    e.context(format!(
+                        "this gateway runs components built for baton:policy@{}",
+                        WIT_VERSIONS.join(" or @")
+                    ))
+                })?;
+                match $module::$pre::new(pre.clone()) {
+                    Ok(p) => Ok($pre::Current(p)),
+                    Err(current) => match v0_1::$module::$pre::new(pre) {
+                        Ok(p) => Ok($pre::V0_1(p)),
+                        Err(_) => Err(current.context(format!(
+                            "the component exports no {}@{}",
+                            $export_name,
+                            WIT_VERSIONS.join(" or @")
+                        ))),
+                    },
+                }
             }
 
             fn instantiate(pre: &Self::Pre, store: &mut Store<Ctx>) -> wasmtime::Result<Self::Bindings> {
-                pre.instantiate(store)
+                Ok(match pre {
+                    $pre::Current(p) => $bindings::Current(p.instantiate(store)?),
+                    $pre::V0_1(p) => $bindings::V0_1(p.instantiate(store)?),
+                })
             }
 
             fn validate(b: &Self::Bindings, store: &mut Store<Ctx>, config: &str) -> Result<(), ValidateError> {
-                b.$export()
-                    .call_validate_config(store, config)
-                    .map_err(|source| ValidateError::Call { source })?
-                    .map_err(|reason| ValidateError::Refused { reason })
+                let r = match b {
+                    $bindings::Current(b) => b.$export().call_validate_config(store, config),
+                    $bindings::V0_1(b) => b.$export().call_validate_config(store, config),
+                };
+                r.map_err(|source| ValidateError::Call { source })?.map_err(|reason| ValidateError::Refused { reason })
+            }
+
+            fn wit_version(pre: &Self::Pre) -> &'static str {
+                match pre {
+                    $pre::Current(_) => WIT_VERSIONS[0],
+                    $pre::V0_1(_) => WIT_VERSIONS[1],
+                }
             }
         }
     };
@@ -219,9 +318,11 @@ macro_rules! world {
 
 world!(
     /// The `admission` world.
-    AdmissionWorld, Admission, admission, Admission, AdmissionPre, baton_policy_admission_policy
+    AdmissionWorld, Admission, admission, Admission, AdmissionPre, baton_policy_admission_policy,
+    "baton:policy/admission-policy"
 );
 world!(
     /// The `routing` world.
-    RoutingWorld, Routing, routing, Routing, RoutingPre, baton_policy_routing_policy
+    RoutingWorld, Routing, routing, Routing, RoutingPre, baton_policy_routing_policy,
+    "baton:policy/routing-policy"
 );

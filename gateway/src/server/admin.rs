@@ -198,7 +198,7 @@ pub async fn reload_plugins(g: &Gateway) -> Response<RespBody> {
     let list: Vec<Value> = results
         .into_iter()
         .map(|r| match r {
-            Ok(i) => json!({"name": i.name, "world": i.world, "sha256": i.sha256, "version": i.version}),
+            Ok(i) => json!({"name": i.name, "world": i.world, "wit": format!("baton:policy@{}", i.wit), "sha256": i.sha256, "version": i.version}),
             Err(e) => json!({"error": e.to_string()}),
         })
         .collect();

@@ -32,6 +32,7 @@ fn caches(fixed_ms: u64, us_per_token: u64) -> baton_sim::cache::CacheConfig {
         block_size: baton_sim::DEFAULT_SIM_BLOCK_SIZE,
         prefill_fixed: Duration::from_millis(fixed_ms),
         prefill_per_token: Duration::from_micros(us_per_token),
+        prefill_lanes: 0,
         events: Some(baton_sim::cache::EventsConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             replay: Some("127.0.0.1:0".parse().unwrap()),

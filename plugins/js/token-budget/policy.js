@@ -1,6 +1,6 @@
 // Admission by token budget, the JavaScript version of plugins/rust/token-budget: the same config,
 // the same decisions (the gateway's tests compare all three languages on one table of requests).
-import host from "baton:policy/host@0.1.0";
+import host from "baton:policy/host@0.2.0";
 
 const DEFAULTS = { tokens_per_minute: 60000, default_max_tokens: 256, low_priority_max_wait_ms: 2000 };
 const U32 = 0xffffffff;

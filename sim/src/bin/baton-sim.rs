@@ -147,6 +147,9 @@ struct Cli {
     /// With --prefix-cache-blocks: a prefill's time per token not cached, µs
     #[arg(long, value_name = "US", default_value_t = 0)]
     prefill_us_per_token: u64,
+    /// With --prefix-cache-blocks: prefills computed at once, later ones queue (0: no limit)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    prefill_lanes: usize,
     /// With --prefix-cache-blocks: publish KV events as vLLM does (ZeroMQ PUB) on ADDR
     #[arg(long, value_name = "ADDR", requires = "prefix_cache_blocks")]
     kv_events: Option<SocketAddr>,
@@ -219,6 +222,7 @@ impl Cli {
                 block_size: c.block_size,
                 prefill_fixed: Duration::from_millis(self.prefill_fixed_ms),
                 prefill_per_token: Duration::from_micros(self.prefill_us_per_token),
+                prefill_lanes: self.prefill_lanes,
                 events: self.kv_events.map(|listen| baton_sim::cache::EventsConfig {
                     listen,
                     replay: self.kv_events_replay,

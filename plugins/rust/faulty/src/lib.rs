@@ -3,7 +3,11 @@
 //! `bad-status` rejects with HTTP status 42, `print` writes to stderr (blocking I/O); anyone else is admitted in class 3. A config with
 //! `"refuse"` in it is refused.
 
-wit_bindgen::generate!({ world: "admission", path: "../../../wit" });
+//!
+//! Built for the frozen `baton:policy@0.1.0` on purpose: the sandbox tests run it, so they also show
+//! that plugins built before 0.2.0 still load and run.
+
+wit_bindgen::generate!({ world: "admission", path: "../../../wit/0.1.0" });
 
 use baton::policy::types::Request;
 use exports::baton::policy::admission_policy::{Decision, Guest, QueueState, Rejection, Usage};

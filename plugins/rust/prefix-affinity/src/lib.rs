@@ -1,14 +1,35 @@
-//! Routing by prefix affinity: requests whose prompts start alike (equal `prefix-hash`) go to the
-//! same decoder, picked by rendezvous hashing over the healthy decoders that can hold them, so the
-//! choice moves as little as possible when decoders come and go. When that decoder has no room now
-//! (fewer free slots than needed plus `min_free_slots`, or a queue), the freest decoder serves
-//! instead. Prefill: the healthy prefiller with the fewest requests in flight.
+//! Routing by prefix affinity: requests whose prompts start alike go to the same decoder. With
+//! `baton:policy@0.2.0`, when the gateway knows where the prompt is cached (`cached-tokens`), that
+//! is the decoder holding the most of it, and the prefiller holding the most of it (ties: fewest in
+//! flight). Otherwise, or where nothing is cached, the decoder is picked by rendezvous hashing of
+//! the `prefix-hash` over the healthy decoders that can hold the request, so the choice moves as
+//! little as possible when decoders come and go, and the prefiller is the one with the fewest
+//! requests in flight. When the affine decoder has no room now (fewer free slots than needed plus
+//! `min_free_slots`, or a queue), the freest decoder serves instead.
+//!
+//! Built with the `wit-0-1` feature it is a component for the frozen `baton:policy@0.1.0`, which
+//! has no `cached-tokens` (the gateway's tests check that such plugins still run).
 
 use std::cell::Cell;
 
 use serde::Deserialize;
 
+#[cfg(not(feature = "wit-0-1"))]
 wit_bindgen::generate!({ world: "routing", path: "../../../wit" });
+#[cfg(feature = "wit-0-1")]
+wit_bindgen::generate!({ world: "routing", path: "../../../wit/0.1.0" });
+
+/// The tokens of the prompt each prefiller and each decoder holds (empty when not known).
+#[cfg(not(feature = "wit-0-1"))]
+fn cached(p: &PrefillView, d: &DecodeView) -> (Vec<u32>, Vec<u32>) {
+    (p.cached_tokens.clone(), d.cached_tokens.clone())
+}
+
+/// 0.1.0 tells nothing of caches.
+#[cfg(feature = "wit-0-1")]
+fn cached(_: &PrefillView, _: &DecodeView) -> (Vec<u32>, Vec<u32>) {
+    (Vec::new(), Vec::new())
+}
 
 use baton::policy::host;
 use baton::policy::types::Request;
@@ -57,14 +78,20 @@ impl Guest for Policy {
     }
 
     fn route(req: Request, p: PrefillView, d: DecodeView) -> Decision {
-        let prefill = (0..p.healthy.len()).filter(|&i| p.healthy[i]).min_by_key(|&i| at(&p.in_flight, i));
+        let (p_cached, d_cached) = cached(&p, &d);
+        let prefill = (0..p.healthy.len())
+            .filter(|&i| p.healthy[i])
+            .min_by_key(|&i| (u32::MAX - at(&p_cached, i), at(&p.in_flight, i)));
         let fits = |i: &usize| d.healthy[*i] && at(&d.slots_needed, *i) <= at(&d.capacity_slots, *i);
         let candidates: Vec<usize> = (0..d.healthy.len()).filter(fits).collect();
         let (Some(prefill), false) = (prefill, candidates.is_empty()) else {
             return Decision::UseDefault;
         };
         let idx = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
-        let affine = candidates.iter().copied().max_by_key(|&i| (score(req.prefix_hash, idx(i)), i));
+        let holds =
+            candidates.iter().copied().filter(|&i| at(&d_cached, i) > 0).max_by_key(|&i| at(&d_cached, i));
+        let affine =
+            holds.or_else(|| candidates.iter().copied().max_by_key(|&i| (score(req.prefix_hash, idx(i)), i)));
         let freest = candidates
             .iter()
             .copied()
