@@ -6,7 +6,11 @@
 //!   "host:port", "chunks": [[chunk, page, generation], ...]}, ...], "prompt_token_ids": [...]}`:
 //!   write the prompt's KV chunks into those decoder ranks' reserved pages;
 //! - to a decode engine: `{"request_id": ..., "epoch": N, "prompt_token_ids": [...]}`: the KV is in
-//!   this engine's PD buffer under that request; consume it and generate.
+//!   this engine's PD buffer under that request; consume it and generate;
+//! - to a decode engine, `"local_prefill": true` added: no KV comes (nothing was reserved, no
+//!   prefill ran): compute the prompt from the engine's own prefix cache, as a plain request, and
+//!   generate. The gateway sends this only to a decoder whose KV events say it holds nearly all of
+//!   the prompt (conditional disaggregation, `[routing.cache] skip_prefill`).
 //!
 //! `prompt_token_ids` are the gateway's count of the prompt; both legs use them instead of
 //! tokenizing again, so they agree on every token.
@@ -114,12 +118,21 @@ pub struct BatonParams {
     pub decoders: Vec<DecoderTarget>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// Decode only: no KV comes through the PD buffer; compute the prompt locally.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub local_prefill: bool,
 }
 
 impl BatonParams {
     /// The fields for `key`.
     pub fn new(key: RequestKey, decoders: Vec<DecoderTarget>, prompt_token_ids: Option<Vec<u32>>) -> Self {
-        Self { request_id: format!("{:032x}", key.request.0), epoch: key.epoch, decoders, prompt_token_ids }
+        Self {
+            request_id: format!("{:032x}", key.request.0),
+            epoch: key.epoch,
+            decoders,
+            prompt_token_ids,
+            local_prefill: false,
+        }
     }
 
     /// The request key the fields name.
@@ -171,9 +184,15 @@ mod tests {
     #[test]
     fn a_request_id_that_is_not_hex_is_refused_with_a_short_prefix() {
         let long = "z".repeat(100);
-        let e = BatonParams { request_id: long, epoch: 0, decoders: Vec::new(), prompt_token_ids: None }
-            .key()
-            .unwrap_err();
+        let e = BatonParams {
+            request_id: long,
+            epoch: 0,
+            decoders: Vec::new(),
+            prompt_token_ids: None,
+            local_prefill: false,
+        }
+        .key()
+        .unwrap_err();
         let ContractError::RequestId { got, .. } = &e;
         assert_eq!(got.len(), 40);
         assert_eq!(

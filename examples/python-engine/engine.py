@@ -314,6 +314,10 @@ class Engine:
                 self.prefill(rid, epoch, ids, baton["decoders"])
                 # Like a vLLM prefiller in a PD pair: the prompt is processed, one token comes back.
                 n = 1
+            elif self.role == "decode" and baton.get("local_prefill"):
+                # No KV comes (nothing was reserved): the prompt is computed here, as a plain
+                # request; the gateway sends this only to a decoder that holds nearly all of it.
+                pass
             elif self.role == "decode":
                 held = self.consume(rid, epoch, ids)
         else:

@@ -513,6 +513,7 @@ impl SimEngine {
         let cached = match &self.cache {
             Some(c) => {
                 let computes = matches!(self.role, Role::Prefill(_))
+                    || req.baton.as_ref().is_some_and(|b| b.local_prefill)
                     || !(req.baton.is_some()
                         || req.nixl_params()?.is_some_and(|p| p.do_remote_prefill)
                         || req.sglang_params()?.is_some()
@@ -571,6 +572,8 @@ impl SimEngine {
                 // Like a vLLM prefiller in a PD pair: the prompt is processed, one token comes back.
                 n = 1;
             }
+            // Computed above from the engine's own cache: nothing comes through the PD buffer.
+            (Role::Decode(_), Some(b)) if b.local_prefill => {}
             (Role::Decode(d), Some(b)) => {
                 let key = b.key().map_err(SimError::bad)?;
                 held = d.consume(key, &ids).await?;

@@ -244,7 +244,7 @@ async fn a_decoder_that_holds_the_prompt_gets_it_alone() {
         ];
         let mut skipped = 0;
         for (turn, (prompt, alone)) in turns.iter().enumerate() {
-            let alone = *alone && handoff == Mode::VllmNixl;
+            let alone = *alone;
             let body = json!({"prompt": prompt, "max_tokens": 4});
             let res =
                 super::client::send_with(d.addr, "/v1/completions", Some(&body), &[("x-baton-explain", "1")])
@@ -280,7 +280,7 @@ async fn a_decoder_that_holds_the_prompt_gets_it_alone() {
             metrics.contains(&format!("baton_prefill_skipped_total {skipped}")),
             "{handoff:?}: {metrics}"
         );
-        assert_eq!(skipped, usize::from(handoff == Mode::VllmNixl));
+        assert_eq!(skipped, 1, "{handoff:?}");
         d.shutdown().await;
     }
 }

@@ -225,3 +225,36 @@ async fn python_and_simulated_engines_pair_either_way() {
     assert_engine_clean(py_prefill.addr()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The native contract's `local_prefill` (conditional disaggregation): a Python decoder given it
+/// computes the prompt itself, answers with the model's text for those ids, and takes nothing
+/// from its PD buffer, which a request naming KV that never came could not do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decoder_computes_a_local_prefill_itself() {
+    let Some(py) = python() else { return };
+    let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "16"]);
+    let ids: Vec<u32> = (0..100).map(|i| 100 + i % 50).collect();
+    let body = |local: bool| {
+        let mut baton =
+            serde_json::json!({"request_id": format!("{:032x}", 7), "epoch": 0, "prompt_token_ids": ids});
+        if local {
+            baton["local_prefill"] = true.into();
+        }
+        serde_json::json!({"model": "baton-sim", "prompt": ids, "max_tokens": 5, "baton": baton})
+    };
+    let (status, answer) = http(decode.addr(), "/v1/completions", Some(&body(true))).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let v: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], 100, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    // The same ids as a plain request (no baton): the same text.
+    let plain = serde_json::json!({"model": "baton-sim", "prompt": ids, "max_tokens": 5});
+    let (_, plain) = http(decode.addr(), "/v1/completions", Some(&plain)).await;
+    let plain: Value = serde_json::from_slice(&plain).unwrap();
+    assert_eq!(v["choices"][0]["text"], plain["choices"][0]["text"]);
+    assert_engine_clean(decode.addr()).await;
+    // Without local_prefill the decoder looks for a reservation nobody made, and refuses.
+    let (status, _) = http(decode.addr(), "/v1/completions", Some(&body(false))).await;
+    assert_ne!(status, 200);
+    assert_engine_clean(decode.addr()).await;
+}

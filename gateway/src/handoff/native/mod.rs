@@ -26,14 +26,14 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Patched, RespBody, boxed};
+use super::legs::{Held, Patched, RespBody, boxed};
 use super::shared::{Backoff, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::{SlotGuard, SlotQueue};
-use crate::api::{GatewayError, Internal, KvFailure, Waited};
+use crate::api::{GatewayError, GenRequest, Internal, KvFailure, Waited};
 use crate::endpoints::{Host, HostPort};
-use crate::telemetry::Phase;
+use crate::telemetry::{Phase, Timing};
 pub use ranks::{RankLinks, Ranks};
 
 /// First pause before retrying a reservation refused for lack of room.
@@ -215,8 +215,11 @@ impl Native {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, alone, .. } = leg;
         let shared = &*self.shared;
+        if alone {
+            return self.alone(dec, req, ids, slots, timing).await;
+        }
         let chunks = self.ranks.slots_for(ids.len());
         let mut life = Lifecycle {
             shared: Arc::clone(&self.shared),
@@ -277,12 +280,40 @@ impl Native {
     }
 }
 
+impl Native {
+    /// The decoder holds nearly all of the prompt: no reservation, no prefill; the decode request
+    /// says `local_prefill`, and the engine computes what it lacks from its own cache. Nothing is
+    /// held on the ranks; the slots are held while the answer streams, as in the other modes.
+    async fn alone(
+        &self,
+        dec: &Decoder,
+        req: &GenRequest,
+        ids: &[u32],
+        slots: Option<SlotGuard>,
+        timing: &mut Timing,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        timing.enter(Phase::Decode);
+        let mut p = params(self.shared.keys.next(), Vec::new(), ids);
+        p.local_prefill = true;
+        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
+        let resp = self.shared.call("decode", dec, req.endpoint.path(), &body).await?;
+        timing.mark(Phase::Decode);
+        Ok(resp.map(|inner| Held::body(inner, slots)))
+    }
+}
+
 /// The `baton` field of an engine request (written as JSON straight from the ids).
 fn params(key: RequestKey, decoders: Vec<DecoderTarget>, ids: &[u32]) -> BatonParams {
     BatonParams::new(key, decoders, Some(ids.to_vec()))
 }
 
 impl Handoff for Native {
+    /// A decode engine given `local_prefill` computes the prompt from its own cache (the contract,
+    /// `baton_dataplane::contract`; baton-sim and the Python reference engine do).
+    fn serves_alone(&self) -> bool {
+        true
+    }
+
     fn slots_for(&self, prompt_tokens: usize) -> u32 {
         self.ranks.slots_for(prompt_tokens)
     }
