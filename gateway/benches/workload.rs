@@ -30,7 +30,7 @@
 //! waits for an answer), streaming chat completions of `ANSWER_TOKENS` tokens.
 //!
 //! Measured over the requests that arrive after the first `WARMUP` of a run: TTFT p50/p90 (a
-//! request that never got a token counts with the time it waited), output tokens/s received while
+//! request that never got a token counts as `REQUEST_TIMEOUT`), output tokens/s received while
 //! requests arrive, the engines' cache hit ratio (cached / computed prompt tokens, from each
 //! engine's `/sim/stats` counters), prompts a decoder computed itself (prefill skipped), errors.
 //! `BATON_BENCH_QUICK=1`: one rate for 3 s per router (the suite's smoke run: every router must
@@ -322,7 +322,8 @@ async fn send(c: &HttpClient, addr: SocketAddr, body: Bytes, window: Arc<Window>
     };
     let _ = tokio::time::timeout(REQUEST_TIMEOUT, run).await;
     if !out.got_token {
-        out.ttft = t.elapsed();
+        // A request that got no token counts as the longest wait, however fast it was refused.
+        out.ttft = REQUEST_TIMEOUT;
     }
     out
 }
@@ -516,7 +517,8 @@ async fn run(router: Router, rate: f64, duration: Duration) -> Point {
 /// least 4× its value at the lowest rate run, how cache-aware exact compares.
 fn verdict(points: &[Point]) {
     let at = |router: &str, rate: f64| points.iter().find(|p| p.router == router && p.rate == rate);
-    let rr: Vec<&Point> = points.iter().filter(|p| p.router == "baton round-robin").collect();
+    let mut rr: Vec<&Point> = points.iter().filter(|p| p.router == "baton round-robin").collect();
+    rr.sort_by(|a, b| a.rate.total_cmp(&b.rate));
     let Some(unloaded) = rr.first() else { return };
     let loaded: Vec<&&Point> = rr.iter().filter(|p| p.ttft_p90_ms >= 4.0 * unloaded.ttft_p90_ms).collect();
     if loaded.is_empty() {

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Held, Patched, RespBody, boxed};
+use super::legs::{Patched, RespBody, boxed};
 use super::shared::{Backoff, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -282,8 +282,8 @@ impl Native {
 
 impl Native {
     /// The decoder holds nearly all of the prompt: no reservation, no prefill; the decode request
-    /// says `local_prefill`, and the engine computes what it lacks from its own cache. Nothing is
-    /// held on the ranks; the slots are held while the answer streams, as in the other modes.
+    /// says `local_prefill`, and the engine computes what it lacks from its own cache. Native slots
+    /// are PD-buffer pages, of which this request takes none: they go back at once.
     async fn alone(
         &self,
         dec: &Decoder,
@@ -298,7 +298,8 @@ impl Native {
         let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
         let resp = self.shared.call("decode", dec, req.endpoint.path(), &body).await?;
         timing.mark(Phase::Decode);
-        Ok(resp.map(|inner| Held::body(inner, slots)))
+        drop(slots);
+        Ok(resp.map(boxed))
     }
 }
 
