@@ -90,6 +90,23 @@ pub fn content_text(v: &serde_json::Value) -> String {
     }
 }
 
+/// The fallback chat template: `<|role|>\ncontent\n` per message, then `<|assistant|>\n`. The
+/// gateway renders a chat with it for a model configured without its tokenizer, and baton-sim's
+/// model is this template, so the demo counts exactly what its engines count.
+pub fn fallback_chat(messages: &[(String, String)]) -> String {
+    let mut s =
+        String::with_capacity(messages.iter().map(|(r, c)| r.len() + c.len() + 5).sum::<usize>() + 14);
+    for (role, content) in messages {
+        s.push_str("<|");
+        s.push_str(role);
+        s.push_str("|>\n");
+        s.push_str(content);
+        s.push('\n');
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
 /// One decoder rank's reserved pages, as a prefiller writes to them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DecoderTarget {
@@ -179,6 +196,18 @@ mod tests {
         assert_eq!(back.key(), Ok(key));
         let d = serde_json::to_value(BatonParams::new(key, Vec::new(), None)).unwrap();
         assert_eq!(d, serde_json::json!({"request_id": "00000000000000000000000000000abc", "epoch": 3}));
+        let mut local = BatonParams::new(key, Vec::new(), Some(vec![1, 2]));
+        local.local_prefill = true;
+        let v = serde_json::to_value(&local).unwrap();
+        assert_eq!(v["local_prefill"], true);
+        assert_eq!(serde_json::from_value::<BatonParams>(v).unwrap(), local);
+    }
+
+    #[test]
+    fn the_fallback_chat_template_marks_each_role_and_the_answer() {
+        let m = [("system".to_owned(), "be brief".to_owned()), ("user".to_owned(), "héllo".to_owned())];
+        assert_eq!(fallback_chat(&m), "<|system|>\nbe brief\n<|user|>\nhéllo\n<|assistant|>\n");
+        assert_eq!(fallback_chat(&[]), "<|assistant|>\n");
     }
 
     #[test]

@@ -1571,18 +1571,6 @@ dataplane = ["10.0.0.2:9000"]
     }
 }
 
-/// The gateway's fallback template and the simulated model's template render alike, so the demo
-/// counts exactly what its engines count.
-#[test]
-fn the_fallback_chat_template_renders_as_the_simulated_model() {
-    let cases: [&[(&str, &str)]; 3] =
-        [&[], &[("user", "hi")], &[("system", "be brief"), ("user", "héllo\nthere"), ("assistant", "")]];
-    for msgs in cases {
-        let m: Vec<(String, String)> = msgs.iter().map(|(r, c)| ((*r).to_owned(), (*c).to_owned())).collect();
-        assert_eq!(baton_gateway::tokenize::render_chat(&m), baton_sim::kv::render_chat(&m), "{m:?}");
-    }
-}
-
 /// One request (streamed and whole) through each of the four handoff modes: every phase the mode
 /// passes through has a sample in `/metrics` (the lmcache mode's `first_token` included), and no
 /// phase it never passes through does.

@@ -64,19 +64,8 @@ const WORDS: [&str; 32] = [
     ".",
 ];
 
-/// Renders chat messages the way the simulated model's template does.
-pub fn render_chat(messages: &[(String, String)]) -> String {
-    let mut s = String::new();
-    for (role, content) in messages {
-        s.push_str("<|");
-        s.push_str(role);
-        s.push_str("|>\n");
-        s.push_str(content);
-        s.push('\n');
-    }
-    s.push_str("<|assistant|>\n");
-    s
-}
+/// The simulated model's chat template: the gateway's fallback one.
+pub use baton_dataplane::contract::fallback_chat as render_chat;
 
 /// Byte-level token ids of a text.
 pub fn tokenize(text: &str) -> Vec<u32> {

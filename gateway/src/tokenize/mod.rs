@@ -22,24 +22,11 @@ use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
 pub mod reuse;
 
-/// Renders chat messages with the fallback template, for a model configured without its
-/// tokenizer: `<|role|>\ncontent\n` per message, then `<|assistant|>\n`. It counts a role marker and
-/// a newline per message, close to what real templates add; the byte-level count stays an upper
-/// bound of a byte-level BPE's either way. (The simulated engine's model uses the same format, so
-/// the demo's counts are exact; a test in the e2e suite checks the two agree.)
-pub fn render_chat(messages: &[(String, String)]) -> String {
-    let mut s =
-        String::with_capacity(messages.iter().map(|(r, c)| r.len() + c.len() + 5).sum::<usize>() + 14);
-    for (role, content) in messages {
-        s.push_str("<|");
-        s.push_str(role);
-        s.push_str("|>\n");
-        s.push_str(content);
-        s.push('\n');
-    }
-    s.push_str("<|assistant|>\n");
-    s
-}
+/// Renders chat messages with the fallback template (`baton_dataplane::contract::fallback_chat`),
+/// for a model configured without its tokenizer. It counts a role marker and a newline per message,
+/// close to what real templates add; the byte-level count stays an upper bound of a byte-level BPE's
+/// either way.
+pub use baton_dataplane::contract::fallback_chat as render_chat;
 
 /// Template instructions one chat rendering may execute (minijinja fuel): far above any real
 /// template over a large conversation, and a bound on a template that loops.
