@@ -20,6 +20,8 @@
     clippy::cast_possible_truncation
 )]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -69,8 +71,7 @@ fn engine_ms(h: &hyper::HeaderMap) -> Option<f64> {
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i].as_secs_f64() * 1e6
+    common::percentile(sorted, p).expect("samples").as_secs_f64() * 1e6
 }
 
 type Sample = (Duration, Option<Duration>, Vec<(String, f64)>);

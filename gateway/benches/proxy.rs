@@ -43,6 +43,8 @@
     clippy::cast_precision_loss
 )]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -230,10 +232,6 @@ struct Setup {
     baton_pid: u32,
 }
 
-fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
-}
-
 fn nginx_binary() -> Option<PathBuf> {
     let cached = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/nginx/usr/sbin/nginx");
     let found = std::iter::once(cached)
@@ -259,7 +257,7 @@ fn nginx_binary() -> Option<PathBuf> {
 fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     let front = if layout == 'A' { 1 } else { 0 };
     std::fs::create_dir_all(dir).unwrap();
-    let notify = free_port();
+    let notify = common::free_port();
     let mut cmd = Command::new("taskset");
     pin(&mut cmd, 0)
         .arg(std::env::current_exe().unwrap())
@@ -352,7 +350,7 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     let mut procs = vec![engines, Proc(child)];
     let engine: SocketAddr = s("decode").parse().unwrap();
     let nginx = nginx.map(|bin| {
-        let at = free_port();
+        let at = common::free_port();
         std::fs::write(
             dir.join("nginx.conf"),
             format!(
@@ -442,11 +440,7 @@ async fn one(
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
     v.sort();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i].as_secs_f64() * 1e3
+    common::percentile(v, p).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
 /// `c` connections sending requests back to back (with `gap` between each connection's requests)

@@ -21,6 +21,8 @@
     clippy::cast_possible_truncation
 )]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -92,8 +94,7 @@ async fn worker(addr: SocketAddr, body: Bytes, n: usize) -> Vec<Sample> {
 }
 
 fn p(sorted: &[Duration], q: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i].as_secs_f64() * 1e3
+    common::percentile(sorted, q).expect("samples").as_secs_f64() * 1e3
 }
 
 struct Run {

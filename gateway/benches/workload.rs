@@ -47,8 +47,10 @@
     clippy::cast_sign_loss
 )]
 
+mod common;
+
 use std::fmt::Write as _;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -168,10 +170,6 @@ fn cache_counters(prefills: &[Engine], decoders: &[Engine]) -> (u64, u64, u64) {
     (tokens, cached, alone)
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     // target/<profile>/deps/workload-<hash>
@@ -222,7 +220,7 @@ fn baton_config(port: u16, policy: &str, events: bool, skip: bool, p: &[Engine],
 
 /// Starts the router in front of the engines: its process and its address.
 fn start_router(r: Router, p: &[Engine], d: &[Engine], log: &Path) -> (Child, SocketAddr) {
-    let port = free_port();
+    let port = common::free_port().port();
     let mut cmd = match r {
         Router::Baton { policy, events, skip_prefill } => {
             let cfg = log.with_extension("toml");
@@ -234,7 +232,7 @@ fn start_router(r: Router, p: &[Engine], d: &[Engine], log: &Path) -> (Child, So
         Router::Smg => {
             let mut c = Command::new(routers_bin("smg"));
             c.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()]);
-            c.args(["--prometheus-port", &free_port().to_string(), "--pd-disaggregation"]);
+            c.args(["--prometheus-port", &common::free_port().port().to_string(), "--pd-disaggregation"]);
             for e in p {
                 c.arg("--prefill").arg(&e.url).arg(e.bootstrap.unwrap().to_string());
             }
@@ -247,7 +245,11 @@ fn start_router(r: Router, p: &[Engine], d: &[Engine], log: &Path) -> (Child, So
         Router::Vllm => {
             let mut c = Command::new(routers_bin("vllm-router"));
             c.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
-            c.args(["--prometheus-port", &free_port().to_string(), "--vllm-pd-disaggregation"]);
+            c.args([
+                "--prometheus-port",
+                &common::free_port().port().to_string(),
+                "--vllm-pd-disaggregation",
+            ]);
             for e in p {
                 c.arg("--prefill").arg(&e.url);
             }
@@ -413,11 +415,7 @@ struct Point {
 }
 
 fn pct(sorted: &[Duration], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i].as_secs_f64() * 1e3
+    common::percentile(sorted, q).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
 async fn wait_ready(c: &HttpClient, addr: SocketAddr, child: &mut Child, log: &Path) {

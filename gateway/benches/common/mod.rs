@@ -1,0 +1,22 @@
+//! What the gateway's benches share (`mod common;` in each; a directory, so cargo does not take it
+//! for a bench of its own).
+
+// Each bench uses part of this.
+#![allow(dead_code)]
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+/// The `q` quantile (0..=1) of sorted samples, nearest rank; `None` without samples.
+pub(crate) fn percentile(sorted: &[Duration], q: f64) -> Option<Duration> {
+    let last = sorted.len().checked_sub(1)?;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let i = ((last as f64) * q).round() as usize;
+    sorted.get(i).copied()
+}
+
+/// A loopback port free now (bound and released: another process could take it first, which a
+/// bench on its own machine does not meet).
+pub(crate) fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port")
+}
