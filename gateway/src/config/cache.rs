@@ -125,7 +125,7 @@ pub struct CacheRouting {
     /// Send a request to its decoder alone, with no prefill leg, when the decoder holds all but
     /// `skip_prefill_within` of the prompt's tokens (and at least one block of it): the decoder
     /// computes the rest itself, sooner than a prefill leg and a KV transfer would bring it.
-    /// Only modes whose decoders can (vllm-nixl); others always prefill.
+    /// Only modes whose decoders can (vllm-nixl, native); others always prefill.
     pub skip_prefill: bool,
     pub skip_prefill_within: u32,
 }
