@@ -65,6 +65,7 @@ fn candidates(i: usize) -> Candidates {
             in_flight: (0..n).map(|k| ((k + i) % 7) as u32).collect(),
             latency_us: (0..n).map(|k| 40_000 + ((k * 13 + i) % 97) as u32 * 100).collect(),
             cached_tokens: Vec::new(),
+            pending_tokens: Vec::new(),
         },
         decode: DecodeView {
             healthy: (0..n).map(|k| k != 5).collect(),

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Routers, each a process of its own in front of the same engines (started afresh for every run,
-//! so every router starts from cold caches): baton (`baton serve`, vllm-nixl mode) with
+//! so every router starts from cold caches, then is sent each system prompt once, all at once,
+//! and places them as it would; not in the quick run): baton (`baton serve`, vllm-nixl mode) with
 //! `round-robin`, `least-loaded`, `cache-aware` without KV events (approximate), `cache-aware`
 //! with the engines' KV events (exact), and exact without prefill skipping; SMG 1.13
 //! (`--pd-disaggregation --policy cache_aware`, SGLang's PD flow); vllm-router 0.1.17
@@ -23,7 +24,8 @@
 //! simulator's tokenizer, which baton's fallback matches).
 //!
 //! The workload, the same for every router (seeded): `SYSTEM_PROMPTS` system prompts of
-//! `SYSTEM_TOKENS` tokens shared by every conversation; `rate × THINK` conversations open at a
+//! `SYSTEM_TOKENS` tokens shared by the conversations (more than one engine's cache holds with
+//! the histories, less than two: where a prefix is computed decides whether it is found again); `rate × THINK` conversations open at a
 //! time (at least 4), each `TURNS` turns long (a user message of `USER_TOKENS`, an answer of `ANSWER_TOKENS` kept
 //! in the history as fixed text), a finished one replaced by a new one. Requests arrive as a Poisson
 //! process at each rate, each the next turn of the next conversation in turn (open loop: nothing
@@ -76,8 +78,11 @@ const PREFILL_FIXED: Duration = Duration::from_millis(4);
 const PREFILL_PER_TOKEN: Duration = Duration::from_micros(200);
 const TOKEN_DELAY: Duration = Duration::from_millis(4);
 
-const SYSTEM_PROMPTS: usize = 8;
-const SYSTEM_TOKENS: usize = 1500;
+/// 12 system prompts of 3000 tokens (36,000) plus the open conversations' histories are more than
+/// one engine's cache holds (`CACHE_BLOCKS` × `BLOCK_SIZE` = 32,768 tokens) and less than two
+/// do: where a prompt is computed decides whether it is found again.
+const SYSTEM_PROMPTS: usize = 12;
+const SYSTEM_TOKENS: usize = 3000;
 const USER_TOKENS: usize = 120;
 const ANSWER_TOKENS: usize = 24;
 /// The answer's text as the history keeps it (bytes: tokens).
@@ -364,12 +369,29 @@ fn text(rng: &mut StdRng, n: usize) -> String {
     s
 }
 
+/// The shared system prompts (seeded: the same for every router and rate).
+fn system_prompts(rng: &mut StdRng) -> Vec<String> {
+    (0..SYSTEM_PROMPTS).map(|i| format!("You are assistant {i}. {}", text(rng, SYSTEM_TOKENS))).collect()
+}
+
+/// Each system prompt once, alone (one token asked), to send before a run: a fleet serving these
+/// prompts has them in cache somewhere already, where its router put them.
+fn warm_requests() -> Vec<Bytes> {
+    let mut rng = StdRng::seed_from_u64(SEED);
+    system_prompts(&mut rng)
+        .into_iter()
+        .map(|s| {
+            let body = json!({"model": "baton-sim", "messages": [{"role": "system", "content": s}],
+                              "max_tokens": 1, "stream": true});
+            Bytes::from(body.to_string())
+        })
+        .collect()
+}
+
 /// The requests of a run, at their arrival times: the same for every router.
 fn schedule(rate: f64, duration: Duration) -> Vec<(Duration, Bytes)> {
     let mut rng = StdRng::seed_from_u64(SEED);
-    let systems: Vec<String> = (0..SYSTEM_PROMPTS)
-        .map(|i| format!("You are assistant {i}. {}", text(&mut rng, SYSTEM_TOKENS)))
-        .collect();
+    let systems = system_prompts(&mut rng);
     let open = ((rate * THINK).ceil() as usize).max(4);
     let mut convs: Vec<Vec<Value>> = Vec::new();
     let new_conv = |rng: &mut StdRng| {
@@ -445,7 +467,7 @@ async fn wait_ready(c: &HttpClient, addr: SocketAddr, child: &mut Child, log: &P
     }
 }
 
-async fn run(router: Router, rate: f64, duration: Duration) -> Point {
+async fn run(router: Router, rate: f64, duration: Duration, warm_caches: bool) -> Point {
     let mut prefills = Vec::new();
     for _ in 0..PREFILLS {
         prefills.push(start_engine(SimRole::Prefill).await);
@@ -462,6 +484,18 @@ async fn run(router: Router, rate: f64, duration: Duration) -> Point {
     let (mut child, addr) = start_router(router, &prefills, &decoders, &log);
     let c = client();
     wait_ready(&c, addr, &mut child, &log).await;
+    if warm_caches {
+        // The system prompts, all at once, through the router: it places them as it would.
+        let w = Arc::new(Window {
+            start: Instant::now(),
+            from: Duration::ZERO,
+            to: Duration::ZERO,
+            tokens: 0.into(),
+        });
+        let sent = warm_requests().into_iter().map(|body| send(&c, addr, body, Arc::clone(&w)));
+        let warmed = futures_util::future::join_all(sent).await;
+        assert!(warmed.iter().all(|o| o.ok), "a warm-up request failed; see {}", log.display());
+    }
     // KV events from the engines reach every subscriber before traffic starts.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -590,7 +624,7 @@ fn main() {
             continue;
         }
         for &rate in &rates {
-            let p = rt.block_on(run(router, rate, duration));
+            let p = rt.block_on(run(router, rate, duration, !quick));
             println!(
                 "{:<32} {:>5.1} req/s {:>5} req  TTFT p50 {:>8.1} ms  p90 {:>8.1} ms  out {:>7.1} tok/s  hit {:>5.3}  skipped {:>4}  errors {}",
                 p.router,

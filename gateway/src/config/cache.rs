@@ -106,11 +106,14 @@ fn offset(endpoint: &str, rank: u16) -> Result<String, String> {
 #[serde(deny_unknown_fields, default)]
 pub struct CacheRouting {
     /// The load guard: an engine more loaded than this times the least loaded candidate (and more
-    /// than `guard_slack` requests above it) is not chosen for its cache.
+    /// than `guard_slack` above it) is not chosen for its cache. A prefiller's load is its pending
+    /// prompt tokens, a decoder's its requests.
     pub guard_ratio: f64,
-    /// Requests above the least loaded that any engine may carry whatever the ratio.
+    /// Load above the least loaded that any engine may carry whatever the ratio: requests (for a
+    /// prefiller, prompts of the routed one's length).
     pub guard_slack: u32,
-    /// How much a wholly cached prompt counts against load (1: as much as the load guard's span).
+    /// How much a cached token counts: for a prefiller, against a token of pending work; for a
+    /// decoder, a wholly cached prompt against the load guard's span.
     pub cache_weight: f64,
     /// Tokens per block for engines that publish no events (their entries come from routing).
     pub block_size: u32,

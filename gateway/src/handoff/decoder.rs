@@ -92,6 +92,9 @@ pub struct Leg<'a> {
     /// Send the request to the decoder alone, no prefill leg: it holds nearly all of the prompt
     /// in its KV cache and computes the rest itself. Set only where [`Handoff::serves_alone`].
     pub alone: bool,
+    /// The prompt's tokens counted in the routed prefiller's pending work: the mode drops it when
+    /// the prefill leg has answered (`None` when alone).
+    pub work: Option<crate::routing::Work>,
 }
 
 /// A handoff mode: the strategy the driver runs a request through once it is admitted and routed.

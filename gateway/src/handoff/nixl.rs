@@ -172,7 +172,7 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, alone, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, alone, work, .. } = leg;
         let path = req.endpoint.path();
         if alone {
             // The decoder holds nearly all of the prompt: the client's request as it came, with no
@@ -217,6 +217,7 @@ impl Nixl {
         let shared = Arc::clone(&self.shared);
         self.shared.spawn(async move {
             let r = prefill_task(&shared, &order, path, &prefill_body).await;
+            drop(work);
             if let Err(Ok(params)) = tx.send(r) {
                 drain(shared, to, params).await;
             }

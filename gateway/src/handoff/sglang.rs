@@ -180,7 +180,7 @@ impl Sglang {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, work, .. } = leg;
         // Both legs are sent at once: the request is in its decode from here.
         timing.enter(Phase::Decode);
         let shared = &*self.shared;
@@ -209,6 +209,7 @@ impl Sglang {
             path,
             body: prefill_body,
             aborter: Arc::clone(&aborter),
+            work,
         };
         shared.spawn(leg.run(tx));
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
@@ -343,17 +344,18 @@ struct PrefillLeg {
     path: &'static str,
     body: Box<RawValue>,
     aborter: Arc<Aborter>,
+    work: Option<crate::routing::Work>,
 }
 
 impl PrefillLeg {
     /// Posts the prefill and reports how it ended (to nobody, when the request is gone).
     async fn run(self, tx: oneshot::Sender<PrefillOutcome>) {
-        let Self { prefill: p, path, body, aborter } = self;
+        let Self { prefill: p, path, body, aborter, work } = self;
         let started = Instant::now();
         let in_flight = p.health.start();
         // The answer (one token) is not used; it is read so the connection is reused.
         let result = aborter.shared.fetch("prefill", &p, path, &body).await.map(drop).map_err(Into::into);
-        drop(in_flight);
+        drop((in_flight, work));
         // The request was abandoned while this leg ran: the engine may have taken the abort before the
         // request and now holds the KV for a decoder that will not come.
         if result.is_ok() && aborter.abandoned() {

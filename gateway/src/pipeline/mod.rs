@@ -31,7 +31,9 @@ use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNames};
 use crate::prefix::PromptKeys;
-use crate::routing::{Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router};
+use crate::routing::{
+    Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router, Work,
+};
 use crate::telemetry::trace::{self, End, RequestFacts, Tracing};
 use crate::telemetry::{Live, Phase, Timing, request_id};
 use crate::tokenize::{INLINE_TOKENIZE_BYTES, Tokenizer};
@@ -102,7 +104,7 @@ impl Roster {
             .map(|(i, name)| {
                 json!({"name": name, "won": i == chosen.prefill, "healthy": p.healthy.get(i),
                        "in_flight": p.in_flight.get(i), "latency_us": p.latency_us.get(i),
-                       "cached_tokens": p.cached_tokens.get(i)})
+                       "cached_tokens": p.cached_tokens.get(i), "pending_tokens": p.pending_tokens.get(i)})
             })
             .collect();
         json!({
@@ -254,6 +256,7 @@ impl Gateway {
                 in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
                 latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
                 cached_tokens: cached,
+                pending_tokens: self.prefills.iter().map(|p| p.health.pending_tokens()).collect(),
             },
             decode: DecodeView { cached_tokens: decode_cached, ..DecodeView::default() },
         };
@@ -544,7 +547,7 @@ impl Gateway {
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
-        let (routes, alone) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
+        let (routes, alone, work) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         let prefills = if alone { Vec::new() } else { self.prefill_order(routes.iter().map(|r| r.prefill)) };
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
@@ -558,7 +561,8 @@ impl Gateway {
         let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
-        let r = self.handoff(dec, (!alone).then_some(&prefills[..]), &req, &ids, ticket, &mut timing).await;
+        let to = (!alone).then_some((&prefills[..], work));
+        let r = self.handoff(dec, to, &req, &ids, ticket, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
@@ -639,7 +643,8 @@ impl Gateway {
     /// The routes to try, best first: the routing plugin's choice (checked), or the built-in
     /// policy's; the decision recorded. With it, whether the chosen decoder gets the request
     /// alone, no prefill leg (it holds all but `routing.cache.skip_prefill_within` of the prompt,
-    /// and its mode can).
+    /// and its mode can); and otherwise the prompt's uncached tokens counted in the routed
+    /// prefiller's pending work until its prefill answers.
     async fn route(
         &self,
         preq: Option<&Arc<PolicyRequest>>,
@@ -647,7 +652,7 @@ impl Gateway {
         ids: &[u32],
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
-    ) -> Result<(Vec<Route>, bool), GatewayError> {
+    ) -> Result<(Vec<Route>, bool, Option<Work>), GatewayError> {
         let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
         let cands = self.candidates_keyed(ids.len(), keys.as_ref());
         let mut by_plugin = None;
@@ -676,6 +681,7 @@ impl Gateway {
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
         let mut alone = false;
+        let mut work = None;
         if let Some(chosen) = routes.first().copied() {
             if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
                 let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
@@ -690,11 +696,15 @@ impl Gateway {
                 }
                 self.note_routed(chosen, keys, &cands, alone);
             }
+            if !alone && let Some(p) = self.prefills.get(chosen.prefill) {
+                let cached = cands.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0);
+                work = Some(p.health.commit(ids.len().saturating_sub(cached as usize) as u64));
+            }
             let roster = Arc::clone(&self.roster);
             let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
             live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
         }
-        Ok((routes, alone))
+        Ok((routes, alone, work))
     }
 
     /// Tells the block index where the prompt went: engines without live events get its blocks
@@ -749,12 +759,12 @@ impl Gateway {
         order.iter().filter_map(|&i| self.prefills.get(i)).collect()
     }
 
-    /// Admission on the decoder, then the mode's legs; `prefills` in the order to try, or `None`
-    /// when the decoder gets the request alone.
+    /// Admission on the decoder, then the mode's legs; `prefills` in the order to try with the
+    /// work counted on the first, or `None` when the decoder gets the request alone.
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
-        prefills: Option<&[&Prefiller]>,
+        prefills: Option<(&[&Prefiller], Option<Work>)>,
         req: &GenRequest,
         ids: &[u32],
         ticket: Ticket,
@@ -769,8 +779,8 @@ impl Gateway {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
         let alone = prefills.is_none();
-        let prefills = prefills.unwrap_or_default();
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone }).await
+        let (prefills, work) = prefills.unwrap_or_default();
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone, work }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

@@ -92,6 +92,7 @@ pub fn views(c: &Candidates) -> (wr::PrefillView, wr::DecodeView) {
             in_flight: c.prefill.in_flight.clone(),
             latency_us: c.prefill.latency_us.clone(),
             cached_tokens: c.prefill.cached_tokens.clone(),
+            pending_tokens: c.prefill.pending_tokens.clone(),
         },
         wr::DecodeView {
             healthy: c.decode.healthy.clone(),

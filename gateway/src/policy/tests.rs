@@ -212,6 +212,7 @@ fn cands(free: Vec<u32>, waiting: Vec<u64>) -> Candidates {
             in_flight: vec![3, 1],
             latency_us: vec![900, 800],
             cached_tokens: Vec::new(),
+            pending_tokens: Vec::new(),
         },
         decode: DecodeView {
             healthy: vec![true; n],

@@ -34,11 +34,13 @@ pub struct CacheParams {
     /// An engine whose load is above this share of the least loaded candidate's (percent) and
     /// more than `guard_slack` above it is never chosen for its cache.
     pub guard_ratio_pct: u32,
-    /// Load (requests) any engine may carry above the least loaded one whatever the ratio, so an
-    /// idle fleet does not spread a conversation over every engine.
+    /// Load any engine may carry above the least loaded one whatever the ratio, in requests (for
+    /// a prefiller: requests of this prompt's length), so an idle fleet does not spread a
+    /// conversation over every engine.
     pub guard_slack: u32,
-    /// How much a cached prompt counts against load, percent: a candidate's score is
-    /// `weight × cached/prompt − (load − least)/(guard limit − least + 1)`.
+    /// How much a cached token counts, percent. A prefiller's cost is the work it has pending
+    /// plus the prompt's tokens it would compute, `pending + prompt − weight × cached`; a
+    /// decoder's score is `weight × cached/prompt − (load − least)/(guard limit − least + 1)`.
     pub cache_weight_pct: u32,
 }
 
@@ -49,10 +51,45 @@ impl Default for CacheParams {
 }
 
 impl CacheParams {
-    /// The most load a candidate may carry and still be chosen for its cache.
+    /// The most load (in requests) a candidate may carry and still be chosen for its cache.
     pub fn guard_limit(&self, least: u32) -> u32 {
         let by_ratio = u64::from(least) * u64::from(self.guard_ratio_pct) / 100;
         u32::try_from(by_ratio).unwrap_or(u32::MAX).max(least.saturating_add(self.guard_slack))
+    }
+
+    /// The most pending work (tokens) a prefiller may have and still be chosen for its cache,
+    /// for a prompt of `prompt_tokens`: the ratio over the least loaded's, or `guard_slack`
+    /// prompts of this length above it, whichever is more.
+    pub fn guard_limit_tokens(&self, least: u64, prompt_tokens: u32) -> u64 {
+        let by_ratio = least.saturating_mul(u64::from(self.guard_ratio_pct)) / 100;
+        let slack = u64::from(self.guard_slack).saturating_mul(u64::from(prompt_tokens.max(1)));
+        by_ratio.max(least.saturating_add(slack))
+    }
+
+    /// A prefiller's cost: the tokens it must compute before this prompt's prefill is done (its
+    /// pending work and the prompt's uncached part), the cache counted by its weight.
+    pub fn prefill_cost(&self, pending: u64, cached: u32, prompt_tokens: u32) -> f64 {
+        let credit = f64::from(cached.min(prompt_tokens)) * f64::from(self.cache_weight_pct) / 100.0;
+        pending as f64 + f64::from(prompt_tokens) - credit
+    }
+
+    /// The prefiller with the lowest [`CacheParams::prefill_cost`] among `candidates` within the
+    /// token guard (ties: the least pending work, then fewest in flight, then the first).
+    fn pick_prefill(&self, candidates: &[usize], p: &PrefillView, prompt_tokens: u32) -> Option<usize> {
+        let pending = |i: usize| p.pending(i, prompt_tokens);
+        let least = candidates.iter().map(|&i| pending(i)).min()?;
+        let limit = self.guard_limit_tokens(least, prompt_tokens);
+        let cost = |i: usize| {
+            self.prefill_cost(pending(i), p.cached_tokens.get(i).copied().unwrap_or(0), prompt_tokens)
+        };
+        let in_flight = |i: usize| p.in_flight.get(i).copied().unwrap_or(0);
+        candidates.iter().copied().filter(|&i| pending(i) <= limit).min_by(|&a, &b| {
+            cost(a)
+                .total_cmp(&cost(b))
+                .then(pending(a).cmp(&pending(b)))
+                .then(in_flight(a).cmp(&in_flight(b)))
+                .then(a.cmp(&b))
+        })
     }
 
     /// The candidate with the best score among `candidates` within the load guard (ties: the
@@ -140,6 +177,19 @@ pub struct PrefillView {
     pub latency_us: Vec<u32>,
     /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
     pub cached_tokens: Vec<u32>,
+    /// Prompt tokens routed to the engine to compute whose prefill has not answered yet: its
+    /// pending work (empty: not known, and each request in flight counts as this prompt's length).
+    pub pending_tokens: Vec<u64>,
+}
+
+impl PrefillView {
+    /// Prefiller `i`'s pending work in tokens, or its requests in flight as prompts of
+    /// `prompt_tokens` where the work is not known.
+    pub fn pending(&self, i: usize, prompt_tokens: u32) -> u64 {
+        self.pending_tokens.get(i).copied().unwrap_or_else(|| {
+            u64::from(self.in_flight.get(i).copied().unwrap_or(0)) * u64::from(prompt_tokens)
+        })
+    }
 }
 
 /// Decode candidates, one list per metric.
@@ -253,12 +303,7 @@ impl RoutingPolicy for Builtin {
             Self::CacheAware(params) => {
                 let p = &c.prefill;
                 let up: SmallVec<[usize; 16]> = healthy_indexes(&p.healthy).collect();
-                let prefill = params.pick(
-                    &up,
-                    |i| p.in_flight.get(i).copied().unwrap_or(0),
-                    |i| p.cached_tokens.get(i).copied().unwrap_or(0),
-                    f.prompt_tokens,
-                );
+                let prefill = params.pick_prefill(&up, p, f.prompt_tokens);
                 let fitting: SmallVec<[usize; 16]> =
                     healthy_indexes(&d.healthy).filter(|&i| d.fits(i, f)).collect();
                 let decode = params
@@ -445,6 +490,8 @@ pub struct Health {
     /// The last active check failed.
     check_down: AtomicBool,
     in_flight: AtomicU32,
+    /// Prompt tokens given to the endpoint to compute, not yet answered ([`Work`]).
+    pending_tokens: AtomicU64,
     /// Moving average (1/8 weight) of how long requests stayed in flight, µs.
     latency_us: AtomicU32,
     /// Ejections so far (a metric).
@@ -460,6 +507,7 @@ impl Default for Health {
             ejected_until: AtomicU64::new(0),
             check_down: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
+            pending_tokens: AtomicU64::new(0),
             latency_us: AtomicU32::new(0),
             ejected_total: AtomicU64::new(0),
         }
@@ -486,7 +534,32 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Prompt tokens a prefiller was routed to compute, counted in its pending work from the route
+/// until the prefill leg ends (dropped: by the mode when the prefill answered, or with the request).
+#[derive(Debug)]
+pub struct Work {
+    health: std::sync::Arc<Health>,
+    tokens: u64,
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        self.health.pending_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 impl Health {
+    /// Counts `tokens` in the endpoint's pending work until the guard is dropped.
+    pub fn commit(self: &std::sync::Arc<Self>, tokens: u64) -> Work {
+        self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Work { health: std::sync::Arc::clone(self), tokens }
+    }
+
+    /// Prompt tokens routed here and not yet answered.
+    pub fn pending_tokens(&self) -> u64 {
+        self.pending_tokens.load(Ordering::Relaxed)
+    }
+
     fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
@@ -561,6 +634,7 @@ mod tests {
                 in_flight: vec![5, 1, 3],
                 latency_us: vec![0; 3],
                 cached_tokens: Vec::new(),
+                pending_tokens: Vec::new(),
             },
             decode: DecodeView {
                 healthy: vec![true, true, true],
@@ -617,25 +691,37 @@ mod tests {
         let ca = Builtin::CacheAware(CacheParams::default());
         let f = facts(8, 0); // 128 prompt tokens
         let mut c = cands();
-        c.prefill.in_flight = vec![2, 0, 1];
+        c.prefill.in_flight = vec![1, 0, 1];
+        c.prefill.pending_tokens = vec![100, 0, 50];
         c.prefill.cached_tokens = vec![128, 0, 64];
         c.decode.in_flight = vec![1, 0, 0];
         c.decode.cached_tokens = vec![0, 0, 96];
-        // Prefill 0 holds the whole prompt at 2 in flight (the least has 0, the guard allows
-        // 0 + 2); decoder 2 holds most of it.
+        // Prefill 0 holds the whole prompt behind 100 tokens of work (cost 100), prefill 2 half
+        // of it behind 50 (cost 114), the idle one none (cost 128); decoder 2 holds most of it.
         assert_eq!(first(ca.route(&f, &c)), Route { prefill: 0, decode: 2 });
-        // Past the guard (least 0, limit 2): prefill 0 is not chosen for its cache; prefill 2
-        // (half cached, 1 in flight) is, over the idle one.
-        c.prefill.in_flight = vec![3, 0, 1];
+        // More work pending than its cache saves: prefill 2 (50 + 128 - 64 = 114) over prefill
+        // 0 (200 + 128 - 128 = 200), within the guard (least 0, limit two prompts: 256).
+        c.prefill.pending_tokens = vec![200, 0, 50];
         assert_eq!(first(ca.route(&f, &c)).prefill, 2);
-        // The ratio applies at load: least 10, limit 15. Half the prompt cached is worth 2 more
-        // requests (score 0.5 - 2/6), not 5 (0.5 - 5/6, less than the idle one's 0).
-        c.prefill.in_flight = vec![16, 10, 12];
-        assert_eq!(first(ca.route(&f, &c)).prefill, 2);
-        c.prefill.in_flight = vec![16, 10, 15];
+        // Past the guard (least 0, limit 256): neither engine that holds the prompt is chosen
+        // for its cache, whatever the weight.
+        c.prefill.pending_tokens = vec![300, 0, 500];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
-        // No cache anywhere: the least loaded.
+        let heavy = Builtin::CacheAware(CacheParams { cache_weight_pct: 1000, ..CacheParams::default() });
+        assert_eq!(first(heavy.route(&f, &c)).prefill, 1, "past the guard whatever the weight");
+        // The ratio applies at load: least 1000, limit 1500. Half the prompt cached is worth 64
+        // tokens of work.
+        c.prefill.pending_tokens = vec![1600, 1000, 1060];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 2);
+        c.prefill.pending_tokens = vec![1600, 1000, 1070];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 1);
+        // No cache anywhere: the least pending work.
         c.prefill.cached_tokens = vec![0; 3];
+        c.prefill.pending_tokens = vec![90, 100, 95];
+        assert_eq!(first(ca.route(&f, &c)).prefill, 0);
+        // Work not known: each request in flight counts as one of this prompt's length.
+        c.prefill.pending_tokens = Vec::new();
+        c.prefill.in_flight = vec![2, 1, 3];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
         // A decoder that cannot hold the request is never chosen for its cache: of the two that
         // can, the less loaded.
@@ -652,41 +738,64 @@ mod tests {
     }
 
     /// Nine requests in ten share one prefix, which every engine's cache soon holds on one
-    /// engine: the guard keeps that engine within its limit at every choice, and the others
-    /// take the rest.
+    /// engine: the guard keeps that engine's pending work within its limit at every choice, and
+    /// the others take the rest.
     #[test]
     fn a_hot_prefix_never_pushes_an_engine_past_the_guard() {
         let p = CacheParams::default();
         let ca = Builtin::CacheAware(p);
-        let mut load = [0u32; 4];
+        // Each engine's requests in flight, by their uncached tokens.
+        let mut work: [Vec<u64>; 4] = Default::default();
         let mut cached_on = [false; 4];
         let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let prompt = 1100u32;
+        let mut served = [0u32; 4];
         for seq in 0..10_000u64 {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
             let hot = !rng.is_multiple_of(10);
+            let pending: Vec<u64> = work.iter().map(|w| w.iter().sum()).collect();
+            let cached: Vec<u32> = cached_on.iter().map(|&h| if hot && h { 1024 } else { 0 }).collect();
             let c = Candidates {
                 prefill: PrefillView {
                     healthy: vec![true; 4],
-                    in_flight: load.to_vec(),
+                    in_flight: work.iter().map(|w| u32::try_from(w.len()).unwrap()).collect(),
                     latency_us: vec![0; 4],
-                    cached_tokens: cached_on.iter().map(|&h| if hot && h { 1024 } else { 0 }).collect(),
+                    cached_tokens: cached.clone(),
+                    pending_tokens: pending.clone(),
                 },
                 decode: cands().decode,
             };
-            let f = RouteFacts { model: "m", prompt_tokens: 1100, slots: 1, max_tokens: None, seq };
+            let f = RouteFacts { model: "m", prompt_tokens: prompt, slots: 1, max_tokens: None, seq };
             let chosen = first(ca.route(&f, &c)).prefill;
-            let least = *load.iter().min().unwrap();
-            assert!(load[chosen] <= p.guard_limit(least), "{load:?} chose {chosen}");
-            load[chosen] += 1;
+            let least = *pending.iter().min().unwrap();
+            assert!(pending[chosen] <= p.guard_limit_tokens(least, prompt), "{pending:?} chose {chosen}");
+            work[chosen].push(u64::from(prompt - cached[chosen]));
+            served[chosen] += 1;
             if hot {
                 cached_on[chosen] = true;
             }
-            // Requests finish at random.
+            // Requests finish at random, oldest first.
             let done = usize::try_from(rng >> 32).unwrap() % 4;
-            load[done] = load[done].saturating_sub(1);
+            if !work[done].is_empty() {
+                work[done].remove(0);
+            }
         }
+        assert!(served.iter().all(|&n| n > 100), "every engine served: {served:?}");
+    }
+
+    /// The pending work counted by [`Health::commit`] goes when its guard does.
+    #[test]
+    fn committed_work_is_pending_until_dropped() {
+        let h = std::sync::Arc::new(Health::default());
+        let a = h.commit(300);
+        let b = h.commit(50);
+        assert_eq!(h.pending_tokens(), 350);
+        drop(a);
+        assert_eq!(h.pending_tokens(), 50);
+        drop(b);
+        assert_eq!(h.pending_tokens(), 0);
     }
 
     #[derive(Debug)]

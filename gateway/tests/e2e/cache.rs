@@ -190,8 +190,8 @@ async fn an_engine_that_publishes_nothing_falls_back_and_is_reported() {
 }
 
 /// Nine requests in ten share one long prefix: the engines that hold it are preferred only within
-/// the load guard, so the prefill in flight never passes the guard at a decision, and every
-/// request is served as least-loaded would serve it.
+/// the load guard, so the prefill work pending (tokens routed, not yet answered) never passes the
+/// guard at a decision, and every request is served as least-loaded would serve it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_prefix_stays_within_the_load_guard() {
     let mut c = config(Mode::Native, Duration::from_millis(2));
@@ -214,13 +214,22 @@ async fn a_hot_prefix_stays_within_the_load_guard() {
         let (status, record, answer) = r.unwrap();
         assert_eq!(status, 200, "{answer}");
         let prefills = record["route"]["prefills"].as_array().unwrap();
-        let load = |p: &Value| u32::try_from(p["in_flight"].as_u64().unwrap()).unwrap();
+        let prompt = u32::try_from(record["prompt_tokens"].as_u64().unwrap()).unwrap();
+        let load = |p: &Value| p["pending_tokens"].as_u64().unwrap();
         let least = prefills.iter().map(load).min().unwrap();
         let won = prefills.iter().find(|p| p["won"] == true).unwrap();
-        assert!(load(won) <= params.guard_limit(least), "past the guard: {record}");
+        assert!(load(won) <= params.guard_limit_tokens(least, prompt), "past the guard: {record}");
         *spread.entry(won["name"].as_str().unwrap().to_owned()).or_default() += 1;
     }
     assert_eq!(spread.len(), 2, "both prefillers served: {spread:?}");
+    // Every prefill answered: no work is left counted on any prefiller.
+    let metrics = metrics_text(d.admin).await;
+    let pending: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("baton_endpoint_pending_prompt_tokens{endpoint=\"prefill-"))
+        .collect();
+    assert_eq!(pending.len(), 2, "{metrics}");
+    assert!(pending.iter().all(|l| l.ends_with(" 0")), "{pending:?}");
     d.shutdown().await;
 }
 

@@ -302,7 +302,7 @@ fn first_token_usable(req: &GenRequest) -> bool {
 
 impl Lmcache {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, work, .. } = leg;
         timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
         let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
@@ -334,7 +334,9 @@ impl Lmcache {
             counters: Arc::clone(&self.drains),
         });
 
-        let pre = self.prefill(prefills, &prefill_body, &mut holding, first_token, req).await?;
+        let pre = self.prefill(prefills, &prefill_body, &mut holding, first_token, req).await;
+        drop(work);
+        let pre = pre?;
         timing.mark(Phase::Prefill);
 
         // The decode leg: the prompt plus the first token, one token fewer to generate.

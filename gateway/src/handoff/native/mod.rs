@@ -215,7 +215,7 @@ impl Native {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, alone, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, alone, work, .. } = leg;
         let shared = &*self.shared;
         if alone {
             return self.alone(dec, req, ids, slots, timing).await;
@@ -261,8 +261,9 @@ impl Native {
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await?;
         // The prefill's own answer (one token) is not used; it is read so the connection is reused.
-        shared.answer("prefill", prefill, resp).await?;
-        drop(in_flight);
+        let answered = shared.answer("prefill", prefill, resp).await;
+        drop((in_flight, work));
+        answered?;
         timing.mark(Phase::Prefill);
         timing.enter(Phase::KvReady);
 
