@@ -288,6 +288,8 @@ struct Outcome {
     ttft: Duration,
     got_token: bool,
     ok: bool,
+    /// baton sent it to the decoder alone (`x-baton-route: prefill=none`).
+    alone: bool,
 }
 
 /// Sends one streaming chat completion; counts its tokens into `tokens` while `counting` says so.
@@ -303,6 +305,8 @@ async fn send(c: &HttpClient, addr: SocketAddr, body: Bytes, window: Arc<Window>
         if res.status() != 200 {
             return;
         }
+        out.alone =
+            res.headers().get("x-baton-route").is_some_and(|v| v.as_bytes().starts_with(b"prefill=none"));
         let mut body = res.into_body();
         let mut buf = Vec::new();
         while let Some(Ok(frame)) = body.frame().await {
@@ -433,7 +437,16 @@ struct Point {
     output_tok_s: f64,
     hit_ratio: f64,
     prefill_skipped: u64,
+    /// TTFT p50/p90 of the measured requests baton sent to the decoder alone, and of the others
+    /// (NaN where there were none).
+    alone_ms: (f64, f64),
+    with_leg_ms: (f64, f64),
     errors: usize,
+}
+
+/// A figure for the JSON: one decimal, or `null` for none.
+fn num(x: f64) -> String {
+    if x.is_finite() { format!("{x:.1}") } else { "null".to_owned() }
 }
 
 fn pct(sorted: &[Duration], q: f64) -> f64 {
@@ -520,6 +533,9 @@ async fn run(router: Router, rate: f64, duration: Duration, warm_caches: bool) -
     while let Some(r) = tasks.join_next().await {
         let (measured, o) = r.unwrap();
         if measured {
+            if std::env::var_os("BATON_BENCH_TRACE").is_some() {
+                println!("  ttft {:>8.1} ms  alone {}  ok {}", o.ttft.as_secs_f64() * 1e3, o.alone, o.ok);
+            }
             outcomes.push(o);
         }
     }
@@ -532,6 +548,11 @@ async fn run(router: Router, rate: f64, duration: Duration, warm_caches: bool) -
     let mut ttft: Vec<Duration> = outcomes.iter().map(|o| o.ttft).collect();
     ttft.sort();
     let computed = after.0 - before.0;
+    let split = |alone: bool| {
+        let mut t: Vec<Duration> = outcomes.iter().filter(|o| o.alone == alone).map(|o| o.ttft).collect();
+        t.sort();
+        (pct(&t, 0.5), pct(&t, 0.9))
+    };
     Point {
         router: router.name(),
         rate,
@@ -541,6 +562,8 @@ async fn run(router: Router, rate: f64, duration: Duration, warm_caches: bool) -
         output_tok_s: window.tokens.load(Ordering::Relaxed) as f64 / (duration - warm).as_secs_f64(),
         hit_ratio: if computed == 0 { 0.0 } else { (after.1 - before.1) as f64 / computed as f64 },
         prefill_skipped: after.2 - before.2,
+        alone_ms: split(true),
+        with_leg_ms: split(false),
         errors: outcomes.iter().filter(|o| !o.ok).count(),
     }
 }
@@ -637,6 +660,12 @@ fn main() {
                 p.prefill_skipped,
                 p.errors
             );
+            if p.alone_ms.0.is_finite() {
+                println!(
+                    "{:<32} TTFT p50/p90 sent alone {:.1}/{:.1} ms, with a prefill leg {:.1}/{:.1} ms",
+                    "", p.alone_ms.0, p.alone_ms.1, p.with_leg_ms.0, p.with_leg_ms.1
+                );
+            }
             points.push(p);
         }
     }
@@ -644,8 +673,9 @@ fn main() {
         .iter()
         .map(|p| {
             format!(
-                "    {{\"router\": \"{}\", \"rate\": {}, \"requests\": {}, \"ttft_p50_ms\": {:.1}, \"ttft_p90_ms\": {:.1}, \"output_tok_s\": {:.1}, \"hit_ratio\": {:.3}, \"prefill_skipped\": {}, \"errors\": {}}}",
-                p.router, p.rate, p.requests, p.ttft_p50_ms, p.ttft_p90_ms, p.output_tok_s, p.hit_ratio, p.prefill_skipped, p.errors
+                "    {{\"router\": \"{}\", \"rate\": {}, \"requests\": {}, \"ttft_p50_ms\": {:.1}, \"ttft_p90_ms\": {:.1}, \"output_tok_s\": {:.1}, \"hit_ratio\": {:.3}, \"prefill_skipped\": {}, \"alone_ttft_p50_ms\": {}, \"alone_ttft_p90_ms\": {}, \"with_leg_ttft_p50_ms\": {}, \"with_leg_ttft_p90_ms\": {}, \"errors\": {}}}",
+                p.router, p.rate, p.requests, p.ttft_p50_ms, p.ttft_p90_ms, p.output_tok_s, p.hit_ratio, p.prefill_skipped,
+                num(p.alone_ms.0), num(p.alone_ms.1), num(p.with_leg_ms.0), num(p.with_leg_ms.1), p.errors
             )
         })
         .collect();

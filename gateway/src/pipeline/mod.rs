@@ -686,7 +686,12 @@ impl Gateway {
             if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
                 let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
                 alone = self.decoders.get(chosen.decode).is_some_and(|d| d.handoff.serves_alone())
-                    && feeds.skips_prefill(self.prefills.len() + chosen.decode, ids.len(), cached);
+                    && feeds.skips_prefill(
+                        self.prefills.len() + chosen.decode,
+                        ids.len(),
+                        cached,
+                        cands.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0),
+                    );
                 if alone {
                     feeds.count_skip();
                     let computed = ids.len().saturating_sub(cached as usize);

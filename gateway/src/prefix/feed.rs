@@ -283,14 +283,21 @@ impl Feeds {
     }
 
     /// Whether a prompt of `tokens` goes alone to the decoder `engine` (numbered after the
-    /// prefills), which holds `cached` of them: it holds at least one block and all but
-    /// `skip_prefill_within` tokens, as its own live events say (approximate entries are what
-    /// was routed there, not KV it computed: parallel or retried requests would go alone on a
-    /// guess).
-    pub fn skips_prefill(&self, engine: usize, tokens: usize, cached: u32) -> bool {
+    /// prefills), which holds `cached` of them, while the routed prefiller holds
+    /// `prefill_cached`. The decoder must hold at least one block, as its own live events say
+    /// (approximate entries are what was routed there, not KV it computed: parallel or retried
+    /// requests would go alone on a guess), and all but `skip_prefill_within` tokens; or all but
+    /// twice that when the prefiller would compute at least `skip_prefill_within` more than the
+    /// decoder alone. A prefiller falls behind on a conversation whose turns went alone: sending
+    /// the next one to it would compute every turn it missed, where the decoder computes one.
+    pub fn skips_prefill(&self, engine: usize, tokens: usize, cached: u32, prefill_cached: u32) -> bool {
         let exact = self.index.engines().get(engine).is_some_and(super::EngineState::exact);
         self.skip_prefill_within.is_some_and(|within| {
-            exact && cached > 0 && tokens.saturating_sub(cached as usize) <= within as usize
+            let within = within as usize;
+            let alone = tokens.saturating_sub(cached as usize);
+            let with_leg = tokens.saturating_sub(prefill_cached as usize);
+            let behind = with_leg >= alone.saturating_add(within);
+            exact && cached > 0 && (alone <= within || (behind && alone <= within.saturating_mul(2)))
         })
     }
 
@@ -757,6 +764,43 @@ mod tests {
             topic: topic.into(),
         };
         Feeds::new(index, vec![config], silent_after, Duration::from_secs(60), Some(256))
+    }
+
+    /// A decoder whose live events say it holds the prompt gets it alone within
+    /// `skip_prefill_within` (256) of it, or within twice that when the prefiller is at least as
+    /// far behind again; approximate entries never send a prompt alone.
+    #[test]
+    fn the_decoder_gets_a_prompt_alone_within_the_bound_or_twice_it_when_the_prefiller_is_behind() {
+        let index = Arc::new(PrefixIndex::new(vec!["d".into()], 16, 1000, Duration::from_secs(60)));
+        let f = Feeds::new(index, Vec::new(), Duration::from_secs(10), Duration::from_secs(60), Some(256));
+        // (prompt, decoder holds, prefiller holds) → alone.
+        let cases = [
+            (3000, 2744, 2744, true),  // 256 to compute
+            (3000, 2743, 3000, false), // 257, and the prefiller holds it all
+            (3000, 2600, 2400, false), // 400, the prefiller 600: not 256 more
+            (3000, 2600, 2344, true),  // 400, the prefiller 656: 256 more
+            (3000, 2487, 0, false),    // 513: past twice the bound
+            (3000, 0, 0, false),       // nothing held
+        ];
+        f.index.set_exact(0, true);
+        for (tokens, cached, prefill_cached, alone) in cases {
+            assert_eq!(
+                f.skips_prefill(0, tokens, cached, prefill_cached),
+                alone,
+                "{tokens} {cached} {prefill_cached}"
+            );
+        }
+        f.index.set_exact(0, false);
+        assert!(!f.skips_prefill(0, 3000, 2900, 0), "approximate entries");
+        let off = Feeds::new(
+            Arc::clone(&f.index),
+            Vec::new(),
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+            None,
+        );
+        f.index.set_exact(0, true);
+        assert!(!off.skips_prefill(0, 3000, 3000, 0), "skip_prefill = false");
     }
 
     /// A gateway that starts after the engine rebuilds from replay; a lost message is replayed;
