@@ -127,7 +127,8 @@ pub struct CacheRouting {
     pub silent_after_ms: u64,
     /// Send a request to its decoder alone, with no prefill leg, when the decoder holds all but
     /// `skip_prefill_within` of the prompt's tokens (and at least one block of it): the decoder
-    /// computes the rest itself, sooner than a prefill leg and a KV transfer would bring it.
+    /// computes the rest itself, sooner than a prefill leg and a KV transfer would bring it; or
+    /// all but twice that when the routed prefiller would compute `skip_prefill_within` more.
     /// Only modes whose decoders can (vllm-nixl, native); others always prefill.
     pub skip_prefill: bool,
     pub skip_prefill_within: u32,
