@@ -348,6 +348,12 @@ struct Window {
 }
 
 impl Window {
+    /// A window that counts nothing (probes and warm-up requests).
+    fn uncounted() -> Arc<Self> {
+        let now = Instant::now();
+        Arc::new(Self { start: now, from: Duration::ZERO, to: Duration::ZERO, tokens: 0.into() })
+    }
+
     fn token(&self) {
         let at = self.start.elapsed();
         if at >= self.from && at < self.to {
@@ -462,12 +468,7 @@ async fn wait_ready(c: &HttpClient, addr: SocketAddr, child: &mut Child, log: &P
         if let Ok(Some(status)) = child.try_wait() {
             panic!("the router exited ({status}) before it was ready; see {}", log.display());
         }
-        let w = Arc::new(Window {
-            start: Instant::now(),
-            from: Duration::ZERO,
-            to: Duration::ZERO,
-            tokens: 0.into(),
-        });
+        let w = Window::uncounted();
         if send(c, addr, Bytes::from(probe.clone()), w).await.ok {
             return;
         }
@@ -499,12 +500,7 @@ async fn run(router: Router, rate: f64, duration: Duration, warm_caches: bool) -
     wait_ready(&c, addr, &mut child, &log).await;
     if warm_caches {
         // The system prompts, all at once, through the router: it places them as it would.
-        let w = Arc::new(Window {
-            start: Instant::now(),
-            from: Duration::ZERO,
-            to: Duration::ZERO,
-            tokens: 0.into(),
-        });
+        let w = Window::uncounted();
         let sent = warm_requests().into_iter().map(|body| send(&c, addr, body, Arc::clone(&w)));
         let warmed = futures_util::future::join_all(sent).await;
         assert!(warmed.iter().all(|o| o.ok), "a warm-up request failed; see {}", log.display());

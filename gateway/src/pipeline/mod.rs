@@ -547,7 +547,8 @@ impl Gateway {
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
-        let (routes, alone, work) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
+        let (routes, work) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
+        let alone = work.is_none();
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         let prefills = if alone { Vec::new() } else { self.prefill_order(routes.iter().map(|r| r.prefill)) };
         let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
@@ -561,7 +562,7 @@ impl Gateway {
         let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
         timing.record(Phase::Route, live.started.elapsed());
         timing.enter(Phase::Queue);
-        let to = (!alone).then_some((&prefills[..], work));
+        let to = work.map(|work| (&prefills[..], work));
         let r = self.handoff(dec, to, &req, &ids, ticket, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
@@ -641,10 +642,10 @@ impl Gateway {
     }
 
     /// The routes to try, best first: the routing plugin's choice (checked), or the built-in
-    /// policy's; the decision recorded. With it, whether the chosen decoder gets the request
-    /// alone, no prefill leg (it holds all but `routing.cache.skip_prefill_within` of the prompt,
-    /// and its mode can); and otherwise the prompt's uncached tokens counted in the routed
-    /// prefiller's pending work until its prefill answers.
+    /// policy's; the decision recorded. With them, the prompt's uncached tokens counted in the
+    /// routed prefiller's pending work until its prefill answers; or `None` when the chosen
+    /// decoder gets the request alone, no prefill leg (it holds all but
+    /// `routing.cache.skip_prefill_within` of the prompt, and its mode can).
     async fn route(
         &self,
         preq: Option<&Arc<PolicyRequest>>,
@@ -652,7 +653,7 @@ impl Gateway {
         ids: &[u32],
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
-    ) -> Result<(Vec<Route>, bool, Option<Work>), GatewayError> {
+    ) -> Result<(Vec<Route>, Option<Work>), GatewayError> {
         let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
         let cands = self.candidates_keyed(ids.len(), keys.as_ref());
         let mut by_plugin = None;
@@ -680,36 +681,34 @@ impl Gateway {
             NoRoute::Prefill => GatewayError::NoEndpoint("prefill"),
             NoRoute::Decode => GatewayError::NoEndpoint("decode"),
         })?;
+        let chosen = *routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
+        let prefill = self.prefills.get(chosen.prefill).ok_or(GatewayError::NoEndpoint("prefill"))?;
+        let prefill_cached = cands.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0);
         let mut alone = false;
-        let mut work = None;
-        if let Some(chosen) = routes.first().copied() {
-            if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
-                let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
-                alone = self.decoders.get(chosen.decode).is_some_and(|d| d.handoff.serves_alone())
-                    && feeds.skips_prefill(
-                        self.prefills.len() + chosen.decode,
-                        ids.len(),
-                        cached,
-                        cands.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0),
-                    );
-                if alone {
-                    feeds.count_skip();
-                    let computed = ids.len().saturating_sub(cached as usize);
-                    live.note("prefill", move || {
-                        json!({"skipped": true, "decoder_cached_tokens": cached, "computed_by_decoder": computed})
-                    });
-                }
-                self.note_routed(chosen, keys, &cands, alone);
+        if let (Some(keys), Some(feeds)) = (&keys, &self.router.prefix) {
+            let cached = cands.decode.cached_tokens.get(chosen.decode).copied().unwrap_or(0);
+            alone = self.decoders.get(chosen.decode).is_some_and(|d| d.handoff.serves_alone())
+                && feeds.skips_prefill(
+                    self.prefills.len() + chosen.decode,
+                    ids.len(),
+                    cached,
+                    prefill_cached,
+                );
+            if alone {
+                feeds.count_skip();
+                let computed = ids.len().saturating_sub(cached as usize);
+                live.note("prefill", move || {
+                    json!({"skipped": true, "decoder_cached_tokens": cached, "computed_by_decoder": computed})
+                });
             }
-            if !alone && let Some(p) = self.prefills.get(chosen.prefill) {
-                let cached = cands.prefill.cached_tokens.get(chosen.prefill).copied().unwrap_or(0);
-                work = Some(p.health.commit(ids.len().saturating_sub(cached as usize) as u64));
-            }
-            let roster = Arc::clone(&self.roster);
-            let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
-            live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
+            self.note_routed(chosen, keys, &cands, alone);
         }
-        Ok((routes, alone, work))
+        let work =
+            (!alone).then(|| prefill.health.commit(ids.len().saturating_sub(prefill_cached as usize) as u64));
+        let roster = Arc::clone(&self.roster);
+        let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
+        live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
+        Ok((routes, work))
     }
 
     /// Tells the block index where the prompt went: engines without live events get its blocks
@@ -769,7 +768,7 @@ impl Gateway {
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
-        prefills: Option<(&[&Prefiller], Option<Work>)>,
+        prefills: Option<(&[&Prefiller], Work)>,
         req: &GenRequest,
         ids: &[u32],
         ticket: Ticket,
@@ -784,7 +783,7 @@ impl Gateway {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
         let alone = prefills.is_none();
-        let (prefills, work) = prefills.unwrap_or_default();
+        let (prefills, work) = prefills.map_or((&[][..], None), |(p, w)| (p, Some(w)));
         dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone, work }).await
     }
 

@@ -171,7 +171,8 @@ impl Admission {
     }
 }
 
-/// The calls of the routing world, in the component's version (0.1.0 sees no `cached-tokens`).
+/// The calls of the routing world, in the component's version (0.1.0 sees no `cached-tokens` nor
+/// `pending-tokens`).
 impl Routing {
     fn route(
         &self,

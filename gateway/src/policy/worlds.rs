@@ -7,42 +7,36 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::PluginShared;
 
-#[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
-pub mod admission {
-    wasmtime::component::bindgen!({ world: "admission", path: "../wit" });
+/// The `admission` and `routing` worlds of the WIT package at `$path`, bound: the routing world
+/// shares the admission world's `host` and `types`.
+macro_rules! bind_worlds {
+    ($path:literal) => {
+        #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+        pub mod admission {
+            wasmtime::component::bindgen!({ world: "admission", path: $path });
+        }
+
+        #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
+        pub mod routing {
+            wasmtime::component::bindgen!({
+                world: "routing",
+                path: $path,
+                with: {
+                    "baton:policy/host": super::admission::baton::policy::host,
+                    "baton:policy/types": super::admission::baton::policy::types,
+                },
+            });
+        }
+    };
 }
 
-#[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
-pub mod routing {
-    wasmtime::component::bindgen!({
-        world: "routing",
-        path: "../wit",
-        with: {
-            "baton:policy/host": super::admission::baton::policy::host,
-            "baton:policy/types": super::admission::baton::policy::types,
-        },
-    });
-}
+bind_worlds!("../wit");
 
 /// The frozen `baton:policy@0.1.0` (`wit/0.1.0`): components built for it still run, their calls
-/// converted to and from the current types (they see the routing views without `cached-tokens`).
+/// converted to and from the current types (their routing views lack `cached-tokens` and
+/// `pending-tokens`).
 pub mod v0_1 {
-    #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
-    pub mod admission {
-        wasmtime::component::bindgen!({ world: "admission", path: "../wit/0.1.0" });
-    }
-
-    #[allow(clippy::all, unreachable_pub, missing_debug_implementations, missing_docs)]
-    pub mod routing {
-        wasmtime::component::bindgen!({
-            world: "routing",
-            path: "../wit/0.1.0",
-            with: {
-                "baton:policy/host": super::admission::baton::policy::host,
-                "baton:policy/types": super::admission::baton::policy::types,
-            },
-        });
-    }
+    bind_worlds!("../wit/0.1.0");
 }
 
 /// The package versions the gateway runs, newest first.
