@@ -7,6 +7,8 @@
 //!   in proportion to its weight), FIFO within a class. The chosen head is never overtaken: if it
 //!   does not fit yet, nothing behind it is granted, so a large request cannot starve.
 //! - Queue length and queue wait are bounded (`QueueFull`, `Timeout`, both retryable).
+//! - A queue can be closed ([`SlotQueue::set_open`]: the engine says it is full): it then admits
+//!   nothing at all, and its waiters keep their places until it opens or they time out.
 //! - Slots are a [`SlotGuard`] released in `Drop`, exactly once; a waiter that gives up (client gone,
 //!   deadline) leaves the queue in its own `Drop`, so nobody waits behind a ghost.
 //!
@@ -91,6 +93,15 @@ pub struct QueueLoad {
     pub waiting_slots: u64,
     /// Requests holding slots (admitted, not yet released).
     pub holders: u32,
+    /// Whether the queue admits (false: closed, no slot is free whatever `capacity` says).
+    pub open: bool,
+}
+
+impl QueueLoad {
+    /// Slots a new request could take now: none while the queue is closed.
+    pub fn free(&self) -> u32 {
+        if self.open { self.capacity.saturating_sub(self.in_use) } else { 0 }
+    }
 }
 
 /// A snapshot of a queue.
@@ -103,6 +114,8 @@ pub struct QueueStats {
     pub oldest_wait: Option<Duration>,
     /// Slot releases that found fewer slots in use than they returned; always 0 unless there is a bug.
     pub accounting_errors: u64,
+    /// Whether the queue admits ([`SlotQueue::set_open`]).
+    pub open: bool,
 }
 
 struct Waiter {
@@ -133,6 +146,8 @@ struct State {
     /// Guards outstanding.
     holders: u32,
     accounting_errors: u64,
+    /// False while the engine says it is full: nothing is admitted, waiters keep their places.
+    open: bool,
 }
 
 impl State {
@@ -195,7 +210,7 @@ fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotG
     while let Some(c) = s.next_class() {
         let Some(class) = s.classes.get_mut(&c) else { break };
         let Some(head) = class.queue.front() else { break };
-        if u64::from(s.in_use) + u64::from(head.slots) > u64::from(s.capacity) {
+        if !s.open || u64::from(s.in_use) + u64::from(head.slots) > u64::from(s.capacity) {
             // The head waits and nothing overtakes it.
             break;
         }
@@ -274,6 +289,7 @@ impl SlotQueue {
             waiting_slots: 0,
             holders: 0,
             accounting_errors: 0,
+            open: true,
         };
         Self { state: Arc::new(Mutex::new(state)) }
     }
@@ -291,7 +307,7 @@ impl SlotQueue {
             if slots > s.capacity {
                 return Err(AdmissionError::TooLarge { need: slots, capacity: s.capacity });
             }
-            if s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.capacity) {
+            if s.open && s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.capacity) {
                 s.in_use += slots;
                 s.holders += 1;
                 return Ok(SlotGuard { state: Arc::clone(&self.state), slots });
@@ -347,6 +363,21 @@ impl SlotQueue {
         deliver(grants);
     }
 
+    /// Opens or closes the queue. Closed, it admits nothing (not even one request when none is in
+    /// flight: an engine that says it is full gets no more work); its waiters stay queued, within
+    /// their own timeouts, and opening admits them in their order.
+    pub fn set_open(&self, open: bool) {
+        let grants = {
+            let mut s = lock(&self.state);
+            if s.open == open {
+                return;
+            }
+            s.open = open;
+            grant(&self.state, &mut s)
+        };
+        deliver(grants);
+    }
+
     /// What routing needs, in constant time: `(capacity, slots in use, slots waited for)`.
     pub fn load(&self) -> QueueLoad {
         let s = lock(&self.state);
@@ -355,6 +386,7 @@ impl SlotQueue {
             in_use: s.in_use,
             waiting_slots: s.waiting_slots,
             holders: s.holders,
+            open: s.open,
         }
     }
 
@@ -380,6 +412,7 @@ impl SlotQueue {
             waiting_slots,
             oldest_wait: oldest.map(|o| now.saturating_duration_since(o)),
             accounting_errors: s.accounting_errors,
+            open: s.open,
         }
     }
 }

@@ -224,10 +224,37 @@ async fn load_counts_the_requests_holding_slots() {
     let b = q.acquire(7, 0, LONG).await.unwrap();
     let c = spawn_acquire(&q, 2, 0, LONG);
     tokio::task::yield_now().await;
-    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2 });
+    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2, open: true });
     drop(a);
     let c = c.await.unwrap().unwrap();
     assert_eq!(q.load().holders, 2, "the waiter took the freed room");
     drop((b, c));
-    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0 });
+    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0, open: true });
+}
+
+/// A closed queue admits nothing, not even one request with nothing in flight; its waiters keep
+/// their places and their order, and opening it admits them.
+#[tokio::test(start_paused = true)]
+async fn a_closed_queue_admits_none_until_opened() {
+    let q = q(10);
+    q.set_open(false);
+    assert_eq!(q.load().free(), 0);
+    assert!(!q.stats().open);
+    let err = q.acquire(1, 0, Duration::from_millis(50)).await.unwrap_err();
+    assert!(matches!(err, AdmissionError::Timeout { need: 1, .. }), "{err:?}");
+    assert_eq!(q.stats().in_use, 0);
+    let (a, b) = (q.clone(), q.clone());
+    let first = tokio::spawn(async move { a.acquire(4, 0, Duration::from_secs(60)).await });
+    tokio::task::yield_now().await;
+    let second = tokio::spawn(async move { b.acquire(8, 0, Duration::from_secs(60)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!((q.stats().waiting, q.stats().in_use), (2, 0));
+    // Closing does not refuse a request the open buffer could hold.
+    assert_eq!(q.stats().capacity, 10);
+    q.set_open(true);
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.slots(), 4);
+    assert_eq!((q.stats().waiting, q.stats().in_use), (1, 4), "the second waits for room, in order");
+    drop(first);
+    assert_eq!(second.await.unwrap().unwrap().slots(), 8);
 }

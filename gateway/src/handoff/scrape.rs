@@ -287,11 +287,9 @@ async fn scrape_loop(
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         load.waiting.store(waiting.max(0.0) as u64, Ordering::Relaxed);
         load.open.store(open, Ordering::Relaxed);
-        let l = queue.load();
-        let cap = if open { target.max_in_flight } else { l.capacity.min(l.in_use).max(1) };
-        if cap != l.capacity {
-            queue.resize(cap);
-        }
+        // Closed admits nothing: requests wait in the queue (within their timeouts) until the
+        // engine reports room again.
+        queue.set_open(open);
     }
 }
 

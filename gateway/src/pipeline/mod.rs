@@ -265,7 +265,7 @@ impl Gateway {
             c.decode.healthy.push(d.health.healthy());
             c.decode.slots_needed.push(d.slots_for(tokens));
             c.decode.capacity_slots.push(l.capacity);
-            c.decode.free_slots.push(l.capacity.saturating_sub(l.in_use));
+            c.decode.free_slots.push(l.free());
             c.decode.waiting_slots.push(l.waiting_slots);
             c.decode.in_flight.push(l.holders);
         }
@@ -278,7 +278,7 @@ impl Gateway {
         for d in &self.decoders {
             let l = d.queue.load();
             q.capacity_slots = q.capacity_slots.saturating_add(l.capacity);
-            q.free_slots = q.free_slots.saturating_add(l.capacity.saturating_sub(l.in_use));
+            q.free_slots = q.free_slots.saturating_add(l.free());
             q.waiting_slots =
                 q.waiting_slots.saturating_add(u32::try_from(l.waiting_slots).unwrap_or(u32::MAX));
         }

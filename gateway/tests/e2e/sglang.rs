@@ -10,6 +10,7 @@ use baton_gateway::handoff::Mode;
 use baton_gateway::handoff::scrape::LoadTarget;
 use baton_sim::faults::FaultConfig;
 use serde_json::{Value, json};
+use tokio::task::JoinSet;
 
 use super::{disconnect_storm, four_shapes, http, prompt};
 
@@ -157,7 +158,7 @@ async fn sglang_admission_follows_the_decoders_metrics() {
     assert_eq!(s, 200);
     let dec = &d.gateway.decoders[0];
     let started = Instant::now();
-    while dec.queue.stats().capacity != 1 {
+    while dec.queue.stats().open {
         assert!(started.elapsed() < Duration::from_secs(2), "admission never closed");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -165,11 +166,34 @@ async fn sglang_admission_follows_the_decoders_metrics() {
     let m = String::from_utf8_lossy(&m);
     // Two TP ranks report 0.99 each: the decoder's usage is 0.99, not their sum.
     assert!(m.contains("baton_decoder_reported_kv_usage{decoder=\"decode-0\",mode=\"sglang\"} 0.99"), "{m}");
+    // Closed admits none, not even one request when nothing is in flight: both wait.
+    let mut tasks = JoinSet::new();
+    for i in 0..2usize {
+        let addr = d.addr;
+        tasks.spawn(async move {
+            let body = json!({"prompt": format!("closed {i}"), "max_tokens": 2});
+            let (s, b) = http(addr, "/v1/completions", Some(&body)).await;
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+        });
+    }
+    let waited = Instant::now();
+    while dec.queue.stats().waiting < 2 {
+        assert!(waited.elapsed() < Duration::from_secs(2), "requests did not queue: {:?}", dec.queue.stats());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(dec.queue.stats().in_use, 0, "admitted while the decoder says it is full");
+    }
+    for e in &d.engines {
+        assert_eq!(e.engine.received(), json!([]), "an engine got a request while admission was closed");
+    }
     let (s, _) = http(decode, "/sim/faults", Some(&json!({}))).await;
     assert_eq!(s, 200);
-    while dec.queue.stats().capacity != LoadTarget::default().max_in_flight {
-        assert!(started.elapsed() < Duration::from_secs(4), "admission never reopened");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
     }
+    assert!(dec.queue.stats().open, "admission never reopened");
+    assert_eq!(dec.queue.stats().capacity, LoadTarget::default().max_in_flight);
     d.shutdown().await;
 }
