@@ -74,6 +74,8 @@ pub struct GatewaySetup {
     pub tls: Option<crate::server::tls::FrontTls>,
     /// The fallback (byte-level) unless a real tokenizer is given.
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// The model's context in tokens ([`DEMO_CONTEXT_LENGTH`] unless set).
+    pub context_length: Option<u64>,
     pub routing: Builtin,
     pub health: HealthConfig,
     pub http: HttpTimeouts,
@@ -318,7 +320,8 @@ pub async fn start_gateway_with(
         decoders.push(start(checked, &ctx).await.map_err(StartError::from)?);
     }
     let tokenizer = setup.tokenizer.unwrap_or_else(|| Arc::new(Tokenizer::fallback()));
-    let model = ModelInfo { name: "baton-sim".into(), context_length: DEMO_CONTEXT_LENGTH, tokenizer };
+    let context_length = setup.context_length.unwrap_or(DEMO_CONTEXT_LENGTH);
+    let model = ModelInfo { name: "baton-sim".into(), context_length, tokenizer };
     // Each gateway keeps its own view of the prefillers' health.
     let prefills: Vec<Prefiller> =
         e.prefills.iter().map(|p| Prefiller::new(p.name.clone(), p.http.clone())).collect();

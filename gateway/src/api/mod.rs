@@ -96,9 +96,10 @@ pub enum GatewayError {
     #[error("model {0:?} is not served here")]
     UnknownModel(String),
     /// The prompt is longer than the model's context. `param`: the field that holds the prompt
-    /// (`prompt` or `messages`).
-    #[error("this model's maximum context length is {limit} tokens, the prompt has {tokens}")]
-    ContextLength { tokens: u64, limit: u64, param: &'static str },
+    /// (`prompt` or `messages`). `at_least`: `tokens` is a lower bound, known before tokenizing
+    /// (the prompt was refused on its length in bytes).
+    #[error("this model's maximum context length is {limit} tokens, the prompt has {}{tokens}", at_least_word(*.at_least))]
+    ContextLength { tokens: u64, limit: u64, param: &'static str, at_least: bool },
     /// The prompt needs more admission slots than the decoder has in all.
     #[error("prompt needs {need} slots but the decoder buffer holds {capacity}")]
     TooLarge { need: u32, capacity: u32 },
@@ -117,6 +118,9 @@ pub enum GatewayError {
     /// The request waited for room on its decoder for as long as it may.
     #[error("{0}")]
     QueueTimeout(Waited),
+    /// Every tokenizer thread is busy with large prompts and as many wait as may.
+    #[error("the gateway is tokenizing {limit} large prompts already; try again shortly")]
+    TokenizerBusy { limit: usize },
     /// No healthy engine of this leg (`prefill`, `decode`).
     #[error("no healthy {0} endpoint")]
     NoEndpoint(&'static str),
@@ -204,6 +208,10 @@ pub enum Internal {
     Unsubscribed,
 }
 
+fn at_least_word(at_least: bool) -> &'static str {
+    if at_least { "at least " } else { "" }
+}
+
 impl GatewayError {
     /// For an engine call that failed: its leg and what became of it (the engine's HTTP status,
     /// `timeout`, or `error` when no usable answer came); the KV's arrival counts as leg `kv`.
@@ -228,7 +236,7 @@ impl GatewayError {
             Self::QueueFull(_) => 429,
             Self::Upstream { .. } | Self::KvTransfer(_) => 502,
             Self::UpstreamTimeout { .. } => 504,
-            Self::QueueTimeout(_) | Self::NoEndpoint(_) => 503,
+            Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::TokenizerBusy { .. } => 503,
             Self::Internal(_) => 500,
             Self::PolicyRejected { status, .. } | Self::EngineRefused { status, .. } => *status,
         }
@@ -248,6 +256,7 @@ impl GatewayError {
             Self::BodyTimeout { .. } => "request_timeout",
             Self::QueueFull(_) => "queue_full",
             Self::QueueTimeout(_) => "queue_timeout",
+            Self::TokenizerBusy { .. } => "tokenizer_busy",
             Self::NoEndpoint(_) => "no_healthy_endpoint",
             Self::Upstream { .. } => "upstream_error",
             Self::UpstreamTimeout { .. } => "upstream_timeout",
@@ -279,9 +288,11 @@ impl GatewayError {
             | Self::KvTransfer(_)
             | Self::EngineRefused { .. } => Origin::Upstream,
             Self::PolicyRejected { .. } => Origin::Plugin,
-            Self::QueueFull(_) | Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::Internal(_) => {
-                Origin::Internal
-            }
+            Self::QueueFull(_)
+            | Self::QueueTimeout(_)
+            | Self::NoEndpoint(_)
+            | Self::TokenizerBusy { .. }
+            | Self::Internal(_) => Origin::Internal,
         }
     }
 
@@ -289,9 +300,11 @@ impl GatewayError {
     pub fn retry(&self) -> Retry {
         match self {
             // Refused before any engine saw it, for want of room or of an endpoint.
-            Self::QueueFull(_) | Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::BodyTimeout { .. } => {
-                Retry::Safe
-            }
+            Self::QueueFull(_)
+            | Self::QueueTimeout(_)
+            | Self::NoEndpoint(_)
+            | Self::TokenizerBusy { .. }
+            | Self::BodyTimeout { .. } => Retry::Safe,
             Self::EngineRefused { status: 429, .. } => Retry::Safe,
             Self::PolicyRejected { status, .. } if *status == 429 || *status == 503 => Retry::Safe,
             Self::PolicyRejected { status, .. } if *status >= 500 => Retry::Maybe,
@@ -311,7 +324,7 @@ impl GatewayError {
     /// Seconds a client should wait before retrying, when a retry can help.
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            Self::QueueFull(_) => Some(1),
+            Self::QueueFull(_) | Self::TokenizerBusy { .. } => Some(1),
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => Some(2),
             Self::EngineRefused { status: 429, .. } => Some(1),
             Self::PolicyRejected { retry_after, .. } => retry_after.map(u64::from),
@@ -478,7 +491,7 @@ mod tests {
         assert_eq!((e.status(), e.code(), e.retry()), (504, "upstream_timeout", Retry::Maybe));
         let e = GatewayError::invalid("temperature", "7 is not in [0, 2]");
         assert_eq!((e.origin(), e.retry()), (Origin::Client, Retry::Never));
-        let e = GatewayError::ContextLength { tokens: 9000, limit: 8192, param: "prompt" };
+        let e = GatewayError::ContextLength { tokens: 9000, limit: 8192, param: "prompt", at_least: false };
         assert_eq!((e.status(), e.code()), (400, "context_length_exceeded"));
         let e = GatewayError::Upstream { leg: "prefill", message: "503".into() };
         assert_eq!(

@@ -544,6 +544,12 @@ impl Config {
                 "model.tokenizer: a chat's token ids are not reused across its turns ({why}): every request is tokenized whole"
             ));
         }
+        if let Some(why) = tokenizer.bound_off() {
+            warnings.push(format!(
+                "model.tokenizer: a prompt beyond model.context_length is refused only after it is tokenized ({why}); \
+                 large prompts are bounded by the tokenizer pool alone"
+            ));
+        }
         let resolver = self.check_resolver()?;
         let engine_tls = self.check_engine_tls(&path, &prefills, &decoders)?;
 

@@ -199,6 +199,8 @@ pub struct Gateway {
     /// The tracer, when requests are traced.
     pub tracing: Option<Arc<Tracing>>,
     seq: AtomicU64,
+    /// The threads that tokenize large prompts, bounded.
+    pub tokenizers: crate::tokenize::pool::Pool,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
 }
@@ -233,6 +235,7 @@ impl Gateway {
             explain: access.explain,
             tracing: access.tracing,
             seq: AtomicU64::new(0),
+            tokenizers: crate::tokenize::pool::Pool::per_core(),
             draining: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -497,17 +500,24 @@ impl Gateway {
         {
             return Err(GatewayError::UnknownModel(m.chars().take(64).collect()));
         }
+        let limit = self.model.context_length;
         if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
-            let ids = self.model.tokenizer.token_ids(&req)?;
+            let ids = self.model.tokenizer.token_ids_within(&req, limit)?;
             return self.dispatch(req, ids, headers, live).await;
         }
+        // A completion's text too long for the context whatever it says is refused here, before
+        // it waits for a tokenizer thread; a chat's is once rendered, on that thread.
+        if let Some(crate::api::Prompt::Text(t)) = &req.fields.prompt {
+            self.model.tokenizer.refuse_beyond(t, limit, "prompt")?;
+        }
         let tok = Arc::clone(&self.model.tokenizer);
-        let (req, ids) = tokio::task::spawn_blocking(move || {
-            let ids = tok.token_ids(&req);
-            (req, ids)
-        })
-        .await
-        .map_err(|_| GatewayError::Internal(crate::api::Internal::TaskLost { task: "tokenizer" }))?;
+        let (req, ids) = self
+            .tokenizers
+            .run(move || {
+                let ids = tok.token_ids_within(&req, limit);
+                (req, ids)
+            })
+            .await?;
         self.dispatch(req, ids?, headers, live).await
     }
 
@@ -591,6 +601,7 @@ impl Gateway {
         Err(GatewayError::ContextLength {
             tokens: ids.len() as u64,
             limit: self.model.context_length,
+            at_least: false,
             param: match req.endpoint {
                 Endpoint::Completions => "prompt",
                 Endpoint::Chat => "messages",

@@ -94,6 +94,7 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
         f.scrape(&mut s);
     }
     g.model.tokenizer.scrape(&mut s);
+    g.tokenizers.scrape(&mut s);
     let text = s.encode();
     let mut r = Response::new(Full::new(Bytes::from(text)).map_err(|e| -> BoxError { match e {} }).boxed());
     r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(CONTENT_TYPE));

@@ -20,6 +20,8 @@ use serde_json::{Map, Value};
 
 use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
+pub mod bound;
+pub mod pool;
 pub mod reuse;
 
 /// Renders chat messages with the fallback template (`baton_dataplane::contract::fallback_chat`),
@@ -49,6 +51,8 @@ enum Kind {
         chat: Option<Box<ChatTemplate>>,
         /// A rendered chat's pieces reused across requests, or why not.
         reuse: Result<reuse::Reuse, reuse::Off>,
+        /// Bytes one token stands for at most, or why the tokenizer has no such bound.
+        bound: Result<bound::Bound, String>,
     },
 }
 
@@ -131,7 +135,8 @@ impl Tokenizer {
             }
         };
         let reuse = reuse::Reuse::new(&tok, reuse::DEFAULT_CAPACITY_TOKENS);
-        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), chat, reuse } })
+        let bound = bound::Bound::of(&tok);
+        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), chat, reuse, bound } })
     }
 
     /// True when counts come from the model's own tokenizer.
@@ -216,11 +221,55 @@ impl Tokenizer {
 
     /// The prompt's token ids.
     pub fn token_ids(&self, req: &GenRequest) -> Result<Vec<u32>, GatewayError> {
+        self.token_ids_within(req, u64::MAX)
+    }
+
+    /// The prompt's token ids, or `ContextLength` (a lower bound, `at_least`) without tokenizing
+    /// when its text is too long to fit `limit` tokens whatever it says ([`bound`]).
+    pub fn token_ids_within(&self, req: &GenRequest, limit: u64) -> Result<Vec<u32>, GatewayError> {
+        let within = |text: &str, param| self.refuse_beyond(text, limit, param);
         match (req.endpoint, &req.fields.prompt) {
             (Endpoint::Completions, Some(Prompt::Tokens(ids))) => Ok(ids.clone()),
-            (Endpoint::Completions, Some(Prompt::Text(t))) => self.encode(t, true),
+            (Endpoint::Completions, Some(Prompt::Text(t))) => {
+                within(t, "prompt")?;
+                self.encode(t, true)
+            }
             (Endpoint::Completions, None) => Ok(Vec::new()),
-            (Endpoint::Chat, _) => self.encode_chat(&self.render_chat(req)?),
+            (Endpoint::Chat, _) => {
+                let text = self.render_chat(req)?;
+                within(&text, "messages")?;
+                self.encode_chat(&text)
+            }
+        }
+    }
+
+    /// `ContextLength` (a lower bound, `at_least`) when `text` cannot fit `limit` tokens whatever it
+    /// says ([`bound`]); `param` names the field that holds it. Takes a division, not a tokenizer.
+    pub fn refuse_beyond(&self, text: &str, limit: u64, param: &'static str) -> Result<(), GatewayError> {
+        match self.bound() {
+            Some(b) if b.min_tokens(text.len()) > limit => Err(GatewayError::ContextLength {
+                tokens: b.min_tokens(text.len()),
+                limit,
+                param,
+                at_least: true,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Bytes one token stands for at most (the byte-level fallback: one).
+    pub fn bound(&self) -> Option<bound::Bound> {
+        match &self.kind {
+            Kind::Fallback => Some(bound::Bound { bytes_per_token: 1 }),
+            Kind::Hf { bound, .. } => bound.as_ref().ok().copied(),
+        }
+    }
+
+    /// Why over-long prompts are tokenized before they are refused, when they are.
+    pub fn bound_off(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Hf { bound: Err(why), .. } => Some(why),
+            _ => None,
         }
     }
 
