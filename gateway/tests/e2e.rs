@@ -965,8 +965,8 @@ mod real_tokenizers {
         let want: Value =
             serde_json::from_str(&std::fs::read_to_string(fixtures.join("chat-rendered.json")).unwrap())
                 .unwrap();
-        let mut checked = 0;
-        for model in ["qwen3", "llama3_1"] {
+        let (mut checked, mut refused) = (0, 0);
+        for model in ["qwen3", "llama3_1", "llama3_1_instruct"] {
             let tok = load(model);
             for (case, expected) in
                 cases.as_array().unwrap().iter().zip(want["models"][model].as_array().unwrap())
@@ -975,6 +975,13 @@ mod real_tokenizers {
                 assert_eq!(expected["name"], name);
                 let req = GenRequest::parse(Endpoint::Chat, case["request"].to_string().as_bytes())
                     .unwrap_or_else(|e| panic!("{model} {name}: {e}"));
+                // A case the template refuses (raise_exception) is refused here with its message.
+                if let Some(error) = expected["error"].as_str() {
+                    let e = tok.render_chat(&req).expect_err(&format!("{model} {name}: rendered"));
+                    assert!(e.to_string().contains(error), "{model} {name}: {e}");
+                    refused += 1;
+                    continue;
+                }
                 let text = tok.render_chat(&req).unwrap_or_else(|e| panic!("{model} {name}: {e}"));
                 assert_eq!(text, expected["text"].as_str().unwrap(), "{model}: {name}");
                 let ids: Vec<u64> = tok.token_ids(&req).unwrap().into_iter().map(u64::from).collect();
@@ -984,7 +991,7 @@ mod real_tokenizers {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 22);
+        assert_eq!((checked, refused), (47, 1));
     }
 
     /// A conversation's earlier messages are not tokenized again at each turn, and the ids are

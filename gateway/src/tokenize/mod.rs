@@ -283,6 +283,19 @@ impl Tokenizer {
     }
 }
 
+/// The local time now in `format` (strftime directives).
+fn strftime_now(format: &str) -> Result<String, minijinja::Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item<'_>> = StrftimeItems::new(format).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: invalid format {format:?}"),
+        ));
+    }
+    Ok(chrono::Local::now().format_with_items(items.into_iter()).to_string())
+}
+
 impl ChatTemplate {
     fn new(source: String, bos: String, eos: String) -> Result<Self, minijinja::Error> {
         let mut env = Environment::new();
@@ -294,6 +307,12 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<JValue, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        // transformers' `strftime_now(format)`: `datetime.now().strftime(format)`, the local clock
+        // (Llama 3.2's and vLLM's tool templates date the system prompt with it). A directive
+        // strftime does not know is the template's error, not a panic.
+        env.add_function("strftime_now", |format: String| -> Result<JValue, minijinja::Error> {
+            strftime_now(&format).map(JValue::from)
         });
         // transformers' own `tojson`: Python's json.dumps (no HTML escaping, `", "` and `": "`).
         env.add_filter(
@@ -584,6 +603,31 @@ mod tests {
         let e = t.render(&msgs(&[("user", "x")])).unwrap_err();
         assert_eq!(e.status(), 400);
         assert!(e.to_string().contains("first must be system"), "{e}");
+    }
+
+    /// Llama 3.2's dating of the system prompt, as its template writes it: `strftime_now` is
+    /// defined and formats the local clock; a bad directive is the template's 400.
+    #[test]
+    fn strftime_now_dates_the_prompt_as_transformers_does() {
+        let t = ChatTemplate::new(
+            "{%- if not date_string is defined %}{%- if strftime_now is defined %}\
+             {%- set date_string = strftime_now(\"%d %b %Y\") %}{%- else %}\
+             {%- set date_string = \"26 Jul 2024\" %}{%- endif %}{%- endif %}Today Date: {{ date_string }}"
+                .into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        let before = chrono::Local::now().format("%d %b %Y").to_string();
+        let text = t.render(&msgs(&[("user", "x")])).unwrap();
+        let after = chrono::Local::now().format("%d %b %Y").to_string();
+        assert!(text == format!("Today Date: {before}") || text == format!("Today Date: {after}"), "{text}");
+        assert_eq!(before.len(), 11, "{before}");
+        let bad =
+            ChatTemplate::new("{{ strftime_now('%Q %') }}".into(), String::new(), String::new()).unwrap();
+        let e = bad.render(&msgs(&[("user", "x")])).unwrap_err();
+        assert_eq!(e.status(), 400);
+        assert!(e.to_string().contains("strftime_now: invalid format"), "{e}");
     }
 
     #[test]
