@@ -354,6 +354,7 @@ pub async fn start_gateway_with(
     let access = Access {
         plugins: None,
         keys: None,
+        models_open: false,
         tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
         explain: setup.explain,
         tracing,

@@ -111,12 +111,16 @@ pub struct DataplaneTls {
 }
 
 /// `[auth]`: API keys. Without it every request is served and the tenant plugins see is the
-/// client's own bearer token (or its `[admission.tenants]` name).
+/// bearer token's `[admission.tenants]` name, or an opaque id made from a token not listed (never
+/// the token itself).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Auth {
     /// The keys file (`crate::auth`): each key's SHA-256 and its tenant.
     pub keys_file: Option<PathBuf>,
+    /// `GET /v1/models` answers without a key (default false: it needs one, as generation does).
+    #[serde(default)]
+    pub models_open: bool,
 }
 
 /// How long requests in flight may run after SIGTERM or SIGINT before they are cut: long enough
@@ -400,6 +404,8 @@ pub struct Checked {
     pub drain_timeout: std::time::Duration,
     /// `[auth]`: the API keys, loaded.
     pub keys: Option<std::sync::Arc<crate::auth::ApiKeys>>,
+    /// `[auth] models_open`.
+    pub models_open: bool,
     /// `[dataplane_tls]`, loaded.
     pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
     /// `[resolver]`.
@@ -581,6 +587,7 @@ impl Config {
                 ),
                 None => None,
             },
+            models_open: self.auth.models_open,
             model: self.model.name.clone(),
             context_length: self.model.context_length,
             decoders,

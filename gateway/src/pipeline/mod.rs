@@ -169,6 +169,8 @@ pub struct ModelInfo {
 pub struct Access {
     pub plugins: Option<Arc<Plugins>>,
     pub keys: Option<Arc<ApiKeys>>,
+    /// `[auth] models_open`: `GET /v1/models` answers without a key.
+    pub models_open: bool,
     pub tenants: TenantNames,
     /// `[telemetry] explain`: a request with `x-baton-explain: 1` gets its decision record.
     pub explain: bool,
@@ -191,6 +193,8 @@ pub struct Gateway {
     pub plugins: Option<Arc<Plugins>>,
     /// API keys, when `[auth]` is on: a request needs one, and its tenant is the key's.
     pub keys: Option<Arc<ApiKeys>>,
+    /// `[auth] models_open`: `GET /v1/models` answers without a key.
+    pub models_open: bool,
     /// `[admission.tenants]`: the tenant of a request when API keys are off.
     tenants: TenantNames,
     explain: bool,
@@ -231,6 +235,7 @@ impl Gateway {
             http,
             plugins: access.plugins,
             keys: access.keys,
+            models_open: access.models_open,
             tenants: access.tenants,
             explain: access.explain,
             tracing: access.tracing,

@@ -828,6 +828,7 @@ pub mod runtime;
 pub use calls::{AdmissionPlugin, Admit, PolicyRequest, QueueState, RoutingPlugin, Usage};
 pub use runtime::{
     CheckedPlugins, PluginStartError, Plugins, ReloadError, Reread, RereadError, Sender, TenantNames,
+    opaque_tenant,
 };
 
 #[cfg(test)]

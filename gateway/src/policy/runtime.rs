@@ -78,6 +78,19 @@ pub fn prefix_hash(ids: &[u32]) -> u32 {
     h
 }
 
+/// The tenant a plugin sees for a bearer token that `[admission.tenants]` does not name:
+/// `anon-` and 16 hex digits of the token's SHA-256 (domain-separated). The same token is the same
+/// tenant in every replica and after a restart, so budgets and shares still apply to it; the token
+/// itself cannot be read back from it (a guessable token could be confirmed by hashing guesses:
+/// name tenants with `[auth]` keys or `[admission.tenants]`).
+pub fn opaque_tenant(token: &str) -> String {
+    use sha2::Digest;
+    let digest =
+        sha2::Sha256::new().chain_update(b"baton tenant id v1\0").chain_update(token.as_bytes()).finalize();
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("anon-{hex}")
+}
+
 /// `[admission.tenants]`: a bearer token's tenant name, for the plugins and the token metrics;
 /// replaced by a plugin reload.
 #[derive(Clone, Debug, Default)]
@@ -161,12 +174,13 @@ impl Plugins {
     ) -> PolicyRequest {
         let Sender { headers, tenant } = from;
         // With API keys on, the key's tenant; else `[admission.tenants]`' name for the bearer
-        // token, or the token itself.
+        // token, or an opaque id made from a token not listed (never the token: plugins log it,
+        // put it in messages, and their decisions are recorded); "" without a token.
         let tenant = tenant.map_or_else(
             || {
                 self.tenants
                     .of(headers)
-                    .unwrap_or_else(|| crate::auth::bearer(headers).unwrap_or("").chars().take(128).collect())
+                    .unwrap_or_else(|| crate::auth::bearer(headers).map(opaque_tenant).unwrap_or_default())
             },
             str::to_owned,
         );

@@ -344,6 +344,12 @@ impl Gateway {
             (&Method::POST, "/v1/completions") => Endpoint::Completions,
             (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
             (&Method::GET, "/v1/models") => {
+                // Under the same keys as generation unless `[auth] models_open`.
+                if let (Some(keys), false) = (&self.keys, self.models_open)
+                    && let Err(e) = keys.tenant_of(req.headers())
+                {
+                    return error_response(&e);
+                }
                 return full(
                     200,
                     &json!({"object": "list", "data": [{"id": self.model.name, "object": "model", "owned_by": "baton"}]}),

@@ -49,10 +49,15 @@ impl Proc {
 
 /// Starts the binary with `args` and reads the addresses it prints: public, admin.
 pub(super) fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
+    spawn_with(args, Stdio::null())
+}
+
+/// [`spawn`], its log (stderr) written to `stderr`.
+pub(super) fn spawn_with(args: &[&str], stderr: Stdio) -> (Proc, SocketAddr, SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

@@ -50,6 +50,18 @@ async fn serve(tag: &str, plugins: &str, files: &[(&str, &str)]) -> Setup {
 
 /// [`serve`], with `texts` (name, contents) written beside the TOML first.
 async fn serve_with(tag: &str, plugins: &str, files: &[(&str, &str)], texts: &[(&str, &str)]) -> Setup {
+    let (file, sims, dir) = configure(tag, plugins, files, texts).await;
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    Setup { serving, _sims: sims, dir }
+}
+
+/// The engines of [`serve_with`] started and its TOML written: the file, the engines, the directory.
+async fn configure(
+    tag: &str,
+    plugins: &str,
+    files: &[(&str, &str)],
+    texts: &[(&str, &str)],
+) -> (PathBuf, Vec<Running>, PathBuf) {
     let g = tiny_geometry(1).unwrap();
     let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
     let mut decoders = String::new();
@@ -99,8 +111,7 @@ cache_dir = "{cache}"
     sims.push(prefill);
     let file = dir.join("baton.toml");
     std::fs::write(&file, text).unwrap();
-    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
-    Setup { serving, _sims: sims, dir }
+    (file, sims, dir)
 }
 
 pub(crate) struct Answer {
@@ -122,6 +133,99 @@ pub(crate) async fn post(addr: SocketAddr, path: &str, key: Option<&str>, body: 
     let res = send.send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await.unwrap();
     let (status, headers) = (res.status().as_u16(), res.headers().clone());
     Answer { status, headers, body: res.into_body().collect().await.unwrap().to_bytes() }
+}
+
+/// `GET /v1/models`'s status, with `key` as the bearer token when given.
+async fn models(addr: SocketAddr, key: Option<&str>) -> u16 {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let mut req = Request::get("/v1/models").header("host", addr.to_string());
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    send.send_request(req.body(Full::new(Bytes::new())).unwrap()).await.unwrap().status().as_u16()
+}
+
+/// With `[auth]` off, a bearer token `[admission.tenants]` does not name is a tenant to the
+/// plugins by an opaque id, stable from request to request (the token-budget plugin keeps one
+/// budget for it), and the token itself appears nowhere: not in the plugin's 429 message, not in
+/// `/admin/requests` and its records, not in the binary's debug log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlisted_bearer_token_is_an_opaque_tenant_and_never_shown() {
+    let (file, _sims, dir) = configure(
+        "opaque",
+        "[plugins.admission]\npath = \"token_budget.wasm\"\n[plugins.admission.config]\n\
+         tokens_per_minute = 200\ndefault_max_tokens = 16\n[telemetry]\nlog_level = \"debug\"\n",
+        &[("token_budget", "token_budget.wasm")],
+        &[],
+    )
+    .await;
+    let log = dir.join("baton.log");
+    let (mut proc, addr, admin) = super::drain::spawn_with(
+        &["serve", "--config", file.to_str().unwrap()],
+        std::fs::File::create(&log).unwrap().into(),
+    );
+    const SECRET: &str = "SECRETtoken9d7f";
+    let token = format!("sk-{SECRET}");
+    let body = json!({"prompt": "a few words to count", "max_tokens": 60});
+    let (mut answers, mut ids) = (Vec::new(), Vec::new());
+    let refused = loop {
+        let a = post(addr, "/v1/completions", Some(&token), &body).await;
+        answers.push(String::from_utf8_lossy(&a.body).into_owned());
+        ids.push(a.headers["x-request-id"].to_str().unwrap().to_owned());
+        if a.status != 200 {
+            break a;
+        }
+        assert!(answers.len() < 10, "the budget never ran out: the tenant is not stable");
+    };
+    assert!(answers.len() >= 2, "the first request fits the budget");
+    assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
+    let v: Value = serde_json::from_slice(&refused.body).unwrap();
+    let want = format!(
+        "tenant {} is over its budget of 200 tokens per minute",
+        baton_gateway::policy::opaque_tenant(&token)
+    );
+    assert_eq!(v["error"]["message"], want.as_str());
+    let id = want.trim_start_matches("tenant anon-").split(' ').next().unwrap();
+    assert!(id.len() == 16 && id.chars().all(|c| c.is_ascii_hexdigit()), "{want}");
+    // Another unlisted token is another tenant.
+    assert_eq!(post(addr, "/v1/completions", Some("sk-other"), &body).await.status, 200);
+    let mut seen = get(admin, "/admin/requests").await;
+    for id in &ids {
+        let record = get(admin, &format!("/admin/requests/{id}")).await;
+        let r: Value = serde_json::from_str(&record).unwrap();
+        assert!(r["admission"].is_object() || r["outcome"].is_object(), "{id}: no record: {record}");
+        seen += &record;
+    }
+    seen += &answers.concat();
+    proc.term();
+    assert_eq!(proc.exit_code(Duration::from_secs(10)).await, 0);
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("DEBUG"), "the log is at debug level: {logged}");
+    assert!(logged.contains("anon-"), "the plugin's refusal is logged by its tenant id: {logged}");
+    for (what, text) in [("log", &logged), ("admin and answers", &seen)] {
+        assert!(!text.contains(SECRET), "the token is in the {what}: {text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `[auth] models_open = true` leaves `/v1/models` open while generation needs a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_open_leaves_the_model_list_open() {
+    let keys = key_entry("key-a", "acme");
+    let s = serve_with(
+        "models-open",
+        "[auth]\nkeys_file = \"keys.toml\"\nmodels_open = true\n",
+        &[],
+        &[("keys.toml", &keys)],
+    )
+    .await;
+    assert_eq!(models(s.addr(), None).await, 200);
+    let body = json!({"prompt": "hi", "max_tokens": 1});
+    assert_eq!(post(s.addr(), "/v1/completions", None, &body).await.status, 401);
+    assert_eq!(post(s.addr(), "/v1/completions", Some("key-a"), &body).await.status, 200);
+    s.stop().await;
 }
 
 async fn get(addr: SocketAddr, path: &str) -> String {
@@ -408,6 +512,10 @@ keys_file = "keys.toml"
             "{v}"
         );
     }
+    // `/v1/models` is under the same keys.
+    assert_eq!(models(s.addr(), None).await, 401);
+    assert_eq!(models(s.addr(), Some("key-unknown")).await, 401);
+    assert_eq!(models(s.addr(), Some("key-b")).await, 200);
     // acme's budget, spent through either of its keys.
     let mut admitted = 0;
     for key in ["key-a1", "key-a2"].iter().cycle() {
