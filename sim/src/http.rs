@@ -254,7 +254,7 @@ impl SimEngine {
             "bootstrap": s.bootstrap.map(|a| a.to_string()), "rooms_held": s.rooms_held(), "in_flight": s.in_flight(),
             "paired": st.paired.load(Ordering::Relaxed), "unpaired": st.unpaired.load(Ordering::Relaxed),
             "abandoned": st.abandoned.load(Ordering::Relaxed), "mismatched": st.mismatched.load(Ordering::Relaxed),
-            "aborted": st.aborted.load(Ordering::Relaxed),
+            "aborted": st.aborted.load(Ordering::Relaxed), "abort_requests": st.abort_requests.load(Ordering::Relaxed),
         })
     }
 

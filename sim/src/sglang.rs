@@ -101,6 +101,8 @@ pub struct SglangStats {
     pub mismatched: AtomicU64,
     /// Requests ended by `/abort_request`.
     pub aborted: AtomicU64,
+    /// `/abort_request` calls received, whether or not they found the request.
+    pub abort_requests: AtomicU64,
 }
 
 /// The PD side of an SGLang-like engine: the prefill's bootstrap server and rooms, and the
@@ -210,6 +212,7 @@ impl Sglang {
     /// `/abort_request`: ends the request `rid` and frees the rooms it holds (as SGLang's prefill
     /// frees an aborted request's KV); whether anything was.
     pub fn abort(&self, rid: &str) -> bool {
+        self.stats.abort_requests.fetch_add(1, Ordering::Relaxed);
         let running = lock(&self.in_flight).remove(rid);
         if let Some(c) = &running {
             c.notify_one();

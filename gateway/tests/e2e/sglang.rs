@@ -118,7 +118,8 @@ async fn a_prefill_refusal_reaches_the_client_and_aborts_the_decode_leg() {
     d.shutdown().await;
 }
 
-/// A client that leaves mid-stream: both legs are aborted, the slot comes back, nothing is held.
+/// A client that leaves mid-stream: `/abort_request` reaches both engines (the decoder's ends the
+/// stream there), the slot comes back, nothing is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_mid_stream_aborts_both_legs() {
     let d = sglang_demo(Duration::from_millis(20), FaultConfig::default()).await;
@@ -129,7 +130,18 @@ async fn a_client_leaving_mid_stream_aborts_both_legs() {
         tokio::time::timeout(Duration::from_millis(150), http(addr, "/v1/completions", Some(&body))).await;
     assert!(left.is_err(), "the stream should still be running when the client leaves");
     assert_sglang_clean(&d, Duration::from_secs(2)).await;
+    let started = Instant::now();
+    while sglang(&d, 0)["abort_requests"] != 1 || sglang(&d, 1)["abort_requests"] != 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "/abort_request did not reach both engines: prefill {}, decode {}",
+            sglang(&d, 0),
+            sglang(&d, 1)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let dec = sglang(&d, 1);
+    assert_eq!(dec["aborted"], 1, "the decoder's stream was ended by the abort: {dec}");
     assert_eq!((dec["paired"].as_u64(), dec["unpaired"].as_u64()), (Some(1), Some(0)), "{dec}");
     let (s, b) = http(addr, "/v1/completions", Some(&json!({"prompt": "still here", "max_tokens": 2}))).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
