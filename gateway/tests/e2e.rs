@@ -21,6 +21,8 @@ use tokio::task::JoinSet;
 
 #[path = "../../tests/support/http.rs"]
 mod client;
+#[path = "../../tests/support/skip.rs"]
+mod skip;
 use client::http;
 
 /// `baton_drains_total{decoder="decode-0",mode,result}` on the demo's `/metrics`: the gateway's own
@@ -34,6 +36,7 @@ async fn drains(d: &Demo, mode: &str, result: &str) -> f64 {
 /// A program from a Debian package that `scripts/test` installs: on `PATH`, in `/usr/sbin`, or
 /// unpacked under `.cache/` (promtool); `None` (the test skips) outside the script, a failure
 /// inside it (`BATON_REQUIRE_VENV`).
+#[track_caller]
 fn system_tool(name: &str, package: &str) -> Option<std::path::PathBuf> {
     let unpacked = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/prometheus/usr/bin");
     let found = std::env::var_os("PATH")
@@ -47,7 +50,7 @@ fn system_tool(name: &str, package: &str) -> Option<std::path::PathBuf> {
             std::env::var_os("BATON_REQUIRE_VENV").is_none(),
             "{name} is missing: scripts/test installs it (apt-get install {package})"
         );
-        eprintln!("SKIP: no {name} (scripts/test installs {package})");
+        skip::skipped("tool", &format!("no {name} (scripts/test installs {package})"));
     }
     found
 }
@@ -1514,7 +1517,7 @@ async fn gpu_demo_serves_end_to_end() {
     use baton_gateway::demo::DeviceKind;
     if let Some(why) = baton_dataplane::device::cuda::unavailable() {
         assert!(std::env::var("BATON_REQUIRE_GPU").as_deref() != Ok("1"), "BATON_REQUIRE_GPU=1 but: {why}");
-        eprintln!("SKIP (no GPU): {why}");
+        skip::skipped("gpu", &why);
         return;
     }
     let d = start(DemoConfig {

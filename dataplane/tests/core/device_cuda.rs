@@ -1,5 +1,6 @@
-//! The CUDA device against the CPU reference. Without a GPU these tests print SKIP and pass;
-//! with `BATON_REQUIRE_GPU=1` they fail instead (run that way on a GPU machine).
+//! The CUDA device against the CPU reference. Without a GPU these tests print SKIP, are counted by
+//! `scripts/test` as GPU tests not run, and pass; with `BATON_REQUIRE_GPU=1` they fail instead (run
+//! that way on a GPU machine).
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use baton_dataplane::device::{CacheLayout, Device, KvSpan};
 use crate::common::content;
 
 /// The GPU, or `None` (SKIP) without one; a panic when `BATON_REQUIRE_GPU=1`.
+#[track_caller]
 pub(crate) fn gpu() -> Option<Arc<CudaDevice>> {
     match CudaDevice::new(0) {
         Ok(d) => {
@@ -19,7 +21,7 @@ pub(crate) fn gpu() -> Option<Arc<CudaDevice>> {
         }
         Err(e) => {
             assert!(std::env::var("BATON_REQUIRE_GPU").as_deref() != Ok("1"), "BATON_REQUIRE_GPU=1 but: {e}");
-            eprintln!("SKIP (no GPU): {e}");
+            crate::skip::skipped("gpu", &e.to_string());
             None
         }
     }

@@ -11,6 +11,8 @@ mod device_cuda;
 mod failure_classes;
 mod models;
 mod properties;
+#[path = "../../../tests/support/skip.rs"]
+mod skip;
 mod tls;
 mod transport;
 #[path = "../support/upstream.rs"]

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use tokio::process::Command;
 
 /// The venv's Python, when it exists.
+#[track_caller]
 fn python() -> Option<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let p = std::env::var_os("BATON_TEST_PYTHON")
@@ -22,14 +23,15 @@ fn python() -> Option<PathBuf> {
         "{} is missing: scripts/test creates it (pyzmq, msgspec)",
         p.display()
     );
-    eprintln!(
-        "SKIP: {} is missing; run scripts/test (it builds the venv with pyzmq and msgspec)",
-        p.display()
+    crate::skip::skipped(
+        "tool",
+        &format!("{} is missing; run scripts/test (it builds the venv with pyzmq and msgspec)", p.display()),
     );
     None
 }
 
 /// `upstream_peer.py ARGS…`, or `None` (the test skips) without the venv.
+#[track_caller]
 pub(crate) fn peer(args: &[&str]) -> Option<Command> {
     let mut c = Command::new(python()?);
     c.arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../dataplane/tests/support/upstream_peer.py"))

@@ -39,6 +39,7 @@ impl Drop for Dns {
     }
 }
 
+#[track_caller]
 fn dnsmasq() -> Option<PathBuf> {
     super::system_tool("dnsmasq", "dnsmasq-base")
 }

@@ -23,6 +23,7 @@ fn repo() -> PathBuf {
 }
 
 /// The venv's Python when it has the package; `None` (skip) without it outside `scripts/test`.
+#[track_caller]
 fn python() -> Option<PathBuf> {
     let p = std::env::var_os("BATON_TEST_PYTHON")
         .map_or_else(|| repo().join(".cache/venv/bin/python"), PathBuf::from);
@@ -38,7 +39,7 @@ fn python() -> Option<PathBuf> {
             "{} cannot import baton_dataplane and numpy: scripts/test builds the wheel into the venv",
             p.display()
         );
-        eprintln!("SKIP: no venv with baton_dataplane (scripts/test builds it)");
+        super::skip::skipped("tool", "no venv with baton_dataplane (scripts/test builds it)");
         return None;
     }
     Some(p)

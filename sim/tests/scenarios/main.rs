@@ -14,5 +14,7 @@ mod flows;
 mod harness;
 mod scenarios;
 mod sglang;
+#[path = "../../../tests/support/skip.rs"]
+mod skip;
 #[path = "../../../dataplane/tests/support/upstream.rs"]
 mod upstream;
