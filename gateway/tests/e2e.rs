@@ -422,6 +422,52 @@ async fn random_disconnects_leave_nothing_held() {
     d.shutdown().await;
 }
 
+/// The value of the sample `line` (name and labels) starts, or 0 when it is absent (a labelled
+/// counter appears from its first event).
+fn sample_or_zero(text: &str, line: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(line)).map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// A prefill slower than the decoder's lease: the ranks reclaim the pages at the lease deadline
+/// and report them expired, the prefill's late writes are refused; the client gets 502
+/// `kv_transfer_failed` naming the expiry (not the prefill's stale write), the gateway counts
+/// `baton_lease_expirations_total`, and the decoder ends clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_expires_before_the_kv_is_counted() {
+    use baton_gateway::demo::GatewaySetup;
+    use baton_gateway::handoff::shared::Limits;
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        prefill_faults: baton_sim::faults::FaultConfig {
+            stall_chunk: Some(0),
+            stall_ms: 1500,
+            ..Default::default()
+        },
+        gateway: GatewaySetup {
+            limits: Limits { lease: Duration::from_millis(300), ..Limits::default() },
+            ..GatewaySetup::default()
+        },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let (s, b) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 1), "max_tokens": 2}))).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, v["error"]["code"].as_str()), (502, Some("kv_transfer_failed")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("expired"), "{v}");
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert_eq!(sample_or_zero(&m, "baton_lease_expirations_total{decoder=\"decode-0\"} "), 1.0, "{m}");
+    let start = Instant::now();
+    while d.gateway.decoders[0].queue.stats().in_use != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "slots still held");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    d.shutdown().await;
+}
+
 /// Two gateway replicas in front of one decoder: neither knows the other's slots, the decoder's
 /// all-or-nothing reservations keep its buffer from being over-committed, everything completes and
 /// the buffer ends clean.
@@ -478,6 +524,17 @@ async fn two_replicas_share_one_decoder() {
         r.unwrap();
     }
     watch.abort();
+    // The ranks refused reservations that did not fit (each replica counts only its own slots),
+    // and each refusal within the queue timeout was tried again: every request completed.
+    let (mut refused, mut retried) = (0.0, 0.0);
+    for admin in [ra.admin, rb.admin] {
+        let (_, m) = http(admin, "/metrics", None).await;
+        let m = String::from_utf8_lossy(&m);
+        refused += sample_or_zero(&m, "baton_reservation_refusals_total{decoder=\"decode-0\"} ");
+        retried += sample_or_zero(&m, "baton_reservation_retries_total{decoder=\"decode-0\"} ");
+    }
+    assert!(refused > 0.0, "no reservation was refused: the test did not over-commit the replicas");
+    assert_eq!(retried, refused, "every refusal was retried (none gave up)");
     // Both replicas hold nothing and the decoder is clean.
     for g in [ga, gb] {
         let start = Instant::now();

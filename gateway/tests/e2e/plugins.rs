@@ -360,7 +360,17 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
     }
     assert_eq!(served.len(), 2, "prefixes spread over both decoders");
     let m = get(s.admin(), "/metrics").await;
-    assert!(metric(&m, "baton_plugin_calls_total{plugin=\"routing\",world=\"routing\"}") >= 24.0);
+    let calls = metric(&m, "baton_plugin_calls_total{plugin=\"routing\",world=\"routing\"}");
+    assert!(calls >= 24.0);
+    // Every call timed: the histogram counts each, and its sum is a time (above 0, far below the
+    // run's length).
+    let timed = metric(&m, "baton_plugin_call_seconds_count{plugin=\"routing\",world=\"routing\"}");
+    let took = metric(&m, "baton_plugin_call_seconds_sum{plugin=\"routing\",world=\"routing\"}");
+    assert_eq!(timed, calls, "{m}");
+    assert!(took > 0.0 && took < 10.0, "{took}");
+    let inf =
+        metric(&m, "baton_plugin_call_seconds_bucket{plugin=\"routing\",world=\"routing\",le=\"+Inf\"}");
+    assert_eq!(inf, calls);
     assert_eq!(gw.router.invalid.load(Ordering::Relaxed), 0);
     s.stop().await;
 }

@@ -179,6 +179,26 @@ impl Native {
         }
     }
 
+    /// The expiry a rank has already reported for this request, if one has: counted, as the error
+    /// the client gets.
+    fn expired(&self, dec: &Decoder, life: &mut Lifecycle) -> Option<GatewayError> {
+        let rx = life.rx.as_mut()?;
+        while let Ok(event) = rx.try_recv() {
+            match event {
+                RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Expired => {
+                    self.shared.metrics.lease_expired(&dec.name);
+                    return Some(GatewayError::KvTransfer(KvFailure::RankFailed {
+                        rank: s.rank,
+                        state: s.state.as_str(),
+                    }));
+                }
+                RankEvent::Released(_) => life.released += 1,
+                RankEvent::Status(_) => {}
+            }
+        }
+        None
+    }
+
     /// Waits until every rank holds the whole KV (or one fails, or the deadline passes).
     async fn wait_ready(&self, dec: &Decoder, life: &mut Lifecycle) -> Result<(), GatewayError> {
         let ready_timeout = self.shared.limits.ready_timeout;
@@ -258,12 +278,23 @@ impl Native {
             .set(contract::FIELD, &params(life.key, targets, ids));
         // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
         // never saw the addresses leaves the pages free at once (no quarantine).
-        let (prefill, resp, in_flight) =
-            shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await?;
-        // The prefill's own answer (one token) is not used; it is read so the connection is reused.
-        let answered = shared.answer("prefill", prefill, resp).await;
-        drop((in_flight, work));
-        answered?;
+        let prefilled =
+            match shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await {
+                // The prefill's own answer (one token) is not used; it is read so the connection is
+                // reused.
+                Ok((prefill, resp, in_flight)) => {
+                    let answered = shared.answer("prefill", prefill, resp).await;
+                    drop(in_flight);
+                    answered.map(drop).map_err(GatewayError::from)
+                }
+                Err(e) => Err(e),
+            };
+        drop(work);
+        if let Err(e) = prefilled {
+            // A prefill that failed because a rank's lease ran out (its writes refused as stale)
+            // is that expiry: said as the rank said it, and counted.
+            return Err(self.expired(dec, &mut life).unwrap_or(e));
+        }
         timing.mark(Phase::Prefill);
         timing.enter(Phase::KvReady);
 
