@@ -404,13 +404,34 @@ async fn tls_front(
     key: rustls::pki_types::PrivateKeyDer<'static>,
     to: SocketAddr,
 ) -> SocketAddr {
-    let config =
-        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![chain], key)
-            .unwrap();
+    tls_front_with(chain, key, to, None).await
+}
+
+/// [`tls_front`], requiring a client certificate from `client_ca` when given (an engine behind
+/// mTLS).
+async fn tls_front_with(
+    chain: rustls::pki_types::CertificateDer<'static>,
+    key: rustls::pki_types::PrivateKeyDer<'static>,
+    to: SocketAddr,
+    client_ca: Option<rustls::pki_types::CertificateDer<'static>>,
+) -> SocketAddr {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let b = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .unwrap();
+    let b = match client_ca {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(ca).unwrap();
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .unwrap();
+            b.with_client_cert_verifier(verifier)
+        }
+        None => b.with_no_client_auth(),
+    };
+    let config = b.with_single_cert(vec![chain], key).unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -475,6 +496,71 @@ async fn https_engines_are_verified_against_the_configured_ca() {
             let e: Value = serde_json::from_slice(&b).unwrap();
             assert!(e["error"]["message"].as_str().unwrap().contains("prefill"), "{e}");
             assert_eq!(received, 0, "a request reached an engine the gateway could not verify");
+        }
+        super::assert_clean_at(serving.admin_addr).await;
+        serving.shutdown().await;
+    }
+}
+
+/// Engines behind mTLS: the gateway presents `[engine_tls] cert`/`key` and is served; with a
+/// certificate from another CA, or none, the handshake is refused and no engine sees the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_that_require_client_certificates_get_the_gateways() {
+    let dir = tempdir("engine-mtls");
+    let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
+    let ca = Ca::new("engines CA");
+    let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
+    let p_front = tls_front_with(cert.clone(), key.clone_key(), prefill.addr, Some(ca.der.clone())).await;
+    let d_front = tls_front_with(cert, key, decode.addr, Some(ca.der.clone())).await;
+    std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
+    let (gw_cert, gw_key, _, _) = ca.leaf(&["baton-gateway"]);
+    std::fs::write(dir.join("gateway.pem"), gw_cert).unwrap();
+    std::fs::write(dir.join("gateway.key"), gw_key).unwrap();
+    let (other_cert, other_key, _, _) = Ca::new("another CA").leaf(&["baton-gateway"]);
+    std::fs::write(dir.join("other.pem"), other_cert).unwrap();
+    std::fs::write(dir.join("other.key"), other_key).unwrap();
+    for (client, served) in [
+        ("cert = \"gateway.pem\"\nkey = \"gateway.key\"\n", true),
+        ("cert = \"other.pem\"\nkey = \"other.key\"\n", false),
+        ("", false),
+    ] {
+        let before = prefill.engine.received().as_array().unwrap().len();
+        let text = super::serve_toml(
+            &prefill,
+            &decode,
+            "",
+            &format!(
+                "[resolver]\nnameservers = [\"{}\"]\n\n[engine_tls]\nca = \"ca.pem\"\n{client}",
+                dns.addr
+            ),
+        )
+        .replace(
+            &format!("http://{}", prefill.addr),
+            &format!("https://engines.baton.test:{}", p_front.port()),
+        )
+        .replace(
+            &format!("http://{}", decode.addr),
+            &format!("https://engines.baton.test:{}", d_front.port()),
+        );
+        let file = dir.join("baton.toml");
+        std::fs::write(&file, &text).unwrap();
+        let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+        let (s, b) = super::http(
+            serving.addrs[0],
+            "/v1/completions",
+            Some(&json!({"prompt": "hello", "max_tokens": 3})),
+        )
+        .await;
+        let received = prefill.engine.received().as_array().unwrap().len() - before;
+        if served {
+            assert_eq!(s, 200, "{client}: {}", String::from_utf8_lossy(&b));
+            assert_eq!(received, 1);
+        } else {
+            assert!(s == 502 || s == 503, "{client}: {s} {}", String::from_utf8_lossy(&b));
+            assert_eq!(
+                received, 0,
+                "{client}: an engine requiring a certificate served a gateway without its"
+            );
         }
         super::assert_clean_at(serving.admin_addr).await;
         serving.shutdown().await;
