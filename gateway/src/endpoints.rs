@@ -52,6 +52,16 @@ pub enum Host {
     Name(String),
 }
 
+impl Host {
+    /// An IP on loopback, or `localhost`: reachable from this machine only.
+    pub fn is_loopback(&self) -> bool {
+        match self {
+            Self::Ip(ip) => ip.is_loopback(),
+            Self::Name(n) => n.eq_ignore_ascii_case("localhost"),
+        }
+    }
+}
+
 impl fmt::Display for Host {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -775,6 +775,13 @@ mod configs {
         std::fs::write(dir.join("tls/server.pem"), cert.pem()).unwrap();
         std::fs::write(dir.join("tls/server.key"), k.serialize_pem()).unwrap();
         std::fs::write(dir.join("tls/clients-ca.pem"), ca_cert.pem()).unwrap();
+        // The data plane's CAs and the gateway's certificates where the TLS example names them.
+        std::fs::create_dir_all(dir.join("dp")).unwrap();
+        for (ca, leaf) in [("ca", "gateway"), ("decode-b-ca", "gateway-b")] {
+            std::fs::write(dir.join(format!("dp/{ca}.pem")), ca_cert.pem()).unwrap();
+            std::fs::write(dir.join(format!("dp/{leaf}.pem")), cert.pem()).unwrap();
+            std::fs::write(dir.join(format!("dp/{leaf}.key")), k.serialize_pem()).unwrap();
+        }
         // The Llama 3.1 tokenizer where the TLS example names it (the operator copies it there).
         let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/llama3_1");
         std::fs::create_dir_all(dir.join("tokenizers/llama-3.1")).unwrap();

@@ -52,6 +52,7 @@ pub(super) fn check(
     path: &dyn Fn(&Path) -> PathBuf,
     model_chunk: u32,
     geometry_for: &dyn Fn(u32) -> Result<KvGeometry, ConfigError>,
+    dataplane_tls_default: bool,
 ) -> Result<Vec<CheckedDecoder>, ConfigError> {
     if pools.is_empty() {
         return Err(err("decode", "at least one decode pool is required"));
@@ -62,7 +63,8 @@ pub(super) fn check(
     for (i, d) in pools.iter().enumerate() {
         let field = format!("decode[{i}]");
         let http = parse_url(&format!("{field}.url"), &d.url)?;
-        let cx = CheckContext { field: &field, path, model_chunk, geometry_for: &geometry };
+        let cx =
+            CheckContext { field: &field, path, model_chunk, geometry_for: &geometry, dataplane_tls_default };
         out.push(CheckedDecoder { name: d.name.clone(), http, mode: d.mode.check(&cx)? });
     }
     Ok(out)

@@ -110,6 +110,20 @@ pub struct DataplaneTls {
     pub server_name: String,
 }
 
+impl DataplaneTls {
+    /// The client it describes, its files read (`path` makes them absolute).
+    pub fn load(
+        &self,
+        path: &dyn Fn(&Path) -> PathBuf,
+    ) -> Result<baton_dataplane::transport::TlsClient, baton_dataplane::transport::TlsError> {
+        baton_dataplane::transport::TlsClient::from_pem_files(
+            &path(&self.ca),
+            &self.server_name,
+            Some((&path(&self.cert), &path(&self.key))),
+        )
+    }
+}
+
 /// `[auth]`: API keys. Without it every request is served and the tenant plugins see is the
 /// bearer token's `[admission.tenants]` name, or an opaque id made from a token not listed (never
 /// the token itself).
@@ -520,7 +534,8 @@ impl Config {
         let chunk = self.model.chunk_tokens.unwrap_or(DEFAULT_CHUNK_TOKENS);
         let geometry_for = |tp: u32| self.model.geometry.at(chunk, tp, &path);
         let prefills = self.check_prefills()?;
-        let decoders = decode::check(&self.decode, &path, chunk, &geometry_for)?;
+        let decoders =
+            decode::check(&self.decode, &path, chunk, &geometry_for, self.dataplane_tls.is_some())?;
         let lmcache_used = decoders.iter().any(|d| d.mode.mode().notifications());
         if lmcache_used && self.lmcache.is_none() {
             return Err(err(
@@ -569,14 +584,7 @@ impl Config {
                 .drain_timeout_ms
                 .map_or(DEFAULT_DRAIN_TIMEOUT, std::time::Duration::from_millis),
             dataplane_tls: match &self.dataplane_tls {
-                Some(t) => Some(
-                    baton_dataplane::transport::TlsClient::from_pem_files(
-                        &path(&t.ca),
-                        &t.server_name,
-                        Some((&path(&t.cert), &path(&t.key))),
-                    )
-                    .map_err(|e| err("dataplane_tls", e.to_string()))?,
-                ),
+                Some(t) => Some(t.load(&path).map_err(|e| err("dataplane_tls", e.to_string()))?),
                 None => None,
             },
             resolver,

@@ -102,6 +102,8 @@ pub struct CheckContext<'a> {
     pub model_chunk: u32,
     /// The model's KV geometry at a TP size.
     pub geometry_for: &'a dyn Fn(u32) -> Result<baton_dataplane::KvGeometry, KeyError>,
+    /// A global `[dataplane_tls]` is configured (the default of pools without their own).
+    pub dataplane_tls_default: bool,
 }
 
 impl std::fmt::Debug for CheckContext<'_> {

@@ -96,5 +96,56 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     assert_eq!(after["pages_free"], after["pages_total"], "nothing the strangers sent took a page: {after}");
     assert_eq!(after["requests"], before["requests"], "{after}");
     serving.shutdown().await;
+
+    // The same TLS given to the pool itself (`[decode.dataplane_tls]`) instead of to every pool.
+    let pool_tls = tls.replace("[dataplane_tls]", "[decode.dataplane_tls]");
+    let file = write("pool.toml", &super::serve_toml(&prefill, &decode, &pool_tls, ""));
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let (s, b) = super::http(
+        serving.addrs[0],
+        "/v1/completions",
+        Some(&json!({"prompt": "per pool", "max_tokens": 2})),
+    )
+    .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    serving.shutdown().await;
+    // Without any TLS the gateway cannot reach the ranks at all.
+    let file = write("none.toml", &super::serve_toml(&prefill, &decode, "", ""));
+    let refused = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await;
+    assert!(refused.is_err(), "a gateway without the data plane's TLS reached its ranks");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rank off loopback in plain TCP is refused by `check-config` and `baton serve`, naming the
+/// pool, the rank and both ways out (`dataplane_tls`, `dataplane_plaintext`); the operator's
+/// `dataplane_plaintext = true` lets the check pass.
+#[test]
+fn a_plaintext_rank_off_loopback_is_refused_unless_the_pool_says_so() {
+    let dir = std::env::temp_dir().join(format!("baton-dpplain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = |extra: &str| {
+        format!(
+            "{}\n[[prefill]]\nname = \"p\"\nurl = \"http://127.0.0.1:1\"\n\n[[decode]]\nname = \"d\"\n\
+             url = \"http://10.255.255.1:8000\"\ndataplane = [\"127.0.0.1:9000\", \"10.255.255.1:9001\"]\n{extra}",
+            super::SERVE_HEAD
+        )
+    };
+    let run = |args: &[&str], body: &str| {
+        let file = dir.join("plain.toml");
+        std::fs::write(&file, body).unwrap();
+        std::process::Command::new(env!("CARGO_BIN_EXE_baton")).args(args).arg(&file).output().unwrap()
+    };
+    for args in [&["check-config"][..], &["serve", "--config"][..]] {
+        let out = run(args, &text(""));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stdout));
+        for want in
+            ["decode[0].dataplane", "10.255.255.1:9001", "dataplane_tls", "dataplane_plaintext = true"]
+        {
+            assert!(err.contains(want), "{args:?}: {want} not in {err}");
+        }
+    }
+    let out = run(&["check-config"], &text("dataplane_plaintext = true\n"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -49,6 +49,12 @@ pub struct Keys {
     pub dataplane: Vec<HostPort>,
     /// Lowers the slots the data plane reports (never raises them).
     pub max_slots: Option<u32>,
+    /// `[decode.dataplane_tls]`: this pool's mTLS to its ranks (else the global `[dataplane_tls]`).
+    pub dataplane_tls: Option<crate::config::DataplaneTls>,
+    /// Ranks off loopback may be reached in plain TCP (a network the operator trusts): without
+    /// it, and without TLS, the configuration is refused.
+    #[serde(default)]
+    pub dataplane_plaintext: bool,
 }
 
 /// A native pool, checked.
@@ -58,6 +64,8 @@ pub struct Checked {
     /// The pool's geometry (its TP is its rank count).
     pub geometry: KvGeometry,
     pub max_slots: Option<u32>,
+    /// The pool's own data-plane TLS (`None`: the global one, if any).
+    pub tls: Option<baton_dataplane::transport::TlsClient>,
 }
 
 /// A native decoder.
@@ -76,7 +84,26 @@ impl PoolKeys for Keys {
         }
         let tp = u32::try_from(self.dataplane.len()).map_err(|_| cx.err("dataplane", "too many ranks"))?;
         let geometry = cx.geometry(tp)?;
-        Ok(Checked { ranks: self.dataplane.clone(), geometry, max_slots: cx.max_slots(self.max_slots)? })
+        let tls = match &self.dataplane_tls {
+            Some(t) => Some(t.load(cx.path).map_err(|e| cx.err("dataplane_tls", e.to_string()))?),
+            None => None,
+        };
+        // A rank's port lets whoever reaches it reserve every page, cancel requests and write into
+        // their KV (docs/dataplane.md, "Who may talk to a rank"): off loopback it needs TLS, or
+        // the operator's word that the network is trusted.
+        let plain = tls.is_none() && !cx.dataplane_tls_default && !self.dataplane_plaintext;
+        if let Some(open) = self.dataplane.iter().find(|r| plain && !r.host.is_loopback()) {
+            return Err(cx.err(
+                "dataplane",
+                format!(
+                    "rank {open} is off loopback and its data plane would be plain TCP, which lets anyone who \
+                     reaches it reserve every page, cancel requests and write into their KV: give the pool \
+                     mTLS ([decode.dataplane_tls], or [dataplane_tls] for every pool), or set \
+                     dataplane_plaintext = true on a network you trust"
+                ),
+            ));
+        }
+        Ok(Checked { ranks: self.dataplane.clone(), geometry, max_slots: cx.max_slots(self.max_slots)?, tls })
     }
 }
 
@@ -113,6 +140,7 @@ impl ModeSpec for Native {
             ranks: ranks.unwrap_or_default().into_iter().map(HostPort::from).collect(),
             geometry: d.geometry,
             max_slots: None,
+            tls: None,
         }
     }
 }
@@ -129,7 +157,7 @@ impl Native {
         let links = RankLinks {
             addrs: c.ranks,
             fingerprint: c.geometry.fingerprint(),
-            tls: ctx.dataplane_tls.clone(),
+            tls: c.tls.or_else(|| ctx.dataplane_tls.clone()),
             names: ctx.shared.client.names().clone(),
         };
         let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
