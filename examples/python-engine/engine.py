@@ -115,7 +115,8 @@ class Engine:
                 self.servers.append(
                     bd.RankServer(
                         geometry, pages=args.pages, rank=r, host=args.dp_host, port=port,
-                        quarantine_ms=args.quarantine_ms,
+                        quarantine_ms=args.quarantine_ms, tls_cert=args.dp_tls_cert,
+                        tls_key=args.dp_tls_key, tls_client_ca=args.dp_tls_ca,
                     )
                 )
         self.producers = {}
@@ -153,18 +154,28 @@ class Engine:
 
     # ---- prefill ----
 
+    def producer_tls(self):
+        """Prefill: mTLS to the decoder ranks when --dp-tls-ca is given (with this engine's
+        certificate, and the name the ranks' certificates carry)."""
+        a = self.args
+        if not a.dp_tls_ca:
+            return {}
+        return {"tls_ca": a.dp_tls_ca, "tls_cert": a.dp_tls_cert, "tls_key": a.dp_tls_key,
+                "server_name": a.dp_tls_name}
+
     def producer(self, addr, rank):
         with self.producers_lock:
             pool = self.producers.get((addr, rank))
             if pool:
                 return pool.pop()
+        tls = self.producer_tls()
         if self.args.shared_memory:
             try:
-                return bd.Producer(addr, self.g, rank=rank, shared_memory=True)
+                return bd.Producer(addr, self.g, rank=rank, shared_memory=True, **tls)
             except bd.DataPlaneError:
                 pass  # Another host or user, or a rank without an export: the socket carries the chunks.
         try:
-            return bd.Producer(addr, self.g, rank=rank)
+            return bd.Producer(addr, self.g, rank=rank, **tls)
         except bd.DataPlaneError as e:
             raise EngineError(502, "kv_transfer_failed", f"decoder rank {rank} at {addr}: {e}") from e
 
@@ -485,6 +496,11 @@ def parse(argv):
     a.add_argument("--quarantine-ms", type=int, default=None)
     a.add_argument("--shared-memory", action="store_true",
                    help="prefill: write chunks into a same-host rank's shared-memory export")
+    a.add_argument("--dp-tls-cert", help="data-plane TLS: this engine's certificate chain (PEM)")
+    a.add_argument("--dp-tls-key", help="data-plane TLS: its private key (PEM)")
+    a.add_argument("--dp-tls-ca", help="data-plane TLS: the CA of the peers' certificates; a decoder's ranks "
+                                       "then refuse peers without one (mTLS)")
+    a.add_argument("--dp-tls-name", default="localhost", help="prefill: the name in the ranks' certificates")
     return a.parse_args(argv)
 
 

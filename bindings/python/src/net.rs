@@ -6,11 +6,14 @@
 //! wait on it with the GIL released.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use ::baton_dataplane as dp;
-use dp::transport::{ControlClient, ProducerClient, ServerHandle, TransportError as DpTransportError};
+use dp::transport::{
+    ControlClient, ProducerClient, ServerHandle, TlsClient, TlsServer, TransportError as DpTransportError,
+};
 use dp::{PageAddr, RequestKey};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -34,6 +37,30 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     })
     .as_ref()
     .map_err(|e| DataPlaneError::new_err(format!("cannot start the data plane's runtime: {e}")))
+}
+
+/// A peer's TLS to a rank (`tls_ca` given), or `None` for plain TCP: the CA the rank's certificate
+/// chains to, the name it must carry, and for mTLS the peer's own certificate and key (together).
+fn tls_client(
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    server_name: &str,
+) -> PyResult<Option<TlsClient>> {
+    let identity = match (&cert, &key) {
+        (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+        (None, None) => None,
+        _ => return Err(PyValueError::new_err("tls_cert and tls_key go together")),
+    };
+    let Some(ca) = ca else {
+        return match identity {
+            Some(_) => Err(PyValueError::new_err("tls_cert needs tls_ca (the CA of the rank's certificate)")),
+            None => Ok(None),
+        };
+    };
+    TlsClient::from_pem_files(&ca, server_name, identity)
+        .map(Some)
+        .map_err(|e| PyValueError::new_err(format!("data-plane TLS: {e}")))
 }
 
 fn parse_addr(address: &str) -> PyResult<SocketAddr> {
@@ -76,9 +103,17 @@ pub(crate) struct RankServer {
 #[pymethods]
 impl RankServer {
     /// Rank `rank` of `geometry.tp_size`, with `pages` pages, listening on `host:port` (`port=0`: an
-    /// ephemeral port; see `address`).
+    /// ephemeral port; see `address`). With `tls_cert` and `tls_key` (PEM files) it serves TLS 1.3
+    /// only; with `tls_client_ca` too, mTLS: a peer without a certificate from that CA is refused
+    /// at the handshake, before a frame is read (counted in `stats()["handshakes_refused"]`).
+    /// Without them the port is plain TCP: anyone who reaches it can reserve, cancel and write KV,
+    /// so keep it on loopback or a network nobody else reaches (`docs/dataplane.md`).
     #[new]
-    #[pyo3(signature = (geometry, *, pages, rank = 0, host = "127.0.0.1", port = 0, quarantine_ms = None))]
+    #[pyo3(signature = (
+        geometry, *, pages, rank = 0, host = "127.0.0.1", port = 0, quarantine_ms = None,
+        tls_cert = None, tls_key = None, tls_client_ca = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         geometry: &crate::Geometry,
@@ -87,7 +122,21 @@ impl RankServer {
         host: &str,
         port: u16,
         quarantine_ms: Option<u64>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_client_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let tls = match (&tls_cert, &tls_key, &tls_client_ca) {
+            (Some(c), Some(k), ca) => Some(
+                TlsServer::from_pem_files(c, k, ca.as_deref())
+                    .map_err(|e| PyValueError::new_err(format!("data-plane TLS: {e}")))?,
+            ),
+            (None, None, None) => None,
+            (None, None, Some(_)) => {
+                return Err(PyValueError::new_err("tls_client_ca needs tls_cert and tls_key"));
+            }
+            _ => return Err(PyValueError::new_err("tls_cert and tls_key go together")),
+        };
         let (sink, tx) = dp::transport::RankServer::<Device>::sink();
         let buf = make_buffer(geometry.inner, rank, pages, quarantine_ms, sink)?;
         let server = dp::transport::RankServer::new(buf, geometry.inner.tp_size, tx);
@@ -98,7 +147,10 @@ impl RankServer {
             .detach(|| {
                 rt.block_on(async {
                     let listener = tokio::net::TcpListener::bind(at).await?;
-                    server.start(listener)
+                    match tls {
+                        Some(t) => server.start_tls(listener, t),
+                        None => server.start(listener),
+                    }
                 })
             })
             .map_err(|e| TransportError::new_err(format!("listen on {at}: {e}")))?;
@@ -293,8 +345,14 @@ impl Producer {
     /// `baton.decoders[].addr`). The rank checks the geometry and its rank number before anything
     /// else. `shared_memory=True` writes chunks into the rank's shared-memory export (same host,
     /// same user) and fails if it has none; the socket still carries the grants and acks.
+    /// With `tls_ca` the connection is TLS, checking the rank's certificate against that CA and
+    /// `server_name`; `tls_cert` and `tls_key` add this peer's own certificate (mTLS).
     #[new]
-    #[pyo3(signature = (address, geometry, *, rank = 0, shared_memory = false, timeout_ms = 10_000))]
+    #[pyo3(signature = (
+        address, geometry, *, rank = 0, shared_memory = false, timeout_ms = 10_000,
+        tls_ca = None, tls_cert = None, tls_key = None, server_name = "localhost"
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         address: &str,
@@ -302,11 +360,16 @@ impl Producer {
         rank: u32,
         shared_memory: bool,
         timeout_ms: u64,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        server_name: &str,
     ) -> PyResult<Self> {
         let at = parse_addr(address)?;
         let limit = Duration::from_millis(timeout_ms);
         let fp = geometry.inner.fingerprint();
-        let mut c = block_on(py, limit, ProducerClient::connect(at, fp, rank))?
+        let tls = tls_client(tls_ca, tls_cert, tls_key, server_name)?;
+        let mut c = block_on(py, limit, ProducerClient::connect_with(at, tls.as_ref(), fp, rank))?
             .map_err(|e| transport(e, TransportError::new_err))?;
         if shared_memory {
             c.use_shared_memory().map_err(|e| TransportError::new_err(e.to_string()))?;
@@ -374,18 +437,28 @@ pub(crate) struct Control {
 
 #[pymethods]
 impl Control {
+    /// TLS as [`Producer`]'s: `tls_ca` (and `server_name`), with `tls_cert` and `tls_key` for mTLS.
     #[new]
-    #[pyo3(signature = (address, geometry, *, rank = 0, timeout_ms = 10_000))]
+    #[pyo3(signature = (
+        address, geometry, *, rank = 0, timeout_ms = 10_000,
+        tls_ca = None, tls_cert = None, tls_key = None, server_name = "localhost"
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         address: &str,
         geometry: &crate::Geometry,
         rank: u32,
         timeout_ms: u64,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        server_name: &str,
     ) -> PyResult<Self> {
         let at = parse_addr(address)?;
         let limit = Duration::from_millis(timeout_ms);
-        let c = block_on(py, limit, ControlClient::connect(at, geometry.inner.fingerprint(), rank))?
+        let tls = tls_client(tls_ca, tls_cert, tls_key, server_name)?;
+        let c = block_on(py, limit, ControlClient::connect_with(at, tls.as_ref(), geometry.inner.fingerprint(), rank))?
             .map_err(|e| transport(e, TransportError::new_err))?;
         Ok(Self { inner: Mutex::new(Some(c)), timeout: limit })
     }

@@ -107,9 +107,20 @@ fn serve(
     decode: SocketAddr,
     ranks: &[String],
 ) -> (Proc, SocketAddr, SocketAddr) {
+    serve_with(dir, prefill, decode, ranks, "")
+}
+
+/// [`serve`], with `extra` appended to its file.
+fn serve_with(
+    dir: &std::path::Path,
+    prefill: SocketAddr,
+    decode: SocketAddr,
+    ranks: &[String],
+    extra: &str,
+) -> (Proc, SocketAddr, SocketAddr) {
     let ranks: Vec<String> = ranks.iter().map(|r| format!("{r:?}")).collect();
     let text = format!(
-        "{SERVE_HEAD}\n[[prefill]]\nname = \"p\"\nurl = \"http://{prefill}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{decode}\"\ndataplane = [{}]\n\n[admission]\nmax_queue = 1000\n",
+        "{SERVE_HEAD}\n[[prefill]]\nname = \"p\"\nurl = \"http://{prefill}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{decode}\"\ndataplane = [{}]\n\n[admission]\nmax_queue = 1000\n{extra}",
         ranks.join(", ")
     );
     std::fs::create_dir_all(dir).unwrap();
@@ -222,6 +233,91 @@ async fn python_and_simulated_engines_pair_either_way() {
     let (_gw, public, admin) =
         serve(&dir.join("b"), py_prefill.addr(), sim_decode.addr, &sim_ranks(&sim_decode));
     four_shapes(public, 200, 6, "Python prefill, baton-sim decode").await;
+    assert_clean_at(admin).await;
+    assert_engine_clean(py_prefill.addr()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The data plane over mTLS with a Python engine on either side: a Python decoder's ranks serve
+/// TLS with a client CA to a `baton-sim` prefiller and `baton serve` (`[dataplane_tls]`), a
+/// Python prefiller writes over TLS to a `baton-sim` decoder's ranks; and a Python rank refuses a
+/// peer without a certificate, counting it, its pages untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_engines_serve_the_data_plane_over_mtls() {
+    use baton_dataplane::transport::{ControlClient, TlsClient};
+    let Some(py) = python() else { return };
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-mtls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = super::certs::Ca::new("baton data plane CA");
+    let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
+    let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
+    for (name, text) in [
+        ("ca.pem", ca.pem.as_str()),
+        ("engine.pem", &engine_pem),
+        ("engine.key", &engine_key),
+        ("gateway.pem", &gateway_pem),
+        ("gateway.key", &gateway_key),
+    ] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let path = |f: &str| dir.join(f).to_str().unwrap().to_owned();
+    let tls_args = [
+        "--dp-tls-cert",
+        &path("engine.pem"),
+        "--dp-tls-key",
+        &path("engine.key"),
+        "--dp-tls-ca",
+        &path("ca.pem"),
+    ];
+    let gateway_tls = format!(
+        "\n[dataplane_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\nserver_name = \"localhost\"\n",
+        path("ca.pem"),
+        path("gateway.pem"),
+        path("gateway.key")
+    );
+    let g = tiny_geometry(2).unwrap();
+    let sim_tls = baton_sim::DpTls::from_pem_files(
+        &dir.join("ca.pem"),
+        &dir.join("engine.pem"),
+        &dir.join("engine.key"),
+        "localhost",
+    )
+    .unwrap();
+
+    let py_decode =
+        PyEngine::start(&py, &[&["--role", "decode", "--pages", "64"][..], &tls_args[..]].concat());
+    let mut p = SimConfig::new(SimRole::Prefill, g);
+    p.dp_tls = Some(sim_tls.clone());
+    let sim_prefill = launch(p).await.unwrap();
+    let (gw, public, admin) =
+        serve_with(&dir.join("a"), sim_prefill.addr, py_decode.addr(), &py_decode.ranks(), &gateway_tls);
+    four_shapes(public, 200, 6, "baton-sim prefill, Python decode, mTLS").await;
+    assert_clean_at(admin).await;
+    assert_engine_clean(py_decode.addr()).await;
+    // A peer without a certificate: refused by the Python rank, at the handshake or its first call.
+    let rank0: SocketAddr = py_decode.ranks()[0].parse().unwrap();
+    let stranger = TlsClient::new(vec![ca.der.clone()], "localhost", None).unwrap();
+    for client in [None, Some(&stranger)] {
+        let refused = match ControlClient::connect_with(rank0, client, g.fingerprint(), 0).await {
+            Err(_) => true,
+            Ok(mut c) => {
+                let key = baton_dataplane::RequestKey::new(baton_dataplane::RequestId(7), 0);
+                c.reserve(key, 3, Duration::from_secs(60), &[]).await.is_err()
+            }
+        };
+        assert!(refused, "the Python rank served a peer without a certificate (tls: {})", client.is_some());
+    }
+    assert_engine_clean(py_decode.addr()).await;
+    drop(gw);
+
+    let py_prefill = PyEngine::start(&py, &[&["--role", "prefill"][..], &tls_args[..]].concat());
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.pages = 64;
+    d.dp_tls = Some(sim_tls);
+    let sim_decode = launch(d).await.unwrap();
+    let (_gw, public, admin) =
+        serve_with(&dir.join("b"), py_prefill.addr(), sim_decode.addr, &sim_ranks(&sim_decode), &gateway_tls);
+    four_shapes(public, 200, 6, "Python prefill over mTLS, baton-sim decode").await;
     assert_clean_at(admin).await;
     assert_engine_clean(py_prefill.addr()).await;
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,5 +1,6 @@
 """Type stubs of the compiled module (bindings/python/src/lib.rs)."""
 
+import os
 from types import TracebackType
 from typing import Any, Optional, Sequence, Type
 
@@ -128,6 +129,9 @@ class RankServer:
         host: str = "127.0.0.1",
         port: int = 0,
         quarantine_ms: Optional[int] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        tls_client_ca: Optional[str | os.PathLike[str]] = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...
@@ -161,6 +165,10 @@ class Producer:
         rank: int = 0,
         shared_memory: bool = False,
         timeout_ms: int = 10000,
+        tls_ca: Optional[str | os.PathLike[str]] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        server_name: str = "localhost",
     ) -> None: ...
     @property
     def shared_memory(self) -> bool: ...
@@ -181,7 +189,18 @@ class Producer:
 class Control:
     """The gateway's side of a decoder rank (for tests and tools)."""
 
-    def __init__(self, address: str, geometry: KvGeometry, *, rank: int = 0, timeout_ms: int = 10000) -> None: ...
+    def __init__(
+        self,
+        address: str,
+        geometry: KvGeometry,
+        *,
+        rank: int = 0,
+        timeout_ms: int = 10000,
+        tls_ca: Optional[str | os.PathLike[str]] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        server_name: str = "localhost",
+    ) -> None: ...
     def reserve(self, request_id: int, chunks: int, lease_ms: int, *, epoch: int = 0) -> list[tuple[int, int, int]]: ...
     def cancel(self, request_id: int, *, epoch: int = 0, unsent: bool = False) -> None: ...
     def close(self) -> None: ...
