@@ -229,6 +229,45 @@ async fn a_drain_timeout_cuts_long_streams_and_releases_everything() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A second signal during the drain stops at once: exit 130 within a second, not after the 20 s
+/// drain; the streams are cut, and nothing stays held on the engines (their connections closed
+/// with the process, the decoder frees what they held, the prefiller holds nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_stops_at_once_with_130_and_leaks_nothing() {
+    let (prefill, decode) = engines(Duration::from_millis(100)).await;
+    let dir = tempdir("twice");
+    let (mut baton, public, admin) = serve(&dir, &prefill, &decode, 20_000);
+    let started = Arc::new(AtomicUsize::new(0));
+    let streams: Vec<_> = (0..20).map(|_| tokio::spawn(stream(public, 100, Arc::clone(&started)))).collect();
+    let t = Instant::now();
+    while started.load(Ordering::SeqCst) < 20 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    baton.term();
+    let t = Instant::now();
+    while get(admin, "/ready").await != Ok(503) {
+        assert!(t.elapsed() < Duration::from_secs(5), "the drain never began");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let again = Instant::now();
+    baton.term();
+    assert_eq!(baton.exit_code(Duration::from_secs(5)).await, 130);
+    assert!(
+        again.elapsed() < Duration::from_secs(1),
+        "stopped {:?} after the second signal",
+        again.elapsed()
+    );
+    for s in streams {
+        if let Ok(text) = s.await.unwrap() {
+            assert!(!text.contains("[DONE]"), "a 10 s stream was cut: {text}");
+        }
+    }
+    decoder_clean(&decode, Duration::from_secs(5)).await;
+    assert_eq!(prefill.engine.stats()["engine_blocks_held"], 0, "{}", prefill.engine.stats());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// SIGTERM the moment the binary says where it listens (an orchestrator stopping a process it just
 /// started): a drain and exit 0, not the default action's kill, for `serve` and `demo` alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
