@@ -83,6 +83,8 @@ pub struct GatewaySetup {
     /// address) and whether to ask for the first token from prefill.
     pub lmcache: Option<Arc<Notifications>>,
     pub no_first_token: bool,
+    /// `lmcache` mode: `[lmcache] tool_call_parser`.
+    pub tool_call_parser: Option<crate::handoff::lmcache::tools::ToolParser>,
     /// `vllm-nixl` and `sglang` modes: the decoders' admission settings.
     pub nixl: LoadTarget,
     /// The admin listener (`/metrics`, `/admin/*`): loopback on an ephemeral port unless set.
@@ -311,6 +313,7 @@ pub async fn start_gateway_with(
         queue: QueueConfig::default(),
         lmcache: setup.lmcache.clone(),
         first_token: !setup.no_first_token,
+        tool_call_parser: setup.tool_call_parser,
         dataplane_tls: None,
     };
     let mut decoders = Vec::new();

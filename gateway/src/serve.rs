@@ -122,6 +122,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         queue: QueueConfig { max_queue: c.max_queue, ..QueueConfig::default() },
         lmcache: lmcache.clone(),
         first_token: c.first_token,
+        tool_call_parser: c.tool_call_parser,
         dataplane_tls: c.dataplane_tls.clone(),
     };
     let mut decoders = Vec::new();

@@ -194,6 +194,9 @@ pub struct LmcacheGateway {
     /// (default true).
     #[serde(default = "yes")]
     pub first_token: bool,
+    /// How tool calls are read out of the decoder's text (vLLM's `--tool-call-parser` names:
+    /// `hermes`, `llama3_json`); without it a chat with `tools` is refused by `lmcache` pools.
+    pub tool_call_parser: Option<String>,
 }
 
 fn yes() -> bool {
@@ -452,6 +455,8 @@ pub struct Checked {
     /// `[lmcache]`: the notification listener and whether to ask for the first token.
     pub lmcache_listen: Option<SocketAddr>,
     pub first_token: bool,
+    /// `[lmcache] tool_call_parser`.
+    pub tool_call_parser: Option<crate::handoff::lmcache::tools::ToolParser>,
     pub plugins: Option<plugins::CheckedPlugins>,
     pub tenants: std::collections::BTreeMap<String, String>,
     /// The file it was loaded from (plugin reloads re-read their tables from it).
@@ -617,6 +622,20 @@ impl Config {
             trace: self.telemetry.trace()?,
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
+            tool_call_parser: match self.lmcache.as_ref().and_then(|l| l.tool_call_parser.as_deref()) {
+                None => None,
+                Some(name) => {
+                    Some(crate::handoff::lmcache::tools::ToolParser::parse_name(name).ok_or_else(|| {
+                        err(
+                            "lmcache.tool_call_parser",
+                            format!(
+                                "{name:?} is not one of {}",
+                                crate::handoff::lmcache::tools::ToolParser::NAMES.join(", ")
+                            ),
+                        )
+                    })?)
+                }
+            },
             plugins: self.plugins.check(base)?,
             tenants: self.admission.tenants.clone(),
             source: None,

@@ -72,6 +72,8 @@ pub struct StartContext {
     pub lmcache: Option<Arc<lmcache::Notifications>>,
     /// `[lmcache] first_token`.
     pub first_token: bool,
+    /// `[lmcache] tool_call_parser`.
+    pub tool_call_parser: Option<lmcache::tools::ToolParser>,
     /// `[dataplane_tls]`: how to reach `native` decoders' ranks when the data plane is authenticated.
     pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
 }

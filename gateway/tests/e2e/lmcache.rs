@@ -317,3 +317,94 @@ health_check_interval_ms = 50
     decode.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Tools in `lmcache` mode: the gateway renders them into the prompt with the model's own template
+/// (the prefiller gets the ids of the chat with its tools, as the gateway's tokenizer renders it)
+/// and parses the calls out of the decoder's text (`[lmcache] tool_call_parser`); a streamed
+/// answer comes in one piece, a well-formed SSE stream. Without a parser the request is refused
+/// naming the setting; `tool_choice = "required"` is refused (it needs guided decoding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_are_rendered_into_the_prompt_and_their_calls_parsed() {
+    use baton_gateway::api::{Endpoint, GenRequest};
+    use baton_gateway::handoff::lmcache::tools::ToolParser;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3");
+    let tok = Arc::new(
+        baton_gateway::tokenize::Tokenizer::load(
+            &dir.join("tokenizer.json"),
+            Some(&dir.join("tokenizer_config.json")),
+        )
+        .expect("run scripts/fetch-tokenizers"),
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let chat = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "max_tokens": 6});
+    let setup = |parser| GatewaySetup {
+        tokenizer: Some(Arc::clone(&tok)),
+        tool_call_parser: parser,
+        ..GatewaySetup::default()
+    };
+
+    let d = lmcache_demo(1, 64, FaultConfig::default(), setup(None)).await;
+    let (s, b) = http(d.addr, "/v1/chat/completions", Some(&chat)).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("tools")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("[lmcache] tool_call_parser"), "{v}");
+    d.shutdown().await;
+
+    let d = lmcache_demo(1, 64, FaultConfig::default(), setup(Some(ToolParser::Hermes))).await;
+    let (s, b) = http(d.addr, "/v1/chat/completions", Some(&chat)).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "no call in the simulator's text: {v}");
+    // The prefiller got the chat with its tools, rendered by the model's template.
+    let want =
+        tok.token_ids(&GenRequest::parse(Endpoint::Chat, chat.to_string().as_bytes()).unwrap()).unwrap();
+    let without = tok
+        .token_ids(
+            &GenRequest::parse(Endpoint::Chat, json!({"messages": chat["messages"]}).to_string().as_bytes())
+                .unwrap(),
+        )
+        .unwrap();
+    assert!(want.len() > without.len() + 20, "the template rendered the tools");
+    let prefilled = d
+        .engines
+        .iter()
+        .flat_map(|e| e.engine.received().as_array().cloned().unwrap_or_default())
+        .find(|r| r["body"]["max_tokens"] == 1 && r["body"].get("kv_transfer_params").is_some());
+    let prefilled = prefilled.expect("the prefill leg");
+    let got: Vec<u32> = prefilled["body"]["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| u32::try_from(i.as_u64().unwrap()).unwrap())
+        .collect();
+    assert_eq!(got, want, "the prefiller's ids are the chat with its tools");
+    assert!(prefilled["body"].get("tools").is_none(), "tools are not sent to the completions leg");
+    // Streamed: one piece, a stream a client can read to [DONE].
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (s, b) = http(d.addr, "/v1/chat/completions", Some(&streamed)).await;
+    let text = String::from_utf8_lossy(&b);
+    assert_eq!(s, 200, "{text}");
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant", "{text}");
+    assert!(events[1]["choices"][0]["delta"]["content"].is_string(), "{text}");
+    assert!(events[1]["choices"][0]["finish_reason"].is_string(), "{text}");
+    assert!(events.last().unwrap()["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{text}");
+    // Forcing a call needs guided decoding.
+    let mut forced = chat.clone();
+    forced["tool_choice"] = json!("required");
+    let (s, b) = http(d.addr, "/v1/chat/completions", Some(&forced)).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("tool_choice")), "{v}");
+    assert_lmcache_clean(&d, true).await;
+    d.shutdown().await;
+}

@@ -21,6 +21,7 @@
 pub mod keys;
 pub mod notify;
 mod shape;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -87,6 +88,8 @@ pub struct Lmcache {
     pub first_token: bool,
     /// Drains sent so the decoder frees PD-buffer chunks of requests that never decoded.
     pub drains: Arc<Drains>,
+    /// How tool calls are read out of the decoder's text (`[lmcache] tool_call_parser`).
+    pub tool_parser: Option<tools::ToolParser>,
 }
 
 impl PoolKeys for Keys {
@@ -134,6 +137,7 @@ impl ModeSpec for Lmcache {
             chunk_tokens: lm.chunk_size,
             first_token: ctx.first_token,
             drains: Arc::default(),
+            tool_parser: ctx.tool_call_parser,
         }))
     }
 
@@ -293,6 +297,13 @@ struct PrefillOut {
 }
 
 /// Whether the answer can start with the prefiller's first token: only for one choice without
+/// A chat whose tools the model may call (`tools` given, `tool_choice` not `none`).
+fn with_tools(req: &GenRequest) -> bool {
+    req.endpoint == Endpoint::Chat
+        && req.raw.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty())
+        && req.raw.get("tool_choice").and_then(Value::as_str) != Some("none")
+}
+
 /// logprobs (the prefiller samples one sequence and scores nothing the client asked for).
 fn first_token_usable(req: &GenRequest) -> bool {
     let n = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1);
@@ -348,11 +359,15 @@ impl Lmcache {
         }
         let remaining = client_max.map(|n| n.saturating_sub(extra));
         let omit = if remaining.is_some() { DECODE_OMIT } else { DECODE_OMIT_UNCOUNTED };
-        let mut decode_body = over.body(&decode_ids, omit, true).set("stream", &req.fields.stream);
+        // With tools the answer is parsed whole (a call is known once its text has ended): the
+        // decode is not streamed, and a streamed answer is sent in one piece at its end.
+        let parse = self.tool_parser.filter(|_| with_tools(req));
+        let stream_decode = req.fields.stream && parse.is_none();
+        let mut decode_body = over.body(&decode_ids, omit, true).set("stream", &stream_decode);
         if let Some(n) = remaining {
             decode_body = decode_body.set("max_tokens", &n.max(1));
         }
-        if req.fields.stream {
+        if stream_decode {
             decode_body = decode_body.set("stream_options", &json!({"include_usage": true}));
         }
         let prefix = if req.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
@@ -374,18 +389,25 @@ impl Lmcache {
             finished_early: remaining == Some(0),
         };
 
-        if req.fields.stream {
+        if stream_decode {
             let opening = Opening { chat: req.endpoint == Endpoint::Chat, choices, first_text: &first_text };
             return Ok(self.streamed(ctx, holding, shaper, opening, include_usage, timing).await);
         }
         let decoded = ctx.whole(&mut holding, timing).await?;
         timing.mark(Phase::Decode);
-        let body = shaper.full(decoded.as_ref(), &first_text);
-        let mut r = Response::new(
-            Full::new(Bytes::from(body.to_string())).map_err(|e| -> BoxError { match e {} }).boxed(),
-        );
-        r.headers_mut()
-            .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+        let mut body = shaper.full(decoded.as_ref(), &first_text);
+        if let Some(p) = parse {
+            tools::apply(p, &mut body, &req_id);
+        }
+        let (bytes, kind) = if req.fields.stream {
+            let chunks: Vec<Bytes> = shaper.stream_whole(&body, include_usage);
+            (chunks.concat(), "text/event-stream")
+        } else {
+            (body.to_string().into_bytes(), "application/json")
+        };
+        let mut r =
+            Response::new(Full::new(Bytes::from(bytes)).map_err(|e| -> BoxError { match e {} }).boxed());
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(kind));
         Ok(r)
     }
 }
@@ -488,17 +510,28 @@ impl Handoff for Lmcache {
     }
 
     fn accepts(&self, req: &GenRequest) -> Result<(), GatewayError> {
-        // vLLM parses tool calls only on its chat endpoint, and LMCache's PD decode runs on
-        // completions over token ids: the calls would come back as plain text.
-        if req.endpoint == Endpoint::Chat
-            && req.raw.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty())
-        {
+        // LMCache's PD decode runs on completions over token ids, where vLLM parses no tool
+        // calls: the gateway renders the tools into the prompt and parses the calls out of the
+        // answer itself, with the parser the model's template needs.
+        if !with_tools(req) {
+            return Ok(());
+        }
+        if self.tool_parser.is_none() {
             return Err(GatewayError::invalid(
                 "tools",
-                "tool calls are not served by this model's lmcache pool (its decode runs on /v1/completions)",
+                "tool calls are not served by this model's lmcache pool: its decode runs on /v1/completions, \
+                 so the gateway parses the calls, and [lmcache] tool_call_parser (hermes, llama3_json) is not set",
             ));
         }
-        Ok(())
+        // `required` and a named function need guided decoding, which completions over ids lack.
+        match req.raw.get("tool_choice") {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(s)) if s == "auto" || s == "none" => Ok(()),
+            Some(_) => Err(GatewayError::invalid(
+                "tool_choice",
+                "only \"auto\" and \"none\" are served by this model's lmcache pool (forcing a call needs guided decoding)",
+            )),
+        }
     }
 
     fn run<'a>(&'a self, leg: Leg<'a>) -> BoxFuture<'a, Result<Response<RespBody>, GatewayError>> {

@@ -145,6 +145,44 @@ impl Shaper {
     }
 }
 
+impl Shaper {
+    /// A whole chat answer as a stream (the answer with tool calls, parsed once it has ended):
+    /// the role, each choice's content and tool calls in one delta with its finish reason, the
+    /// usage when asked, `[DONE]`.
+    pub(super) fn stream_whole(&self, full: &Value, include_usage: bool) -> Vec<Bytes> {
+        let choices = full.get("choices").and_then(Value::as_array).cloned().unwrap_or_default();
+        let mut out = vec![sse(&self.role_chunk(choices.len() as u64))];
+        for c in &choices {
+            let mut delta = serde_json::Map::new();
+            if let Some(text) = c.pointer("/message/content").and_then(Value::as_str) {
+                delta.insert("content".into(), json!(text));
+            }
+            if let Some(calls) = c.pointer("/message/tool_calls").and_then(Value::as_array) {
+                let indexed: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, call)| {
+                        let mut call = call.clone();
+                        call["index"] = json!(i);
+                        call
+                    })
+                    .collect();
+                delta.insert("tool_calls".into(), Value::Array(indexed));
+            }
+            let choice = json!({"index": c["index"], "delta": delta, "logprobs": c["logprobs"],
+                                "finish_reason": c["finish_reason"]});
+            out.push(sse(&self.envelope(vec![choice], true)));
+        }
+        if include_usage {
+            let mut v = self.envelope(Vec::new(), true);
+            v["usage"] = full["usage"].clone();
+            out.push(sse(&v));
+        }
+        out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        out
+    }
+}
+
 pub(super) fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
@@ -185,5 +223,43 @@ mod tests {
         assert_eq!(v["choices"][1]["finish_reason"], "stop");
         assert_eq!(v["choices"][1]["logprobs"]["content"][0]["token"], "y");
         assert_eq!(v["usage"]["total_tokens"], 5);
+    }
+
+    /// A chat answer with tool calls, parsed (hermes) and streamed in one piece: the calls in the
+    /// message with ids, no content left, `finish_reason` `tool_calls`; the stream's delta carries
+    /// them indexed, then the usage and `[DONE]`.
+    #[test]
+    fn tool_calls_parsed_whole_and_streamed_in_one_piece() {
+        let s = Shaper {
+            ep: Endpoint::Chat,
+            id: "chatcmpl-1".into(),
+            model: json!("m"),
+            created: 0,
+            prompt_tokens: 3,
+            extra: 0,
+        };
+        let text =
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let decoded = json!({"choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "stop"}],
+                             "usage": {"completion_tokens": 9}});
+        let mut full = s.full(Some(&decoded), "");
+        super::super::tools::apply(super::super::tools::ToolParser::Hermes, &mut full, "baton-7");
+        let m = &full["choices"][0]["message"];
+        assert_eq!(m["content"], Value::Null, "{full}");
+        assert_eq!(
+            m["tool_calls"][0]["function"],
+            json!({"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"})
+        );
+        assert_eq!(m["tool_calls"][0]["id"], "chatcmpl-tool-7-0-0");
+        assert_eq!(full["choices"][0]["finish_reason"], "tool_calls");
+        let chunks: Vec<String> =
+            s.stream_whole(&full, true).iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
+        assert_eq!(chunks.len(), 4, "{chunks:?}");
+        let delta: Value = serde_json::from_str(chunks[1].trim().trim_start_matches("data: ")).unwrap();
+        assert_eq!(delta["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        assert_eq!(delta["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(delta["choices"][0]["finish_reason"], "tool_calls");
+        assert!(chunks[2].contains("\"total_tokens\":12"), "{}", chunks[2]);
+        assert_eq!(chunks[3], "data: [DONE]\n\n");
     }
 }
