@@ -458,8 +458,12 @@ impl Control {
         let at = parse_addr(address)?;
         let limit = Duration::from_millis(timeout_ms);
         let tls = tls_client(tls_ca, tls_cert, tls_key, server_name)?;
-        let c = block_on(py, limit, ControlClient::connect_with(at, tls.as_ref(), geometry.inner.fingerprint(), rank))?
-            .map_err(|e| transport(e, TransportError::new_err))?;
+        let c = block_on(
+            py,
+            limit,
+            ControlClient::connect_with(at, tls.as_ref(), geometry.inner.fingerprint(), rank),
+        )?
+        .map_err(|e| transport(e, TransportError::new_err))?;
         Ok(Self { inner: Mutex::new(Some(c)), timeout: limit })
     }
 
