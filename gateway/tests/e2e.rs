@@ -1235,7 +1235,9 @@ mod real_tokenizers {
             let msg = v["error"]["message"].as_str().unwrap();
             assert!(msg.contains("maximum context length is 512 tokens, the prompt has at least"), "{msg}");
             eprintln!("{path}: 3.6 MB refused in {took:?}");
-            assert!(took < std::time::Duration::from_millis(50), "{path}: refused in {took:?}");
+            // Without the bound it takes seconds; the release figure (under 50 ms) is
+            // gateway/benches/oversized.rs's, and this debug build beside other tests gets room.
+            assert!(took < std::time::Duration::from_millis(500), "{path}: refused in {took:?}");
         }
         // Within the bound, the count decides as before.
         let (s, b) = http(

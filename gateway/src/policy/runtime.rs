@@ -323,3 +323,14 @@ fn view_of<W: World>(p: &Plugin<W>) -> Value {
         "reloads": s.reloads.load(Ordering::Relaxed), "reload_failures": s.reload_failures.load(Ordering::Relaxed),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    /// The id is what `docs/plugins.md` tells an operator to compute:
+    /// `printf 'baton tenant id v1\0%s' "$TOKEN" | sha256sum | cut -c1-16`.
+    #[test]
+    fn an_unlisted_tokens_tenant_is_the_documented_hash() {
+        assert_eq!(super::opaque_tenant("sk-example"), "anon-6b54fab4856cfe3e");
+        assert_ne!(super::opaque_tenant("sk-other"), super::opaque_tenant("sk-example"));
+    }
+}

@@ -11,14 +11,18 @@
 //! - Unicode normalizers and lowercasing shrink a text by less than [`SHRINK`] (the worst known:
 //!   the Kelvin sign, three bytes, lowercases to `k`; three Hangul jamo compose into one syllable);
 //! - normalizers that strip or remove characters (`Strip`, `StripAccents`, `BertNormalizer`,
-//!   SentencePiece's `Precompiled` map), pre-tokenizers that drop whitespace or delimiters, and
-//!   models that fuse unknown characters into one token (`fuse_unk`, WordPiece, Unigram) have no
+//!   SentencePiece's `Precompiled` map), pre-tokenizers that drop whitespace or delimiters, added
+//!   tokens that take the whitespace beside them (`lstrip`, `rstrip`), BPE models that drop
+//!   characters they do not know (no byte-level alphabet, no byte fallback, no unknown token) or
+//!   fuse them into one token (`fuse_unk` without byte fallback), WordPiece and Unigram have no
 //!   such bound: for them the bound is off and the text is tokenized as before.
 
 use serde_json::Value;
 
 /// How much a Unicode normalizer (NFC, NFKC, NFD, NFKD) or `Lowercase` may shrink a text, at
-/// most, in UTF-8 bytes (three to one is the worst case known; one more for safety).
+/// most, in UTF-8 bytes: a four-byte character mapped to a one-byte one (NFKC: U+1D400 `𝐀` → `A`)
+/// is the most one character can shrink, and composing characters shrinks less (three Hangul
+/// jamo, nine bytes, into one three-byte syllable). Normalizers in sequence multiply.
 pub const SHRINK: usize = 4;
 
 /// Bytes of text one token may stand for at most, if the tokenizer has such a bound.
@@ -33,8 +37,10 @@ impl Bound {
         let json: Value = serde_json::from_str(&tok.to_string(false).map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
         let shrink = normalizer_shrink(json.get("normalizer").unwrap_or(&Value::Null))?;
-        pre_tokenizer_keeps(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
-        model_keeps(json.get("model").unwrap_or(&Value::Null))?;
+        let pre = json.get("pre_tokenizer").unwrap_or(&Value::Null);
+        pre_tokenizer_keeps(pre)?;
+        model_keeps(json.get("model").unwrap_or(&Value::Null), byte_level(pre))?;
+        added_tokens_keep(json.get("added_tokens").unwrap_or(&Value::Null))?;
         let longest = tok.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
         Ok(Self { bytes_per_token: longest.saturating_mul(shrink) })
     }
@@ -92,19 +98,52 @@ fn pre_tokenizer_keeps(p: &Value) -> Result<(), String> {
     }
 }
 
-/// Whether the model gives each piece of text its own tokens (no unknowns fused into one).
-fn model_keeps(m: &Value) -> Result<(), String> {
+/// Whether a pre-tokenizer maps the text to bytes (`ByteLevel`, alone or in a sequence): its BPE
+/// then has a token for every byte, and no character is unknown.
+fn byte_level(p: &Value) -> bool {
+    match kind(p) {
+        "ByteLevel" => true,
+        "Sequence" => {
+            p.get("pretokenizers").and_then(Value::as_array).is_some_and(|all| all.iter().any(byte_level))
+        }
+        _ => false,
+    }
+}
+
+/// Whether the model gives each piece of text tokens of its own: every character known (a
+/// byte-level alphabet, or byte fallback's `<0xNN>` tokens), or an unknown one standing for one
+/// character each (an unknown token, not fused). A BPE with neither drops what it does not know;
+/// fused unknowns stand one token for any run of them.
+fn model_keeps(m: &Value, byte_level: bool) -> Result<(), String> {
     match kind(m) {
         "BPE" => {
-            let fuses = m.get("fuse_unk").and_then(Value::as_bool).unwrap_or(false)
-                && !m.get("unk_token").is_none_or(Value::is_null);
-            if fuses {
+            let flag = |k: &str| m.get(k).and_then(Value::as_bool).unwrap_or(false);
+            let unk = !m.get("unk_token").is_none_or(Value::is_null);
+            if byte_level || flag("byte_fallback") || (unk && !flag("fuse_unk")) {
+                Ok(())
+            } else if unk {
                 Err("the BPE model fuses unknown characters into one token".to_owned())
             } else {
-                Ok(())
+                Err("the BPE model drops characters it does not know".to_owned())
             }
         }
         other => Err(format!("the {other} model may stand one token for a whole unknown word")),
+    }
+}
+
+/// Whether the added tokens match only their own text: one that strips the whitespace beside it
+/// (`lstrip`, `rstrip`) stands for any run of spaces as well.
+fn added_tokens_keep(added: &Value) -> Result<(), String> {
+    let strips = |t: &&Value| {
+        t.get("lstrip").and_then(Value::as_bool).unwrap_or(false)
+            || t.get("rstrip").and_then(Value::as_bool).unwrap_or(false)
+    };
+    match added.as_array().and_then(|all| all.iter().find(strips)) {
+        Some(t) => Err(format!(
+            "the added token {:?} takes the whitespace beside it",
+            t.get("content").and_then(Value::as_str).unwrap_or_default()
+        )),
+        None => Ok(()),
     }
 }
 
@@ -137,9 +176,22 @@ mod tests {
         assert_eq!(pre_tokenizer_keeps(&llama3), Ok(()));
         assert!(pre_tokenizer_keeps(&json!({"type": "Whitespace"})).is_err());
         assert!(pre_tokenizer_keeps(&json!({"type": "Split", "behavior": "Removed"})).is_err());
-        assert_eq!(model_keeps(&json!({"type": "BPE", "fuse_unk": false, "unk_token": null})), Ok(()));
-        assert!(model_keeps(&json!({"type": "BPE", "fuse_unk": true, "unk_token": "<unk>"})).is_err());
-        assert!(model_keeps(&json!({"type": "WordPiece"})).is_err());
+        // Byte-level BPE (Llama 3, Qwen): every byte is a token.
+        assert_eq!(model_keeps(&json!({"type": "BPE", "fuse_unk": false, "unk_token": null}), true), Ok(()));
+        assert!(byte_level(&llama3));
+        // SentencePiece-converted (Llama 2, Mistral): unknowns fused, but byte fallback covers all.
+        let sp = json!({"type": "BPE", "fuse_unk": true, "byte_fallback": true, "unk_token": "<unk>"});
+        assert_eq!(model_keeps(&sp, false), Ok(()));
+        assert!(model_keeps(&json!({"type": "BPE", "fuse_unk": true, "unk_token": "<unk>"}), false).is_err());
+        assert!(model_keeps(&json!({"type": "BPE", "unk_token": null}), false).is_err(), "drops unknowns");
+        assert_eq!(model_keeps(&json!({"type": "BPE", "unk_token": "<unk>"}), false), Ok(()));
+        assert!(model_keeps(&json!({"type": "WordPiece"}), false).is_err());
+        // RoBERTa's <mask> takes the spaces before it.
+        assert!(added_tokens_keep(&json!([{"content": "<mask>", "lstrip": true, "rstrip": false}])).is_err());
+        assert_eq!(
+            added_tokens_keep(&json!([{"content": "<|eot_id|>", "lstrip": false, "rstrip": false}])),
+            Ok(())
+        );
         assert_eq!(Bound { bytes_per_token: 128 }.min_tokens(129), 2);
         assert_eq!(Bound { bytes_per_token: 128 }.min_tokens(0), 0);
     }

@@ -62,8 +62,13 @@ impl Pool {
         let permit = match Arc::clone(&self.permits).try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.max_waiting {
-                    self.waiting.fetch_sub(1, Ordering::Relaxed);
+                // A place in the line, taken only when there is one (a refused request never
+                // counts itself, so it cannot make another's refusal spurious).
+                let max = self.max_waiting;
+                let placed = self
+                    .waiting
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < max).then_some(n + 1));
+                if placed.is_err() {
                     self.refused.fetch_add(1, Ordering::Relaxed);
                     return Err(GatewayError::TokenizerBusy { limit: self.threads + self.max_waiting });
                 }

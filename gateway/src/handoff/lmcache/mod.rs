@@ -296,7 +296,6 @@ struct PrefillOut {
     model: Value,
 }
 
-/// Whether the answer can start with the prefiller's first token: only for one choice without
 /// A chat whose tools the model may call (`tools` given, `tool_choice` not `none`).
 fn with_tools(req: &GenRequest) -> bool {
     req.endpoint == Endpoint::Chat
@@ -304,6 +303,7 @@ fn with_tools(req: &GenRequest) -> bool {
         && req.raw.get("tool_choice").and_then(Value::as_str) != Some("none")
 }
 
+/// Whether the answer can start with the prefiller's first token: only for one choice without
 /// logprobs (the prefiller samples one sequence and scores nothing the client asked for).
 fn first_token_usable(req: &GenRequest) -> bool {
     let n = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1);
@@ -369,6 +369,11 @@ impl Lmcache {
         }
         if stream_decode {
             decode_body = decode_body.set("stream_options", &json!({"include_usage": true}));
+        }
+        // `<tool_call>` is a special token in some models (Hermes 2 Pro): kept in the text so the
+        // calls can be found, as vLLM's hermes parser asks of its engine.
+        if parse == Some(tools::ToolParser::Hermes) {
+            decode_body = decode_body.set("skip_special_tokens", &false);
         }
         let prefix = if req.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let shaper = Shaper {

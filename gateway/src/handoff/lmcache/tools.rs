@@ -10,7 +10,9 @@
 //!   separated by `;`.
 //!
 //! Text that does not parse as a call stays content, whole: a model that answers in prose is not
-//! turned into an error.
+//! turned into an error. Where this parts from vLLM's hermes parser: the text between and after
+//! calls is kept as content too (vLLM keeps only what comes before the first), trimmed, and a call
+//! that does not parse stays text while the others are still calls (vLLM then returns none).
 
 use serde_json::{Value, json};
 
