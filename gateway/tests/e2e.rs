@@ -1659,6 +1659,7 @@ url = "http://10.0.0.1:8000"
 name = "d"
 url = "http://10.0.0.2:8000"
 dataplane = ["10.0.0.2:9000"]
+dataplane_plaintext = true
 "#;
         let key = |k: &str, t: &str| {
             format!(

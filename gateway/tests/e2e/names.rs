@@ -368,17 +368,19 @@ async fn native_mode_reaches_engines_and_ranks_by_name() {
             format!("\"engines.baton.test:{}\"", a.port())
         })
         .collect();
-    let text =
-        super::serve_toml(&prefill, &decode, "", &format!("[resolver]\nnameservers = [\"{}\"]\n", dns.addr))
-            .replace(
-                &format!("http://{}", prefill.addr),
-                &format!("http://engines.baton.test:{}", prefill.addr.port()),
-            )
-            .replace(
-                &format!("http://{}", decode.addr),
-                &format!("http://engines.baton.test:{}", decode.addr.port()),
-            )
-            .replace(&super::toml_ranks(&decode), &ranks.join(", "));
+    // Ranks by name: the gateway cannot know they are on loopback, so plain TCP is said.
+    let text = super::serve_toml(
+        &prefill,
+        &decode,
+        "dataplane_plaintext = true",
+        &format!("[resolver]\nnameservers = [\"{}\"]\n", dns.addr),
+    )
+    .replace(
+        &format!("http://{}", prefill.addr),
+        &format!("http://engines.baton.test:{}", prefill.addr.port()),
+    )
+    .replace(&format!("http://{}", decode.addr), &format!("http://engines.baton.test:{}", decode.addr.port()))
+    .replace(&super::toml_ranks(&decode), &ranks.join(", "));
     assert!(!text.contains(&decode.addr.to_string()) && !text.contains(&prefill.addr.to_string()), "{text}");
     let file = dir.join("baton.toml");
     std::fs::write(&file, &text).unwrap();
