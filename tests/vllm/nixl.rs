@@ -319,7 +319,7 @@ pub fn admission_from_vllm_metrics(fleet: &Fleet) -> Result<(), Failed> {
         let _ = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
         // The decoder's usage (one request's blocks) is over the threshold: admission closes.
         let start = Instant::now();
-        while dec.queue.stats().capacity != 1 {
+        while dec.queue.stats().open {
             assert!(
                 start.elapsed() < Duration::from_secs(5),
                 "admission never closed: {:?}",

@@ -96,7 +96,8 @@ impl PoolKeys for Keys {
             return Err(cx.err(
                 "dataplane",
                 format!(
-                    "rank {open} is off loopback and its data plane would be plain TCP, which lets anyone who \
+                    "rank {open} is not on loopback (a name other than localhost may be anywhere) and its data \
+                     plane would be plain TCP, which lets anyone who \
                      reaches it reserve every page, cancel requests and write into their KV: give the pool \
                      mTLS ([decode.dataplane_tls], or [dataplane_tls] for every pool), or set \
                      dataplane_plaintext = true on a network you trust"
