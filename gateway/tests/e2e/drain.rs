@@ -79,6 +79,27 @@ pub(super) fn spawn_with(args: &[&str], stderr: Stdio) -> (Proc, SocketAddr, Soc
     (proc, public.unwrap(), admin.unwrap())
 }
 
+/// `n` streams of `tokens` tokens each, once every one has its headers.
+async fn started_streams(
+    public: SocketAddr,
+    n: usize,
+    tokens: u32,
+) -> Vec<tokio::task::JoinHandle<Result<String, String>>> {
+    let started = Arc::new(AtomicUsize::new(0));
+    let streams: Vec<_> =
+        (0..n).map(|_| tokio::spawn(stream(public, tokens, Arc::clone(&started)))).collect();
+    let t = Instant::now();
+    while started.load(Ordering::SeqCst) < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{} of {n} streams started",
+            started.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    streams
+}
+
 /// A streamed completion: the whole SSE text, or an error once the connection is cut.
 async fn stream(addr: SocketAddr, max_tokens: u32, started: Arc<AtomicUsize>) -> Result<String, String> {
     let s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
@@ -200,13 +221,7 @@ async fn a_drain_timeout_cuts_long_streams_and_releases_everything() {
     let (prefill, decode) = engines(Duration::from_millis(100)).await;
     let dir = tempdir("cut");
     let (mut baton, public, _admin) = serve(&dir, &prefill, &decode, 1_000);
-    let started = Arc::new(AtomicUsize::new(0));
-    let streams: Vec<_> = (0..20).map(|_| tokio::spawn(stream(public, 100, Arc::clone(&started)))).collect();
-    let t = Instant::now();
-    while started.load(Ordering::SeqCst) < 20 {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let streams = started_streams(public, 20, 100).await;
     let signalled = Instant::now();
     baton.term();
     // The drain timeout, then at most RELEASE_WAIT for slots, then the admin listener.
@@ -237,13 +252,7 @@ async fn a_second_signal_stops_at_once_with_130_and_leaks_nothing() {
     let (prefill, decode) = engines(Duration::from_millis(100)).await;
     let dir = tempdir("twice");
     let (mut baton, public, admin) = serve(&dir, &prefill, &decode, 20_000);
-    let started = Arc::new(AtomicUsize::new(0));
-    let streams: Vec<_> = (0..20).map(|_| tokio::spawn(stream(public, 100, Arc::clone(&started)))).collect();
-    let t = Instant::now();
-    while started.load(Ordering::SeqCst) < 20 {
-        assert!(t.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let streams = started_streams(public, 20, 100).await;
     baton.term();
     let t = Instant::now();
     while get(admin, "/ready").await != Ok(503) {

@@ -450,6 +450,37 @@ async fn tls_front_with(
     addr
 }
 
+/// `baton serve` in front of `prefill` and `decode` reached as `https://engines.baton.test` through
+/// their TLS fronts, names from `dns`, `[engine_tls]` as given; one completion sent: the serving
+/// gateway, the status and body, and how many requests the prefiller received.
+#[allow(clippy::too_many_arguments)]
+async fn through_fronts(
+    dir: &Path,
+    prefill: &baton_sim::Running,
+    decode: &baton_sim::Running,
+    dns: &Dns,
+    fronts: (SocketAddr, SocketAddr),
+    engine_tls: &str,
+) -> (baton_gateway::serve::Serving, u16, Bytes, usize) {
+    let before = prefill.engine.received().as_array().unwrap().len();
+    let text = super::serve_toml(
+        prefill,
+        decode,
+        "",
+        &format!("[resolver]\nnameservers = [\"{}\"]\n\n[engine_tls]\n{engine_tls}", dns.addr),
+    )
+    .replace(&format!("http://{}", prefill.addr), &format!("https://engines.baton.test:{}", fronts.0.port()))
+    .replace(&format!("http://{}", decode.addr), &format!("https://engines.baton.test:{}", fronts.1.port()));
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, &text).unwrap();
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let (s, b) =
+        super::http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": "hello", "max_tokens": 3})))
+            .await;
+    let received = prefill.engine.received().as_array().unwrap().len() - before;
+    (serving, s, b, received)
+}
+
 /// `https://` engines by name: served with `[engine_tls] ca` naming the CA of their certificates;
 /// the same engines with a CA that did not sign them are refused at the handshake (502).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -463,31 +494,15 @@ async fn https_engines_are_verified_against_the_configured_ca() {
     std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
     std::fs::write(dir.join("other-ca.pem"), Ca::new("another CA").pem).unwrap();
     for (ca_file, trusted) in [("ca.pem", true), ("other-ca.pem", false)] {
-        let before = prefill.engine.received().as_array().unwrap().len();
-        let text = super::serve_toml(
+        let (serving, s, b, received) = through_fronts(
+            &dir,
             &prefill,
             &decode,
-            "",
-            &format!("[resolver]\nnameservers = [\"{}\"]\n\n[engine_tls]\nca = \"{ca_file}\"\n", dns.addr),
-        )
-        .replace(
-            &format!("http://{}", prefill.addr),
-            &format!("https://engines.baton.test:{}", p_front.port()),
-        )
-        .replace(
-            &format!("http://{}", decode.addr),
-            &format!("https://engines.baton.test:{}", d_front.port()),
-        );
-        let file = dir.join("baton.toml");
-        std::fs::write(&file, &text).unwrap();
-        let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
-        let (s, b) = super::http(
-            serving.addrs[0],
-            "/v1/completions",
-            Some(&json!({"prompt": "hello", "max_tokens": 3})),
+            &dns,
+            (p_front, d_front),
+            &format!("ca = \"{ca_file}\"\n"),
         )
         .await;
-        let received = prefill.engine.received().as_array().unwrap().len() - before;
         if trusted {
             assert_eq!(s, 200, "CA {ca_file}: {}", String::from_utf8_lossy(&b));
             assert_eq!(received, 1);
@@ -526,34 +541,15 @@ async fn engines_that_require_client_certificates_get_the_gateways() {
         ("cert = \"other.pem\"\nkey = \"other.key\"\n", false),
         ("", false),
     ] {
-        let before = prefill.engine.received().as_array().unwrap().len();
-        let text = super::serve_toml(
+        let (serving, s, b, received) = through_fronts(
+            &dir,
             &prefill,
             &decode,
-            "",
-            &format!(
-                "[resolver]\nnameservers = [\"{}\"]\n\n[engine_tls]\nca = \"ca.pem\"\n{client}",
-                dns.addr
-            ),
-        )
-        .replace(
-            &format!("http://{}", prefill.addr),
-            &format!("https://engines.baton.test:{}", p_front.port()),
-        )
-        .replace(
-            &format!("http://{}", decode.addr),
-            &format!("https://engines.baton.test:{}", d_front.port()),
-        );
-        let file = dir.join("baton.toml");
-        std::fs::write(&file, &text).unwrap();
-        let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
-        let (s, b) = super::http(
-            serving.addrs[0],
-            "/v1/completions",
-            Some(&json!({"prompt": "hello", "max_tokens": 3})),
+            &dns,
+            (p_front, d_front),
+            &format!("ca = \"ca.pem\"\n{client}"),
         )
         .await;
-        let received = prefill.engine.received().as_array().unwrap().len() - before;
         if served {
             assert_eq!(s, 200, "{client}: {}", String::from_utf8_lossy(&b));
             assert_eq!(received, 1);

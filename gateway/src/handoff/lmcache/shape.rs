@@ -204,16 +204,20 @@ mod tests {
         assert_eq!(c["content"][1]["logprob"], -1.0);
     }
 
-    #[test]
-    fn every_choice_is_kept_in_the_chat_shape() {
-        let s = Shaper {
+    fn chat_shaper() -> Shaper {
+        Shaper {
             ep: Endpoint::Chat,
             id: "chatcmpl-1".into(),
             model: json!("m"),
             created: 0,
             prompt_tokens: 3,
             extra: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn every_choice_is_kept_in_the_chat_shape() {
+        let s = chat_shaper();
         let decoded = json!({"choices": [
             {"index": 0, "text": "x", "logprobs": null, "finish_reason": "length"},
             {"index": 1, "text": "y", "logprobs": {"tokens": ["y"], "token_logprobs": [-1.0], "top_logprobs": [{}]}, "finish_reason": "stop"}],
@@ -230,14 +234,7 @@ mod tests {
     /// them indexed, then the usage and `[DONE]`.
     #[test]
     fn tool_calls_parsed_whole_and_streamed_in_one_piece() {
-        let s = Shaper {
-            ep: Endpoint::Chat,
-            id: "chatcmpl-1".into(),
-            model: json!("m"),
-            created: 0,
-            prompt_tokens: 3,
-            extra: 0,
-        };
+        let s = chat_shaper();
         let text =
             "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
         let decoded = json!({"choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "stop"}],
