@@ -196,7 +196,7 @@ pub struct LmcacheGateway {
     pub first_token: bool,
     /// How tool calls are read out of the decoder's text (vLLM's `--tool-call-parser` names:
     /// `hermes`, `llama3_json`); without it a chat with `tools` is refused by `lmcache` pools.
-    pub tool_call_parser: Option<String>,
+    pub tool_call_parser: Option<crate::handoff::lmcache::tools::ToolParser>,
 }
 
 fn yes() -> bool {
@@ -622,20 +622,7 @@ impl Config {
             trace: self.telemetry.trace()?,
             lmcache_listen: self.lmcache.as_ref().map(|l| l.notify_listen),
             first_token: self.lmcache.as_ref().is_none_or(|l| l.first_token),
-            tool_call_parser: match self.lmcache.as_ref().and_then(|l| l.tool_call_parser.as_deref()) {
-                None => None,
-                Some(name) => {
-                    Some(crate::handoff::lmcache::tools::ToolParser::parse_name(name).ok_or_else(|| {
-                        err(
-                            "lmcache.tool_call_parser",
-                            format!(
-                                "{name:?} is not one of {}",
-                                crate::handoff::lmcache::tools::ToolParser::NAMES.join(", ")
-                            ),
-                        )
-                    })?)
-                }
-            },
+            tool_call_parser: self.lmcache.as_ref().and_then(|l| l.tool_call_parser),
             plugins: self.plugins.check(base)?,
             tenants: self.admission.tenants.clone(),
             source: None,

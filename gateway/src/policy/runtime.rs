@@ -84,11 +84,8 @@ pub fn prefix_hash(ids: &[u32]) -> u32 {
 /// itself cannot be read back from it (a guessable token could be confirmed by hashing guesses:
 /// name tenants with `[auth]` keys or `[admission.tenants]`).
 pub fn opaque_tenant(token: &str) -> String {
-    use sha2::Digest;
-    let digest =
-        sha2::Sha256::new().chain_update(b"baton tenant id v1\0").chain_update(token.as_bytes()).finalize();
-    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
-    format!("anon-{hex}")
+    let hex = crate::auth::sha256_hex(&[b"baton tenant id v1\0".as_slice(), token.as_bytes()].concat());
+    format!("anon-{}", &hex[..16])
 }
 
 /// `[admission.tenants]`: a bearer token's tenant name, for the plugins and the token metrics;

@@ -246,13 +246,10 @@ impl Tokenizer {
     /// `ContextLength` (a lower bound, `at_least`) when `text` cannot fit `limit` tokens whatever it
     /// says ([`bound`]); `param` names the field that holds it. Takes a division, not a tokenizer.
     pub fn refuse_beyond(&self, text: &str, limit: u64, param: &'static str) -> Result<(), GatewayError> {
-        match self.bound() {
-            Some(b) if b.min_tokens(text.len()) > limit => Err(GatewayError::ContextLength {
-                tokens: b.min_tokens(text.len()),
-                limit,
-                param,
-                at_least: true,
-            }),
+        match self.bound().map(|b| b.min_tokens(text.len())) {
+            Some(tokens) if tokens > limit => {
+                Err(GatewayError::ContextLength { tokens, limit, param, at_least: true })
+            }
             _ => Ok(()),
         }
     }

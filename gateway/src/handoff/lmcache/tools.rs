@@ -16,24 +16,16 @@
 
 use serde_json::{Value, json};
 
-/// A parser, by vLLM's name for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A parser, by vLLM's name for it (`[lmcache] tool_call_parser`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ToolParser {
     Hermes,
+    #[serde(rename = "llama3_json")]
     Llama3Json,
 }
 
 impl ToolParser {
-    pub const NAMES: &'static [&'static str] = &["hermes", "llama3_json"];
-
-    pub fn parse_name(name: &str) -> Option<Self> {
-        match name {
-            "hermes" => Some(Self::Hermes),
-            "llama3_json" => Some(Self::Llama3Json),
-            _ => None,
-        }
-    }
-
     /// The content left and the calls found in `text`.
     pub fn parse(self, text: &str) -> (Option<String>, Vec<Call>) {
         match self {
@@ -191,7 +183,9 @@ mod tests {
         assert_eq!(p.parse("The weather is fine."), (Some("The weather is fine.".into()), vec![]));
         let not_a_call = "{\"answer\": 42}";
         assert_eq!(p.parse(not_a_call), (Some(not_a_call.into()), vec![]));
-        assert_eq!(ToolParser::parse_name("hermes"), Some(ToolParser::Hermes));
-        assert_eq!(ToolParser::parse_name("mistral"), None);
+        let named = |n: &str| serde_json::from_value::<ToolParser>(json!(n)).ok();
+        assert_eq!(named("hermes"), Some(ToolParser::Hermes));
+        assert_eq!(named("llama3_json"), Some(ToolParser::Llama3Json));
+        assert_eq!(named("mistral"), None);
     }
 }
