@@ -89,11 +89,10 @@ pub struct Leg<'a> {
     pub slots: Option<SlotGuard>,
     /// The phases so far; the mode marks its own.
     pub timing: &'a mut Timing,
-    /// Send the request to the decoder alone, no prefill leg: it holds nearly all of the prompt
-    /// in its KV cache and computes the rest itself. Set only where [`Handoff::serves_alone`].
-    pub alone: bool,
     /// The prompt's tokens counted in the routed prefiller's pending work: the mode drops it when
-    /// the prefill leg has answered (`None` when alone).
+    /// the prefill leg has answered. `None`: the request goes to the decoder alone, no prefill leg
+    /// (it holds nearly all of the prompt in its KV cache and computes the rest itself; only
+    /// where [`Handoff::serves_alone`]).
     pub work: Option<crate::routing::Work>,
 }
 

@@ -172,7 +172,8 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, alone, work, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, work, .. } = leg;
+        let alone = work.is_none();
         let path = req.endpoint.path();
         if alone {
             // The decoder holds nearly all of the prompt: the client's request as it came, with no

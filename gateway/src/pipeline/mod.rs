@@ -798,9 +798,8 @@ impl Gateway {
         timing.note("queue", move || {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
-        let alone = prefills.is_none();
         let (prefills, work) = prefills.map_or((&[][..], None), |(p, w)| (p, Some(w)));
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, alone, work }).await
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

@@ -53,8 +53,8 @@ impl Default for CacheParams {
 impl CacheParams {
     /// The most load (in requests) a candidate may carry and still be chosen for its cache.
     pub fn guard_limit(&self, least: u32) -> u32 {
-        let by_ratio = u64::from(least) * u64::from(self.guard_ratio_pct) / 100;
-        u32::try_from(by_ratio).unwrap_or(u32::MAX).max(least.saturating_add(self.guard_slack))
+        // A request is one prompt's worth of load: the token guard with prompts of one token.
+        u32::try_from(self.guard_limit_tokens(u64::from(least), 1)).unwrap_or(u32::MAX)
     }
 
     /// The most pending work (tokens) a prefiller may have and still be chosen for its cache,
@@ -76,7 +76,7 @@ impl CacheParams {
     /// The prefiller with the lowest [`CacheParams::prefill_cost`] among `candidates` within the
     /// token guard (ties: the least pending work, then fewest in flight, then the first).
     fn pick_prefill(&self, candidates: &[usize], p: &PrefillView, prompt_tokens: u32) -> Option<usize> {
-        let pending = |i: usize| p.pending(i, prompt_tokens);
+        let pending = |i: usize| p.pending(i);
         let least = candidates.iter().map(|&i| pending(i)).min()?;
         let limit = self.guard_limit_tokens(least, prompt_tokens);
         let cost = |i: usize| {
@@ -178,17 +178,14 @@ pub struct PrefillView {
     /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
     pub cached_tokens: Vec<u32>,
     /// Prompt tokens routed to the engine to compute whose prefill has not answered yet: its
-    /// pending work (empty: not known, and each request in flight counts as this prompt's length).
+    /// pending work (0 where not given).
     pub pending_tokens: Vec<u64>,
 }
 
 impl PrefillView {
-    /// Prefiller `i`'s pending work in tokens, or its requests in flight as prompts of
-    /// `prompt_tokens` where the work is not known.
-    pub fn pending(&self, i: usize, prompt_tokens: u32) -> u64 {
-        self.pending_tokens.get(i).copied().unwrap_or_else(|| {
-            u64::from(self.in_flight.get(i).copied().unwrap_or(0)) * u64::from(prompt_tokens)
-        })
+    /// Prefiller `i`'s pending work in tokens.
+    pub fn pending(&self, i: usize) -> u64 {
+        self.pending_tokens.get(i).copied().unwrap_or(0)
     }
 }
 
@@ -719,8 +716,8 @@ mod tests {
         c.prefill.cached_tokens = vec![0; 3];
         c.prefill.pending_tokens = vec![90, 100, 95];
         assert_eq!(first(ca.route(&f, &c)).prefill, 0);
-        // Work not known: each request in flight counts as one of this prompt's length.
-        c.prefill.pending_tokens = Vec::new();
+        // Equal work: the fewest requests in flight.
+        c.prefill.pending_tokens = vec![100, 100, 100];
         c.prefill.in_flight = vec![2, 1, 3];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
         // A decoder that cannot hold the request is never chosen for its cache: of the two that

@@ -55,12 +55,14 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
             &labels,
             f64::from(h.in_flight()),
         );
-        s.gauge(
-            "baton_endpoint_pending_prompt_tokens",
-            "Prompt tokens routed to the engine to compute (uncached) whose prefill has not answered.",
-            &labels,
-            h.pending_tokens() as f64,
-        );
+        if pool == "prefill" {
+            s.gauge(
+                "baton_endpoint_pending_prompt_tokens",
+                "Prompt tokens routed to the engine to compute (uncached) whose prefill has not answered.",
+                &labels,
+                h.pending_tokens() as f64,
+            );
+        }
         s.counter(
             "baton_endpoint_ejections_total",
             "Passive ejections after consecutive failures.",

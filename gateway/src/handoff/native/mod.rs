@@ -264,7 +264,8 @@ impl Native {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, alone, work, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, work, .. } = leg;
+        let alone = work.is_none();
         let shared = &*self.shared;
         if alone {
             return self.alone(dec, req, ids, slots, timing).await;
