@@ -451,17 +451,16 @@ async fn tls_front_with(
 }
 
 /// `baton serve` in front of `prefill` and `decode` reached as `https://engines.baton.test` through
-/// their TLS fronts, names from `dns`, `[engine_tls]` as given; one completion sent: the serving
-/// gateway, the status and body, and how many requests the prefiller received.
-#[allow(clippy::too_many_arguments)]
+/// their TLS fronts, names from `dns`, `[engine_tls]` as given; one completion sent, which must be
+/// `served` (200, the prefiller saw it) or refused at the handshake (502 from the call, or 503 once
+/// the health checks, which fail the same way, have taken the prefill out; no engine saw it).
 async fn through_fronts(
     dir: &Path,
-    prefill: &baton_sim::Running,
-    decode: &baton_sim::Running,
-    dns: &Dns,
+    (prefill, decode, dns): (&baton_sim::Running, &baton_sim::Running, &Dns),
     fronts: (SocketAddr, SocketAddr),
     engine_tls: &str,
-) -> (baton_gateway::serve::Serving, u16, Bytes, usize) {
+    served: bool,
+) -> baton_gateway::serve::Serving {
     let before = prefill.engine.received().as_array().unwrap().len();
     let text = super::serve_toml(
         prefill,
@@ -478,7 +477,19 @@ async fn through_fronts(
         super::http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": "hello", "max_tokens": 3})))
             .await;
     let received = prefill.engine.received().as_array().unwrap().len() - before;
-    (serving, s, b, received)
+    let what = format!("[engine_tls] {engine_tls:?}: {s} {}", String::from_utf8_lossy(&b));
+    if served {
+        assert_eq!((s, received), (200, 1), "{what}");
+    } else {
+        assert!(s == 502 || s == 503, "{what}");
+        let e: Value = serde_json::from_slice(&b).unwrap();
+        assert!(e["error"]["message"].as_str().unwrap().contains("prefill"), "{e}");
+        assert_eq!(
+            received, 0,
+            "a request reached an engine the gateway could not verify or was refused by: {what}"
+        );
+    }
+    serving
 }
 
 /// `https://` engines by name: served with `[engine_tls] ca` naming the CA of their certificates;
@@ -494,26 +505,10 @@ async fn https_engines_are_verified_against_the_configured_ca() {
     std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
     std::fs::write(dir.join("other-ca.pem"), Ca::new("another CA").pem).unwrap();
     for (ca_file, trusted) in [("ca.pem", true), ("other-ca.pem", false)] {
-        let (serving, s, b, received) = through_fronts(
-            &dir,
-            &prefill,
-            &decode,
-            &dns,
-            (p_front, d_front),
-            &format!("ca = \"{ca_file}\"\n"),
-        )
-        .await;
-        if trusted {
-            assert_eq!(s, 200, "CA {ca_file}: {}", String::from_utf8_lossy(&b));
-            assert_eq!(received, 1);
-        } else {
-            // Refused at the handshake: 502 from the call, or 503 once the health checks (which
-            // fail the same way) have taken the prefill out; the engine saw nothing.
-            assert!(s == 502 || s == 503, "CA {ca_file}: {s} {}", String::from_utf8_lossy(&b));
-            let e: Value = serde_json::from_slice(&b).unwrap();
-            assert!(e["error"]["message"].as_str().unwrap().contains("prefill"), "{e}");
-            assert_eq!(received, 0, "a request reached an engine the gateway could not verify");
-        }
+        let engines = (&prefill, &decode, &dns);
+        let serving =
+            through_fronts(&dir, engines, (p_front, d_front), &format!("ca = \"{ca_file}\"\n"), trusted)
+                .await;
         super::assert_clean_at(serving.admin_addr).await;
         serving.shutdown().await;
     }
@@ -541,25 +536,10 @@ async fn engines_that_require_client_certificates_get_the_gateways() {
         ("cert = \"other.pem\"\nkey = \"other.key\"\n", false),
         ("", false),
     ] {
-        let (serving, s, b, received) = through_fronts(
-            &dir,
-            &prefill,
-            &decode,
-            &dns,
-            (p_front, d_front),
-            &format!("ca = \"ca.pem\"\n{client}"),
-        )
-        .await;
-        if served {
-            assert_eq!(s, 200, "{client}: {}", String::from_utf8_lossy(&b));
-            assert_eq!(received, 1);
-        } else {
-            assert!(s == 502 || s == 503, "{client}: {s} {}", String::from_utf8_lossy(&b));
-            assert_eq!(
-                received, 0,
-                "{client}: an engine requiring a certificate served a gateway without its"
-            );
-        }
+        let engines = (&prefill, &decode, &dns);
+        let serving =
+            through_fronts(&dir, engines, (p_front, d_front), &format!("ca = \"ca.pem\"\n{client}"), served)
+                .await;
         super::assert_clean_at(serving.admin_addr).await;
         serving.shutdown().await;
     }
