@@ -99,6 +99,8 @@ pub struct GatewaySetup {
     pub trace: Option<crate::telemetry::trace::TraceConfig>,
     /// `[routing.cache]`: the block index's settings (the policy's come with `routing`).
     pub cache: crate::config::cache::CacheRouting,
+    /// `[flow]`: flow control in front of routing (off unless set).
+    pub flow: Option<crate::flow::FlowConfig>,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -361,6 +363,7 @@ pub async fn start_gateway_with(
         tenants: crate::policy::TenantNames::new(setup.tenants.clone()),
         explain: setup.explain,
         tracing,
+        flow: setup.flow.clone(),
     };
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });

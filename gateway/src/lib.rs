@@ -21,6 +21,7 @@ pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub mod endpoints;
+pub mod flow;
 pub mod handoff;
 pub mod kv_events;
 pub mod pipeline;

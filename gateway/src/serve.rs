@@ -157,8 +157,15 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
     let mut background: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     background.extend(plugins.as_ref().map(crate::policy::Plugins::spawn_watcher));
     background.extend(c.keys.as_ref().map(crate::auth::ApiKeys::spawn_watcher));
-    let access =
-        Access { plugins, keys: c.keys, models_open: c.models_open, tenants, explain: c.explain, tracing };
+    let access = Access {
+        plugins,
+        keys: c.keys,
+        models_open: c.models_open,
+        tenants,
+        explain: c.explain,
+        tracing,
+        flow: c.flow,
+    };
     // The listeners' TLS as the configuration made it (its files were read and checked there).
     let tls = |t: Option<crate::config::FrontTlsConfig>| t.map(crate::server::tls::FrontTls::from);
     let public = c.listeners.into_iter().map(|(a, t)| (a, tls(t))).collect();

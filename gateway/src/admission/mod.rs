@@ -95,9 +95,16 @@ pub struct QueueLoad {
     pub holders: u32,
     /// Whether the queue admits (false: closed, no slot is free whatever `capacity` says).
     pub open: bool,
+    /// Requests waiting.
+    pub waiting: u32,
 }
 
 impl QueueLoad {
+    /// Whether a request of `need` slots would be admitted now, without waiting.
+    pub fn admits_now(&self, need: u32) -> bool {
+        self.waiting == 0 && self.free() >= need
+    }
+
     /// Slots a new request could take now: none while the queue is closed.
     pub fn free(&self) -> u32 {
         if self.open { self.capacity.saturating_sub(self.in_use) } else { 0 }
@@ -148,6 +155,8 @@ struct State {
     accounting_errors: u64,
     /// False while the engine says it is full: nothing is admitted, waiters keep their places.
     open: bool,
+    /// Told whenever room may have appeared (slots returned, the queue opened or grew).
+    watcher: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl State {
@@ -244,6 +253,9 @@ impl Drop for SlotGuard {
                 Some(v) => s.in_use = v,
                 None => s.accounting_errors += 1,
             }
+            if let Some(w) = &s.watcher {
+                w.notify_one();
+            }
             grant(&self.state, &mut s)
         };
         deliver(grants);
@@ -290,6 +302,7 @@ impl SlotQueue {
             holders: 0,
             accounting_errors: 0,
             open: true,
+            watcher: None,
         };
         Self { state: Arc::new(Mutex::new(state)) }
     }
@@ -357,10 +370,19 @@ impl SlotQueue {
             }
             s.waiting -= refused.len();
             s.waiting_slots -= refused.iter().map(|w| u64::from(w.slots)).sum::<u64>();
+            if let Some(w) = &s.watcher {
+                w.notify_one();
+            }
             (grant(&self.state, &mut s), refused)
         };
         drop(refused);
         deliver(grants);
+    }
+
+    /// Has `notify` told whenever room may have appeared: slots returned, the queue opened or
+    /// resized (the gateway's flow control lets its next waiter go then).
+    pub fn watch(&self, notify: Arc<tokio::sync::Notify>) {
+        lock(&self.state).watcher = Some(notify);
     }
 
     /// Opens or closes the queue. Closed, it admits nothing (not even one request when none is in
@@ -373,6 +395,9 @@ impl SlotQueue {
                 return;
             }
             s.open = open;
+            if let Some(w) = s.watcher.as_ref().filter(|_| open) {
+                w.notify_one();
+            }
             grant(&self.state, &mut s)
         };
         deliver(grants);
@@ -387,6 +412,7 @@ impl SlotQueue {
             waiting_slots: s.waiting_slots,
             holders: s.holders,
             open: s.open,
+            waiting: u32::try_from(s.waiting).unwrap_or(u32::MAX),
         }
     }
 

@@ -224,12 +224,18 @@ async fn load_counts_the_requests_holding_slots() {
     let b = q.acquire(7, 0, LONG).await.unwrap();
     let c = spawn_acquire(&q, 2, 0, LONG);
     tokio::task::yield_now().await;
-    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2, open: true });
+    assert_eq!(
+        q.load(),
+        QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2, open: true, waiting: 1 }
+    );
     drop(a);
     let c = c.await.unwrap().unwrap();
     assert_eq!(q.load().holders, 2, "the waiter took the freed room");
     drop((b, c));
-    assert_eq!(q.load(), QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0, open: true });
+    assert_eq!(
+        q.load(),
+        QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0, open: true, waiting: 0 }
+    );
 }
 
 /// A closed queue admits nothing, not even one request with nothing in flight; its waiters keep

@@ -145,6 +145,9 @@ pub enum GatewayError {
     /// A failure inside the gateway itself.
     #[error("internal error: {0}")]
     Internal(Internal),
+    /// Refused by flow control (a budget, a full or sheddable band, a deadline), before any engine.
+    #[error("{0}")]
+    Flow(crate::flow::Refused),
     /// Refused by the admission plugin, with the plugin's status (400-599) and message.
     #[error("{message}")]
     PolicyRejected { status: u16, message: String, retry_after: Option<u32> },
@@ -239,6 +242,7 @@ impl GatewayError {
             Self::QueueTimeout(_) | Self::NoEndpoint(_) | Self::TokenizerBusy { .. } => 503,
             Self::Internal(_) => 500,
             Self::PolicyRejected { status, .. } | Self::EngineRefused { status, .. } => *status,
+            Self::Flow(r) => r.status(),
         }
     }
 
@@ -267,6 +271,7 @@ impl GatewayError {
             Self::Internal(_) => "internal_error",
             Self::PolicyRejected { .. } => "rejected_by_policy",
             Self::EngineRefused { .. } => "engine_refused",
+            Self::Flow(r) => r.code(),
         }
     }
 
@@ -288,6 +293,8 @@ impl GatewayError {
             | Self::KvTransfer(_)
             | Self::EngineRefused { .. } => Origin::Upstream,
             Self::PolicyRejected { .. } => Origin::Plugin,
+            Self::Flow(r) if r.by_client() => Origin::Client,
+            Self::Flow(_) => Origin::Internal,
             Self::QueueFull(_)
             | Self::QueueTimeout(_)
             | Self::NoEndpoint(_)
@@ -305,6 +312,8 @@ impl GatewayError {
             | Self::NoEndpoint(_)
             | Self::TokenizerBusy { .. }
             | Self::BodyTimeout { .. } => Retry::Safe,
+            Self::Flow(crate::flow::Refused::UnknownBand { .. }) => Retry::Never,
+            Self::Flow(_) => Retry::Safe,
             Self::EngineRefused { status: 429, .. } => Retry::Safe,
             Self::PolicyRejected { status, .. } if *status == 429 || *status == 503 => Retry::Safe,
             Self::PolicyRejected { status, .. } if *status >= 500 => Retry::Maybe,
@@ -328,6 +337,7 @@ impl GatewayError {
             Self::QueueTimeout(_) | Self::NoEndpoint(_) => Some(2),
             Self::EngineRefused { status: 429, .. } => Some(1),
             Self::PolicyRejected { retry_after, .. } => retry_after.map(u64::from),
+            Self::Flow(r) => r.retry_after(),
             _ => None,
         }
     }
@@ -348,6 +358,7 @@ impl GatewayError {
             let param = match self {
                 Self::Invalid { param, .. } => json!(param),
                 Self::ContextLength { param, .. } => json!(param),
+                Self::Flow(crate::flow::Refused::UnknownBand { header, .. }) => json!(header),
                 _ => Value::Null,
             };
             json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": self.code()}})
@@ -376,6 +387,9 @@ pub struct GenRequest {
     pub raw: std::sync::Arc<serde_json::Map<String, Value>>,
     /// The tenant of the request's API key, when `[auth]` is on.
     pub tenant: Option<std::sync::Arc<str>>,
+    /// The request body's size in bytes (its share, for one prompt of a list): what it holds of
+    /// the gateway's memory while it waits.
+    pub bytes: u64,
 }
 
 /// A request body as a JSON object.
@@ -404,7 +418,7 @@ impl GenRequest {
         raw: serde_json::Map<String, Value>,
     ) -> Result<Self, GatewayError> {
         let fields = GenFields::deserialize(&raw).map_err(|e| GatewayError::BadJson(e.to_string()))?;
-        Ok(Self { endpoint, fields, raw: std::sync::Arc::new(raw), tenant: None })
+        Ok(Self { endpoint, fields, raw: std::sync::Arc::new(raw), tenant: None, bytes: 0 })
     }
 
     /// The prompt text (completions) or the messages rendered by the simulated/simple template.

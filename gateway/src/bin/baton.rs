@@ -148,6 +148,10 @@ async fn check(file: &Path) -> ExitCode {
             for d in &c.decoders {
                 println!("  decode {} at {}: {}", d.name, d.http, d.mode.describe());
             }
+            match &c.flow {
+                Some(f) => println!("  flow control: {}", f.describe()),
+                None => println!("  flow control: off (each decoder's own queue, first come first served)"),
+            }
             let servers = if c.resolver.nameservers.is_empty() {
                 "the system's DNS servers".to_owned()
             } else {

@@ -26,6 +26,7 @@ use crate::tokenize::Tokenizer;
 
 pub mod cache;
 pub mod decode;
+pub mod flow;
 pub mod plugins;
 mod tls;
 
@@ -71,6 +72,9 @@ pub struct Config {
     pub resolver: Resolver,
     /// How `https://` engines are verified, and the gateway's certificate for them.
     pub engine_tls: Option<EngineTlsConfig>,
+    /// Flow control: priority bands, fair shares between tenants, budgets, deadlines (off unless
+    /// set).
+    pub flow: Option<flow::Flow>,
 }
 
 /// `[resolver]`: the DNS servers to ask for engine and data-plane names (default: the system's,
@@ -459,6 +463,8 @@ pub struct Checked {
     pub tool_call_parser: Option<crate::handoff::lmcache::tools::ToolParser>,
     pub plugins: Option<plugins::CheckedPlugins>,
     pub tenants: std::collections::BTreeMap<String, String>,
+    /// `[flow]`.
+    pub flow: Option<crate::flow::FlowConfig>,
     /// The file it was loaded from (plugin reloads re-read their tables from it).
     pub source: Option<PathBuf>,
 }
@@ -581,6 +587,10 @@ impl Config {
 
         let log = LogConfig::parse(self.telemetry.log_format.as_deref(), self.telemetry.log_level.as_deref())
             .map_err(|(field, reason)| err(format!("telemetry.{field}"), reason))?;
+        let flow = match &self.flow {
+            Some(f) => Some(f.check(limits.queue_timeout)?),
+            None => None,
+        };
         Ok(Checked {
             listeners,
             admin,
@@ -625,6 +635,7 @@ impl Config {
             tool_call_parser: self.lmcache.as_ref().and_then(|l| l.tool_call_parser),
             plugins: self.plugins.check(base)?,
             tenants: self.admission.tenants.clone(),
+            flow,
             source: None,
         })
     }

@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 use crate::admission::Ticket;
 use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, validate};
 use crate::auth::ApiKeys;
+use crate::flow::{Admitted, Ask, FlowControl};
 use crate::handoff::decoder::Decoder;
 use crate::handoff::{Leg, Prefiller, RespBody, Shared};
 use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNames};
@@ -50,6 +51,8 @@ struct Dispatched {
     mode: &'static str,
     prompt_tokens: u64,
     owed: Option<Completion>,
+    /// Flow control's charge to the tenant, when it let the request go.
+    charge: Option<crate::flow::Charge>,
 }
 
 /// What a decision record names the engines by, shared by the records (written when read).
@@ -71,6 +74,7 @@ impl Roster {
         c: &Candidates,
         chosen: Route,
         plugin: Option<&str>,
+        no_room: &[usize],
     ) -> Value {
         let (prompt_tokens, slots, max_tokens, seq) = facts;
         let f = RouteFacts { model: &self.model, prompt_tokens, slots, max_tokens, seq };
@@ -86,11 +90,16 @@ impl Roster {
             .map(|(i, (name, mode))| {
                 let lost = match (i == chosen.decode, plugin) {
                     (true, _) => None,
+                    (false, _) if no_room.contains(&i) => Some(
+                        "no room now: flow control routes a request it lets go among the decoders that admit it at once"
+                            .to_owned(),
+                    ),
                     (false, Some(p)) => Some(format!("the routing plugin {p} chose another")),
                     (false, None) => why.get(i).cloned().flatten(),
                 };
                 json!({"name": name, "mode": mode, "won": i == chosen.decode, "why_not": lost,
-                       "healthy": d.healthy.get(i), "slots_needed": d.slots_needed.get(i),
+                       "healthy": d.healthy.get(i).map(|h| *h || no_room.contains(&i)),
+                       "room": !no_room.contains(&i), "slots_needed": d.slots_needed.get(i),
                        "capacity_slots": d.capacity_slots.get(i), "free_slots": d.free_slots.get(i),
                        "waiting_slots": d.waiting_slots.get(i), "in_flight": d.in_flight.get(i),
                        "cached_tokens": d.cached_tokens.get(i)})
@@ -176,6 +185,8 @@ pub struct Access {
     pub explain: bool,
     /// `[telemetry] otlp_endpoint`: requests are traced.
     pub tracing: Option<Arc<Tracing>>,
+    /// `[flow]`: flow control in front of routing.
+    pub flow: Option<crate::flow::FlowConfig>,
 }
 
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
@@ -207,6 +218,9 @@ pub struct Gateway {
     pub tokenizers: crate::tokenize::pool::Pool,
     /// Set when a drain begins: `/ready` answers 503 from then on.
     draining: std::sync::atomic::AtomicBool,
+    /// `[flow]`: where requests wait for a decoder with room, in the order the bands, fair shares
+    /// and deadlines say; `None`: each decoder's own queue, first come first served per class.
+    pub flow: Option<Arc<FlowControl>>,
 }
 
 impl Gateway {
@@ -225,7 +239,8 @@ impl Gateway {
             prefills: prefills.iter().map(|p| p.name.clone()).collect(),
             builtin: router.builtin,
         });
-        Arc::new(Self {
+        let flow = access.flow.map(FlowControl::new);
+        let g = Arc::new(Self {
             roster,
             model,
             prefills,
@@ -242,7 +257,33 @@ impl Gateway {
             seq: AtomicU64::new(0),
             tokenizers: crate::tokenize::pool::Pool::per_core(),
             draining: std::sync::atomic::AtomicBool::new(false),
-        })
+            flow,
+        });
+        if let Some(f) = &g.flow {
+            for d in &g.decoders {
+                d.queue.watch(Arc::clone(&f.wake));
+            }
+            tokio::spawn(Arc::clone(f).run(Arc::downgrade(&g), |g: &Self, tokens| g.room_for(tokens)));
+        }
+        g
+    }
+
+    /// Whether decoder `d` would admit a prompt of `tokens` at once: routable, its queue open with
+    /// nobody waiting and the slots free.
+    fn has_room(d: &Decoder, tokens: usize) -> bool {
+        d.health.healthy() && d.queue.load().admits_now(d.slots_for(tokens))
+    }
+
+    /// Whether any decoder would admit a prompt of `tokens` at once.
+    pub fn room_for(&self, tokens: usize) -> bool {
+        self.decoders.iter().any(|d| Self::has_room(d, tokens))
+    }
+
+    /// Whether flow control can ever let a prompt of `tokens` go: some healthy decoder's buffer
+    /// holds it. Otherwise it goes straight to routing and admission, which refuse it at once
+    /// (too large, no healthy decoder) rather than after a wait.
+    fn flow_can_serve(&self, tokens: usize) -> bool {
+        self.decoders.iter().any(|d| d.health.healthy() && d.slots_for(tokens) <= d.queue.load().capacity)
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
@@ -414,6 +455,7 @@ impl Gateway {
         }
         let mut req = GenRequest::from_checked(ep, raw)?;
         req.tenant = tenant;
+        req.bytes = body.len() as u64;
         self.track(req, headers).await
     }
 
@@ -471,6 +513,7 @@ impl Gateway {
                     status: d.resp.status().as_u16(),
                     explain: explain && stream,
                     owed: d.owed,
+                    charge: d.charge,
                     trace,
                 };
                 Ok(d.resp.map(|b| Watched::new(b, answer).boxed()))
@@ -561,8 +604,33 @@ impl Gateway {
             let from = Sender { headers, tenant: req.tenant.as_deref() };
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
+        // Who the request is to flow control, read before it waits on anything (a bad band is
+        // the client's 400 at once).
+        let identity = match &self.flow {
+            Some(f) => Some(
+                f.identify(
+                    headers,
+                    self.flow_tenant(&req, headers).as_deref(),
+                    tokio::time::Instant::from_std(live.started),
+                )
+                .map_err(GatewayError::Flow)?,
+            ),
+            None => None,
+        };
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
-        let (routes, work) = self.route(preq.as_ref(), &facts, &ids, live, trace.as_ref()).await?;
+        let flowed = match (&self.flow, &identity) {
+            (Some(f), Some(id)) if self.flow_can_serve(ids.len()) => {
+                live.enter(Phase::Flow);
+                let ask = Ask { tokens: ids.len(), bytes: req.bytes, plugin_wait: ticket.max_wait };
+                let noted = Arc::clone(live);
+                let note = move |v: Value| noted.note("flow", move || v.clone());
+                Some(f.enter(id, ask, |t| self.room_for(t), note).await.map_err(GatewayError::Flow)?)
+            }
+            _ => None,
+        };
+        let waited = flowed.as_ref().map_or(Duration::ZERO, |a| a.waited);
+        let (routes, work) =
+            self.route(preq.as_ref(), &facts, &ids, flowed.is_some(), live, trace.as_ref()).await?;
         let alone = work.is_none();
         let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
         let prefills = if alone { Vec::new() } else { self.prefill_order(routes.iter().map(|r| r.prefill)) };
@@ -575,10 +643,17 @@ impl Gateway {
         // `route` up to here; then `queue`, the wait for the decoder's room.
         let recorder = Some((Arc::clone(&self.shared.metrics), dec.mode()));
         let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
-        timing.record(Phase::Route, live.started.elapsed());
+        let (settle, charge) = match flowed {
+            Some(Admitted { charge, settle, .. }) => {
+                timing.record(Phase::Flow, waited);
+                (settle, Some(charge))
+            }
+            None => (None, None),
+        };
+        timing.record(Phase::Route, live.started.elapsed().saturating_sub(waited));
         timing.enter(Phase::Queue);
         let to = work.map(|work| (&prefills[..], work));
-        let r = self.handoff(dec, to, &req, &ids, ticket, &mut timing).await;
+        let r = self.handoff(dec, to, &req, &ids, ticket, settle, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
@@ -595,7 +670,7 @@ impl Gateway {
             c.status = r.as_ref().map_or_else(GatewayError::status, |resp| resp.status().as_u16());
         }
         let resp = r?;
-        Ok(Dispatched { resp, mode: dec.mode(), prompt_tokens: ids.len() as u64, owed })
+        Ok(Dispatched { resp, mode: dec.mode(), prompt_tokens: ids.len() as u64, owed, charge })
     }
 
     /// Refuses a prompt longer than the model's context.
@@ -657,6 +732,40 @@ impl Gateway {
         }
     }
 
+    /// Late binding: a request flow control let go is routed among the decoders that admit it at
+    /// once (the others are marked unroutable for this decision, and returned). When none does
+    /// any more (another request took the room in between), nothing is marked and it waits in its
+    /// decoder's queue.
+    fn only_with_room(&self, c: &mut Candidates, tokens: usize) -> Vec<usize> {
+        let full: Vec<usize> = self
+            .decoders
+            .iter()
+            .enumerate()
+            .filter(|(i, d)| c.decode.healthy.get(*i) == Some(&true) && !Self::has_room(d, tokens))
+            .map(|(i, _)| i)
+            .collect();
+        let left = c.decode.healthy.iter().filter(|h| **h).count();
+        if full.len() >= left {
+            return Vec::new();
+        }
+        for &i in &full {
+            if let Some(h) = c.decode.healthy.get_mut(i) {
+                *h = false;
+            }
+        }
+        full
+    }
+
+    /// The tenant flow control knows a request by: the API key's, else the bearer token's
+    /// `[admission.tenants]` name, else an opaque id of the token (never the token), else none
+    /// (`""`, every anonymous request one flow).
+    fn flow_tenant(&self, req: &GenRequest, headers: &hyper::HeaderMap) -> Option<String> {
+        if let Some(t) = &req.tenant {
+            return Some(t.to_string());
+        }
+        self.tenants.of(headers).or_else(|| crate::auth::bearer(headers).map(crate::policy::opaque_tenant))
+    }
+
     /// The routes to try, best first: the routing plugin's choice (checked), or the built-in
     /// policy's; the decision recorded. With them, the prompt's uncached tokens counted in the
     /// routed prefiller's pending work until its prefill answers; or `None` when the chosen
@@ -667,11 +776,13 @@ impl Gateway {
         preq: Option<&Arc<PolicyRequest>>,
         facts: &RouteFacts<'_>,
         ids: &[u32],
+        room_only: bool,
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
     ) -> Result<(Vec<Route>, Option<Work>), GatewayError> {
         let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
-        let cands = self.candidates_keyed(ids.len(), keys.as_ref());
+        let mut cands = self.candidates_keyed(ids.len(), keys.as_ref());
+        let no_room = if room_only { self.only_with_room(&mut cands, ids.len()) } else { Vec::new() };
         let mut by_plugin = None;
         let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
             (Some(p), Some(preq)) => {
@@ -723,7 +834,9 @@ impl Gateway {
             (!alone).then(|| prefill.health.commit(ids.len().saturating_sub(prefill_cached as usize) as u64));
         let roster = Arc::clone(&self.roster);
         let facts = (facts.prompt_tokens, facts.slots, facts.max_tokens, facts.seq);
-        live.note("route", move || roster.route_record(facts, &cands, chosen, by_plugin.as_deref()));
+        live.note("route", move || {
+            roster.route_record(facts, &cands, chosen, by_plugin.as_deref(), &no_room)
+        });
         Ok((routes, work))
     }
 
@@ -780,7 +893,8 @@ impl Gateway {
     }
 
     /// Admission on the decoder, then the mode's legs; `prefills` in the order to try with the
-    /// work counted on the first, or `None` when the decoder gets the request alone.
+    /// work counted on the first, or `None` when the decoder gets the request alone. `settle`
+    /// (flow control's) is dropped once the decoder admitted it.
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
@@ -788,11 +902,15 @@ impl Gateway {
         req: &GenRequest,
         ids: &[u32],
         ticket: Ticket,
+        settle: Option<tokio::sync::oneshot::Sender<()>>,
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
-        let slots = dec.handoff.admit(dec, need, ticket, self.shared.limits.queue_timeout).await?;
+        let slots = dec.handoff.admit(dec, need, ticket, self.shared.limits.queue_timeout).await;
+        // Flow control lets its next request go once this one holds its room.
+        drop(settle);
+        let slots = slots?;
         let wait = timing.mark(Phase::Queue);
         let named = Arc::clone(dec);
         timing.note("queue", move || {

@@ -72,6 +72,8 @@ pub struct Answer {
     pub owed: Option<Completion>,
     /// The request's trace, ended with the body.
     pub trace: Option<Arc<RequestTrace>>,
+    /// Flow control's charge to the tenant: output tokens as they stream, the budget at the end.
+    pub charge: Option<crate::flow::Charge>,
 }
 
 /// Passes the body through unchanged while counting and timing it.
@@ -124,6 +126,9 @@ impl Watched {
 
     fn chunk(&mut self, data: &[u8]) {
         self.counting.scan(data);
+        if let Some(c) = self.answer.charge.as_mut() {
+            c.output(u64::from(self.counting.tokens()));
+        }
         if !self.answer.stream || data.is_empty() {
             return;
         }
@@ -161,6 +166,9 @@ impl Drop for Watched {
         }
         if let Some(c) = a.owed.as_mut() {
             c.tokens = tokens;
+        }
+        if let Some(c) = a.charge.take() {
+            c.finish(u64::from(tokens));
         }
         if let Some(t) = &a.trace {
             let error = match self.outcome {

@@ -34,6 +34,9 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
             q.oldest_wait.map_or(0.0, |w| w.as_secs_f64())
         }),
     ];
+    if let Some(f) = &g.flow {
+        f.metrics(&mut s, |t| g.shared.metrics.tenant_label(t));
+    }
     for d in &g.decoders {
         let q = d.queue.stats();
         for (name, help, get) in gauges {
@@ -149,6 +152,15 @@ pub fn request(g: &Gateway, id: &str) -> Response<RespBody> {
             "request {:?}: not in flight and not among the records kept",
             id.chars().take(128).collect::<String>()
         ))),
+    }
+}
+
+/// `GET /admin/flow`: flow control's bands, the flows waiting in each, and every tenant's fair-share
+/// counter, service and budget; 404 when `[flow]` is off.
+pub fn flow(g: &Gateway) -> Response<RespBody> {
+    match &g.flow {
+        Some(f) => full(200, &f.view()),
+        None => error_response(&GatewayError::NotFound("flow control is off ([flow] is not set)".into())),
     }
 }
 

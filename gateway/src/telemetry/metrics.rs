@@ -207,6 +207,11 @@ impl Metrics {
         }
     }
 
+    /// The `tenant` label value for a tenant: its name, or [`OTHER_TENANT`] past the cap.
+    pub fn tenant_label(&self, tenant: &str) -> Arc<str> {
+        self.tenants.label(tenant)
+    }
+
     /// A request's tokens, under its tenant (empty when auth is off; [`OTHER_TENANT`] past the cap).
     pub fn tokens(&self, tenant: Option<&str>, prompt: u64, completion: u64) {
         let t = self.tenants.label(tenant.unwrap_or(""));

@@ -88,6 +88,9 @@ phases! {
         Total => "total", live: false;
         /// From the response headers to the last byte of the body.
         Stream => "stream", live: true;
+        /// Waiting in the gateway's flow control for a decoder with room and its turn (`[flow]`;
+        /// before `route`, listed last so the older phases keep their indexes).
+        Flow => "flow", live: true;
     }
 }
 
@@ -102,7 +105,18 @@ mod phase_tests {
         let names: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
         assert_eq!(
             names,
-            ["route", "queue", "reserve", "prefill", "kv_ready", "decode", "first_token", "total", "stream"]
+            [
+                "route",
+                "queue",
+                "reserve",
+                "prefill",
+                "kv_ready",
+                "decode",
+                "first_token",
+                "total",
+                "stream",
+                "flow"
+            ]
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
             assert_eq!(*p as usize, i, "{p:?}");
@@ -116,7 +130,8 @@ mod phase_tests {
                 Phase::Prefill,
                 Phase::KvReady,
                 Phase::Decode,
-                Phase::Stream
+                Phase::Stream,
+                Phase::Flow
             ]
         );
     }

@@ -1,0 +1,1036 @@
+//! Flow control: the gateway-wide queue in front of routing, where requests wait for a decoder with
+//! room and are let go in an order an operator chose, not in the order they came.
+//!
+//! - **Flows and bands.** A request's flow is its tenant (the API key's, the bearer token's name, or
+//!   the GIE fairness id when `trust_fairness_header` is set); its band comes from `x-priority` (a
+//!   band name) or `x-gateway-inference-objective` (an objective mapped to a band), capped by the
+//!   tenant's `max_band` so a tenant cannot promote itself.
+//! - **Order.** Strict priority between bands; inside a band, the flow whose tenant has the smallest
+//!   virtual token counter (VTC: Sheng et al., OSDI '24): input tokens charged at dispatch, output
+//!   tokens as they stream, each divided by the tenant's weight; a tenant that returns from idle is
+//!   lifted to the smallest counter of those waiting (or to the last one to leave), so idling
+//!   banks no credit. Inside a flow, first come first served or earliest deadline first.
+//! - **Late binding.** A request is routed when it is let go, among the decoders that have room
+//!   then ([`FlowControl::next`] asks the gateway); the head that does not fit yet is not overtaken.
+//! - **Limits.** Per band, requests and bytes waiting (429 `queue_full`); per request, a deadline
+//!   (the gateway's wait, the admission plugin's, `x-request-deadline` in ms, the OpenAI SDK's own
+//!   `x-stainless-timeout`): past it the request leaves the queue unsent. A sheddable band (negative
+//!   priority) never waits: with no room it is refused at once (429 `overloaded`).
+//! - **Budgets.** Tokens per minute per tenant (input, output or both), a bucket checked before a
+//!   request (its known input must fit) and charged after its answer; a refusal names the budget
+//!   and when it refills.
+//!
+//! Everything here is in memory, one gateway replica's view.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+use crate::telemetry::Scrape;
+
+#[cfg(test)]
+mod tests;
+
+/// Header naming the request's band.
+pub const PRIORITY_HEADER: &str = "x-priority";
+/// Gateway API Inference Extension: the `InferenceObjective` a request asks for.
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// Gateway API Inference Extension: the request's fairness id (read only when trusted).
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+/// The longest the request may wait before it is sent to an engine, in ms from its arrival.
+pub const DEADLINE_HEADER: &str = "x-request-deadline";
+/// The OpenAI SDKs' own request timeout in seconds: waiting past it serves nobody.
+pub const CLIENT_TIMEOUT_HEADER: &str = "x-stainless-timeout";
+
+/// Requests one band may hold waiting by default.
+pub const DEFAULT_BAND_MAX_REQUESTS: usize = 1024;
+/// Bytes of request bodies one band may hold waiting by default (a few thousand chat requests).
+pub const DEFAULT_BAND_MAX_BYTES: u64 = 256 << 20;
+/// What an input token costs a tenant's counter (VTC's `w_p`).
+pub const DEFAULT_INPUT_COST: f64 = 1.0;
+/// What an output token costs (VTC's `w_q`: decoding a token costs more than prefilling one).
+pub const DEFAULT_OUTPUT_COST: f64 = 2.0;
+/// How long the dispatcher waits for a request it let go to take its decoder's slots before it
+/// lets the next one go (a routing plugin's call is within it).
+const SETTLE: Duration = Duration::from_millis(100);
+/// How often the dispatcher looks again without being woken (engines turning healthy, scraped
+/// metrics reopening a decoder).
+const TICK: Duration = Duration::from_millis(20);
+/// Tenants kept without anything queued or owed before the idle ones are forgotten (a forgotten
+/// tenant comes back lifted, as VTC lifts any tenant returning from idle).
+const MAX_IDLE_TENANTS: usize = 10_000;
+/// What set a deadline that is only the gateway's own longest wait.
+const GATEWAY_WAIT: &str = "the gateway's queue timeout";
+/// Recent dispatches remembered for the decision records' "served first".
+const RECENT: usize = 4096;
+
+/// One priority band.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Band {
+    pub name: String,
+    /// Higher first; negative: sheddable.
+    pub priority: i32,
+    pub max_requests: usize,
+    pub max_bytes: u64,
+}
+
+impl Band {
+    pub fn sheddable(&self) -> bool {
+        self.priority < 0
+    }
+}
+
+/// What a tenant's budget counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Counts {
+    Input,
+    Output,
+    Total,
+}
+
+impl Counts {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Input => "input",
+            Self::Output => "output",
+            Self::Total => "input + output",
+        }
+    }
+}
+
+/// Tokens per minute, counted as `counts` says.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BudgetRule {
+    pub tokens_per_minute: u64,
+    pub counts: Counts,
+}
+
+/// A tenant's share, cap and budget.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TenantRule {
+    pub weight: f64,
+    /// The highest band it may ask for (index into the bands).
+    pub max_band: Option<usize>,
+    /// Its band when the request names none.
+    pub default_band: Option<usize>,
+    pub budget: Option<BudgetRule>,
+}
+
+impl Default for TenantRule {
+    fn default() -> Self {
+        Self { weight: 1.0, max_band: None, default_band: None, budget: None }
+    }
+}
+
+/// The order of requests inside one flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Within {
+    Fcfs,
+    Edf,
+}
+
+/// Flow control's settings, checked.
+#[derive(Clone, Debug)]
+pub struct FlowConfig {
+    /// Highest priority first.
+    pub bands: Vec<Band>,
+    pub default_band: usize,
+    /// GIE objective name → band.
+    pub objectives: BTreeMap<String, usize>,
+    pub tenants: BTreeMap<String, TenantRule>,
+    /// For tenants not listed.
+    pub tenant_defaults: TenantRule,
+    pub trust_fairness_header: bool,
+    pub within: Within,
+    pub input_cost: f64,
+    pub output_cost: f64,
+    /// The longest any request waits (the gateway's queue timeout).
+    pub max_wait: Duration,
+}
+
+impl FlowConfig {
+    /// One band, every tenant alike: fair shares and nothing else.
+    pub fn fair(max_wait: Duration) -> Self {
+        Self {
+            bands: vec![Band {
+                name: "default".into(),
+                priority: 0,
+                max_requests: DEFAULT_BAND_MAX_REQUESTS,
+                max_bytes: DEFAULT_BAND_MAX_BYTES,
+            }],
+            default_band: 0,
+            objectives: BTreeMap::new(),
+            tenants: BTreeMap::new(),
+            tenant_defaults: TenantRule::default(),
+            trust_fairness_header: false,
+            within: Within::Fcfs,
+            input_cost: DEFAULT_INPUT_COST,
+            output_cost: DEFAULT_OUTPUT_COST,
+            max_wait,
+        }
+    }
+
+    fn rule(&self, tenant: &str) -> &TenantRule {
+        self.tenants.get(tenant).unwrap_or(&self.tenant_defaults)
+    }
+
+    fn band_named(&self, name: &str) -> Option<usize> {
+        self.bands.iter().position(|b| b.name == name)
+    }
+
+    /// A line for `baton check-config`.
+    pub fn describe(&self) -> String {
+        let bands: Vec<String> = self
+            .bands
+            .iter()
+            .map(|b| format!("{} ({}{})", b.name, b.priority, if b.sheddable() { ", sheddable" } else { "" }))
+            .collect();
+        let budgets = self.tenants.values().filter(|t| t.budget.is_some()).count();
+        format!(
+            "bands {}; default {}; {} tenants configured ({} with budgets); {} within a flow",
+            bands.join(" > "),
+            self.bands.get(self.default_band).map_or("?", |b| b.name.as_str()),
+            self.tenants.len(),
+            budgets,
+            match self.within {
+                Within::Fcfs => "first come first served",
+                Within::Edf => "earliest deadline first",
+            }
+        )
+    }
+}
+
+/// Why flow control refused a request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    /// The band holds as many requests (or bytes) waiting as it may.
+    #[error("the {band:?} band already holds {limit} waiting")]
+    BandFull { band: String, limit: String },
+    /// A sheddable band's request found no decoder with room.
+    #[error("the fleet is saturated and the {band:?} band is sheddable")]
+    Shed { band: String },
+    /// The request's own deadline passed while it waited; no engine received it.
+    #[error("the request's deadline ({by}) passed after {waited:?} in the queue; no engine received it")]
+    Deadline { by: &'static str, waited: Duration },
+    /// The gateway's longest wait passed.
+    #[error("no decoder had room within {waited:?}")]
+    Timeout { waited: Duration },
+    /// The tenant is over its token budget.
+    #[error(
+        "tenant {tenant:?} is over its budget of {tokens_per_minute} tokens per minute ({counts}); \
+         it has room for this request again in {refill_s} s"
+    )]
+    Budget { tenant: String, tokens_per_minute: u64, counts: &'static str, refill_s: u64 },
+    /// The request named a band that does not exist.
+    #[error("{header}: no band {asked:?} (bands: {known})")]
+    UnknownBand { header: &'static str, asked: String, known: String },
+}
+
+impl Refused {
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::BandFull { .. } | Self::Shed { .. } | Self::Budget { .. } => 429,
+            Self::Deadline { .. } => 504,
+            Self::Timeout { .. } => 503,
+            Self::UnknownBand { .. } => 400,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::BandFull { .. } => "queue_full",
+            Self::Shed { .. } => "overloaded",
+            Self::Deadline { .. } => "deadline_exceeded",
+            Self::Timeout { .. } => "queue_timeout",
+            Self::Budget { .. } => "rate_limit_exceeded",
+            Self::UnknownBand { .. } => "invalid_value",
+        }
+    }
+
+    /// The metric's `reason` label.
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::BandFull { .. } => "band_full",
+            Self::Shed { .. } => "shed",
+            Self::Deadline { .. } => "deadline",
+            Self::Timeout { .. } => "timeout",
+            Self::Budget { .. } => "budget",
+            Self::UnknownBand { .. } => "unknown_band",
+        }
+    }
+
+    /// Whether the client caused it (a bad header, its own budget).
+    pub fn by_client(&self) -> bool {
+        matches!(self, Self::UnknownBand { .. } | Self::Budget { .. })
+    }
+
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::BandFull { .. } | Self::Shed { .. } => Some(1),
+            Self::Timeout { .. } => Some(2),
+            Self::Budget { refill_s, .. } => Some(*refill_s),
+            Self::Deadline { .. } | Self::UnknownBand { .. } => None,
+        }
+    }
+}
+
+/// Who a request is and how long it may wait, read from its headers before it is counted.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    pub tenant: Arc<str>,
+    pub band: usize,
+    /// What set the deadline, and when it is.
+    pub deadline: (&'static str, Instant),
+}
+
+/// A token bucket over a minute.
+#[derive(Debug)]
+struct Bucket {
+    rule: BudgetRule,
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(rule: BudgetRule, now: Instant) -> Self {
+        Self { rule, level: rule.tokens_per_minute as f64, at: now }
+    }
+
+    fn rate(&self) -> f64 {
+        self.rule.tokens_per_minute as f64 / 60.0
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let cap = self.rule.tokens_per_minute as f64;
+        self.level =
+            (self.level + self.rate() * now.saturating_duration_since(self.at).as_secs_f64()).min(cap);
+        self.at = now;
+    }
+
+    /// What a request of `input` tokens must find in the bucket: its input when input counts (at
+    /// most the whole budget, so a large request still goes when the bucket is full), else one.
+    fn need(&self, input: u64) -> f64 {
+        match self.rule.counts {
+            Counts::Output => 1.0,
+            Counts::Input | Counts::Total => (input as f64).clamp(1.0, self.rule.tokens_per_minute as f64),
+        }
+    }
+
+    fn cost(&self, input: u64, output: u64) -> f64 {
+        match self.rule.counts {
+            Counts::Input => input as f64,
+            Counts::Output => output as f64,
+            Counts::Total => (input + output) as f64,
+        }
+    }
+
+    fn full(&self, now: Instant) -> bool {
+        let since = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level + self.rate() * since >= self.rule.tokens_per_minute as f64
+    }
+}
+
+#[derive(Debug)]
+struct TenantState {
+    weight: f64,
+    /// VTC's counter: cost served, over the weight.
+    counter: f64,
+    queued: usize,
+    budget: Option<Bucket>,
+    /// Requests answered but not yet charged to the budget, and output being counted.
+    open: usize,
+    served_input: u64,
+    served_output: u64,
+    refused_budget: u64,
+}
+
+/// What the waiter gets when it is let go: a token to drop once its decoder admitted it.
+#[derive(Debug)]
+pub struct Go {
+    pub settle: Option<oneshot::Sender<()>>,
+    /// Requests let go while it waited, by tenant (the largest counts).
+    pub served_first: Vec<(Arc<str>, u32)>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    tokens: usize,
+    bytes: u64,
+    input_cost: f64,
+    /// `RECENT` position when it entered.
+    since: u64,
+    tx: oneshot::Sender<Go>,
+}
+
+/// One band's waiters: per flow, keyed by (order key, sequence).
+#[derive(Debug, Default)]
+struct BandQ {
+    flows: HashMap<Arc<str>, BTreeMap<(u64, u64), Waiter>>,
+    count: usize,
+    bytes: u64,
+    dispatched: u64,
+    /// Total time its queued requests waited before they were let go.
+    waited: Duration,
+    refused: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug)]
+struct State {
+    bands: Vec<BandQ>,
+    tenants: HashMap<Arc<str>, TenantState>,
+    seq: u64,
+    queued: usize,
+    /// The counter of the last tenant whose queue emptied (VTC's lift when nobody waits).
+    last_left: f64,
+    /// Tenants let go lately and the running count.
+    recent: VecDeque<Arc<str>>,
+    dispatches: u64,
+}
+
+/// A request's place in the queue: leaves it when dropped (client gone, deadline), so nobody waits
+/// behind a ghost.
+#[derive(Debug)]
+struct Place {
+    flow: Arc<FlowControl>,
+    band: usize,
+    tenant: Arc<str>,
+    key: (u64, u64),
+    /// False once the dispatcher took it out.
+    queued: bool,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let mut s = self.flow.lock();
+        let removed = s.bands.get_mut(self.band).and_then(|b| {
+            let q = b.flows.get_mut(&self.tenant)?;
+            let w = q.remove(&self.key)?;
+            if q.is_empty() {
+                b.flows.remove(&self.tenant);
+            }
+            b.count -= 1;
+            b.bytes -= w.bytes;
+            Some(w)
+        });
+        if removed.is_some() {
+            s.queued -= 1;
+            s.left(&self.tenant);
+        }
+        drop(s);
+        // The head may have changed.
+        self.flow.wake.notify_one();
+    }
+}
+
+impl State {
+    fn tenant(&mut self, cfg: &FlowConfig, t: &Arc<str>, now: Instant) -> &mut TenantState {
+        if !self.tenants.contains_key(t) && self.tenants.len() >= MAX_IDLE_TENANTS {
+            self.tenants
+                .retain(|_, s| s.queued > 0 || s.open > 0 || s.budget.as_ref().is_some_and(|b| !b.full(now)));
+        }
+        self.tenants.entry(Arc::clone(t)).or_insert_with(|| {
+            let rule = cfg.rule(t);
+            TenantState {
+                weight: rule.weight,
+                counter: 0.0,
+                queued: 0,
+                budget: rule.budget.map(|r| Bucket::new(r, now)),
+                open: 0,
+                served_input: 0,
+                served_output: 0,
+                refused_budget: 0,
+            }
+        })
+    }
+
+    /// VTC's lift for a tenant that starts waiting: to the smallest counter of those waiting, or
+    /// to the last one's to leave when nobody waits.
+    fn lift(&mut self, t: &Arc<str>) {
+        let floor = self
+            .tenants
+            .iter()
+            .filter(|(k, s)| s.queued > 0 && *k != t)
+            .map(|(_, s)| s.counter)
+            .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.min(c))))
+            .unwrap_or(self.last_left);
+        if let Some(s) = self.tenants.get_mut(t) {
+            s.counter = s.counter.max(floor);
+        }
+    }
+
+    fn left(&mut self, t: &Arc<str>) {
+        if let Some(s) = self.tenants.get_mut(t) {
+            s.queued -= 1;
+            if s.queued == 0 {
+                self.last_left = s.counter;
+            }
+        }
+    }
+
+    /// The band and flow whose head goes next: the highest band with waiters, its flow of the
+    /// smallest counter (ties: the earliest head).
+    fn head(&self) -> Option<(usize, Arc<str>, (u64, u64))> {
+        let (b, band) = self.bands.iter().enumerate().find(|(_, b)| b.count > 0)?;
+        let mut best: Option<(f64, (u64, u64), &Arc<str>)> = None;
+        for (t, q) in &band.flows {
+            let Some((k, _)) = q.first_key_value() else { continue };
+            let c = self.tenants.get(t).map_or(0.0, |s| s.counter);
+            let better = match best {
+                None => true,
+                Some((bc, bk, _)) => c < bc || (c == bc && k.1 < bk.1),
+            };
+            if better {
+                best = Some((c, *k, t));
+            }
+        }
+        best.map(|(_, k, t)| (b, Arc::clone(t), k))
+    }
+
+    fn note_dispatch(&mut self, t: &Arc<str>) {
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Arc::clone(t));
+        self.dispatches += 1;
+    }
+
+    /// Tenants let go since `since`, the most first (at most five).
+    fn served_since(&self, since: u64) -> Vec<(Arc<str>, u32)> {
+        let n = usize::try_from(self.dispatches.saturating_sub(since))
+            .unwrap_or(usize::MAX)
+            .min(self.recent.len());
+        let mut counts: HashMap<&Arc<str>, u32> = HashMap::new();
+        for t in self.recent.iter().rev().take(n) {
+            *counts.entry(t).or_default() += 1;
+        }
+        let mut v: Vec<(Arc<str>, u32)> = counts.into_iter().map(|(t, c)| (Arc::clone(t), c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(5);
+        v
+    }
+}
+
+/// A request let go: its tenant's counter and budget are charged through it.
+#[derive(Debug)]
+pub struct Charge {
+    flow: Arc<FlowControl>,
+    tenant: Arc<str>,
+    input: u64,
+    output: u64,
+    finished: bool,
+}
+
+impl Charge {
+    /// Output tokens counted so far: the counter is charged the difference.
+    pub fn output(&mut self, tokens: u64) {
+        if tokens <= self.output {
+            return;
+        }
+        let more = tokens - self.output;
+        self.output = tokens;
+        let mut s = self.flow.lock();
+        let cost = self.flow.cfg.output_cost * more as f64;
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            t.counter += cost / t.weight;
+            t.served_output += more;
+        }
+    }
+
+    /// The answer ended with `tokens` output tokens: the budget is charged what was served.
+    pub fn finish(mut self, tokens: u64) {
+        self.output(tokens);
+        self.finished = true;
+        let now = Instant::now();
+        let mut s = self.flow.lock();
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            t.open = t.open.saturating_sub(1);
+            if let Some(b) = t.budget.as_mut() {
+                b.refill(now);
+                b.level -= b.cost(self.input, self.output);
+            }
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // Refused or failed before an answer: nothing is charged to the budget.
+        let mut s = self.flow.lock();
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            t.open = t.open.saturating_sub(1);
+        }
+    }
+}
+
+/// A request through flow control: its charge, how long it waited, whether it waited at all, and
+/// the token to drop once its decoder admitted it (the dispatcher lets the next go then).
+#[derive(Debug)]
+pub struct Admitted {
+    pub charge: Charge,
+    pub waited: Duration,
+    pub queued: bool,
+    pub settle: Option<oneshot::Sender<()>>,
+}
+
+/// Gateway-wide flow control (see the module's docs).
+#[derive(Debug)]
+pub struct FlowControl {
+    pub cfg: FlowConfig,
+    state: Mutex<State>,
+    /// Woken when room may have appeared or the head changed.
+    pub wake: Arc<Notify>,
+    refused_budget: AtomicU64,
+}
+
+/// The request as flow control sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask {
+    pub tokens: usize,
+    pub bytes: u64,
+    /// The admission plugin's own longest wait, if it set one.
+    pub plugin_wait: Option<Duration>,
+}
+
+impl FlowControl {
+    pub fn new(cfg: FlowConfig) -> Arc<Self> {
+        let bands = cfg.bands.iter().map(|_| BandQ::default()).collect();
+        Arc::new(Self {
+            cfg,
+            state: Mutex::new(State {
+                bands,
+                tenants: HashMap::new(),
+                seq: 0,
+                queued: 0,
+                last_left: 0.0,
+                recent: VecDeque::with_capacity(RECENT),
+                dispatches: 0,
+            }),
+            wake: Arc::new(Notify::new()),
+            refused_budget: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The request's tenant, band and deadline from its headers; `tenant` is the API key's or the
+    /// bearer token's, `arrived` when its first byte came.
+    pub fn identify(
+        &self,
+        headers: &hyper::HeaderMap,
+        tenant: Option<&str>,
+        arrived: Instant,
+    ) -> Result<Identity, Refused> {
+        let cfg = &self.cfg;
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+        let fairness =
+            cfg.trust_fairness_header.then(|| header(FAIRNESS_HEADER)).flatten().filter(|v| !v.is_empty());
+        let tenant: Arc<str> = Arc::from(fairness.or(tenant).unwrap_or(""));
+        let rule = cfg.rule(&tenant);
+        let asked = match (header(PRIORITY_HEADER), header(OBJECTIVE_HEADER)) {
+            (Some(name), _) => Some(cfg.band_named(name).ok_or_else(|| Refused::UnknownBand {
+                header: PRIORITY_HEADER,
+                asked: name.chars().take(64).collect(),
+                known: cfg.bands.iter().map(|b| b.name.as_str()).collect::<Vec<_>>().join(", "),
+            })?),
+            // An objective nobody mapped has the default priority, as in the GIE.
+            (None, Some(obj)) => cfg.objectives.get(obj).copied(),
+            (None, None) => None,
+        };
+        let mut band = asked.or(rule.default_band).unwrap_or(cfg.default_band);
+        if let Some(cap) = rule.max_band {
+            // Bands are ordered highest first: a smaller index is a higher band.
+            band = band.max(cap);
+        }
+        let mut deadline = (GATEWAY_WAIT, arrived + cfg.max_wait);
+        let mut sooner = |by: &'static str, d: Duration| {
+            if arrived + d < deadline.1 {
+                deadline = (by, arrived + d);
+            }
+        };
+        if let Some(ms) = header(DEADLINE_HEADER).and_then(|v| v.parse::<u64>().ok()) {
+            sooner(DEADLINE_HEADER, Duration::from_millis(ms));
+        }
+        if let Some(s) = header(CLIENT_TIMEOUT_HEADER).and_then(|v| v.parse::<f64>().ok())
+            && s.is_finite()
+            && s > 0.0
+        {
+            sooner("the client's timeout (x-stainless-timeout)", Duration::from_secs_f64(s.min(1e6)));
+        }
+        Ok(Identity { tenant, band, deadline })
+    }
+
+    /// The budget's verdict before the request is let in.
+    fn check_budget(&self, s: &mut State, id: &Identity, input: u64, now: Instant) -> Result<(), Refused> {
+        let t = s.tenant(&self.cfg, &id.tenant, now);
+        let Some(b) = t.budget.as_mut() else { return Ok(()) };
+        b.refill(now);
+        let need = b.need(input);
+        if b.level >= need {
+            return Ok(());
+        }
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let refill_s = ((need - b.level) / b.rate()).ceil().max(1.0) as u64;
+        let rule = b.rule;
+        t.refused_budget += 1;
+        self.refused_budget.fetch_add(1, Ordering::Relaxed);
+        let band = id.band;
+        if let Some(bq) = s.bands.get_mut(band) {
+            *bq.refused.entry("budget").or_default() += 1;
+        }
+        Err(Refused::Budget {
+            tenant: id.tenant.to_string(),
+            tokens_per_minute: rule.tokens_per_minute,
+            counts: rule.counts.as_str(),
+            refill_s,
+        })
+    }
+
+    fn waited(&self, band: usize, d: Duration) {
+        if let Some(b) = self.lock().bands.get_mut(band) {
+            b.waited += d;
+        }
+    }
+
+    fn count_refused(&self, band: usize, r: &Refused) {
+        if let Some(b) = self.lock().bands.get_mut(band) {
+            *b.refused.entry(r.reason()).or_default() += 1;
+        }
+    }
+
+    /// Lets the request in: at once when nobody waits and `room(tokens)` says a decoder can take
+    /// it; otherwise it waits its turn (or is refused: budget, band full, shed, deadline).
+    /// `note` is told where it waited and for whom, for the decision record.
+    pub async fn enter(
+        self: &Arc<Self>,
+        id: &Identity,
+        ask: Ask,
+        room: impl Fn(usize) -> bool,
+        note: impl FnOnce(Value),
+    ) -> Result<Admitted, Refused> {
+        let now = Instant::now();
+        let input = ask.tokens as u64;
+        let input_cost = self.cfg.input_cost * input as f64;
+        let band_cfg = self.cfg.bands.get(id.band).cloned().unwrap_or_else(|| Band {
+            name: String::new(),
+            priority: 0,
+            max_requests: 0,
+            max_bytes: 0,
+        });
+        let (mut deadline_by, mut deadline) = id.deadline;
+        if let Some(w) = ask.plugin_wait
+            && now + w < deadline
+        {
+            (deadline_by, deadline) = ("the admission plugin's wait", now + w);
+        }
+        let (rx, place, ahead) = {
+            let mut s = self.lock();
+            self.check_budget(&mut s, id, input, now)?;
+            if s.queued == 0 && room(ask.tokens) {
+                self.dispatch_now(&mut s, &id.tenant, input, input_cost, id.band);
+                drop(s);
+                note(json!({"tenant": &*id.tenant, "band": band_cfg.name, "queued": false}));
+                return Ok(self.admitted(id, input, Duration::ZERO, false, None));
+            }
+            let refused = if band_cfg.sheddable() {
+                Some(Refused::Shed { band: band_cfg.name.clone() })
+            } else if s.bands.get(id.band).is_some_and(|b| b.count >= band_cfg.max_requests) {
+                Some(Refused::BandFull {
+                    band: band_cfg.name.clone(),
+                    limit: format!("{} requests", band_cfg.max_requests),
+                })
+            } else if s.bands.get(id.band).is_some_and(|b| b.bytes + ask.bytes > band_cfg.max_bytes) {
+                Some(Refused::BandFull {
+                    band: band_cfg.name.clone(),
+                    limit: format!("{} bytes", band_cfg.max_bytes),
+                })
+            } else {
+                None
+            };
+            if let Some(r) = refused {
+                if let Some(b) = s.bands.get_mut(id.band) {
+                    *b.refused.entry(r.reason()).or_default() += 1;
+                }
+                return Err(r);
+            }
+            s.seq += 1;
+            let seq = s.seq;
+            let order = match self.cfg.within {
+                Within::Fcfs => seq,
+                Within::Edf => {
+                    u64::try_from(deadline.saturating_duration_since(base()).as_micros()).unwrap_or(u64::MAX)
+                }
+            };
+            let key = (order, seq);
+            let (tx, rx) = oneshot::channel();
+            let since = s.dispatches;
+            let ahead: usize = s.bands.iter().take(id.band + 1).map(|b| b.count).sum();
+            let first = s.tenant(&self.cfg, &id.tenant, now).queued == 0;
+            if first {
+                s.lift(&id.tenant);
+            }
+            if let Some(t) = s.tenants.get_mut(&id.tenant) {
+                t.queued += 1;
+            }
+            s.queued += 1;
+            if let Some(b) = s.bands.get_mut(id.band) {
+                b.count += 1;
+                b.bytes += ask.bytes;
+                b.flows
+                    .entry(Arc::clone(&id.tenant))
+                    .or_default()
+                    .insert(key, Waiter { tokens: ask.tokens, bytes: ask.bytes, input_cost, since, tx });
+            }
+            let place = Place {
+                flow: Arc::clone(self),
+                band: id.band,
+                tenant: Arc::clone(&id.tenant),
+                key,
+                queued: true,
+            };
+            (rx, place, ahead)
+        };
+        self.wake.notify_one();
+        let got = tokio::time::timeout_at(deadline, rx).await;
+        let waited = now.elapsed();
+        match got {
+            Ok(Ok(go)) => {
+                // The dispatcher took it out of the queue already.
+                let mut place = place;
+                place.queued = false;
+                drop(place);
+                self.waited(id.band, waited);
+                let served: Vec<Value> =
+                    go.served_first.iter().map(|(t, n)| json!({"tenant": &**t, "requests": n})).collect();
+                note(json!({"tenant": &*id.tenant, "band": band_cfg.name, "queued": true,
+                            "waiting_ahead": ahead, "waited_ms": crate::telemetry::metrics::ms(waited),
+                            "why": "no decoder had room for it, or others were ahead",
+                            "served_first": served}));
+                Ok(self.admitted(id, input, waited, true, go.settle))
+            }
+            Ok(Err(_)) | Err(_) => {
+                drop(place);
+                let r = if deadline_by == GATEWAY_WAIT {
+                    Refused::Timeout { waited }
+                } else {
+                    Refused::Deadline { by: deadline_by, waited }
+                };
+                self.count_refused(id.band, &r);
+                Err(r)
+            }
+        }
+    }
+
+    fn admitted(
+        self: &Arc<Self>,
+        id: &Identity,
+        input: u64,
+        waited: Duration,
+        queued: bool,
+        settle: Option<oneshot::Sender<()>>,
+    ) -> Admitted {
+        let charge = Charge {
+            flow: Arc::clone(self),
+            tenant: Arc::clone(&id.tenant),
+            input,
+            output: 0,
+            finished: false,
+        };
+        Admitted { charge, waited, queued, settle }
+    }
+
+    /// Charges and counts a request let go (the fast path's or the dispatcher's).
+    fn dispatch_now(&self, s: &mut State, tenant: &Arc<str>, input: u64, input_cost: f64, band: usize) {
+        let now = Instant::now();
+        let t = s.tenant(&self.cfg, tenant, now);
+        t.counter += input_cost / t.weight;
+        t.served_input += input;
+        t.open += 1;
+        if let Some(b) = s.bands.get_mut(band) {
+            b.dispatched += 1;
+        }
+        s.note_dispatch(tenant);
+    }
+
+    /// Lets the next waiter go if `room(tokens)` says a decoder can take it; the receiver is told
+    /// when it took its slots (or gave up). `None`: nobody waits, or the head does not fit yet.
+    pub fn next(&self, room: impl Fn(usize) -> bool) -> Option<oneshot::Receiver<()>> {
+        let mut s = self.lock();
+        loop {
+            let (band, tenant, key) = s.head()?;
+            let fits = s
+                .bands
+                .get(band)
+                .and_then(|b| b.flows.get(&tenant))
+                .and_then(|q| q.get(&key))
+                .is_some_and(|w| room(w.tokens));
+            if !fits {
+                return None;
+            }
+            let b = s.bands.get_mut(band)?;
+            let q = b.flows.get_mut(&tenant)?;
+            let w = q.remove(&key)?;
+            if q.is_empty() {
+                b.flows.remove(&tenant);
+            }
+            b.count -= 1;
+            b.bytes -= w.bytes;
+            s.queued -= 1;
+            s.left(&tenant);
+            let served_first = s.served_since(w.since);
+            self.dispatch_now(&mut s, &tenant, w.tokens as u64, w.input_cost, band);
+            let (settle, settled) = oneshot::channel();
+            match w.tx.send(Go { settle: Some(settle), served_first }) {
+                Ok(()) => return Some(settled),
+                Err(_) => {
+                    // It left as it was chosen: undo its charge and look again.
+                    if let Some(t) = s.tenants.get_mut(&tenant) {
+                        t.counter -= w.input_cost / t.weight;
+                        t.served_input -= w.tokens as u64;
+                        t.open = t.open.saturating_sub(1);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets waiters go while `room` says a decoder has room for them, until `gateway` is gone.
+    pub async fn run<G: Send + Sync + 'static>(
+        self: Arc<Self>,
+        gateway: std::sync::Weak<G>,
+        room: impl Fn(&G, usize) -> bool,
+    ) {
+        loop {
+            tokio::select! {
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(TICK) => {}
+            }
+            let Some(g) = gateway.upgrade() else { return };
+            while let Some(settled) = self.next(|tokens| room(&g, tokens)) {
+                let _ = tokio::time::timeout(SETTLE, settled).await;
+            }
+        }
+    }
+
+    /// Requests waiting, in all bands.
+    pub fn queued(&self) -> usize {
+        self.lock().queued
+    }
+
+    /// `/admin/flow`: bands, their flows, tenants' counters and budgets.
+    pub fn view(&self) -> Value {
+        let s = self.lock();
+        let now = Instant::now();
+        let bands: Vec<Value> = self
+            .cfg
+            .bands
+            .iter()
+            .zip(&s.bands)
+            .map(|(cfg, b)| {
+                let mut flows: Vec<Value> =
+                    b.flows.iter().map(|(t, q)| json!({"tenant": &**t, "queued": q.len()})).collect();
+                flows.sort_by(|a, b| a["tenant"].as_str().cmp(&b["tenant"].as_str()));
+                json!({"name": cfg.name, "priority": cfg.priority, "sheddable": cfg.sheddable(),
+                       "queued": b.count, "queued_bytes": b.bytes, "max_requests": cfg.max_requests,
+                       "max_bytes": cfg.max_bytes, "dispatched": b.dispatched, "refused": b.refused,
+                       "waited_s": b.waited.as_secs_f64(),
+                       "flows": flows})
+            })
+            .collect();
+        let mut tenants: Vec<Value> = s
+            .tenants
+            .iter()
+            .map(|(t, st)| {
+                let budget = st.budget.as_ref().map(|b| {
+                    let since = now.saturating_duration_since(b.at).as_secs_f64();
+                    let level = (b.level + b.rate() * since).min(b.rule.tokens_per_minute as f64);
+                    json!({"tokens_per_minute": b.rule.tokens_per_minute, "counts": b.rule.counts.as_str(),
+                           "available": level.round(), "refused": st.refused_budget})
+                });
+                json!({"tenant": &**t, "weight": st.weight, "virtual_counter": st.counter,
+                       "queued": st.queued, "served_input_tokens": st.served_input,
+                       "served_output_tokens": st.served_output, "budget": budget})
+            })
+            .collect();
+        tenants.sort_by(|a, b| a["tenant"].as_str().cmp(&b["tenant"].as_str()));
+        json!({"queued": s.queued, "within_flow": match self.cfg.within { Within::Fcfs => "fcfs", Within::Edf => "edf" },
+               "input_cost": self.cfg.input_cost, "output_cost": self.cfg.output_cost,
+               "bands": bands, "tenants": tenants})
+    }
+
+    /// The `baton_flow_*` series; `tenant_label` caps the tenant label values.
+    pub fn metrics(&self, out: &mut Scrape, tenant_label: impl Fn(&str) -> Arc<str>) {
+        let s = self.lock();
+        for (cfg, b) in self.cfg.bands.iter().zip(&s.bands) {
+            let l = [("band", cfg.name.as_str())];
+            out.gauge("baton_flow_queued_requests", "Requests waiting in the band.", &l, b.count as f64);
+            out.gauge("baton_flow_queued_bytes", "Request bytes waiting in the band.", &l, b.bytes as f64);
+            out.counter(
+                "baton_flow_dispatched_total",
+                "Requests the band let go to an engine.",
+                &l,
+                b.dispatched as f64,
+            );
+            out.counter(
+                "baton_flow_wait_seconds_total",
+                "Time the band's queued requests waited before they were let go (over dispatched: the mean).",
+                &l,
+                b.waited.as_secs_f64(),
+            );
+            for reason in ["band_full", "shed", "deadline", "timeout", "budget", "unknown_band"] {
+                let n = b.refused.get(reason).copied().unwrap_or(0);
+                out.counter(
+                    "baton_flow_refused_total",
+                    "Requests flow control refused, by why (none reached an engine).",
+                    &[("band", cfg.name.as_str()), ("reason", reason)],
+                    n as f64,
+                );
+            }
+        }
+        let mut by_label: BTreeMap<Arc<str>, (f64, f64, f64)> = BTreeMap::new();
+        for (t, st) in &s.tenants {
+            let e = by_label.entry(tenant_label(t)).or_default();
+            e.0 += st.queued as f64;
+            e.1 +=
+                self.cfg.input_cost * st.served_input as f64 + self.cfg.output_cost * st.served_output as f64;
+            e.2 += st.refused_budget as f64;
+        }
+        for (t, (queued, served, refused)) in by_label {
+            let l = [("tenant", &*t)];
+            out.gauge("baton_flow_tenant_queued_requests", "Requests the tenant has waiting.", &l, queued);
+            out.counter(
+                "baton_flow_tenant_served_cost_total",
+                "Service the tenant received: input tokens × input_cost + output tokens × output_cost.",
+                &l,
+                served,
+            );
+            out.counter(
+                "baton_flow_budget_refusals_total",
+                "Requests refused for the tenant's token budget.",
+                &l,
+                refused,
+            );
+        }
+    }
+}
+
+/// The zero of EDF's order keys.
+fn base() -> Instant {
+    static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
