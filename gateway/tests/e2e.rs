@@ -1111,7 +1111,7 @@ mod real_tokenizers {
         }
     }
 
-    fn python() -> PathBuf {
+    pub(super) fn python() -> PathBuf {
         let p = std::env::var_os("BATON_TEST_PYTHON")
             .map_or_else(|| repo().join(".cache/venv/bin/python"), PathBuf::from);
         assert!(p.exists(), "{} is missing: scripts/test creates it (the openai SDK)", p.display());
@@ -1570,6 +1570,9 @@ mod observability;
 #[path = "e2e/traces.rs"]
 mod traces;
 
+/// Flow control: priority bands, deadlines, token budgets.
+#[path = "e2e/flow.rs"]
+mod flow;
 /// `baton serve` in front of the reference Python engine (the data plane's Python package), alone
 /// and paired with the simulator either way round.
 #[path = "e2e/python_engine.rs"]

@@ -479,22 +479,26 @@ impl State {
     }
 
     /// The band and flow whose head goes next: the highest band with waiters, its flow of the
-    /// smallest counter (ties: the earliest head).
+    /// smallest counter. Ties (a tenant back from idle is lifted to the others' counter) go to
+    /// the flow with fewer waiting, then to the earliest head: the light tenant's one request is
+    /// not put behind a backlog it has not used.
     fn head(&self) -> Option<(usize, Arc<str>, (u64, u64))> {
         let (b, band) = self.bands.iter().enumerate().find(|(_, b)| b.count > 0)?;
-        let mut best: Option<(f64, (u64, u64), &Arc<str>)> = None;
+        let mut best: Option<(f64, usize, (u64, u64), &Arc<str>)> = None;
         for (t, q) in &band.flows {
             let Some((k, _)) = q.first_key_value() else { continue };
             let c = self.tenants.get(t).map_or(0.0, |s| s.counter);
             let better = match best {
                 None => true,
-                Some((bc, bk, _)) => c < bc || (c == bc && k.1 < bk.1),
+                Some((bc, bn, bk, _)) => {
+                    c < bc || (c == bc && (q.len() < bn || (q.len() == bn && k.1 < bk.1)))
+                }
             };
             if better {
-                best = Some((c, *k, t));
+                best = Some((c, q.len(), *k, t));
             }
         }
-        best.map(|(_, k, t)| (b, Arc::clone(t), k))
+        best.map(|(_, _, k, t)| (b, Arc::clone(t), k))
     }
 
     fn note_dispatch(&mut self, t: &Arc<str>) {
