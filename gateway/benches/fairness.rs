@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo bench -p baton-gateway --features demo --bench fairness -- --out bench/gateway-fairness.json
+//! (a relative `--out` is from the workspace's root)
 //! ```
 //!
 //! One process on loopback: the load generator, the gateway (in process, `baton demo`'s wiring)
@@ -12,7 +13,8 @@
 //! few thousand tokens on a busy GPU) until the decoder took its KV; the decoder then takes
 //! `TOKEN_DELAY` per output token. So the fleet serves about 40 requests a second, and no more.
 //! Two tenants of equal weight (two bearer tokens named in `[admission.tenants]`) send streamed
-//! completions of `PROMPT_TOKENS` distinct tokens and `OUTPUT_TOKENS` output tokens.
+//! completions of `OUTPUT_TOKENS` output tokens: `light` of `PROMPT_TOKENS` prompt tokens, `heavy`
+//! of half to one and a half times that (spread evenly; the same mean), all distinct.
 //!
 //! - **Latency (open loop).** `light` sends Poisson arrivals at `LIGHT_RATE`, `heavy` at ten times
 //!   that: together more than the fleet serves, so `heavy`'s backlog grows while it sends. The
@@ -24,7 +26,7 @@
 //!   inside the window (after `WARMUP`, until the senders stop), and, with flow control, by the
 //!   gateway itself from `/admin/flow` (what it charged each tenant) between the window's ends.
 //!   VTC's bound (Sheng et al., OSDI '24, Theorem 4.4) for two continuously backlogged clients
-//!   is `2 × max(w_in × L_in, w_out × M)`, `M` the output tokens in flight at once; here a request
+//!   is `2 × max(w_in × L_in, w_out × M)`, `L_in` the longest prompt, `M` the output tokens in flight at once; here a request
 //!   holds its pages until its prompt is in the decoder and then decodes, so at most every
 //!   request in flight (`IN_FLIGHT_BOUND`) decodes at once, and `M = IN_FLIGHT_BOUND ×
 //!   OUTPUT_TOKENS`.
@@ -81,6 +83,8 @@ struct Done {
     ttft: Duration,
     ended: Duration,
     service: u64,
+    /// Its wait in flow control (`Server-Timing: flow`), when it waited there.
+    flow_wait: Duration,
 }
 
 async fn fleet(flow: bool) -> Demo {
@@ -118,8 +122,14 @@ async fn fleet(flow: bool) -> Demo {
 async fn request(addr: SocketAddr, light: bool, seq: u64, start: Instant) -> Option<Done> {
     let tag = if light { "light" } else { "heavy" };
     let head = format!("{tag} {seq}: ");
-    let prompt: String =
-        head.chars().chain("the baton passes. ".chars().cycle()).take(PROMPT_TOKENS).collect();
+    // The heavy tenant's prompts spread over half to one and a half times the light one's (a
+    // fixed spread by sequence number), as real prompts do; the mean is the same.
+    let tokens = if light {
+        PROMPT_TOKENS
+    } else {
+        PROMPT_TOKENS / 2 + (seq.wrapping_mul(7919) % (PROMPT_TOKENS as u64 + 1)) as usize
+    };
+    let prompt: String = head.chars().chain("the baton passes. ".chars().cycle()).take(tokens).collect();
     let body = json!({"model": "baton-sim", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "stream": true,
                       "stream_options": {"include_usage": true}});
     let stream = TcpStream::connect(addr).await.ok()?;
@@ -138,6 +148,13 @@ async fn request(addr: SocketAddr, light: bool, seq: u64, start: Instant) -> Opt
     if res.status() != 200 {
         return None;
     }
+    let flow_wait = res
+        .headers()
+        .get("server-timing")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(", ").find_map(|p| p.strip_prefix("flow;dur=")))
+        .and_then(|d| d.parse::<f64>().ok())
+        .map_or(Duration::ZERO, |ms| Duration::from_secs_f64(ms / 1e3));
     let mut body = res.into_body();
     let (mut ttft, mut buf) = (None, Vec::new());
     while let Some(f) = body.frame().await {
@@ -153,7 +170,14 @@ async fn request(addr: SocketAddr, light: bool, seq: u64, start: Instant) -> Opt
         .filter_map(|e| e.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
         .find_map(|v| v["usage"]["completion_tokens"].as_u64())?;
-    Some(Done { light, sent, ttft: ttft?, ended: start.elapsed(), service: PROMPT_TOKENS as u64 + 2 * usage })
+    Some(Done {
+        light,
+        sent,
+        ttft: ttft?,
+        ended: start.elapsed(),
+        service: tokens as u64 + 2 * usage,
+        flow_wait,
+    })
 }
 
 /// Open loop: `light` at `LIGHT_RATE`, `heavy` at ten times that (or not at all), for `secs`.
@@ -235,11 +259,16 @@ fn ms(d: Option<Duration>) -> f64 {
     d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
-/// Light TTFT p50/p90 and the count, over requests sent after the warmup.
-fn light_ttft(done: &[Done]) -> (f64, f64, usize) {
-    let mut v: Vec<Duration> = done.iter().filter(|d| d.light && d.sent >= WARMUP).map(|d| d.ttft).collect();
+/// Light TTFT p50/p90, the count, and its wait in flow control p50/p90, over requests sent after
+/// the warmup.
+fn light_ttft(done: &[Done]) -> (f64, f64, usize, f64, f64) {
+    let light = || done.iter().filter(|d| d.light && d.sent >= WARMUP);
+    let mut v: Vec<Duration> = light().map(|d| d.ttft).collect();
+    let mut w: Vec<Duration> = light().map(|d| d.flow_wait).collect();
     v.sort();
-    (ms(common::percentile(&v, 0.5)), ms(common::percentile(&v, 0.9)), v.len())
+    w.sort();
+    let p = |v: &[Duration], q| ms(common::percentile(v, q));
+    (p(&v, 0.5), p(&v, 0.9), v.len(), p(&w, 0.5), p(&w, 0.9))
 }
 
 /// Service per tenant `(light, heavy)` from the requests answered in `[WARMUP, end]`.
@@ -267,17 +296,21 @@ fn main() {
     let quick = std::env::var_os("BATON_BENCH_QUICK").is_some();
     let secs = Duration::from_secs(if quick { 3 } else { 15 });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let bound = 2 * (PROMPT_TOKENS as u64).max(2 * IN_FLIGHT_BOUND * OUTPUT_TOKENS);
+    let bound = 2 * (PROMPT_TOKENS as u64 * 3 / 2).max(2 * IN_FLIGHT_BOUND * OUTPUT_TOKENS);
     let json = rt.block_on(async {
         let mut latency = Vec::new();
         for (name, flow, heavy) in [("light alone", false, false), ("flow control", true, true), ("first-come", false, true)] {
             let d = fleet(flow).await;
             let done = open_loop(d.addr, heavy, secs).await;
-            let (p50, p90, n) = light_ttft(&done);
+            let (p50, p90, n, w50, w90) = light_ttft(&done);
             let heavy_n = done.iter().filter(|d| !d.light).count();
-            println!("latency  {name:<13} light TTFT p50 {p50:>8.1} ms  p90 {p90:>8.1} ms  ({n} light, {heavy_n} heavy answered)");
+            println!(
+                "latency  {name:<13} light TTFT p50 {p50:>8.1} ms  p90 {p90:>8.1} ms  ({n} light, {heavy_n} heavy answered){}",
+                if flow { format!("; its wait in flow control p50 {w50:.1} ms, p90 {w90:.1} ms") } else { String::new() }
+            );
             latency.push(json!({"run": name, "light_ttft_p50_ms": p50, "light_ttft_p90_ms": p90,
-                                "light_requests": n, "heavy_requests": heavy_n}));
+                                "light_requests": n, "heavy_requests": heavy_n,
+                                "light_flow_wait_p50_ms": flow.then_some(w50), "light_flow_wait_p90_ms": flow.then_some(w90)}));
             d.shutdown().await;
         }
         let alone = latency[0]["light_ttft_p90_ms"].as_f64().unwrap();
@@ -301,7 +334,7 @@ fn main() {
                                  "gateway_diff": gw.map(|g| g.0.abs_diff(g.1))}));
             d.shutdown().await;
         }
-        println!("         VTC bound for two backlogged tenants: {bound} (2 × max(input {PROMPT_TOKENS}, 2 × {IN_FLIGHT_BOUND} in flight × {OUTPUT_TOKENS} output))");
+        println!("         VTC bound for two backlogged tenants: {bound} (2 × max(input {}, 2 × {IN_FLIGHT_BOUND} in flight × {OUTPUT_TOKENS} output))", PROMPT_TOKENS * 3 / 2);
         json!({"bench": "gateway-fairness", "quick": quick, "seconds": secs.as_secs(),
                "fleet": {"pages": PAGES, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                          "prefill_ms": (PREFILL_FIXED + PREFILL_PER_TOKEN * PROMPT_TOKENS as u32).as_secs_f64() * 1e3,
@@ -311,8 +344,10 @@ fn main() {
                "latency": latency, "service": fairness})
     });
     if let Some(path) = out {
+        // Relative to the workspace (cargo runs a bench in its package's directory).
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
         std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap() + "\n")
-            .unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
-        println!("wrote {path}");
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        println!("wrote {}", path.display());
     }
 }

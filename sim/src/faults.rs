@@ -35,6 +35,8 @@ pub struct FaultConfig {
     pub report_kv_usage_pct: Option<u32>,
     /// `/metrics` reports this many waiting requests.
     pub report_waiting: Option<u64>,
+    /// `/metrics` answers this status with no metrics (a scrape that fails).
+    pub metrics_status: Option<u16>,
     /// Every generation request is answered with this status and an OpenAI error body (an engine
     /// refusing the request, e.g. 400), before any KV work.
     pub fail_status: Option<u16>,

@@ -196,6 +196,12 @@ impl SimEngine {
     /// vLLM's Prometheus gauges the gateway reads for `vllm-nixl` admission.
     fn prometheus(&self) -> Resp {
         let f = self.faults.get();
+        if let Some(status) = f.metrics_status {
+            return error_response(&SimError::plain(
+                status,
+                "metrics refused by the metrics_status fault switch",
+            ));
+        }
         let (held, total) = match &self.role {
             Role::Prefill(p) => (p.held_blocks(), 1),
             Role::Decode(d) => (d.held_blocks(), d.total_blocks()),

@@ -106,7 +106,7 @@ impl Flow {
             }
             v
         };
-        bands.sort_by(|a, b| b.priority.cmp(&a.priority));
+        bands.sort_by_key(|b| std::cmp::Reverse(b.priority));
         let band = |field: &str, name: &str| {
             bands.iter().position(|b| b.name == name).ok_or_else(|| {
                 let known: Vec<&str> = bands.iter().map(|b| b.name.as_str()).collect();

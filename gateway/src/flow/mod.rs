@@ -352,6 +352,9 @@ struct TenantState {
     refused_budget: u64,
 }
 
+/// A waiter's place in its flow: (order key, sequence).
+type Key = (u64, u64);
+
 /// What the waiter gets when it is let go: a token to drop once its decoder admitted it.
 #[derive(Debug)]
 pub struct Go {
@@ -373,7 +376,7 @@ struct Waiter {
 /// One band's waiters: per flow, keyed by (order key, sequence).
 #[derive(Debug, Default)]
 struct BandQ {
-    flows: HashMap<Arc<str>, BTreeMap<(u64, u64), Waiter>>,
+    flows: HashMap<Arc<str>, BTreeMap<Key, Waiter>>,
     count: usize,
     bytes: u64,
     dispatched: u64,
@@ -402,7 +405,7 @@ struct Place {
     flow: Arc<FlowControl>,
     band: usize,
     tenant: Arc<str>,
-    key: (u64, u64),
+    key: Key,
     /// False once the dispatcher took it out.
     queued: bool,
 }
@@ -482,9 +485,11 @@ impl State {
     /// smallest counter. Ties (a tenant back from idle is lifted to the others' counter) go to
     /// the flow with fewer waiting, then to the earliest head: the light tenant's one request is
     /// not put behind a backlog it has not used.
-    fn head(&self) -> Option<(usize, Arc<str>, (u64, u64))> {
+    fn head(&self) -> Option<(usize, Arc<str>, Key)> {
         let (b, band) = self.bands.iter().enumerate().find(|(_, b)| b.count > 0)?;
-        let mut best: Option<(f64, usize, (u64, u64), &Arc<str>)> = None;
+        // (counter, waiting, head key, tenant)
+        type Best<'a> = (f64, usize, Key, &'a Arc<str>);
+        let mut best: Option<Best<'_>> = None;
         for (t, q) in &band.flows {
             let Some((k, _)) = q.first_key_value() else { continue };
             let c = self.tenants.get(t).map_or(0.0, |s| s.counter);

@@ -33,6 +33,19 @@ pub const DEFAULT_MAX_WAITING: u64 = 8;
 pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(200);
 /// Shortest deadline of one read of the metrics.
 const MIN_SCRAPE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Reads that may fail in a row before what the last one said is too old to admit by: the
+/// decoder then counts as full (closed) until a read succeeds, as the Gateway API Inference
+/// Extension counts stale metrics as saturated.
+pub const STALE_AFTER_INTERVALS: u32 = 5;
+/// The least time before metrics are stale, whatever the interval.
+const MIN_STALE_AFTER: Duration = Duration::from_secs(1);
+
+impl LoadTarget {
+    /// How old the last good read may be before the decoder counts as full.
+    pub fn stale_after(&self) -> Duration {
+        (self.scrape_interval * STALE_AFTER_INTERVALS).max(MIN_STALE_AFTER)
+    }
+}
 
 /// A decoder's admission settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -108,8 +121,12 @@ impl LoadTarget {
     /// The settings in a line, for `baton check-config`.
     pub fn describe(&self) -> String {
         format!(
-            "up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?})",
-            self.max_in_flight, self.kv_usage_high, self.max_waiting, self.scrape_interval
+            "up to {} in flight while KV usage < {} and waiting < {} (metrics every {:?}; none read for {:?}: full)",
+            self.max_in_flight,
+            self.kv_usage_high,
+            self.max_waiting,
+            self.scrape_interval,
+            self.stale_after()
         )
     }
 }
@@ -128,6 +145,8 @@ pub struct Load {
     pub kv_usage_bp: AtomicU32,
     pub waiting: AtomicU64,
     pub open: AtomicBool,
+    /// The last good read is older than [`LoadTarget::stale_after`]: closed until one succeeds.
+    pub stale: AtomicBool,
     pub scrapes: AtomicU64,
     pub scrape_failures: AtomicU64,
 }
@@ -153,6 +172,12 @@ impl Load {
             "1 while a decoder's own metrics allow new requests.",
             &labels,
             f64::from(u8::from(self.open.load(Ordering::Relaxed))),
+        );
+        out.gauge(
+            "baton_decoder_metrics_stale",
+            "1 while a decoder's last good /metrics read is too old to admit by (it counts as full).",
+            &labels,
+            f64::from(u8::from(self.stale.load(Ordering::Relaxed))),
         );
         out.counter(
             "baton_decoder_scrape_failures_total",
@@ -253,6 +278,7 @@ async fn scrape_loop(
 ) {
     let mut tick = tokio::time::interval(target.scrape_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_good = tokio::time::Instant::now();
     loop {
         tick.tick().await;
         let Ok(req) = Request::get(http.uri("/metrics")).body(Full::new(Bytes::new())) else {
@@ -275,10 +301,18 @@ async fn scrape_loop(
         .await;
         load.scrapes.fetch_add(1, Ordering::Relaxed);
         let Some(text) = text else {
-            // Unknown state: keep the last decision; health checks deal with a dead decoder.
+            // Unknown state: keep the last decision for a while (one failed read says little);
+            // past `stale_after` the decoder counts as full, so nothing is admitted on old news.
             load.scrape_failures.fetch_add(1, Ordering::Relaxed);
+            if last_good.elapsed() >= target.stale_after() && !load.stale.swap(true, Ordering::Relaxed) {
+                tracing::warn!(decoder = %http, after = ?target.stale_after(), "decoder metrics stale: admitting nothing until a read succeeds");
+                load.open.store(false, Ordering::Relaxed);
+                queue.set_open(false);
+            }
             continue;
         };
+        last_good = tokio::time::Instant::now();
+        load.stale.store(false, Ordering::Relaxed);
         let usage = usage(&text, gauges.usage).unwrap_or(0.0);
         let waiting = total(&text, gauges.waiting).unwrap_or(0.0);
         let open = usage < target.kv_usage_high && waiting < target.max_waiting as f64;

@@ -50,13 +50,16 @@ pub fn split(raw: &Map<String, Value>) -> Result<Option<Vec<Map<String, Value>>>
 }
 
 impl Gateway {
-    /// Runs each prompt of a list as its own request and merges the answers.
+    /// Runs each prompt of a list as its own request and merges the answers; each holds its share
+    /// of the `bytes` the body took.
     pub(super) async fn generate_list(
         self: &Arc<Self>,
         prompts: Vec<Map<String, Value>>,
         headers: &hyper::HeaderMap,
         tenant: Option<Arc<str>>,
+        bytes: u64,
     ) -> Result<Response<RespBody>, GatewayError> {
+        let share = bytes / (prompts.len().max(1) as u64);
         let stream = prompts.first().and_then(|p| p.get("stream")).and_then(Value::as_bool) == Some(true);
         let include_usage = prompts
             .first()
@@ -71,6 +74,7 @@ impl Gateway {
             .map(|m| {
                 GenRequest::from_checked(Endpoint::Completions, m).map(|mut r| {
                     r.tenant = tenant.clone();
+                    r.bytes = share;
                     r
                 })
             })

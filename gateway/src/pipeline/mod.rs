@@ -55,6 +55,13 @@ struct Dispatched {
     charge: Option<crate::flow::Charge>,
 }
 
+/// How a request enters its decoder's queue: the admission plugin's ticket, and flow control's
+/// token to drop once it holds its room (when flow control let it go).
+struct Pass {
+    ticket: Ticket,
+    settle: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
 /// What a decision record names the engines by, shared by the records (written when read).
 #[derive(Debug)]
 struct Roster {
@@ -451,7 +458,7 @@ impl Gateway {
         if ep == Endpoint::Completions
             && let Some(prompts) = batch::split(&raw)?
         {
-            return self.generate_list(prompts, headers, tenant).await;
+            return self.generate_list(prompts, headers, tenant, body.len() as u64).await;
         }
         let mut req = GenRequest::from_checked(ep, raw)?;
         req.tenant = tenant;
@@ -653,7 +660,7 @@ impl Gateway {
         timing.record(Phase::Route, live.started.elapsed().saturating_sub(waited));
         timing.enter(Phase::Queue);
         let to = work.map(|work| (&prefills[..], work));
-        let r = self.handoff(dec, to, &req, &ids, ticket, settle, &mut timing).await;
+        let r = self.handoff(dec, to, &req, &ids, Pass { ticket, settle }, &mut timing).await;
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
@@ -901,15 +908,14 @@ impl Gateway {
         prefills: Option<(&[&Prefiller], Work)>,
         req: &GenRequest,
         ids: &[u32],
-        ticket: Ticket,
-        settle: Option<tokio::sync::oneshot::Sender<()>>,
+        pass: Pass,
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
-        let slots = dec.handoff.admit(dec, need, ticket, self.shared.limits.queue_timeout).await;
+        let slots = dec.handoff.admit(dec, need, pass.ticket, self.shared.limits.queue_timeout).await;
         // Flow control lets its next request go once this one holds its room.
-        drop(settle);
+        drop(pass.settle);
         let slots = slots?;
         let wait = timing.mark(Phase::Queue);
         let named = Arc::clone(dec);

@@ -41,6 +41,7 @@ async fn fleet(flow: Option<FlowConfig>, tenants: &[(&str, &str)]) -> Demo {
         }),
         gateway: GatewaySetup {
             flow,
+            explain: true,
             tenants: tenants.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
             ..GatewaySetup::default()
         },
@@ -134,6 +135,25 @@ async fn a_high_band_is_unaffected_by_a_saturating_low_band_and_a_sheddable_one_
             }
         }
         let loaded = interactive_p90(d.addr, 20, 3000).await;
+        if with_flow {
+            // The decision record says who the request was to flow control and where it went.
+            let body = json!({"model": "baton-sim", "prompt": prompt(256, 5000), "max_tokens": 1});
+            let h =
+                [("authorization", "Bearer sk-ui"), ("x-priority", "interactive"), ("x-baton-explain", "1")];
+            let res = send_with(d.addr, "/v1/completions", Some(&body), &h).await;
+            assert_eq!(res.status(), 200);
+            let timing = res.headers()["server-timing"].to_str().unwrap().to_owned();
+            let rec: Value =
+                serde_json::from_str(res.headers()["x-baton-explain"].to_str().unwrap()).unwrap();
+            assert_eq!(
+                (rec["flow"]["tenant"].as_str(), rec["flow"]["band"].as_str()),
+                (Some("ui-team"), Some("interactive")),
+                "{rec}"
+            );
+            assert!(rec["flow"]["queued"].is_boolean(), "{rec}");
+            assert_eq!(rec["route"]["decoders"][0]["room"], true, "{rec}");
+            assert!(timing.starts_with("flow;dur=") || !rec["flow"]["queued"].as_bool().unwrap(), "{timing}");
+        }
         stop.store(true, Ordering::Relaxed);
         let mut served = 0;
         while let Some(n) = load.join_next().await {

@@ -114,6 +114,42 @@ async fn vllm_nixl_admission_follows_the_decoders_metrics() {
     d.shutdown().await;
 }
 
+/// A decoder whose `/metrics` cannot be read counts as full once what it said last is older than
+/// the staleness rule allows (five intervals, at least a second), and admits again once it is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_decoder_metrics_count_as_full_until_read_again() {
+    let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
+    let decode = d.decode_addrs()[0];
+    let dec = &d.gateway.decoders[0];
+    assert!(dec.queue.stats().open);
+    let (s, _) = http(decode, "/sim/faults", Some(&json!({"metrics_status": 503}))).await;
+    assert_eq!(s, 200);
+    let started = Instant::now();
+    while dec.queue.stats().open {
+        assert!(started.elapsed() < Duration::from_secs(3), "stale metrics never closed admission");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let closed_after = started.elapsed();
+    assert!(closed_after >= Duration::from_millis(900), "one failed read is not stale yet: {closed_after:?}");
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("baton_decoder_metrics_stale{decoder=\"decode-0\",mode=\"vllm-nixl\"} 1"), "{m}");
+    let addr = d.addr;
+    let waiter = tokio::spawn(async move {
+        http(addr, "/v1/completions", Some(&json!({"prompt": "wait for fresh news", "max_tokens": 2}))).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(dec.queue.stats().in_use, 0, "admitted on stale metrics");
+    let (s, _) = http(decode, "/sim/faults", Some(&json!({}))).await;
+    assert_eq!(s, 200);
+    let (s, b) = waiter.await.unwrap();
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    assert!(m.contains("baton_decoder_metrics_stale{decoder=\"decode-0\",mode=\"vllm-nixl\"} 0"), "{m}");
+    d.shutdown().await;
+}
+
 /// 200 clients that leave at random points, many right after their prefill: no slot stays held,
 /// and no producer block outlives the gateway's own deadline (the producer's own timeout is 480 s:
 /// only the gateway's drains can free them this fast).
