@@ -52,6 +52,8 @@ fn request(i: u32) -> PolicyRequest {
         slots: 4,
         max_tokens: 128,
         priority: None,
+        band: None,
+        flow: None,
         prefix_hash: i.wrapping_mul(2_654_435_761),
         headers: Vec::new(),
     }

@@ -603,14 +603,6 @@ impl Gateway {
             max_tokens,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
-        let preq = self.plugins.as_ref().map(|p| {
-            let ep = match req.endpoint {
-                Endpoint::Completions => "completions",
-                Endpoint::Chat => "chat",
-            };
-            let from = Sender { headers, tenant: req.tenant.as_deref() };
-            Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
-        });
         // Who the request is to flow control, read before it waits on anything (a bad band is
         // the client's 400 at once).
         let identity = match &self.flow {
@@ -624,6 +616,18 @@ impl Gateway {
             ),
             None => None,
         };
+        let preq = self.plugins.as_ref().map(|p| {
+            let ep = match req.endpoint {
+                Endpoint::Completions => "completions",
+                Endpoint::Chat => "chat",
+            };
+            let flow = match (&self.flow, &identity) {
+                (Some(f), Some(id)) => f.cfg.bands.get(id.band).map(|b| (b.name.as_str(), &*id.tenant)),
+                _ => None,
+            };
+            let from = Sender { headers, tenant: req.tenant.as_deref(), flow };
+            Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
+        });
         let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
         let flowed = match (&self.flow, &identity) {
             (Some(f), Some(id)) if self.flow_can_serve(ids.len()) => {

@@ -127,6 +127,8 @@ pub struct Plugins {
 pub struct Sender<'a> {
     pub headers: &'a HeaderMap,
     pub tenant: Option<&'a str>,
+    /// Flow control's `(band, flow)` for the request, when it is on.
+    pub flow: Option<(&'a str, &'a str)>,
 }
 
 impl Plugins {
@@ -169,7 +171,7 @@ impl Plugins {
         slots: u32,
         max_tokens: Option<u32>,
     ) -> PolicyRequest {
-        let Sender { headers, tenant } = from;
+        let Sender { headers, tenant, flow } = from;
         // With API keys on, the key's tenant; else `[admission.tenants]`' name for the bearer
         // token, or an opaque id made from a token not listed (never the token: plugins log it,
         // put it in messages, and their decisions are recorded); "" without a token.
@@ -192,6 +194,8 @@ impl Plugins {
             slots,
             max_tokens: max_tokens.unwrap_or(0),
             priority: text("x-priority"),
+            band: flow.map(|(band, _)| band.to_owned()),
+            flow: flow.map(|(_, f)| f.to_owned()),
             prefix_hash: prefix_hash(ids),
             headers: self
                 .headers

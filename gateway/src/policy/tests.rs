@@ -32,6 +32,8 @@ fn req(tenant: &str, prompt: u32, max: u32, slots: u32, priority: Option<&str>) 
         slots,
         max_tokens: max,
         priority: priority.map(Into::into),
+        band: None,
+        flow: None,
         prefix_hash: 7,
         headers: Vec::new(),
     }
@@ -42,7 +44,8 @@ fn queue(free: u32) -> QueueState {
 }
 
 const BUDGET: &str = r#"{"tokens_per_minute": 1000, "default_max_tokens": 100, "low_priority_max_wait_ms": 1500,
-  "tenants": {"gold": {"tokens_per_minute": 5000, "priority": 3}, "tiny": {"tokens_per_minute": 50}}}"#;
+  "tenants": {"gold": {"tokens_per_minute": 5000, "priority": 3}, "tiny": {"tokens_per_minute": 50}},
+  "unmetered_bands": ["free"]}"#;
 
 /// One table of requests through one admission plugin; every decision, in order.
 fn run_table(name: &str) -> Vec<String> {
@@ -64,6 +67,13 @@ fn run_table(name: &str) -> Vec<String> {
     admit(&mut d, &req("alice", 250, 100, 1, None), 10);
     d.complete(&first, Usage { prompt_tokens: 200, completion_tokens: 20, status: 200 }).unwrap();
     admit(&mut d, &req("alice", 250, 100, 2, None), 0);
+    // Flow control's band "free" is not metered, nor given back; 30 tokens are left.
+    let mut free = req("alice", 900, 100, 1, None);
+    free.band = Some("free".into());
+    free.flow = Some("alice".into());
+    admit(&mut d, &free, 10);
+    d.complete(&free, Usage { prompt_tokens: 900, completion_tokens: 0, status: 200 }).unwrap();
+    admit(&mut d, &req("alice", 20, 20, 1, None), 10);
     admit(&mut d, &req("gold", 1000, 500, 4, None), 0);
     admit(&mut d, &req("gold", 10, 10, 1, Some("low")), 0);
     admit(&mut d, &req("tiny", 40, 20, 1, None), 10);
@@ -84,6 +94,10 @@ fn the_three_example_admission_plugins_decide_alike() {
         "Some(Reject { status: 429, message: \"tenant alice is over its budget of 1000 tokens per minute\", retry_after_s: Some(3) })",
         // 80 unused tokens came back: 380 left.
         "Some(Queue { class: 0, max_wait: Some(1.5s) })",
+        // The free band: admitted in class 0 whatever it costs.
+        "Some(Queue { class: 0, max_wait: None })",
+        // 40 asked, 30 left (nothing came back from the free one): 10 more is under a second.
+        "Some(Reject { status: 429, message: \"tenant alice is over its budget of 1000 tokens per minute\", retry_after_s: Some(1) })",
         "Some(Queue { class: 3, max_wait: None })",
         "Some(Queue { class: 0, max_wait: Some(1.5s) })",
         "Some(Reject { status: 400, message: \"request needs 60 tokens, more than tenant tiny's budget of 50 tokens per minute\", retry_after_s: None })",

@@ -321,6 +321,71 @@ default_max_tokens = 16
     s.stop().await;
 }
 
+/// With flow control on, an admission plugin reads the request's band: the token-budget example
+/// leaves requests in its `unmetered_bands` out of the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_plugin_reads_the_band_flow_control_gave() {
+    let s = serve(
+        "bands",
+        r#"[plugins.admission]
+path = "token_budget.wasm"
+[plugins.admission.config]
+tokens_per_minute = 200
+default_max_tokens = 16
+unmetered_bands = ["free"]
+
+[flow]
+bands = [{ name = "standard", priority = 5 }, { name = "free", priority = 0 }]
+default_band = "standard"
+"#,
+        &[("token_budget", "token_budget.wasm")],
+    )
+    .await;
+    let body = json!({"prompt": "a few words to count", "max_tokens": 60});
+    let mut admitted = 0;
+    loop {
+        let a = post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await;
+        if a.status == 429 {
+            break;
+        }
+        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+        admitted += 1;
+        assert!(admitted < 10, "the budget never ran out");
+    }
+    // Over budget in the default band; the free band is not counted.
+    let free = |key: &'static str| {
+        let (addr, body) = (s.addr(), body.clone());
+        async move {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+            tokio::spawn(conn);
+            let req = Request::post("/v1/completions")
+                .header("host", addr.to_string())
+                .header("content-type", "application/json")
+                .header("authorization", format!("Bearer {key}"))
+                .header("x-priority", "free")
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap();
+            let res = send.send_request(req).await.unwrap();
+            let status = res.status().as_u16();
+            (status, res.into_body().collect().await.unwrap().to_bytes())
+        }
+    };
+    for _ in 0..5 {
+        let (status, b) = free("sk-alice").await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    }
+    assert_eq!(post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await.status, 429);
+    // Another tenant in the free band.
+    for _ in 0..5 {
+        assert_eq!(free("sk-bob").await.0, 200);
+    }
+    let v: Value = serde_json::from_str(&get(s.admin(), "/admin/flow").await).unwrap();
+    let free_band = v["bands"].as_array().unwrap().iter().find(|b| b["name"] == "free").unwrap();
+    assert_eq!(free_band["dispatched"], 10, "{v}");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_plugin_choice_is_the_endpoint_that_served() {
     let s = serve(
@@ -343,7 +408,7 @@ async fn routing_plugin_choice_is_the_endpoint_that_served() {
         .unwrap();
         let ids = gw.model.tokenizer.token_ids(&req).unwrap();
         let headers = hyper::HeaderMap::new();
-        let sender = baton_gateway::policy::Sender { headers: &headers, tenant: None };
+        let sender = baton_gateway::policy::Sender { headers: &headers, tenant: None, flow: None };
         let facts = plugins.request("baton-sim", "completions", sender, &ids, 1, Some(2));
         let (p, d) = baton_gateway::policy::calls::views(&gw.candidates(&ids));
         let want = match direct.route(&facts, &p, &d) {

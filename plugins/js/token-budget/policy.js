@@ -19,9 +19,14 @@ function parse(json) {
   if (raw === null || typeof raw !== "object" || Array.isArray(raw)) {
     throw "token-budget config: not a table";
   }
-  const c = { ...DEFAULTS, tenants: {} };
+  const c = { ...DEFAULTS, tenants: {}, unmetered_bands: [] };
   for (const [k, v] of Object.entries(raw)) {
-    if (k === "tenants") {
+    if (k === "unmetered_bands") {
+      if (!Array.isArray(v) || !v.every((b) => typeof b === "string")) {
+        throw "token-budget config: unmetered_bands is not a list of strings";
+      }
+      c.unmetered_bands = v;
+    } else if (k === "tenants") {
       if (v === null || typeof v !== "object" || Array.isArray(v)) throw "token-budget config: tenants is not a table";
       for (const [name, t] of Object.entries(v)) {
         if (t === null || typeof t !== "object" || Array.isArray(t)) throw `token-budget config: tenant ${name} is not a table`;
@@ -59,13 +64,15 @@ function config() {
       cached = parse(host.config());
     } catch (e) {
       host.log("error", String(e));
-      cached = { ...DEFAULTS, tenants: {} };
+      cached = { ...DEFAULTS, tenants: {}, unmetered_bands: [] };
     }
   }
   return cached;
 }
 
 const tenantOf = (req) => (req.tenant === "" ? "anonymous" : req.tenant);
+// Whether flow control put the request in a band the budget does not count.
+const unmetered = (req, c) => req.band != null && c.unmetered_bands.includes(req.band);
 const maxTokens = (req, c) => (req.maxTokens > 0 ? req.maxTokens : c.default_max_tokens);
 
 export const admissionPolicy = {
@@ -75,6 +82,7 @@ export const admissionPolicy = {
 
   admit(req, queue) {
     const c = config();
+    if (unmetered(req, c)) return { tag: "admit", val: 0 };
     const name = tenantOf(req);
     const t = Object.prototype.hasOwnProperty.call(c.tenants, name) ? c.tenants[name] : {};
     const tpm = t.tokens_per_minute ?? c.tokens_per_minute;
@@ -110,6 +118,7 @@ export const admissionPolicy = {
 
   onComplete(req, usage) {
     const c = config();
+    if (unmetered(req, c)) return;
     const unused = Math.max(0, maxTokens(req, c) - usage.completionTokens);
     if (unused > 0) host.bucketGive(`tpm/${tenantOf(req)}`, unused);
   },

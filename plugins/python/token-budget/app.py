@@ -29,9 +29,13 @@ def parse(text):
         raise Err(f"token-budget config: {e}")
     if not isinstance(raw, dict):
         raise Err("token-budget config: not a table")
-    c = dict(DEFAULTS, tenants={})
+    c = dict(DEFAULTS, tenants={}, unmetered_bands=[])
     for k, v in raw.items():
-        if k == "tenants":
+        if k == "unmetered_bands":
+            if not isinstance(v, list) or not all(isinstance(b, str) for b in v):
+                raise Err("token-budget config: unmetered_bands is not a list of strings")
+            c[k] = v
+        elif k == "tenants":
             if not isinstance(v, dict):
                 raise Err("token-budget config: tenants is not a table")
             for name, t in v.items():
@@ -75,7 +79,7 @@ def config():
             _config = parse(host.config())
         except Err as e:
             host.log(host.Level.ERROR, str(e.value))
-            _config = dict(DEFAULTS, tenants={})
+            _config = dict(DEFAULTS, tenants={}, unmetered_bands=[])
     return _config
 
 
@@ -87,12 +91,18 @@ def max_tokens(req, c):
     return req.max_tokens if req.max_tokens > 0 else c["default_max_tokens"]
 
 
+def unmetered(req, c):
+    """Whether flow control put the request in a band the budget does not count."""
+    return req.band is not None and req.band in c["unmetered_bands"]
+
 class AdmissionPolicy(exports.AdmissionPolicy):
     def validate_config(self, config_json):
         parse(config_json)
 
     def admit(self, req, queue):
         c = config()
+        if unmetered(req, c):
+            return Decision_Admit(0)
         name = tenant_of(req)
         t = c["tenants"].get(name, {})
         tpm = t.get("tokens_per_minute", c["tokens_per_minute"])
@@ -123,6 +133,8 @@ class AdmissionPolicy(exports.AdmissionPolicy):
 
     def on_complete(self, req, usage):
         c = config()
+        if unmetered(req, c):
+            return
         unused = max(0, max_tokens(req, c) - usage.completion_tokens)
         if unused > 0:
             host.bucket_give(f"tpm/{tenant_of(req)}", unused)

@@ -1,7 +1,8 @@
 //! Admission by token budget: each tenant (API key) may spend `tokens_per_minute` tokens a minute,
 //! counted as prompt tokens plus `max_tokens` when admitted; what the answer did not use is given
 //! back when it ends. Tenants have priority classes; a class-0 request queues only briefly when the
-//! decoders have no room. The JavaScript and Python versions in `plugins/js` and `plugins/python`
+//! decoders have no room. With the gateway's flow control on, requests in `unmetered_bands` (e.g.
+//! a sheddable best-effort band) are admitted in class 0 without touching the budget. The JavaScript and Python versions in `plugins/js` and `plugins/python`
 //! decide exactly the same (checked by the gateway's tests).
 
 use std::cell::RefCell;
@@ -29,6 +30,7 @@ struct Config {
     default_max_tokens: u32,
     low_priority_max_wait_ms: u32,
     tenants: HashMap<String, Tenant>,
+    unmetered_bands: Vec<String>,
 }
 
 impl Default for Config {
@@ -38,6 +40,7 @@ impl Default for Config {
             default_max_tokens: 256,
             low_priority_max_wait_ms: 2_000,
             tenants: HashMap::new(),
+            unmetered_bands: Vec::new(),
         }
     }
 }
@@ -81,6 +84,11 @@ fn tenant(req: &Request) -> &str {
     if req.tenant.is_empty() { "anonymous" } else { &req.tenant }
 }
 
+/// Whether flow control put the request in a band the budget does not count.
+fn unmetered(req: &Request, c: &Config) -> bool {
+    req.band.as_ref().is_some_and(|b| c.unmetered_bands.iter().any(|u| u == b))
+}
+
 fn max_tokens(req: &Request, c: &Config) -> u32 {
     if req.max_tokens > 0 { req.max_tokens } else { c.default_max_tokens }
 }
@@ -94,6 +102,9 @@ impl Guest for Policy {
 
     fn admit(req: Request, queue: QueueState) -> Decision {
         let c = config();
+        if unmetered(&req, &c) {
+            return Decision::Admit(0);
+        }
         let name = tenant(&req);
         let t = c.tenants.get(name).cloned().unwrap_or_default();
         let tpm = t.tokens_per_minute.unwrap_or(c.tokens_per_minute);
@@ -127,6 +138,9 @@ impl Guest for Policy {
 
     fn on_complete(req: Request, usage: Usage) {
         let c = config();
+        if unmetered(&req, &c) {
+            return;
+        }
         let unused = max_tokens(&req, &c).saturating_sub(usage.completion_tokens);
         if unused > 0 {
             host::bucket_give(&format!("tpm/{}", tenant(&req)), unused);
