@@ -218,7 +218,7 @@ pub enum Refused {
     #[error("the fleet is saturated and the {band:?} band is sheddable")]
     Shed { band: String },
     /// The request's own deadline passed while it waited; no engine received it.
-    #[error("the request's deadline ({by}) passed after {waited:?} in the queue; no engine received it")]
+    #[error("the request's deadline ({by}) passed {waited:?} after it arrived; no engine received it")]
     Deadline { by: &'static str, waited: Duration },
     /// The gateway's longest wait passed.
     #[error("no decoder had room within {waited:?}")]
@@ -289,6 +289,8 @@ pub struct Identity {
     pub band: usize,
     /// What set the deadline, and when it is.
     pub deadline: (&'static str, Instant),
+    /// When it arrived.
+    pub arrived: Instant,
 }
 
 /// A token bucket over a minute.
@@ -315,13 +317,13 @@ impl Bucket {
         self.at = now;
     }
 
-    /// What a request of `input` tokens must find in the bucket: its input when input counts (at
-    /// most the whole budget, so a large request still goes when the bucket is full), else one.
-    fn need(&self, input: u64) -> f64 {
-        match self.rule.counts {
-            Counts::Output => 1.0,
-            Counts::Input | Counts::Total => (input as f64).clamp(1.0, self.rule.tokens_per_minute as f64),
-        }
+    /// What a request of `input` tokens and at most `max_output` output tokens holds of the
+    /// bucket while it runs (what it may cost; output not capped counts nothing until it is
+    /// served), and what it must find there: the hold, at most the whole budget (so a large
+    /// request still goes when the bucket is full), at least one token.
+    fn hold(&self, input: u64, max_output: u64) -> (f64, f64) {
+        let hold = self.cost(input, max_output);
+        (hold, hold.clamp(1.0, self.rule.tokens_per_minute as f64))
     }
 
     fn cost(&self, input: u64, output: u64) -> f64 {
@@ -396,6 +398,9 @@ struct State {
     /// Tenants let go lately and the running count.
     recent: VecDeque<Arc<str>>,
     dispatches: u64,
+    /// Requests the dispatcher let go that have not yet taken their slots: no request takes the
+    /// fast path past them.
+    in_dispatch: usize,
 }
 
 /// A request's place in the queue: leaves it when dropped (client gone, deadline), so nobody waits
@@ -408,6 +413,11 @@ struct Place {
     key: Key,
     /// False once the dispatcher took it out.
     queued: bool,
+    /// Where the dispatcher's go comes.
+    rx: Option<oneshot::Receiver<Go>>,
+    /// Its input tokens and their cost, to undo a charge the dispatcher made as it left.
+    input: u64,
+    input_cost: f64,
 }
 
 impl Drop for Place {
@@ -429,6 +439,10 @@ impl Drop for Place {
         if removed.is_some() {
             s.queued -= 1;
             s.left(&self.tenant);
+        } else if self.rx.as_mut().is_some_and(|rx| rx.try_recv().is_ok()) {
+            // Let go as it left (deadline, client gone): never sent, so its charge is undone;
+            // the go's token, dropped here, tells the dispatcher to go on.
+            self.flow.refund(&mut s, &self.tenant, self.input, self.input_cost, self.band);
         }
         drop(s);
         // The head may have changed.
@@ -537,6 +551,10 @@ pub struct Charge {
     tenant: Arc<str>,
     input: u64,
     output: u64,
+    /// What it holds of the tenant's budget (its input and `max_tokens`, as the budget counts).
+    held: f64,
+    /// Let go: counted in the tenant's requests in flight.
+    dispatched: bool,
     finished: bool,
 }
 
@@ -556,17 +574,18 @@ impl Charge {
         }
     }
 
-    /// The answer ended with `tokens` output tokens: the budget is charged what was served.
+    /// The answer ended with `tokens` output tokens: the budget is charged what was served (the
+    /// hold given back, the cost taken).
     pub fn finish(mut self, tokens: u64) {
         self.output(tokens);
         self.finished = true;
-        let now = Instant::now();
         let mut s = self.flow.lock();
         if let Some(t) = s.tenants.get_mut(&self.tenant) {
-            t.open = t.open.saturating_sub(1);
+            if self.dispatched {
+                t.open = t.open.saturating_sub(1);
+            }
             if let Some(b) = t.budget.as_mut() {
-                b.refill(now);
-                b.level -= b.cost(self.input, self.output);
+                b.level += self.held - b.cost(self.input, self.output);
             }
         }
     }
@@ -577,10 +596,15 @@ impl Drop for Charge {
         if self.finished {
             return;
         }
-        // Refused or failed before an answer: nothing is charged to the budget.
+        // Refused or failed before an answer: nothing is charged to the budget, the hold goes back.
         let mut s = self.flow.lock();
         if let Some(t) = s.tenants.get_mut(&self.tenant) {
-            t.open = t.open.saturating_sub(1);
+            if self.dispatched {
+                t.open = t.open.saturating_sub(1);
+            }
+            if let Some(b) = t.budget.as_mut() {
+                b.level += self.held;
+            }
         }
     }
 }
@@ -592,6 +616,8 @@ pub struct Admitted {
     pub charge: Charge,
     pub waited: Duration,
     pub queued: bool,
+    /// Its deadline: what is left of it bounds its wait for its decoder's slots.
+    pub deadline: Instant,
     pub settle: Option<oneshot::Sender<()>>,
 }
 
@@ -612,6 +638,8 @@ pub struct Ask {
     pub bytes: u64,
     /// The admission plugin's own longest wait, if it set one.
     pub plugin_wait: Option<Duration>,
+    /// The request's `max_tokens`, when it set one (held of an output-counting budget).
+    pub max_tokens: Option<u32>,
 }
 
 impl FlowControl {
@@ -627,6 +655,7 @@ impl FlowControl {
                 last_left: 0.0,
                 recent: VecDeque::with_capacity(RECENT),
                 dispatches: 0,
+                in_dispatch: 0,
             }),
             wake: Arc::new(Notify::new()),
             refused_budget: AtomicU64::new(0),
@@ -681,17 +710,19 @@ impl FlowControl {
         {
             sooner("the client's timeout (x-stainless-timeout)", Duration::from_secs_f64(s.min(1e6)));
         }
-        Ok(Identity { tenant, band, deadline })
+        Ok(Identity { tenant, band, deadline, arrived })
     }
 
-    /// The budget's verdict before the request is let in.
-    fn check_budget(&self, s: &mut State, id: &Identity, input: u64, now: Instant) -> Result<(), Refused> {
+    /// The budget's verdict before the request is let in; what it holds of the bucket when it
+    /// is (given back, less what the answer cost, when it ends).
+    fn check_budget(&self, s: &mut State, id: &Identity, ask: &Ask, now: Instant) -> Result<f64, Refused> {
         let t = s.tenant(&self.cfg, &id.tenant, now);
-        let Some(b) = t.budget.as_mut() else { return Ok(()) };
+        let Some(b) = t.budget.as_mut() else { return Ok(0.0) };
         b.refill(now);
-        let need = b.need(input);
+        let (hold, need) = b.hold(ask.tokens as u64, ask.max_tokens.map_or(0, u64::from));
         if b.level >= need {
-            return Ok(());
+            b.level -= hold;
+            return Ok(hold);
         }
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let refill_s = ((need - b.level) / b.rate()).ceil().max(1.0) as u64;
@@ -722,9 +753,9 @@ impl FlowControl {
         }
     }
 
-    /// Lets the request in: at once when nobody waits and `room(tokens)` says a decoder can take
-    /// it; otherwise it waits its turn (or is refused: budget, band full, shed, deadline).
-    /// `note` is told where it waited and for whom, for the decision record.
+    /// Lets the request in: at once when nobody waits (or is being let go) and `room(tokens)`
+    /// says a decoder can take it; otherwise it waits its turn (or is refused: budget, band full,
+    /// shed, deadline). `note` is told where it waited and for whom, for the decision record.
     pub async fn enter(
         self: &Arc<Self>,
         id: &Identity,
@@ -735,132 +766,164 @@ impl FlowControl {
         let now = Instant::now();
         let input = ask.tokens as u64;
         let input_cost = self.cfg.input_cost * input as f64;
-        let band_cfg = self.cfg.bands.get(id.band).cloned().unwrap_or_else(|| Band {
-            name: String::new(),
-            priority: 0,
-            max_requests: 0,
-            max_bytes: 0,
-        });
+        let band_name = self.cfg.bands.get(id.band).map_or("", |b| b.name.as_str());
         let (mut deadline_by, mut deadline) = id.deadline;
         if let Some(w) = ask.plugin_wait
             && now + w < deadline
         {
             (deadline_by, deadline) = ("the admission plugin's wait", now + w);
         }
-        let (rx, place, ahead) = {
-            let mut s = self.lock();
-            self.check_budget(&mut s, id, input, now)?;
-            if s.queued == 0 && room(ask.tokens) {
-                self.dispatch_now(&mut s, &id.tenant, input, input_cost, id.band);
-                drop(s);
-                note(json!({"tenant": &*id.tenant, "band": band_cfg.name, "queued": false}));
-                return Ok(self.admitted(id, input, Duration::ZERO, false, None));
-            }
-            let refused = if band_cfg.sheddable() {
-                Some(Refused::Shed { band: band_cfg.name.clone() })
-            } else if s.bands.get(id.band).is_some_and(|b| b.count >= band_cfg.max_requests) {
-                Some(Refused::BandFull {
-                    band: band_cfg.name.clone(),
-                    limit: format!("{} requests", band_cfg.max_requests),
-                })
-            } else if s.bands.get(id.band).is_some_and(|b| b.bytes + ask.bytes > band_cfg.max_bytes) {
-                Some(Refused::BandFull {
-                    band: band_cfg.name.clone(),
-                    limit: format!("{} bytes", band_cfg.max_bytes),
-                })
-            } else {
-                None
-            };
-            if let Some(r) = refused {
-                if let Some(b) = s.bands.get_mut(id.band) {
-                    *b.refused.entry(r.reason()).or_default() += 1;
-                }
-                return Err(r);
-            }
-            s.seq += 1;
-            let seq = s.seq;
-            let order = match self.cfg.within {
-                Within::Fcfs => seq,
-                Within::Edf => {
-                    u64::try_from(deadline.saturating_duration_since(base()).as_micros()).unwrap_or(u64::MAX)
-                }
-            };
-            let key = (order, seq);
-            let (tx, rx) = oneshot::channel();
-            let since = s.dispatches;
-            let ahead: usize = s.bands.iter().take(id.band + 1).map(|b| b.count).sum();
-            let first = s.tenant(&self.cfg, &id.tenant, now).queued == 0;
-            if first {
-                s.lift(&id.tenant);
-            }
-            if let Some(t) = s.tenants.get_mut(&id.tenant) {
-                t.queued += 1;
-            }
-            s.queued += 1;
-            if let Some(b) = s.bands.get_mut(id.band) {
-                b.count += 1;
-                b.bytes += ask.bytes;
-                b.flows
-                    .entry(Arc::clone(&id.tenant))
-                    .or_default()
-                    .insert(key, Waiter { tokens: ask.tokens, bytes: ask.bytes, input_cost, since, tx });
-            }
-            let place = Place {
-                flow: Arc::clone(self),
-                band: id.band,
-                tenant: Arc::clone(&id.tenant),
-                key,
-                queued: true,
-            };
-            (rx, place, ahead)
+        let refuse = |r: Refused| {
+            self.count_refused(id.band, &r);
+            Err(r)
         };
-        self.wake.notify_one();
-        let got = tokio::time::timeout_at(deadline, rx).await;
-        let waited = now.elapsed();
-        match got {
-            Ok(Ok(go)) => {
-                // The dispatcher took it out of the queue already.
-                let mut place = place;
-                place.queued = false;
-                drop(place);
-                self.waited(id.band, waited);
-                let served: Vec<Value> =
-                    go.served_first.iter().map(|(t, n)| json!({"tenant": &**t, "requests": n})).collect();
-                note(json!({"tenant": &*id.tenant, "band": band_cfg.name, "queued": true,
-                            "waiting_ahead": ahead, "waited_ms": crate::telemetry::metrics::ms(waited),
-                            "why": "no decoder had room for it, or others were ahead",
-                            "served_first": served}));
-                Ok(self.admitted(id, input, waited, true, go.settle))
-            }
-            Ok(Err(_)) | Err(_) => {
-                drop(place);
-                let r = if deadline_by == GATEWAY_WAIT {
-                    Refused::Timeout { waited }
-                } else {
-                    Refused::Deadline { by: deadline_by, waited }
-                };
-                self.count_refused(id.band, &r);
-                Err(r)
-            }
+        if deadline <= now {
+            // It spent its time before it got here (tokenizing, the admission plugin).
+            return refuse(Refused::Deadline { by: deadline_by, waited: id.arrived.elapsed() });
         }
-    }
-
-    fn admitted(
-        self: &Arc<Self>,
-        id: &Identity,
-        input: u64,
-        waited: Duration,
-        queued: bool,
-        settle: Option<oneshot::Sender<()>>,
-    ) -> Admitted {
-        let charge = Charge {
+        // What the request holds of its tenant's budget from here on, given back by its drop.
+        let mut charge = Charge {
             flow: Arc::clone(self),
             tenant: Arc::clone(&id.tenant),
             input,
             output: 0,
+            held: 0.0,
+            dispatched: false,
             finished: false,
         };
-        Admitted { charge, waited, queued, settle }
+        let entered = {
+            let mut s = self.lock();
+            match self.check_budget(&mut s, id, &ask, now) {
+                Err(r) => Err(r),
+                Ok(held) => {
+                    charge.held = held;
+                    self.queue_or_go(&mut s, id, &ask, input_cost, deadline, &room)
+                }
+            }
+        };
+        let (mut place, ahead) = match entered {
+            Err(r) => return Err(r),
+            Ok(None) => {
+                charge.dispatched = true;
+                note(json!({"tenant": &*id.tenant, "band": band_name, "queued": false}));
+                return Ok(Admitted {
+                    charge,
+                    waited: Duration::ZERO,
+                    queued: false,
+                    deadline,
+                    settle: None,
+                });
+            }
+            Ok(Some(queued)) => queued,
+        };
+        self.wake.notify_one();
+        let got = match place.rx.as_mut() {
+            Some(rx) => tokio::time::timeout_at(deadline, rx).await.ok().and_then(Result::ok),
+            None => None,
+        };
+        let waited = now.elapsed();
+        match got {
+            Some(go) => {
+                // The dispatcher took it out of the queue and charged it already.
+                place.queued = false;
+                drop(place);
+                charge.dispatched = true;
+                self.waited(id.band, waited);
+                let served: Vec<Value> =
+                    go.served_first.iter().map(|(t, n)| json!({"tenant": &**t, "requests": n})).collect();
+                note(json!({"tenant": &*id.tenant, "band": band_name, "queued": true,
+                            "waiting_ahead": ahead, "waited_ms": crate::telemetry::metrics::ms(waited),
+                            "why": "no decoder had room for it, or others were ahead",
+                            "served_first": served}));
+                Ok(Admitted { charge, waited, queued: true, deadline, settle: go.settle })
+            }
+            None => {
+                // Leaves the queue (or, let go just as its deadline passed, is undone): never sent.
+                drop(place);
+                drop(charge);
+                if deadline_by == GATEWAY_WAIT {
+                    refuse(Refused::Timeout { waited })
+                } else {
+                    refuse(Refused::Deadline { by: deadline_by, waited: id.arrived.elapsed() })
+                }
+            }
+        }
+    }
+
+    /// Under the lock: lets the request go now (`None`), refuses it, or queues it (its receiver,
+    /// its place, and the requests ahead of it).
+    fn queue_or_go(
+        self: &Arc<Self>,
+        s: &mut State,
+        id: &Identity,
+        ask: &Ask,
+        input_cost: f64,
+        deadline: Instant,
+        room: &impl Fn(usize) -> bool,
+    ) -> Result<Option<(Place, usize)>, Refused> {
+        let now = Instant::now();
+        if s.queued == 0 && s.in_dispatch == 0 && room(ask.tokens) {
+            self.dispatch_now(s, &id.tenant, ask.tokens as u64, input_cost, id.band);
+            return Ok(None);
+        }
+        let Some(band) = self.cfg.bands.get(id.band) else {
+            return Err(Refused::Shed { band: String::new() });
+        };
+        let (count, bytes) = s.bands.get(id.band).map_or((0, 0), |b| (b.count, b.bytes));
+        let refused = if band.sheddable() {
+            Some(Refused::Shed { band: band.name.clone() })
+        } else if count >= band.max_requests {
+            Some(Refused::BandFull {
+                band: band.name.clone(),
+                limit: format!("{} requests", band.max_requests),
+            })
+        } else if bytes + ask.bytes > band.max_bytes {
+            Some(Refused::BandFull { band: band.name.clone(), limit: format!("{} bytes", band.max_bytes) })
+        } else {
+            None
+        };
+        if let Some(r) = refused {
+            if let Some(b) = s.bands.get_mut(id.band) {
+                *b.refused.entry(r.reason()).or_default() += 1;
+            }
+            return Err(r);
+        }
+        s.seq += 1;
+        let seq = s.seq;
+        let order = match self.cfg.within {
+            Within::Fcfs => seq,
+            Within::Edf => {
+                u64::try_from(deadline.saturating_duration_since(base()).as_micros()).unwrap_or(u64::MAX)
+            }
+        };
+        let key = (order, seq);
+        let (tx, rx) = oneshot::channel();
+        let since = s.dispatches;
+        let ahead: usize = s.bands.iter().take(id.band + 1).map(|b| b.count).sum();
+        if s.tenant(&self.cfg, &id.tenant, now).queued == 0 {
+            s.lift(&id.tenant);
+        }
+        if let Some(t) = s.tenants.get_mut(&id.tenant) {
+            t.queued += 1;
+        }
+        s.queued += 1;
+        if let Some(b) = s.bands.get_mut(id.band) {
+            b.count += 1;
+            b.bytes += ask.bytes;
+            let w = Waiter { tokens: ask.tokens, bytes: ask.bytes, input_cost, since, tx };
+            b.flows.entry(Arc::clone(&id.tenant)).or_default().insert(key, w);
+        }
+        let place = Place {
+            flow: Arc::clone(self),
+            band: id.band,
+            tenant: Arc::clone(&id.tenant),
+            key,
+            queued: true,
+            rx: Some(rx),
+            input: ask.tokens as u64,
+            input_cost,
+        };
+        Ok(Some((place, ahead)))
     }
 
     /// Charges and counts a request let go (the fast path's or the dispatcher's).
@@ -874,6 +937,18 @@ impl FlowControl {
             b.dispatched += 1;
         }
         s.note_dispatch(tenant);
+    }
+
+    /// Undoes [`FlowControl::dispatch_now`] for a request let go that was gone by then.
+    fn refund(&self, s: &mut State, tenant: &Arc<str>, input: u64, input_cost: f64, band: usize) {
+        if let Some(t) = s.tenants.get_mut(tenant) {
+            t.counter -= input_cost / t.weight;
+            t.served_input = t.served_input.saturating_sub(input);
+            t.open = t.open.saturating_sub(1);
+        }
+        if let Some(b) = s.bands.get_mut(band) {
+            b.dispatched = b.dispatched.saturating_sub(1);
+        }
     }
 
     /// Lets the next waiter go if `room(tokens)` says a decoder can take it; the receiver is told
@@ -905,15 +980,12 @@ impl FlowControl {
             self.dispatch_now(&mut s, &tenant, w.tokens as u64, w.input_cost, band);
             let (settle, settled) = oneshot::channel();
             match w.tx.send(Go { settle: Some(settle), served_first }) {
-                Ok(()) => return Some(settled),
-                Err(_) => {
-                    // It left as it was chosen: undo its charge and look again.
-                    if let Some(t) = s.tenants.get_mut(&tenant) {
-                        t.counter -= w.input_cost / t.weight;
-                        t.served_input -= w.tokens as u64;
-                        t.open = t.open.saturating_sub(1);
-                    }
+                Ok(()) => {
+                    s.in_dispatch += 1;
+                    return Some(settled);
                 }
+                // It left as it was chosen: undo its charge and look again.
+                Err(_) => self.refund(&mut s, &tenant, w.tokens as u64, w.input_cost, band),
             }
         }
     }
@@ -932,8 +1004,15 @@ impl FlowControl {
             let Some(g) = gateway.upgrade() else { return };
             while let Some(settled) = self.next(|tokens| room(&g, tokens)) {
                 let _ = tokio::time::timeout(SETTLE, settled).await;
+                self.settled();
             }
         }
+    }
+
+    /// A request [`FlowControl::next`] let go took its slots (or gave up, or `SETTLE` passed).
+    pub fn settled(&self) {
+        let mut s = self.lock();
+        s.in_dispatch = s.in_dispatch.saturating_sub(1);
     }
 
     /// Requests waiting, in all bands.
@@ -972,7 +1051,7 @@ impl FlowControl {
                            "available": level.round(), "refused": st.refused_budget})
                 });
                 json!({"tenant": &**t, "weight": st.weight, "virtual_counter": st.counter,
-                       "queued": st.queued, "served_input_tokens": st.served_input,
+                       "queued": st.queued, "in_flight": st.open, "served_input_tokens": st.served_input,
                        "served_output_tokens": st.served_output, "budget": budget})
             })
             .collect();

@@ -38,7 +38,7 @@ fn id(f: &FlowControl, tenant: &str, pairs: &[(&'static str, &str)]) -> Identity
 fn queue(f: &Arc<FlowControl>, ident: Identity, tokens: usize) -> JoinHandle<Result<Admitted, Refused>> {
     let f = Arc::clone(f);
     tokio::spawn(async move {
-        let ask = Ask { tokens, bytes: 100, plugin_wait: None };
+        let ask = Ask { tokens, bytes: 100, plugin_wait: None, max_tokens: None };
         f.enter(&ident, ask, |_| false, |_| {}).await
     })
 }
@@ -75,8 +75,10 @@ async fn a_higher_band_goes_first_and_a_sheddable_one_never_waits() {
     hs.push(("high".to_owned(), queue(&f, id(&f, "b", &[("x-priority", "high")]), 10)));
     // Sheddable: no room, so refused at once with a retry hint.
     let shed = id(&f, "c", &[("x-priority", "shed")]);
-    let r =
-        f.enter(&shed, Ask { tokens: 1, bytes: 1, plugin_wait: None }, |_| false, |_| {}).await.unwrap_err();
+    let r = f
+        .enter(&shed, Ask { tokens: 1, bytes: 1, plugin_wait: None, max_tokens: None }, |_| false, |_| {})
+        .await
+        .unwrap_err();
     assert_eq!((r.status(), r.code(), r.retry_after()), (429, "overloaded", Some(1)));
     let order = drain(&f, hs).await;
     assert_eq!(order, ["high", "low0", "low1", "low2"]);
@@ -159,7 +161,10 @@ async fn weights_and_output_tokens_move_the_counters() {
     // Output is charged as it streams, at its cost: 10 output tokens cost 20.
     let f = FlowControl::new(FlowConfig::fair(Duration::from_secs(30)));
     let t = id(&f, "t", &[]);
-    let mut a = f.enter(&t, Ask { tokens: 5, bytes: 1, plugin_wait: None }, |_| true, |_| {}).await.unwrap();
+    let mut a = f
+        .enter(&t, Ask { tokens: 5, bytes: 1, plugin_wait: None, max_tokens: None }, |_| true, |_| {})
+        .await
+        .unwrap();
     assert!(!a.queued);
     a.charge.output(4);
     a.charge.output(10);
@@ -175,7 +180,14 @@ async fn a_tenant_back_from_idle_is_lifted_to_the_others() {
     // "busy" is served a lot while "idle" sends nothing.
     for _ in 0..5 {
         let busy = id(&f, "busy", &[]);
-        let a = f.enter(&busy, Ask { tokens: 1000, bytes: 1, plugin_wait: None }, |_| true, |_| {}).await;
+        let a = f
+            .enter(
+                &busy,
+                Ask { tokens: 1000, bytes: 1, plugin_wait: None, max_tokens: None },
+                |_| true,
+                |_| {},
+            )
+            .await;
         a.unwrap().charge.finish(0);
     }
     let mut hs = vec![("busy".to_owned(), queue(&f, id(&f, "busy", &[]), 1000))];
@@ -251,7 +263,7 @@ async fn a_budget_is_checked_before_and_charged_after() {
     let rule = BudgetRule { tokens_per_minute: 600, counts: Counts::Total };
     c.tenants.insert("metered".into(), TenantRule { budget: Some(rule), ..TenantRule::default() });
     let f = FlowControl::new(c);
-    let ask = |tokens| Ask { tokens, bytes: 1, plugin_wait: None };
+    let ask = |tokens| Ask { tokens, bytes: 1, plugin_wait: None, max_tokens: None };
     let (metered, free) = (id(&f, "metered", &[]), id(&f, "free", &[]));
     let a = f.enter(&metered, ask(400), |_| true, |_| {}).await.unwrap();
     // Checked before: the next one's input fits what is left until the first is charged.
@@ -270,4 +282,76 @@ async fn a_budget_is_checked_before_and_charged_after() {
     let v = f.view();
     let m = v["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "metered").unwrap();
     assert_eq!(m["budget"]["refused"], 1, "{v}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_budget_holds_what_requests_in_flight_may_cost() {
+    let mut c = FlowConfig::fair(Duration::from_secs(30));
+    let rule = BudgetRule { tokens_per_minute: 600, counts: Counts::Total };
+    c.tenants.insert("metered".into(), TenantRule { budget: Some(rule), ..TenantRule::default() });
+    let f = FlowControl::new(c);
+    let metered = id(&f, "metered", &[]);
+    let ask = |tokens, max_tokens| Ask { tokens, bytes: 1, plugin_wait: None, max_tokens };
+    // 300 + 200 held by the first: the second's 100 fits what is left, a third's 100 does not.
+    let a = f.enter(&metered, ask(300, Some(200)), |_| true, |_| {}).await.unwrap();
+    let b = f.enter(&metered, ask(50, Some(50)), |_| true, |_| {}).await.unwrap();
+    let r = f.enter(&metered, ask(100, None), |_| true, |_| {}).await.unwrap_err();
+    assert_eq!(r.code(), "rate_limit_exceeded");
+    // The first used 20 of its 200: 180 come back; the second failed before its answer: all of
+    // its 100 come back.
+    a.charge.finish(20);
+    drop(b);
+    let v = f.view();
+    let m = &v["tenants"][0];
+    assert_eq!((m["budget"]["available"].as_f64(), m["in_flight"].as_u64()), (Some(280.0), Some(0)), "{v}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_let_go_as_it_leaves_is_not_charged_and_blocks_nothing() {
+    let f = FlowControl::new(FlowConfig::fair(Duration::from_secs(30)));
+    let h = queue(&f, id(&f, "gone", &[]), 100);
+    tokio::task::yield_now().await;
+    let settled = f.next(|_| true).expect("let go");
+    // The client leaves before its task sees the go.
+    h.abort();
+    let _ = h.await;
+    tokio::time::timeout(Duration::from_secs(1), settled).await.unwrap().unwrap_err();
+    f.settled();
+    let v = f.view();
+    let t = &v["tenants"][0];
+    assert_eq!((t["in_flight"].as_u64(), t["served_input_tokens"].as_u64()), (Some(0), Some(0)), "{v}");
+    assert_eq!(t["virtual_counter"].as_f64(), Some(0.0), "{v}");
+    assert_eq!(v["bands"][0]["dispatched"], 0, "{v}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_request_takes_the_fast_path_past_one_being_let_go() {
+    let f = FlowControl::new(FlowConfig::fair(Duration::from_secs(30)));
+    let first = queue(&f, id(&f, "a", &[]), 10);
+    tokio::task::yield_now().await;
+    let _settle = f.next(|_| true).expect("let go");
+    // Room, nobody waiting, but the first has not taken its slots yet: the next one waits.
+    let second = queue(&f, id(&f, "b", &[]), 10);
+    tokio::task::yield_now().await;
+    assert_eq!(f.queued(), 1, "the second queued behind the one being let go");
+    f.settled();
+    assert!(f.next(|_| true).is_some());
+    f.settled();
+    assert!(first.await.unwrap().is_ok() && second.await.unwrap().is_ok());
+    // With nothing in flight the fast path is open again.
+    let c = id(&f, "c", &[]);
+    let a = f.enter(&c, Ask { tokens: 1, bytes: 1, plugin_wait: None, max_tokens: None }, |_| true, |_| {});
+    assert!(!a.await.unwrap().queued);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_already_past_is_refused_before_it_waits() {
+    let f = FlowControl::new(bands3());
+    let late = f.identify(&headers(&[("x-request-deadline", "50")]), Some("a"), Instant::now()).unwrap();
+    tokio::time::advance(Duration::from_millis(80)).await;
+    let r =
+        f.enter(&late, Ask { tokens: 1, bytes: 1, plugin_wait: None, max_tokens: None }, |_| true, |_| {});
+    let r = r.await.unwrap_err();
+    assert_eq!(r.code(), "deadline_exceeded");
+    assert!(r.to_string().contains("80ms after it arrived"), "{r}");
 }

@@ -270,7 +270,7 @@ impl Gateway {
             for d in &g.decoders {
                 d.queue.watch(Arc::clone(&f.wake));
             }
-            tokio::spawn(Arc::clone(f).run(Arc::downgrade(&g), |g: &Self, tokens| g.room_for(tokens)));
+            tokio::spawn(Arc::clone(f).run(Arc::downgrade(&g), |g: &Self, tokens| g.room_or_never(tokens)));
         }
         g
     }
@@ -284,6 +284,13 @@ impl Gateway {
     /// Whether any decoder would admit a prompt of `tokens` at once.
     pub fn room_for(&self, tokens: usize) -> bool {
         self.decoders.iter().any(|d| Self::has_room(d, tokens))
+    }
+
+    /// Whether flow control should let a prompt of `tokens` go now: a decoder admits it at once,
+    /// or none ever will (it goes on to be refused at once by routing or admission rather than
+    /// block the queue behind it, e.g. when the one decoder large enough for it turned unhealthy).
+    pub fn room_or_never(&self, tokens: usize) -> bool {
+        self.room_for(tokens) || !self.flow_can_serve(tokens)
     }
 
     /// Whether flow control can ever let a prompt of `tokens` go: some healthy decoder's buffer
@@ -628,14 +635,21 @@ impl Gateway {
             let from = Sender { headers, tenant: req.tenant.as_deref(), flow };
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
-        let (ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
+        let (mut ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
         let flowed = match (&self.flow, &identity) {
             (Some(f), Some(id)) if self.flow_can_serve(ids.len()) => {
                 live.enter(Phase::Flow);
-                let ask = Ask { tokens: ids.len(), bytes: req.bytes, plugin_wait: ticket.max_wait };
+                let ask =
+                    Ask { tokens: ids.len(), bytes: req.bytes, plugin_wait: ticket.max_wait, max_tokens };
                 let noted = Arc::clone(live);
                 let note = move |v: Value| noted.note("flow", move || v.clone());
-                Some(f.enter(id, ask, |t| self.room_for(t), note).await.map_err(GatewayError::Flow)?)
+                let a =
+                    f.enter(id, ask, |t| self.room_or_never(t), note).await.map_err(GatewayError::Flow)?;
+                // Its wait for the decoder's slots (none, unless another took the room in
+                // between) is within what is left of its deadline.
+                let left = a.deadline.saturating_duration_since(tokio::time::Instant::now());
+                ticket.max_wait = Some(ticket.max_wait.map_or(left, |w| w.min(left)));
+                Some(a)
             }
             _ => None,
         };

@@ -150,8 +150,6 @@ async fn a_high_band_is_unaffected_by_a_saturating_low_band_and_a_sheddable_one_
                 (Some("ui-team"), Some("interactive")),
                 "{rec}"
             );
-            assert!(rec["flow"]["queued"].is_boolean(), "{rec}");
-            assert_eq!(rec["route"]["decoders"][0]["room"], true, "{rec}");
             assert!(timing.starts_with("flow;dur="), "{timing}");
         }
         stop.store(true, Ordering::Relaxed);
@@ -170,6 +168,9 @@ async fn a_high_band_is_unaffected_by_a_saturating_low_band_and_a_sheddable_one_
             assert!(super::sample_or_zero(&m, "baton_flow_dispatched_total{band=\"interactive\"} ") >= 40.0);
         }
         super::assert_clean(&d).await;
+        if with_flow {
+            flow_clean(&d).await;
+        }
         d.shutdown().await;
     }
     let (alone, loaded) = p90[&true];
@@ -178,13 +179,28 @@ async fn a_high_band_is_unaffected_by_a_saturating_low_band_and_a_sheddable_one_
         "interactive p90: flow {alone:?} alone, {loaded:?} loaded; first-come {fifo_alone:?} alone, {fifo_loaded:?} loaded"
     );
     assert!(
-        loaded <= alone * 2 + Duration::from_millis(40),
+        loaded <= alone * 2 + Duration::from_millis(60),
         "the interactive band waited behind the batch band: p90 {loaded:?} loaded against {alone:?} alone"
     );
     assert!(
         fifo_loaded > loaded * 2,
         "without flow control the same load should delay it: first-come p90 {fifo_loaded:?}, flow {loaded:?}"
     );
+}
+
+/// Nothing waits in flow control and no tenant has a request in flight (charges all settled).
+async fn flow_clean(d: &Demo) {
+    let started = Instant::now();
+    loop {
+        let (_, b) = http(d.admin, "/admin/flow", None).await;
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        let busy = v["tenants"].as_array().unwrap().iter().any(|t| t["in_flight"] != 0 || t["queued"] != 0);
+        if v["queued"] == 0 && !busy {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "flow control still holds requests: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A request whose deadline passes while it waits is answered 504 `deadline_exceeded` and no
@@ -227,6 +243,7 @@ async fn a_deadline_passing_in_the_queue_is_answered_and_never_sent() {
         1.0
     );
     super::assert_clean(&d).await;
+    flow_clean(&d).await;
     d.shutdown().await;
 }
 
@@ -276,15 +293,16 @@ print(json.dumps(out))
     assert_eq!(second["code"], "rate_limit_exceeded", "{v}");
     let msg = second["message"].as_str().unwrap();
     assert!(msg.contains("\"metered\"") && msg.contains("300 tokens per minute (input + output)"), "{msg}");
-    // Charged after its answer, input and output: 300 - used left, 100 asked, refilled at 5 a
-    // second.
+    // The first held its input and max_tokens, and was charged what it used: 300 - used left;
+    // the second must find its 100 + 20; the bucket refills 5 a second.
     let retry: u64 = second["retry_after"].as_str().unwrap().parse().unwrap();
-    let want = (100 - (300 - used as i64)) as f64 / 5.0;
+    let want = (120 - (300 - used as i64)) as f64 / 5.0;
     assert!((retry as f64 - want.ceil()).abs() <= 1.0, "retry after {retry} s, expected about {want}: {v}");
     assert_eq!(v["other"]["status"], 200, "{v}");
     let (_, f) = http(d.admin, "/admin/flow", None).await;
     let f: Value = serde_json::from_slice(&f).unwrap();
     let metered = f["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "metered").unwrap();
     assert_eq!(metered["budget"]["refused"], 1, "{f}");
+    flow_clean(&d).await;
     d.shutdown().await;
 }
