@@ -247,6 +247,18 @@ pub(crate) fn metric(text: &str, line: &str) -> f64 {
         .unwrap()
 }
 
+/// Sends `body` as `key` until it is refused (at least one admitted, fewer than 10): the refusal.
+async fn spend(addr: SocketAddr, key: &str, body: &Value) -> Answer {
+    for admitted in 0..10 {
+        let a = post(addr, "/v1/completions", Some(key), body).await;
+        if a.status != 200 {
+            assert!(admitted >= 1, "the first request fits the budget");
+            return a;
+        }
+    }
+    panic!("the budget never ran out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_plugin_rejects_a_tenant_over_budget_with_its_status_and_message() {
     let s = serve(
@@ -261,16 +273,7 @@ default_max_tokens = 16
     )
     .await;
     let body = json!({"prompt": "a few words to count", "max_tokens": 60});
-    let mut admitted = 0;
-    let refused = loop {
-        let a = post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await;
-        if a.status != 200 {
-            break a;
-        }
-        admitted += 1;
-        assert!(admitted < 10, "the budget never ran out");
-    };
-    assert!(admitted >= 1, "the first request fits the budget");
+    let refused = spend(s.addr(), "sk-alice", &body).await;
     assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
     let v: Value = serde_json::from_slice(&refused.body).unwrap();
     assert_eq!(v["error"]["code"], "rejected_by_policy");
@@ -342,16 +345,7 @@ default_band = "standard"
     )
     .await;
     let body = json!({"prompt": "a few words to count", "max_tokens": 60});
-    let mut admitted = 0;
-    loop {
-        let a = post(s.addr(), "/v1/completions", Some("sk-alice"), &body).await;
-        if a.status == 429 {
-            break;
-        }
-        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
-        admitted += 1;
-        assert!(admitted < 10, "the budget never ran out");
-    }
+    assert_eq!(spend(s.addr(), "sk-alice", &body).await.status, 429);
     // Over budget in the default band; the free band is not counted.
     let free = |key: &'static str| {
         let (addr, body) = (s.addr(), body.clone());
