@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use baton_gateway::demo::{DemoConfig, GatewaySetup, start};
+use baton_gateway::flow::FlowConfig;
 use baton_gateway::handoff::Mode;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -82,7 +83,9 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         baton_gateway::telemetry::Metrics::new(1, 0).unwrap().family_names().iter().cloned().collect();
     for handoff in [Mode::Native, Mode::Lmcache, Mode::VllmNixl, Mode::Sglang] {
         let mode = handoff.name();
-        let setup = GatewaySetup { tenants: tenants.clone(), ..GatewaySetup::default() };
+        // Flow control on in one mode: its series (tenant labels included) go through promtool too.
+        let flow = matches!(handoff, Mode::Native).then(|| FlowConfig::fair(Duration::from_secs(30)));
+        let setup = GatewaySetup { tenants: tenants.clone(), flow, ..GatewaySetup::default() };
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,
@@ -164,6 +167,12 @@ async fn every_mode_exposes_metrics_promtool_accepts() {
         }
         assert_eq!(metric(&m, "baton_requests_in_phase{phase=\"stream\"} "), 0.0);
         assert_eq!(metric(&m, "baton_requests_total{status=\"400\"} "), 1.0);
+        if matches!(handoff, Mode::Native) {
+            // Every request was let go by flow control, and each tenant's service counted.
+            assert_eq!(metric(&m, "baton_flow_dispatched_total{band=\"default\"} "), 9.0, "{m}");
+            let served = format!("baton_flow_tenant_served_cost_total{{tenant=\"{escaped}\"}} ");
+            assert!(metric(&m, &served) > 0.0, "{m}");
+        }
         drop(d);
     }
     // The dashboard and the alert rules ask only for what the gateway exports.
