@@ -26,7 +26,7 @@ fn bands() -> FlowConfig {
 }
 
 /// 1P1D native, a PD buffer of 64 pages of 16 tokens (four 256-token prompts at once), prefills
-/// of 25 ms: a few dozen clients saturate it.
+/// of 50 ms: a dozen clients saturate it (few enough not to starve the tests beside it).
 async fn fleet(flow: Option<FlowConfig>, tenants: &[(&str, &str)]) -> Demo {
     start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -34,7 +34,7 @@ async fn fleet(flow: Option<FlowConfig>, tenants: &[(&str, &str)]) -> Demo {
         prefix_cache: Some(baton_sim::cache::CacheConfig {
             blocks: 1 << 16,
             block_size: baton_sim::DEFAULT_SIM_BLOCK_SIZE,
-            prefill_fixed: Duration::from_millis(25),
+            prefill_fixed: Duration::from_millis(50),
             prefill_per_token: Duration::ZERO,
             prefill_lanes: 0,
             events: None,
@@ -67,7 +67,8 @@ async fn complete(
     (status, retry, serde_json::from_slice(&b).unwrap_or(Value::Null), t.elapsed())
 }
 
-/// `clients` closed-loop clients sending 256-token prompts in the `batch` band until `stop`.
+/// `clients` closed-loop clients sending prompts of 128 to 383 tokens in the `batch` band until
+/// `stop`.
 fn saturate(addr: SocketAddr, clients: usize, stop: &Arc<AtomicBool>) -> tokio::task::JoinSet<usize> {
     let mut set = tokio::task::JoinSet::new();
     for c in 0..clients {
@@ -75,8 +76,11 @@ fn saturate(addr: SocketAddr, clients: usize, stop: &Arc<AtomicBool>) -> tokio::
         set.spawn(async move {
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
+                // 128 to 383 tokens: requests of different sizes free their pages at different
+                // times, as real ones do (all alike, they free them in waves).
+                let tokens = 128 + (c * 37 + n * 101) % 256;
                 let (s, ..) =
-                    complete(addr, 256, 100_000 + c * 1000 + n, &[("authorization", "Bearer sk-batch")])
+                    complete(addr, tokens, 100_000 + c * 1000 + n, &[("authorization", "Bearer sk-batch")])
                         .await;
                 assert!(s == 200 || s == 503, "a batch request got {s}");
                 n += 1;
@@ -105,7 +109,7 @@ async fn interactive_p90(addr: SocketAddr, n: usize, seed: usize) -> Duration {
     v[(v.len() * 9).div_ceil(10) - 1]
 }
 
-/// Alone, then beside 24 saturating clients: the interactive band's p90 with flow control stays
+/// Alone, then beside 16 saturating clients: the interactive band's p90 with flow control stays
 /// near its p90 alone, while with the first-come queue (no `[flow]`) it waits behind the load
 /// (the same load, measured the same way: the test fails if flow control stops doing its job).
 /// Under saturation a sheddable request is refused at once with 429 and `Retry-After`.
@@ -120,7 +124,7 @@ async fn a_high_band_is_unaffected_by_a_saturating_low_band_and_a_sheddable_one_
         assert_eq!(s, 200);
         let alone = interactive_p90(d.addr, 20, 1000).await;
         let stop = Arc::new(AtomicBool::new(false));
-        let mut load = saturate(d.addr, 24, &stop);
+        let mut load = saturate(d.addr, 16, &stop);
         tokio::time::sleep(Duration::from_millis(500)).await;
         if with_flow {
             let (_, m) = http(d.admin, "/admin/flow", None).await;
