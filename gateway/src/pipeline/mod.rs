@@ -611,15 +611,12 @@ impl Gateway {
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
         // Who the request is to flow control, read before it waits on anything (a bad band is
-        // the client's 400 at once).
+        // the client's 400 at once). Its tenant, resolved once, is the plugins' too.
+        let tenant = self.flow.as_ref().map(|_| self.tenants.tenant(headers, req.tenant.as_deref()));
         let identity = match &self.flow {
             Some(f) => Some(
-                f.identify(
-                    headers,
-                    self.flow_tenant(&req, headers).as_deref(),
-                    tokio::time::Instant::from_std(live.started),
-                )
-                .map_err(GatewayError::Flow)?,
+                f.identify(headers, tenant.as_deref(), tokio::time::Instant::from_std(live.started))
+                    .map_err(GatewayError::Flow)?,
             ),
             None => None,
         };
@@ -632,7 +629,7 @@ impl Gateway {
                 (Some(f), Some(id)) => f.cfg.bands.get(id.band).map(|b| (b.name.as_str(), &*id.tenant)),
                 _ => None,
             };
-            let from = Sender { headers, tenant: req.tenant.as_deref(), flow };
+            let from = Sender { headers, tenant: tenant.as_deref().or(req.tenant.as_deref()), flow };
             Arc::new(p.request(&self.model.name, ep, from, &ids, need, max_tokens))
         });
         let (mut ticket, mut owed) = self.admit(preq.as_ref(), live, trace.as_ref()).await?;
@@ -779,16 +776,6 @@ impl Gateway {
             }
         }
         full
-    }
-
-    /// The tenant flow control knows a request by: the API key's, else the bearer token's
-    /// `[admission.tenants]` name, else an opaque id of the token (never the token), else none
-    /// (`""`, every anonymous request one flow).
-    fn flow_tenant(&self, req: &GenRequest, headers: &hyper::HeaderMap) -> Option<String> {
-        if let Some(t) = &req.tenant {
-            return Some(t.to_string());
-        }
-        self.tenants.of(headers).or_else(|| crate::auth::bearer(headers).map(crate::policy::opaque_tenant))
     }
 
     /// The routes to try, best first: the routing plugin's choice (checked), or the built-in

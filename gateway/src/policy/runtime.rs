@@ -107,6 +107,18 @@ impl TenantNames {
         let key = crate::auth::bearer(headers)?;
         self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).cloned()
     }
+
+    /// The tenant policies know a request by: with API keys on, the key's (`key_tenant`); else the
+    /// bearer token's name here, or an opaque id made from a token not listed (never the token:
+    /// plugins log it, put it in messages, and their decisions are recorded); "" without a token.
+    pub fn tenant(&self, headers: &HeaderMap, key_tenant: Option<&str>) -> String {
+        match key_tenant {
+            Some(t) => t.to_owned(),
+            None => self
+                .of(headers)
+                .unwrap_or_else(|| crate::auth::bearer(headers).map(opaque_tenant).unwrap_or_default()),
+        }
+    }
 }
 
 /// The admission and routing plugins of one gateway.
@@ -122,7 +134,8 @@ pub struct Plugins {
     source: Option<Reread>,
 }
 
-/// Who sent a request: its headers, and the tenant of its API key when `[auth]` is on.
+/// Who sent a request: its headers, and its tenant when known: the API key's when `[auth]` is
+/// on, or already resolved by [`TenantNames::tenant`] (otherwise it is resolved from the headers).
 #[derive(Clone, Copy, Debug)]
 pub struct Sender<'a> {
     pub headers: &'a HeaderMap,
@@ -172,17 +185,7 @@ impl Plugins {
         max_tokens: Option<u32>,
     ) -> PolicyRequest {
         let Sender { headers, tenant, flow } = from;
-        // With API keys on, the key's tenant; else `[admission.tenants]`' name for the bearer
-        // token, or an opaque id made from a token not listed (never the token: plugins log it,
-        // put it in messages, and their decisions are recorded); "" without a token.
-        let tenant = tenant.map_or_else(
-            || {
-                self.tenants
-                    .of(headers)
-                    .unwrap_or_else(|| crate::auth::bearer(headers).map(opaque_tenant).unwrap_or_default())
-            },
-            str::to_owned,
-        );
+        let tenant = self.tenants.tenant(headers, tenant);
         let text = |name: &str| {
             headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.chars().take(256).collect())
         };
