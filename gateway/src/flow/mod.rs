@@ -23,7 +23,6 @@
 //! Everything here is in memory, one gateway replica's view.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -66,6 +65,9 @@ const TICK: Duration = Duration::from_millis(20);
 const MAX_IDLE_TENANTS: usize = 10_000;
 /// What set a deadline that is only the gateway's own longest wait.
 const GATEWAY_WAIT: &str = "the gateway's queue timeout";
+/// Output tokens charged to a tenant's counter at a time while a request streams (the flow lock
+/// is taken once per this many, not once per chunk); the rest when it ends.
+const OUTPUT_CHARGE_EVERY: u64 = 16;
 /// Recent dispatches remembered for the decision records' "served first".
 const RECENT: usize = 4096;
 
@@ -347,7 +349,7 @@ struct TenantState {
     counter: f64,
     queued: usize,
     budget: Option<Bucket>,
-    /// Requests answered but not yet charged to the budget, and output being counted.
+    /// Requests let go and not yet ended (its `Charge` not yet dropped).
     open: usize,
     served_input: u64,
     served_output: u64,
@@ -426,20 +428,8 @@ impl Drop for Place {
             return;
         }
         let mut s = self.flow.lock();
-        let removed = s.bands.get_mut(self.band).and_then(|b| {
-            let q = b.flows.get_mut(&self.tenant)?;
-            let w = q.remove(&self.key)?;
-            if q.is_empty() {
-                b.flows.remove(&self.tenant);
-            }
-            b.count -= 1;
-            b.bytes -= w.bytes;
-            Some(w)
-        });
-        if removed.is_some() {
-            s.queued -= 1;
-            s.left(&self.tenant);
-        } else if self.rx.as_mut().is_some_and(|rx| rx.try_recv().is_ok()) {
+        let left = s.take(self.band, &self.tenant, self.key).is_some();
+        if !left && self.rx.as_mut().is_some_and(|rx| rx.try_recv().is_ok()) {
             // Let go as it left (deadline, client gone): never sent, so its charge is undone;
             // the go's token, dropped here, tells the dispatcher to go on.
             self.flow.refund(&mut s, &self.tenant, self.input, self.input_cost, self.band);
@@ -486,13 +476,25 @@ impl State {
         }
     }
 
-    fn left(&mut self, t: &Arc<str>) {
-        if let Some(s) = self.tenants.get_mut(t) {
+    /// Takes a waiter out of the queue, every count with it; `None` when it is not there (the
+    /// dispatcher took it already).
+    fn take(&mut self, band: usize, tenant: &Arc<str>, key: Key) -> Option<Waiter> {
+        let b = self.bands.get_mut(band)?;
+        let q = b.flows.get_mut(tenant)?;
+        let w = q.remove(&key)?;
+        if q.is_empty() {
+            b.flows.remove(tenant);
+        }
+        b.count -= 1;
+        b.bytes -= w.bytes;
+        self.queued -= 1;
+        if let Some(s) = self.tenants.get_mut(tenant) {
             s.queued -= 1;
             if s.queued == 0 {
                 self.last_left = s.counter;
             }
         }
+        Some(w)
     }
 
     /// The band and flow whose head goes next: the highest band with waiters, its flow of the
@@ -544,67 +546,70 @@ impl State {
     }
 }
 
-/// A request let go: its tenant's counter and budget are charged through it.
+/// A request let go: its tenant's counter and budget are charged through it, and what it holds
+/// is given back when it is dropped, whichever way the request ends.
 #[derive(Debug)]
 pub struct Charge {
     flow: Arc<FlowControl>,
     tenant: Arc<str>,
     input: u64,
-    output: u64,
+    /// Output tokens counted so far, and those of them charged to the counter.
+    seen: u64,
+    charged: u64,
     /// What it holds of the tenant's budget (its input and `max_tokens`, as the budget counts).
     held: f64,
     /// Let go: counted in the tenant's requests in flight.
     dispatched: bool,
+    /// The answer ended: the budget is charged what was served.
     finished: bool,
 }
 
 impl Charge {
-    /// Output tokens counted so far: the counter is charged the difference.
+    /// Output tokens counted so far; the counter is charged them `OUTPUT_CHARGE_EVERY` at a time
+    /// (not on every streamed chunk), and the rest when the request ends.
     pub fn output(&mut self, tokens: u64) {
-        if tokens <= self.output {
-            return;
-        }
-        let more = tokens - self.output;
-        self.output = tokens;
-        let mut s = self.flow.lock();
-        let cost = self.flow.cfg.output_cost * more as f64;
-        if let Some(t) = s.tenants.get_mut(&self.tenant) {
-            t.counter += cost / t.weight;
-            t.served_output += more;
+        self.seen = self.seen.max(tokens);
+        if self.seen >= self.charged + OUTPUT_CHARGE_EVERY {
+            let more = self.take_output();
+            add_output(&mut self.flow.lock(), &self.flow.cfg, &self.tenant, more);
         }
     }
 
+    fn take_output(&mut self) -> u64 {
+        let more = self.seen - self.charged;
+        self.charged = self.seen;
+        more
+    }
+
     /// The answer ended with `tokens` output tokens: the budget is charged what was served (the
-    /// hold given back, the cost taken).
+    /// hold given back, the cost taken), when it is dropped here.
     pub fn finish(mut self, tokens: u64) {
-        self.output(tokens);
+        self.seen = self.seen.max(tokens);
         self.finished = true;
-        let mut s = self.flow.lock();
-        if let Some(t) = s.tenants.get_mut(&self.tenant) {
-            if self.dispatched {
-                t.open = t.open.saturating_sub(1);
-            }
-            if let Some(b) = t.budget.as_mut() {
-                b.level += self.held - b.cost(self.input, self.output);
-            }
-        }
+    }
+}
+
+/// Charges `more` output tokens to `tenant`'s counter.
+fn add_output(s: &mut State, cfg: &FlowConfig, tenant: &Arc<str>, more: u64) {
+    if let Some(t) = s.tenants.get_mut(tenant) {
+        t.counter += cfg.output_cost * more as f64 / t.weight;
+        t.served_output += more;
     }
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        if self.finished {
-            return;
-        }
-        // Refused or failed before an answer: nothing is charged to the budget, the hold goes back.
+        let more = self.take_output();
         let mut s = self.flow.lock();
-        if let Some(t) = s.tenants.get_mut(&self.tenant) {
-            if self.dispatched {
-                t.open = t.open.saturating_sub(1);
-            }
-            if let Some(b) = t.budget.as_mut() {
-                b.level += self.held;
-            }
+        add_output(&mut s, &self.flow.cfg, &self.tenant, more);
+        let Some(t) = s.tenants.get_mut(&self.tenant) else { return };
+        if self.dispatched {
+            t.open = t.open.saturating_sub(1);
+        }
+        if let Some(b) = t.budget.as_mut() {
+            // Refused or failed before its answer: nothing is charged, the whole hold goes back.
+            let cost = if self.finished { b.cost(self.input, self.seen) } else { 0.0 };
+            b.level += self.held - cost;
         }
     }
 }
@@ -628,7 +633,6 @@ pub struct FlowControl {
     state: Mutex<State>,
     /// Woken when room may have appeared or the head changed.
     pub wake: Arc<Notify>,
-    refused_budget: AtomicU64,
 }
 
 /// The request as flow control sees it.
@@ -658,7 +662,6 @@ impl FlowControl {
                 in_dispatch: 0,
             }),
             wake: Arc::new(Notify::new()),
-            refused_budget: AtomicU64::new(0),
         })
     }
 
@@ -728,7 +731,6 @@ impl FlowControl {
         let refill_s = ((need - b.level) / b.rate()).ceil().max(1.0) as u64;
         let rule = b.rule;
         t.refused_budget += 1;
-        self.refused_budget.fetch_add(1, Ordering::Relaxed);
         let band = id.band;
         if let Some(bq) = s.bands.get_mut(band) {
             *bq.refused.entry("budget").or_default() += 1;
@@ -786,7 +788,8 @@ impl FlowControl {
             flow: Arc::clone(self),
             tenant: Arc::clone(&id.tenant),
             input,
-            output: 0,
+            seen: 0,
+            charged: 0,
             held: 0.0,
             dispatched: false,
             finished: false,
@@ -966,16 +969,7 @@ impl FlowControl {
             if !fits {
                 return None;
             }
-            let b = s.bands.get_mut(band)?;
-            let q = b.flows.get_mut(&tenant)?;
-            let w = q.remove(&key)?;
-            if q.is_empty() {
-                b.flows.remove(&tenant);
-            }
-            b.count -= 1;
-            b.bytes -= w.bytes;
-            s.queued -= 1;
-            s.left(&tenant);
+            let w = s.take(band, &tenant, key)?;
             let served_first = s.served_since(w.since);
             self.dispatch_now(&mut s, &tenant, w.tokens as u64, w.input_cost, band);
             let (settle, settled) = oneshot::channel();

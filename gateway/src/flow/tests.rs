@@ -158,7 +158,8 @@ async fn weights_and_output_tokens_move_the_counters() {
     let gold = order.iter().take(8).filter(|t| *t == "gold").count();
     assert_eq!(gold, 6, "weight 3 against 1 gets three of every four: {order:?}");
 
-    // Output is charged as it streams, at its cost: 10 output tokens cost 20.
+    // Output is charged as it streams, at its cost (2 a token), 16 tokens or more at a time, and
+    // the rest when the request ends.
     let f = FlowControl::new(FlowConfig::fair(Duration::from_secs(30)));
     let t = id(&f, "t", &[]);
     let mut a = f
@@ -166,12 +167,17 @@ async fn weights_and_output_tokens_move_the_counters() {
         .await
         .unwrap();
     assert!(!a.queued);
+    let counted = |f: &FlowControl| {
+        let v = f.view();
+        (v["tenants"][0]["virtual_counter"].as_f64(), v["tenants"][0]["served_output_tokens"].as_u64())
+    };
     a.charge.output(4);
-    a.charge.output(10);
-    a.charge.finish(10);
-    let v = f.view();
-    let t = &v["tenants"][0];
-    assert_eq!((t["virtual_counter"].as_f64(), t["served_output_tokens"].as_u64()), (Some(25.0), Some(10)));
+    assert_eq!(counted(&f), (Some(5.0), Some(0)), "4 tokens wait for more");
+    a.charge.output(20);
+    assert_eq!(counted(&f), (Some(45.0), Some(20)));
+    a.charge.output(25);
+    a.charge.finish(25);
+    assert_eq!(counted(&f), (Some(55.0), Some(25)));
 }
 
 #[tokio::test(start_paused = true)]
