@@ -40,9 +40,12 @@
     clippy::expect_used,
     clippy::cast_possible_truncation,
     clippy::cast_precision_loss,
-    clippy::cast_sign_loss
+    clippy::cast_sign_loss,
+    unreachable_pub
 )]
 
+#[path = "../../tests/support/http.rs"]
+mod client;
 mod common;
 
 use std::net::SocketAddr;
@@ -60,7 +63,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
-use tokio::sync::Mutex;
 
 const PAGES: u32 = 256;
 const PROMPT_TOKENS: usize = 512;
@@ -223,40 +225,23 @@ async fn closed_loop(d: &Demo, secs: Duration, flow: bool) -> (Vec<Done>, Option
             out
         });
     }
-    let views = Arc::new(Mutex::new(None));
     tokio::time::sleep(WARMUP).await;
     let read = |admin: SocketAddr| async move {
-        if !flow {
-            return Value::Null;
-        }
-        let (_, body) = http_get(admin, "/admin/flow").await;
-        serde_json::from_slice(&body).unwrap()
+        let (_, body) = client::http(admin, "/admin/flow", None).await;
+        serde_json::from_slice::<Value>(&body).unwrap()
     };
-    let first = read(d.admin).await;
+    let first = if flow { Some(read(d.admin).await) } else { None };
     tokio::time::sleep(secs.saturating_sub(WARMUP)).await;
-    let last = read(d.admin).await;
-    *views.lock().await = flow.then_some((first, last));
+    let views = match first {
+        Some(first) => Some((first, read(d.admin).await)),
+        None => None,
+    };
     stop.store(true, Ordering::Relaxed);
     let mut out = Vec::new();
     while let Some(r) = tasks.join_next().await {
         out.extend(r.unwrap());
     }
-    let v = views.lock().await.take();
-    (out, v)
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> (u16, Bytes) {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
-    tokio::spawn(conn);
-    let req = Request::get(path).header("host", "bench").body(Full::new(Bytes::new())).unwrap();
-    let res = send.send_request(req).await.unwrap();
-    let status = res.status().as_u16();
-    (status, res.into_body().collect().await.unwrap().to_bytes())
-}
-
-fn ms(d: Option<Duration>) -> f64 {
-    d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+    (out, views)
 }
 
 /// Light TTFT p50/p90, the count, and its wait in flow control p50/p90, over requests sent after
@@ -267,7 +252,7 @@ fn light_ttft(done: &[Done]) -> (f64, f64, usize, f64, f64) {
     let mut w: Vec<Duration> = light().map(|d| d.flow_wait).collect();
     v.sort();
     w.sort();
-    let p = |v: &[Duration], q| ms(common::percentile(v, q));
+    let p = |v: &[Duration], q| common::ms(common::percentile(v, q));
     (p(&v, 0.5), p(&v, 0.9), v.len(), p(&w, 0.5), p(&w, 0.9))
 }
 

@@ -120,10 +120,6 @@ async fn run(
     (s, h)
 }
 
-fn ms(d: Option<Duration>) -> f64 {
-    d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
@@ -148,9 +144,9 @@ fn main() {
         let huge = Bytes::from(json!({"prompt": "lorem ipsum ".repeat(300_000), "max_tokens": 1}).to_string());
         let (alone, _) = run(d.addr, window, None).await;
         let (beside, huge_lat) = run(d.addr, window, Some(huge)).await;
-        let (p50a, p99a) = (ms(percentile(&alone, 0.5)), ms(percentile(&alone, 0.99)));
-        let (p50b, p99b) = (ms(percentile(&beside, 0.5)), ms(percentile(&beside, 0.99)));
-        let (h50, h99) = (ms(percentile(&huge_lat, 0.5)), ms(percentile(&huge_lat, 0.99)));
+        let (p50a, p99a) = (common::ms(percentile(&alone, 0.5)), common::ms(percentile(&alone, 0.99)));
+        let (p50b, p99b) = (common::ms(percentile(&beside, 0.5)), common::ms(percentile(&beside, 0.99)));
+        let (h50, h99) = (common::ms(percentile(&huge_lat, 0.5)), common::ms(percentile(&huge_lat, 0.99)));
         println!(
             "small alone: n={} p50 {p50a:.2} ms p99 {p99a:.2} ms | beside {BURST} huge at once: n={} p50 {p50b:.2} ms p99 {p99b:.2} ms (p99 ×{:.2})",
             alone.len(),

@@ -15,6 +15,11 @@ pub(crate) fn percentile(sorted: &[Duration], q: f64) -> Option<Duration> {
     sorted.get(i).copied()
 }
 
+/// Milliseconds of a percentile; NaN without samples.
+pub(crate) fn ms(d: Option<Duration>) -> f64 {
+    d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+}
+
 /// A loopback port free now (bound and released: another process could take it first, which a
 /// bench on its own machine does not meet).
 pub(crate) fn free_port() -> SocketAddr {
