@@ -101,6 +101,8 @@ pub struct GatewaySetup {
     pub cache: crate::config::cache::CacheRouting,
     /// `[flow]`: flow control in front of routing (off unless set).
     pub flow: Option<crate::flow::FlowConfig>,
+    /// `[cluster]`: share the decoder with other replicas through a store (off unless set).
+    pub cluster: Option<crate::cluster::ClusterConfig>,
 }
 
 /// A gateway serving: its public and admin listeners.
@@ -364,6 +366,10 @@ pub async fn start_gateway_with(
         explain: setup.explain,
         tracing,
         flow: setup.flow.clone(),
+        cluster: match setup.cluster.clone() {
+            Some(cfg) => Some(crate::cluster::Cluster::start(cfg, &decoders).map_err(StartError::Cluster)?),
+            None => None,
+        },
     };
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });

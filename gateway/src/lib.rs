@@ -5,7 +5,8 @@
 //! → `handoff` (the decoder's mode runs its legs over the engines' client in `endpoints`) → back
 //! through `pipeline` (timing, headers, usage) and `server`. `config` reads the TOML file (each
 //! decode pool's own keys through `handoff`'s list of modes); `serve` and `demo` assemble a gateway
-//! from it or from simulated engines; `telemetry` (metrics, traces, request ids) and `auth` are
+//! from it or from simulated engines; `cluster` shares decoders' slots with other replicas through a
+//! store; `telemetry` (metrics, traces, request ids) and `auth` are
 //! used across.
 //!
 //! Imports follow that order: the leaves (`routing`, `admission`, `endpoints`, `kv_events`) import
@@ -17,6 +18,7 @@
 pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod cluster;
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;

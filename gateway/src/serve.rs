@@ -42,6 +42,9 @@ pub enum StartError {
     /// The trace exporter could not start.
     #[error("tracing: {0}")]
     Tracing(#[source] crate::telemetry::trace::TraceError),
+    /// The `[cluster]` store's client could not be made.
+    #[error(transparent)]
+    Cluster(crate::cluster::ClusterError),
 }
 
 /// A serving gateway.
@@ -165,6 +168,10 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         explain: c.explain,
         tracing,
         flow: c.flow,
+        cluster: match c.cluster {
+            Some(cfg) => Some(crate::cluster::Cluster::start(cfg, &decoders).map_err(StartError::Cluster)?),
+            None => None,
+        },
     };
     // The listeners' TLS as the configuration made it (its files were read and checked there).
     let tls = |t: Option<crate::config::FrontTlsConfig>| t.map(crate::server::tls::FrontTls::from);

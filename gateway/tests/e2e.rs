@@ -1552,6 +1552,9 @@ mod admin;
 #[path = "e2e/drain.rs"]
 mod drain;
 
+#[path = "e2e/cluster.rs"]
+mod cluster;
+
 #[path = "e2e/dataplane_tls.rs"]
 mod dataplane_tls;
 

@@ -99,6 +99,8 @@ pub struct SimEngine {
     pub cache: Option<Arc<super::cache::PrefixCache>>,
     /// Generation requests in progress (vLLM's `num_requests_running`).
     running: Arc<AtomicU64>,
+    /// The most generation requests ever in progress at once (a capacity check for tests).
+    peak_running: AtomicU64,
     pub model: String,
     pub faults: Arc<Faults>,
     /// Time per generated token.
@@ -185,6 +187,7 @@ impl SimEngine {
             sglang,
             cache,
             running: Arc::default(),
+            peak_running: AtomicU64::new(0),
             model,
             faults,
             token_delay,
@@ -463,6 +466,8 @@ impl SimEngine {
         v["nixl"] = self.nixl_stats();
         v["sglang"] = self.sglang_stats();
         v["prefix_cache"] = self.cache.as_ref().map_or(Value::Null, |c| c.stats());
+        v["running"] = self.running.load(Ordering::SeqCst).into();
+        v["peak_running"] = self.peak_running.load(Ordering::SeqCst).into();
         v
     }
 
@@ -536,7 +541,8 @@ impl SimEngine {
         let mut n = req.max_tokens();
         let mut held = Vec::new();
         let mut first_tok = None;
-        self.running.fetch_add(1, Ordering::Relaxed);
+        let now_running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak_running.fetch_max(now_running, Ordering::SeqCst);
         let running = Running(Arc::clone(&self.running));
         let mut kv_params = None;
         match (&self.nixl, req.nixl_params()?) {

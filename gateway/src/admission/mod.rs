@@ -97,6 +97,9 @@ pub struct QueueLoad {
     pub open: bool,
     /// Requests waiting.
     pub waiting: u32,
+    /// The slots this gateway replica may hold of the decoder's, when replicas share it through a
+    /// store (`[cluster]`); `None`: all of `capacity`.
+    pub share: Option<u32>,
 }
 
 impl QueueLoad {
@@ -107,8 +110,26 @@ impl QueueLoad {
 
     /// Slots a new request could take now: none while the queue is closed.
     pub fn free(&self) -> u32 {
-        if self.open { self.capacity.saturating_sub(self.in_use) } else { 0 }
+        if self.open { self.limit().saturating_sub(self.in_use) } else { 0 }
     }
+
+    /// The most slots this replica may hold: the capacity, or its share of it.
+    pub fn limit(&self) -> u32 {
+        self.share.map_or(self.capacity, |s| s.min(self.capacity))
+    }
+}
+
+/// What a queue wants ([`SlotQueue::demand`]): for the share a replica asks of the cluster store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demand {
+    /// Slots held.
+    pub in_use: u32,
+    /// Slots held and waited for.
+    pub want: u64,
+    /// Slots the next waiter to be served needs (0: nobody waits).
+    pub head: u32,
+    /// How long that waiter has waited.
+    pub head_age: Duration,
 }
 
 /// A snapshot of a queue.
@@ -123,6 +144,8 @@ pub struct QueueStats {
     pub accounting_errors: u64,
     /// Whether the queue admits ([`SlotQueue::set_open`]).
     pub open: bool,
+    /// This replica's share of the capacity ([`SlotQueue::set_share`]), when replicas share it.
+    pub share: Option<u32>,
 }
 
 struct Waiter {
@@ -157,9 +180,18 @@ struct State {
     open: bool,
     /// Told whenever room may have appeared (slots returned, the queue opened or grew).
     watcher: Option<Arc<tokio::sync::Notify>>,
+    /// This replica's share of `capacity` when replicas share the decoder (`None`: all of it).
+    share: Option<u32>,
+    /// Told whenever a request starts waiting (the cluster asks the store for a larger share).
+    demand: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl State {
+    /// The most slots admitted requests may hold: the capacity, or this replica's share of it.
+    fn limit(&self) -> u32 {
+        self.share.map_or(self.capacity, |s| s.min(self.capacity))
+    }
+
     fn weight(&self, class: u8) -> f64 {
         self.config.weights.iter().find(|(c, _)| *c == class).map_or(DEFAULT_WEIGHT, |(_, w)| *w).max(1e-6)
     }
@@ -216,10 +248,11 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 /// Grants every head that fits, in fair order, and returns what to deliver once the lock is gone.
 fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotGuard>, SlotGuard)> {
     let mut out = Vec::new();
+    let limit = s.limit();
     while let Some(c) = s.next_class() {
         let Some(class) = s.classes.get_mut(&c) else { break };
         let Some(head) = class.queue.front() else { break };
-        if !s.open || u64::from(s.in_use) + u64::from(head.slots) > u64::from(s.capacity) {
+        if !s.open || u64::from(s.in_use) + u64::from(head.slots) > u64::from(limit) {
             // The head waits and nothing overtakes it.
             break;
         }
@@ -303,6 +336,8 @@ impl SlotQueue {
             accounting_errors: 0,
             open: true,
             watcher: None,
+            share: None,
+            demand: None,
         };
         Self { state: Arc::new(Mutex::new(state)) }
     }
@@ -320,7 +355,7 @@ impl SlotQueue {
             if slots > s.capacity {
                 return Err(AdmissionError::TooLarge { need: slots, capacity: s.capacity });
             }
-            if s.open && s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.capacity) {
+            if s.open && s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.limit()) {
                 s.in_use += slots;
                 s.holders += 1;
                 return Ok(SlotGuard { state: Arc::clone(&self.state), slots });
@@ -340,6 +375,9 @@ impl SlotQueue {
             let start = vtime.max(c.last_finish);
             c.last_finish = start + f64::from(slots.max(1)) / c.weight;
             c.queue.push_back(Waiter { id, slots, start, enqueued: started, tx });
+            if let Some(d) = &s.demand {
+                d.notify_one();
+            }
             (rx, Pending { state: Arc::clone(&self.state), class, id })
         };
         let result = tokio::time::timeout(timeout, rx).await;
@@ -385,6 +423,43 @@ impl SlotQueue {
         lock(&self.state).watcher = Some(notify);
     }
 
+    /// Sets this replica's share of the capacity (`None`: all of it), as the replicas' store
+    /// granted it. Slots already held above a smaller share stay held; nothing more is admitted
+    /// until they are returned below it. Waiters keep their places (a share is not the buffer:
+    /// nobody is refused as too large for it).
+    pub fn set_share(&self, share: Option<u32>) {
+        let grants = {
+            let mut s = lock(&self.state);
+            if s.share == share {
+                return;
+            }
+            let grew = share.map_or(u32::MAX, |v| v) > s.limit();
+            s.share = share;
+            if let Some(w) = s.watcher.as_ref().filter(|_| grew) {
+                w.notify_one();
+            }
+            grant(&self.state, &mut s)
+        };
+        deliver(grants);
+    }
+
+    /// Has `notify` told whenever a request starts waiting (the cluster's store is asked for more).
+    pub fn watch_demand(&self, notify: Arc<tokio::sync::Notify>) {
+        lock(&self.state).demand = Some(notify);
+    }
+
+    /// What this replica wants of the decoder, in constant time.
+    pub fn demand(&self) -> Demand {
+        let s = lock(&self.state);
+        let head = s.next_class().and_then(|c| s.classes.get(&c)?.queue.front());
+        Demand {
+            in_use: s.in_use,
+            want: u64::from(s.in_use) + s.waiting_slots,
+            head: head.map_or(0, |w| w.slots),
+            head_age: head.map_or(Duration::ZERO, |w| w.enqueued.elapsed()),
+        }
+    }
+
     /// Opens or closes the queue. Closed, it admits nothing (not even one request when none is in
     /// flight: an engine that says it is full gets no more work); its waiters stay queued, within
     /// their own timeouts, and opening admits them in their order.
@@ -413,6 +488,7 @@ impl SlotQueue {
             holders: s.holders,
             open: s.open,
             waiting: u32::try_from(s.waiting).unwrap_or(u32::MAX),
+            share: s.share,
         }
     }
 
@@ -439,6 +515,7 @@ impl SlotQueue {
             oldest_wait: oldest.map(|o| now.saturating_duration_since(o)),
             accounting_errors: s.accounting_errors,
             open: s.open,
+            share: s.share,
         }
     }
 }

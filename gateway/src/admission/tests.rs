@@ -226,7 +226,15 @@ async fn load_counts_the_requests_holding_slots() {
     tokio::task::yield_now().await;
     assert_eq!(
         q.load(),
-        QueueLoad { capacity: 10, in_use: 10, waiting_slots: 2, holders: 2, open: true, waiting: 1 }
+        QueueLoad {
+            capacity: 10,
+            in_use: 10,
+            waiting_slots: 2,
+            holders: 2,
+            open: true,
+            waiting: 1,
+            share: None
+        }
     );
     drop(a);
     let c = c.await.unwrap().unwrap();
@@ -234,7 +242,15 @@ async fn load_counts_the_requests_holding_slots() {
     drop((b, c));
     assert_eq!(
         q.load(),
-        QueueLoad { capacity: 10, in_use: 0, waiting_slots: 0, holders: 0, open: true, waiting: 0 }
+        QueueLoad {
+            capacity: 10,
+            in_use: 0,
+            waiting_slots: 0,
+            holders: 0,
+            open: true,
+            waiting: 0,
+            share: None
+        }
     );
 }
 

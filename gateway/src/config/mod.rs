@@ -25,6 +25,7 @@ use crate::telemetry::LogConfig;
 use crate::tokenize::Tokenizer;
 
 pub mod cache;
+pub mod cluster;
 pub mod decode;
 pub mod flow;
 pub mod plugins;
@@ -75,6 +76,8 @@ pub struct Config {
     /// Flow control: priority bands, fair shares between tenants, budgets, deadlines (off unless
     /// set).
     pub flow: Option<flow::Flow>,
+    /// Replicas sharing the decoders through a store (off unless set: each replica alone).
+    pub cluster: Option<cluster::Cluster>,
 }
 
 /// `[resolver]`: the DNS servers to ask for engine and data-plane names (default: the system's,
@@ -465,6 +468,8 @@ pub struct Checked {
     pub tenants: std::collections::BTreeMap<String, String>,
     /// `[flow]`.
     pub flow: Option<crate::flow::FlowConfig>,
+    /// `[cluster]`.
+    pub cluster: Option<crate::cluster::ClusterConfig>,
     /// The file it was loaded from (plugin reloads re-read their tables from it).
     pub source: Option<PathBuf>,
 }
@@ -591,6 +596,10 @@ impl Config {
             Some(f) => Some(f.check(limits.queue_timeout)?),
             None => None,
         };
+        let cluster = match &self.cluster {
+            Some(c) => Some(c.check(&decoders)?),
+            None => None,
+        };
         Ok(Checked {
             listeners,
             admin,
@@ -636,6 +645,7 @@ impl Config {
             plugins: self.plugins.check(base)?,
             tenants: self.admission.tenants.clone(),
             flow,
+            cluster,
             source: None,
         })
     }

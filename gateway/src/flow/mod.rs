@@ -370,6 +370,8 @@ pub struct Go {
 #[derive(Debug)]
 struct Waiter {
     tokens: usize,
+    /// When the request arrived.
+    arrived: Instant,
     bytes: u64,
     input_cost: f64,
     /// `RECENT` position when it entered.
@@ -913,7 +915,8 @@ impl FlowControl {
         if let Some(b) = s.bands.get_mut(id.band) {
             b.count += 1;
             b.bytes += ask.bytes;
-            let w = Waiter { tokens: ask.tokens, bytes: ask.bytes, input_cost, since, tx };
+            let w =
+                Waiter { tokens: ask.tokens, arrived: id.arrived, bytes: ask.bytes, input_cost, since, tx };
             b.flows.entry(Arc::clone(&id.tenant)).or_default().insert(key, w);
         }
         let place = Place {
@@ -952,6 +955,15 @@ impl FlowControl {
         if let Some(b) = s.bands.get_mut(band) {
             b.dispatched = b.dispatched.saturating_sub(1);
         }
+    }
+
+    /// The request to be let go next: its prompt tokens and how long it has waited (the cluster
+    /// asks the store for room for it).
+    pub fn head(&self) -> Option<(usize, Duration)> {
+        let s = self.lock();
+        let (band, tenant, key) = s.head()?;
+        let w = s.bands.get(band)?.flows.get(&tenant)?.get(&key)?;
+        Some((w.tokens, w.arrived.elapsed()))
     }
 
     /// Lets the next waiter go if `room(tokens)` says a decoder can take it; the receiver is told

@@ -188,11 +188,27 @@ pub trait PoolKeys: serde::de::DeserializeOwned + std::fmt::Debug {
 pub type Checked<M> = <<M as ModeSpec>::Keys as PoolKeys>::Checked;
 
 /// A handoff mode as the configuration, the gateway's start and the demo see it.
+/// How several gateway replicas keep from admitting more than a mode's decoder holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// The decoder's own state is the truth: its data plane refuses a reservation that does not
+    /// fit, whoever asks (`native`). Replicas need nothing more.
+    Engine,
+    /// Each replica holds a share of the decoder's slots, granted by the `[cluster]` store so that
+    /// the shares never sum past the capacity (`vllm-nixl`, `sglang`).
+    Store,
+    /// The mode cannot run behind several replicas: `lmcache` (the decoder's LMCache notifies one
+    /// proxy address, `pd_proxy_host`, so the others never learn their requests' KV arrived).
+    Single,
+}
+
 pub trait ModeSpec {
     /// Its name in the configuration (`handoff = "…"`) and in metric labels.
     const NAME: &'static str;
     /// Whether the mode needs the gateway's LMCache notification listener.
     const NOTIFICATIONS: bool = false;
+    /// How several gateway replicas in front of the mode's decoders keep from over-committing them.
+    const SHARING: Sharing = Sharing::Store;
     type Keys: PoolKeys;
 
     /// The pool's settings in one line, for `baton check-config` (after the mode's name).
@@ -237,6 +253,13 @@ macro_rules! modes {
             pub fn name(self) -> &'static str {
                 match self {
                     $(Mode::$variant => <$spec as ModeSpec>::NAME,)+
+                }
+            }
+
+            /// How replicas share its decoders (`[cluster]`).
+            pub fn sharing(self) -> Sharing {
+                match self {
+                    $(Mode::$variant => <$spec as ModeSpec>::SHARING,)+
                 }
             }
 

@@ -194,6 +194,8 @@ pub struct Access {
     pub tracing: Option<Arc<Tracing>>,
     /// `[flow]`: flow control in front of routing.
     pub flow: Option<crate::flow::FlowConfig>,
+    /// `[cluster]`: the decoders' slots shared with other replicas through a store, started.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 /// The gateway: one model, its prefill and decode pools (each decoder with its handoff mode), the
@@ -228,6 +230,8 @@ pub struct Gateway {
     /// `[flow]`: where requests wait for a decoder with room, in the order the bands, fair shares
     /// and deadlines say; `None`: each decoder's own queue, first come first served per class.
     pub flow: Option<Arc<FlowControl>>,
+    /// `[cluster]`: this replica's shares of the decoders, kept with the other replicas.
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 impl Gateway {
@@ -265,7 +269,11 @@ impl Gateway {
             tokenizers: crate::tokenize::pool::Pool::per_core(),
             draining: std::sync::atomic::AtomicBool::new(false),
             flow,
+            cluster: access.cluster,
         });
+        if let (Some(c), Some(f)) = (&g.cluster, &g.flow) {
+            c.attach_flow(f);
+        }
         if let Some(f) = &g.flow {
             for d in &g.decoders {
                 d.queue.watch(Arc::clone(&f.wake));

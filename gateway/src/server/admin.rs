@@ -37,6 +37,9 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     if let Some(f) = &g.flow {
         f.metrics(&mut s, |t| g.shared.metrics.tenant_label(t));
     }
+    if let Some(c) = &g.cluster {
+        c.metrics(&mut s);
+    }
     for d in &g.decoders {
         let q = d.queue.stats();
         for (name, help, get) in gauges {
@@ -161,6 +164,16 @@ pub fn flow(g: &Gateway) -> Response<RespBody> {
     match &g.flow {
         Some(f) => full(200, &f.view()),
         None => error_response(&GatewayError::NotFound("flow control is off ([flow] is not set)".into())),
+    }
+}
+
+/// `/admin/cluster`: this replica's shares of the decoders and the store's state.
+pub fn cluster(g: &Gateway) -> Response<RespBody> {
+    match &g.cluster {
+        Some(c) => full(200, &c.view()),
+        None => {
+            error_response(&GatewayError::NotFound("this replica runs alone ([cluster] is not set)".into()))
+        }
     }
 }
 

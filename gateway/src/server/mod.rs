@@ -320,6 +320,7 @@ impl Gateway {
             (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
             (&Method::GET, "/admin/names") => return full(200, &admin::names(&self)),
             (&Method::GET, "/admin/flow") => return admin::flow(&self),
+            (&Method::GET, "/admin/cluster") => return admin::cluster(&self),
             (&Method::GET, "/admin/cache") => {
                 return match &self.router.prefix {
                     Some(f) => full(200, &f.view()),

@@ -105,6 +105,7 @@ impl PoolKeys for Keys {
 
 impl ModeSpec for Lmcache {
     const NAME: &'static str = "lmcache";
+    const SHARING: super::Sharing = super::Sharing::Single;
     const NOTIFICATIONS: bool = true;
     type Keys = Keys;
 

@@ -110,6 +110,7 @@ impl PoolKeys for Keys {
 
 impl ModeSpec for Native {
     const NAME: &'static str = "native";
+    const SHARING: super::Sharing = super::Sharing::Engine;
     type Keys = Keys;
 
     fn describe(c: &Checked) -> String {

@@ -1,0 +1,397 @@
+//! `[cluster]`: several gateway replicas in front of one fleet, never admitting more than a decoder
+//! holds between them.
+//!
+//! How each mode keeps the truth ([`Sharing`]):
+//! - `native`: the decoder's own data plane. Its ranks refuse a reservation that does not fit,
+//!   whichever replica asks; a refused replica waits and tries again within the queue timeout.
+//!   A replica killed mid-request leaves reservations whose lease runs out on the ranks.
+//! - `vllm-nixl`, `sglang`: a share of the decoder's `max_in_flight` per replica, granted by the
+//!   store (Redis) in one atomic script, so the live replicas' shares never sum past the capacity.
+//!   A replica's slot queue admits only within its share. Each replica renews a lease with every
+//!   sync; a replica that stops (killed, cut off) loses its share when the lease runs out, and
+//!   the others may take it then.
+//! - `lmcache`: refused with `[cluster]` (the decoder's LMCache notifies one proxy address).
+//!
+//! The share follows demand: a replica with requests waiting asks at once; one with nobody waiting
+//! keeps up to a fair share (capacity / live replicas) spare, so a request that reaches it goes at
+//! once. While any replica waits, the one whose oldest waiter has waited longest may grow and the
+//! others shrink toward a fair share (less when its next request needs more), as their requests
+//! end: nobody starves, a request needing the whole buffer included.
+//!
+//! When the store cannot be reached a replica keeps the share it last held and never grows it
+//! (failing closed: the shares last granted sum to at most the capacity). A replica that never
+//! reached the store holds nothing. Both are logged and counted (`baton_cluster_store_up`,
+//! `baton_cluster_store_errors_total`). When the store comes back having lost its data (a restart),
+//! the first replica to say it holds slots makes everyone hold still for one lease, until every
+//! live replica has re-registered what it holds.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+use crate::admission::SlotQueue;
+use crate::handoff::{Decoder, Mode, Sharing};
+use crate::telemetry::Scrape;
+
+/// A replica's lease in the store when none is configured: a killed replica's share comes back to
+/// the others within it.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
+
+/// How often a replica renews its lease and settles its share when nothing asks sooner.
+pub const DEFAULT_SYNC: Duration = Duration::from_millis(50);
+
+/// The longest a call to the store may take before it counts as down.
+const STORE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Retry of a store that could not be reached, at most this often per decoder.
+const RECONNECT_EVERY: Duration = Duration::from_millis(250);
+
+/// `[cluster]`, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterConfig {
+    /// The store's URL (`redis://[user:password@]host:port[/db]`).
+    pub store: String,
+    /// This replica's name in the store: unique per live process.
+    pub replica: String,
+    /// The lease each sync renews.
+    pub lease: Duration,
+    /// How often a replica syncs when nothing asks sooner.
+    pub sync: Duration,
+    /// What every key this gateway writes starts with.
+    pub key_prefix: String,
+}
+
+impl ClusterConfig {
+    /// A replica name unique to this process: the host's name (a Kubernetes pod's), the process id
+    /// and a random suffix (a restarted process is a new replica; the old one's lease runs out).
+    pub fn default_replica() -> String {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|h| h.trim().to_owned()))
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "baton".into());
+        format!("{host}-{}-{:08x}", std::process::id(), rand::random::<u32>())
+    }
+}
+
+/// One decoder the store shares: what this replica was last granted.
+struct Member {
+    decoder: Arc<Decoder>,
+    queue: SlotQueue,
+    /// Told when a request starts waiting here.
+    demand: Arc<Notify>,
+    share: AtomicU32,
+    replicas: AtomicU32,
+    settling: AtomicBool,
+    /// Whether the store ever granted this replica a share of the decoder.
+    synced: AtomicBool,
+}
+
+/// The replicas' shared truth, as this replica sees it.
+pub struct Cluster {
+    cfg: ClusterConfig,
+    client: redis::Client,
+    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
+    script: redis::Script,
+    members: Vec<Member>,
+    up: AtomicBool,
+    errors: AtomicU64,
+    syncs: AtomicU64,
+    /// When the store was last found down (for reconnect pacing), in ms since `epoch`.
+    down_at: AtomicU64,
+    epoch: tokio::time::Instant,
+    /// Decoders whose own state is the truth (native), by name: listed in the view.
+    engine_truth: Vec<String>,
+    /// Flow control, when on: its next request counts as waiting for every shared decoder.
+    flow: std::sync::OnceLock<Weak<crate::flow::FlowControl>>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("replica", &self.cfg.replica)
+            .field("store_up", &self.store_up())
+            .finish()
+    }
+}
+
+/// Why `[cluster]` cannot start.
+#[derive(Debug, thiserror::Error)]
+#[error("cluster.store: {0}")]
+pub struct ClusterError(#[from] redis::RedisError);
+
+impl Cluster {
+    /// Shares `decoders` through the store: each one the store shares admits nothing until the
+    /// store granted this replica a share. Starts one sync task per such decoder; they end when
+    /// the cluster is dropped.
+    pub fn start(cfg: ClusterConfig, decoders: &[Arc<Decoder>]) -> Result<Arc<Self>, ClusterError> {
+        let client = redis::Client::open(cfg.store.as_str())?;
+        let mut members = Vec::new();
+        let mut engine_truth = Vec::new();
+        for d in decoders {
+            match Mode::parse(d.mode()).map_or(Sharing::Store, Mode::sharing) {
+                Sharing::Engine => engine_truth.push(d.name.clone()),
+                // Refused by the configuration's check; a replica alone in the store then.
+                Sharing::Store | Sharing::Single => {
+                    let demand = Arc::new(Notify::new());
+                    d.queue.watch_demand(Arc::clone(&demand));
+                    d.queue.set_share(Some(0));
+                    members.push(Member {
+                        decoder: Arc::clone(d),
+                        queue: d.queue.clone(),
+                        demand,
+                        share: AtomicU32::new(0),
+                        replicas: AtomicU32::new(0),
+                        settling: AtomicBool::new(false),
+                        synced: AtomicBool::new(false),
+                    });
+                }
+            }
+        }
+        let cluster = Arc::new(Self {
+            cfg,
+            client,
+            conn: tokio::sync::Mutex::new(None),
+            script: redis::Script::new(include_str!("share.lua")),
+            members,
+            up: AtomicBool::new(false),
+            errors: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            down_at: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
+            engine_truth,
+            flow: std::sync::OnceLock::new(),
+        });
+        for i in 0..cluster.members.len() {
+            tokio::spawn(sync_loop(Arc::downgrade(&cluster), i));
+        }
+        tracing::info!(
+            replica = %cluster.cfg.replica,
+            store = %redacted(&cluster.cfg.store),
+            shared = cluster.members.len(),
+            "cluster: decoders' slots shared with the other replicas through the store"
+        );
+        Ok(cluster)
+    }
+
+    /// Has flow control's next request count as waiting for the shared decoders (with flow
+    /// control on, requests wait there rather than in the decoders' queues), and wakes the syncs
+    /// when a request starts waiting there.
+    pub fn attach_flow(&self, flow: &Arc<crate::flow::FlowControl>) {
+        let _ = self.flow.set(Arc::downgrade(flow));
+    }
+
+    /// What this replica wants of member `i`: its queue's demand, and flow control's next request
+    /// when it does not fit the share.
+    fn demand(&self, m: &Member) -> crate::admission::Demand {
+        let mut d = m.queue.demand();
+        let head = self.flow.get().and_then(Weak::upgrade).and_then(|f| f.head());
+        if let Some((tokens, age)) = head {
+            let need = m.decoder.slots_for(tokens);
+            if d.head == 0 && need <= m.queue.load().capacity {
+                d.want += u64::from(need);
+                d.head = need;
+                d.head_age = age;
+            }
+        }
+        d
+    }
+
+    /// Whether the last call to the store succeeded.
+    pub fn store_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// This replica's name in the store.
+    pub fn replica(&self) -> &str {
+        &self.cfg.replica
+    }
+
+    fn key(&self, decoder: &str, what: &str) -> String {
+        // One hash tag per decoder: a Redis Cluster keeps a decoder's keys in one slot, as the
+        // script needs.
+        format!("{}:{{{}}}:{what}", self.cfg.key_prefix, decoder)
+    }
+
+    async fn connection(&self) -> Result<redis::aio::MultiplexedConnection, redis::RedisError> {
+        let mut conn = self.conn.lock().await;
+        if let Some(c) = conn.as_ref() {
+            return Ok(c.clone());
+        }
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(STORE_TIMEOUT))
+            .set_response_timeout(Some(STORE_TIMEOUT));
+        let c = self.client.get_multiplexed_async_connection_with_config(&config).await?;
+        *conn = Some(c.clone());
+        Ok(c)
+    }
+
+    /// One sync of decoder `i`: renews the lease and sets the share the store grants.
+    async fn sync(&self, i: usize) -> Result<(), redis::RedisError> {
+        let m = &self.members[i];
+        let crate::admission::Demand { in_use, want, head, head_age } = self.demand(m);
+        let held = m.queue.load().share.unwrap_or(0);
+        let mut conn = self.connection().await?;
+        let granted: Vec<u64> = self
+            .script
+            .key(self.key(&m.decoder.name, "replicas"))
+            .key(self.key(&m.decoder.name, "leases"))
+            .key(self.key(&m.decoder.name, "settling"))
+            .key(self.key(&m.decoder.name, "epoch"))
+            .arg(&self.cfg.replica)
+            .arg(m.queue.load().capacity)
+            .arg(in_use)
+            .arg(want)
+            .arg(head)
+            .arg(u64::try_from(head_age.as_millis()).unwrap_or(u64::MAX))
+            .arg(u64::try_from(self.cfg.lease.as_millis()).unwrap_or(u64::MAX))
+            .arg(held)
+            .invoke_async(&mut conn)
+            .await?;
+        let [share, replicas, settling] = granted[..] else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "the share script answered",
+                format!("{granted:?}"),
+            )));
+        };
+        let share = u32::try_from(share).unwrap_or(u32::MAX);
+        m.share.store(share, Ordering::Relaxed);
+        m.replicas.store(u32::try_from(replicas).unwrap_or(u32::MAX), Ordering::Relaxed);
+        m.settling.store(settling == 1, Ordering::Relaxed);
+        m.synced.store(true, Ordering::Relaxed);
+        m.queue.set_share(Some(share));
+        Ok(())
+    }
+
+    fn since_epoch_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Records a sync's outcome; logs when the store goes down or comes back.
+    async fn outcome(&self, r: Result<(), redis::RedisError>) {
+        match r {
+            Ok(()) => {
+                self.syncs.fetch_add(1, Ordering::Relaxed);
+                if !self.up.swap(true, Ordering::Relaxed) {
+                    tracing::info!(store = %redacted(&self.cfg.store), "cluster: store reached");
+                }
+            }
+            Err(e) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+                self.down_at.store(self.since_epoch_ms().max(1), Ordering::Relaxed);
+                // A connection that failed is made again next time.
+                *self.conn.lock().await = None;
+                if self.up.swap(false, Ordering::Relaxed) || self.syncs.load(Ordering::Relaxed) == 0 {
+                    tracing::warn!(
+                        store = %redacted(&self.cfg.store),
+                        error = %e,
+                        "cluster: store unreachable; each decoder keeps the share this replica last held and never grows it"
+                    );
+                }
+            }
+        }
+    }
+
+    /// `GET /admin/cluster`.
+    pub fn view(&self) -> Value {
+        let shared: Vec<Value> = self
+            .members
+            .iter()
+            .map(|m| {
+                let l = m.queue.load();
+                json!({
+                    "decoder": m.decoder.name, "capacity": l.capacity, "share": m.share.load(Ordering::Relaxed),
+                    "in_use": l.in_use, "waiting": l.waiting, "replicas": m.replicas.load(Ordering::Relaxed),
+                    "settling": m.settling.load(Ordering::Relaxed), "synced": m.synced.load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        json!({
+            "replica": self.cfg.replica, "store": redacted(&self.cfg.store), "store_up": self.store_up(),
+            "lease_ms": self.cfg.lease.as_millis() as u64, "sync_ms": self.cfg.sync.as_millis() as u64,
+            "shared": shared, "engine_truth": self.engine_truth,
+        })
+    }
+
+    /// `baton_cluster_*`.
+    pub fn metrics(&self, out: &mut Scrape) {
+        out.gauge(
+            "baton_cluster_store_up",
+            "Whether this replica's last call to the cluster store succeeded (0: shares frozen at the last granted).",
+            &[],
+            if self.store_up() { 1.0 } else { 0.0 },
+        );
+        out.counter(
+            "baton_cluster_store_errors_total",
+            "Calls to the cluster store that failed or timed out.",
+            &[],
+            self.errors.load(Ordering::Relaxed) as f64,
+        );
+        for m in &self.members {
+            let l = [("decoder", m.decoder.name.as_str())];
+            out.gauge(
+                "baton_cluster_share_slots",
+                "Slots of the decoder this replica may hold, as the store last granted.",
+                &l,
+                f64::from(m.share.load(Ordering::Relaxed)),
+            );
+            out.gauge(
+                "baton_cluster_replicas",
+                "Live replicas sharing the decoder, as the store last counted.",
+                &l,
+                f64::from(m.replicas.load(Ordering::Relaxed)),
+            );
+        }
+    }
+}
+
+/// Keeps decoder `i`'s share: at once when a request starts waiting, else every sync interval;
+/// ends when the cluster is dropped.
+async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
+    let (demand, sync) = match cluster.upgrade() {
+        Some(c) => (Arc::clone(&c.members[i].demand), c.cfg.sync),
+        None => return,
+    };
+    loop {
+        {
+            let Some(c) = cluster.upgrade() else { return };
+            let down = c.down_at.load(Ordering::Relaxed);
+            let paced = down > 0
+                && !c.store_up()
+                && c.since_epoch_ms().saturating_sub(down) < RECONNECT_EVERY.as_millis() as u64;
+            if !paced {
+                let r = match tokio::time::timeout(STORE_TIMEOUT, c.sync(i)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "timed out",
+                        format!("no answer within {STORE_TIMEOUT:?}"),
+                    ))),
+                };
+                c.outcome(r).await;
+            }
+        }
+        tokio::select! {
+            _ = demand.notified() => {}
+            _ = tokio::time::sleep(sync) => {}
+        }
+    }
+}
+
+/// The store's URL without its password (`redis://user:***@host`).
+fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((user, host)) if user.contains(':') || !user.is_empty() => {
+            let user = user.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{path}")
+        }
+        _ => url.to_owned(),
+    }
+}

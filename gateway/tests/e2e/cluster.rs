@@ -1,0 +1,344 @@
+//! Three `baton serve` replicas in front of one decoder, on the real binaries and a real Redis
+//! (Debian's, started here): never more requests on the decoder than it holds, counted by the
+//! engine itself; a replica killed with SIGKILL gives its share back within its lease; Redis
+//! stopped and restarted empty under load over-commits nothing.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use baton_sim::{Running, SglangSimConfig, SimConfig, SimRole, launch, tiny_geometry};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+use super::drain::{Proc, spawn};
+use super::{http, prompt};
+
+/// Requests the decoder holds at once (`max_in_flight`).
+const CAPACITY: u64 = 4;
+/// The replicas' lease: a killed replica's share is back within it (plus one sync).
+const LEASE_MS: u64 = 1000;
+
+/// A Redis server on a free loopback port, killed when dropped.
+struct Redis {
+    child: Option<Child>,
+    port: u16,
+    bin: PathBuf,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Redis {
+    /// Debian's `redis-server` (`scripts/test` installs it); `None` when it is missing, which
+    /// fails the test under `scripts/test` (`BATON_REQUIRE_REDIS`).
+    fn start() -> Option<Self> {
+        let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/redis/bin/redis-server");
+        let bin = if local.exists() {
+            local
+        } else if let Some(p) = std::env::var_os("PATH")
+            .and_then(|p| std::env::split_paths(&p).map(|d| d.join("redis-server")).find(|f| f.exists()))
+        {
+            p
+        } else {
+            let why = "no redis-server (scripts/test installs Debian's redis-tools)";
+            assert!(std::env::var_os("BATON_REQUIRE_REDIS").is_none(), "{why}");
+            super::skip::skipped("tool", why);
+            return None;
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut r = Self { child: None, port, bin };
+        r.restart();
+        Some(r)
+    }
+
+    /// Starts it (again, empty: no snapshot, no append-only file) and waits until it answers.
+    fn restart(&mut self) {
+        let child = Command::new(&self.bin)
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let start = Instant::now();
+        let client = redis::Client::open(self.url()).unwrap();
+        while client.get_connection().and_then(|mut c| redis::cmd("PING").query::<String>(&mut c)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not answer");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Nixl,
+    Sglang,
+}
+
+/// A prefill and a decode engine playing `kind`, the decode one taking 30 ms per token.
+async fn engines(kind: Kind) -> (Running, Running) {
+    let g = tiny_geometry(1).unwrap();
+    let mut out = Vec::new();
+    for role in [SimRole::Prefill, SimRole::Decode] {
+        let mut c = SimConfig::new(role, g);
+        c.listen = "127.0.0.1:0".parse().unwrap();
+        c.token_delay = Duration::from_millis(if role == SimRole::Decode { 30 } else { 0 });
+        match kind {
+            Kind::Nixl => c.nixl = Some(Duration::from_secs(30)),
+            Kind::Sglang => c.sglang = Some(SglangSimConfig::default()),
+        }
+        out.push(launch(c).await.unwrap());
+    }
+    let decode = out.pop().unwrap();
+    (out.pop().unwrap(), decode)
+}
+
+/// The replicas' file: the decoder holds [`CAPACITY`] requests, shared through `redis`.
+fn config(dir: &Path, kind: Kind, prefill: &Running, decode: &Running, redis: &Redis) -> PathBuf {
+    let (mode, table) = match kind {
+        Kind::Nixl => ("vllm-nixl", "nixl"),
+        Kind::Sglang => ("sglang", "sglang"),
+    };
+    let text = format!(
+        "{}\n[[prefill]]\nname = \"p\"\nurl = \"http://{}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{}\"\n\
+         handoff = \"{mode}\"\n{table} = {{ scrape_interval_ms = 50, max_in_flight = {CAPACITY} }}\n\n\
+         [cluster]\nstore = \"{}\"\nlease_ms = {LEASE_MS}\nsync_ms = 20\n",
+        super::SERVE_HEAD,
+        prefill.addr,
+        decode.addr,
+        redis.url()
+    );
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
+struct Replica {
+    proc: Proc,
+    public: SocketAddr,
+    admin: SocketAddr,
+}
+
+fn replicas(file: &Path, n: usize) -> Vec<Replica> {
+    (0..n)
+        .map(|_| {
+            let (proc, public, admin) = spawn(&["serve", "--config", file.to_str().unwrap()]);
+            Replica { proc, public, admin }
+        })
+        .collect()
+}
+
+async fn cluster_view(admin: SocketAddr) -> Value {
+    let (s, b) = http(admin, "/admin/cluster", None).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    serde_json::from_slice(&b).unwrap()
+}
+
+/// What the load saw.
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    /// Connections cut (the killed replica's).
+    cut: AtomicU64,
+    other: std::sync::Mutex<Vec<String>>,
+}
+
+/// A completion: its status and body, or why the connection failed.
+async fn complete(addr: SocketAddr, body: &Value) -> Result<(u16, Bytes), String> {
+    let s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(s)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = hyper::Request::post("/v1/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = send.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = res.status().as_u16();
+    Ok((status, res.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes()))
+}
+
+/// `clients` closed-loop clients per replica, until `stop` (or their replica is marked dead).
+fn load(
+    addrs: &[SocketAddr],
+    clients: usize,
+    stop: &Arc<AtomicBool>,
+    dead: &Arc<Vec<AtomicBool>>,
+    tally: &Arc<Tally>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for (a, addr) in addrs.iter().copied().enumerate() {
+        for c in 0..clients {
+            let (stop, dead, tally) = (Arc::clone(stop), Arc::clone(dead), Arc::clone(tally));
+            tasks.push(tokio::spawn(async move {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) && !dead[a].load(Ordering::Relaxed) {
+                    i += 1;
+                    let body = json!({"prompt": prompt(20, a * 100_000 + c * 1000 + i), "max_tokens": 4});
+                    match complete(addr, &body).await {
+                        Ok((200, _)) => _ = tally.ok.fetch_add(1, Ordering::Relaxed),
+                        Ok((s, b)) => {
+                            tally.other.lock().unwrap().push(format!("{s} {}", String::from_utf8_lossy(&b)))
+                        }
+                        Err(_) if dead[a].load(Ordering::Relaxed) => {
+                            _ = tally.cut.fetch_add(1, Ordering::Relaxed)
+                        }
+                        Err(e) => tally.other.lock().unwrap().push(format!("connection: {e}")),
+                    }
+                }
+            }));
+        }
+    }
+    tasks
+}
+
+fn peak(decode: &Running) -> u64 {
+    decode.engine.stats()["peak_running"].as_u64().unwrap()
+}
+
+/// The survivors' shares of the decoder sum to its capacity, the store counting `live`
+/// replicas, within `within`; how long it took.
+async fn shares_settle(admins: &[SocketAddr], live: u64, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let mut sum = 0;
+        let mut counted = true;
+        for a in admins {
+            let v = cluster_view(*a).await;
+            sum += v["shared"][0]["share"].as_u64().unwrap();
+            counted &= v["shared"][0]["replicas"] == live;
+        }
+        if counted && sum == CAPACITY {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "shares sum to {sum} of {CAPACITY}, {live} replicas counted: {counted}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn three_replicas(kind: Kind) {
+    let Some(mut redis) = Redis::start() else { return };
+    let (prefill, decode) = engines(kind).await;
+    let dir = std::env::temp_dir().join(format!("baton-cluster-{kind:?}-{}", std::process::id()));
+    let file = config(&dir, kind, &prefill, &decode, &redis);
+    let mut rs = replicas(&file, 3);
+    let publics: Vec<SocketAddr> = rs.iter().map(|r| r.public).collect();
+
+    // 1. Under load through all three (8 clients each, 24 at once against a decoder of 4).
+    let stop = Arc::new(AtomicBool::new(false));
+    let dead = Arc::new((0..3).map(|_| AtomicBool::new(false)).collect::<Vec<_>>());
+    let tally = Arc::new(Tally::default());
+    let tasks = load(&publics, 8, &stop, &dead, &tally);
+    // (The store starts empty: the replicas hold still for the first lease.)
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 2000)).await;
+    let before_kill = tally.ok.load(Ordering::Relaxed);
+    assert!(before_kill > 20, "only {before_kill} requests answered");
+    assert!(
+        peak(&decode) <= CAPACITY,
+        "the decoder ran {} requests at once, holding {CAPACITY}",
+        peak(&decode)
+    );
+    assert_eq!(peak(&decode), CAPACITY, "the load never filled the decoder: the test proves nothing");
+
+    // 2. One replica killed (SIGKILL: no drain, no goodbye to the store) while the others stay
+    // under load: its share is theirs within the lease.
+    let killed = rs.remove(0);
+    dead[0].store(true, Ordering::Relaxed);
+    drop(killed.proc);
+    let admins: Vec<SocketAddr> = rs.iter().map(|r| r.admin).collect();
+    let back = shares_settle(&admins, 2, Duration::from_millis(LEASE_MS + 2000)).await;
+    eprintln!("{kind:?}: the killed replica's share came back in {back:?} (lease {LEASE_MS} ms)");
+    assert!(peak(&decode) <= CAPACITY, "over-committed after the kill: {}", peak(&decode));
+
+    // 3. Redis stopped under load: the replicas keep the shares they held, over-commit nothing,
+    // and count the store down.
+    redis.stop();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for r in &rs {
+        let v = cluster_view(r.admin).await;
+        assert_eq!(v["store_up"], false, "{v}");
+        let (_, m) = http(r.admin, "/metrics", None).await;
+        let m = String::from_utf8_lossy(&m);
+        assert!(m.contains("baton_cluster_store_up 0"), "{m}");
+        assert!(super::sample_or_zero(&m, "baton_cluster_store_errors_total ") > 0.0, "{m}");
+    }
+    let during = tally.ok.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(tally.ok.load(Ordering::Relaxed) > during, "nothing answered while the store was down");
+    assert!(peak(&decode) <= CAPACITY, "over-committed with the store down: {}", peak(&decode));
+
+    // 4. Redis back, empty (its data lost): the replicas say again what they hold, hold still one
+    // lease, and share the decoder again without over-committing it.
+    redis.restart();
+    let settled = shares_settle(&admins, 2, Duration::from_millis(3 * LEASE_MS + 2000)).await;
+    eprintln!("{kind:?}: shares settled {settled:?} after the store came back empty");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(peak(&decode) <= CAPACITY, "over-committed after the store came back: {}", peak(&decode));
+    // Every answer was a completion, or a connection to the killed replica cut.
+    let other = tally.other.lock().unwrap().clone();
+    assert!(other.is_empty(), "{} answers other than 200: {:?}", other.len(), &other[..other.len().min(5)]);
+    eprintln!(
+        "{kind:?}: {} completions, {} cut by the kill",
+        tally.ok.load(Ordering::Relaxed),
+        tally.cut.load(Ordering::Relaxed)
+    );
+    for r in &rs {
+        let v = cluster_view(r.admin).await;
+        assert_eq!(v["store_up"], true, "{v}");
+    }
+    // Nothing left on the decoder.
+    let start = Instant::now();
+    while decode.engine.stats()["running"] != 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "{}", decode.engine.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_vllm_nixl_replicas_never_over_commit_a_decoder_and_survive_a_kill_and_a_store_outage() {
+    three_replicas(Kind::Nixl).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sglang_replicas_never_over_commit_a_decoder_and_survive_a_kill_and_a_store_outage() {
+    three_replicas(Kind::Sglang).await;
+}
