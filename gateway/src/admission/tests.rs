@@ -280,3 +280,38 @@ async fn a_closed_queue_admits_none_until_opened() {
     drop(first);
     assert_eq!(second.await.unwrap().unwrap().slots(), 8);
 }
+
+/// A replica's share of the decoder (`[cluster]`) bounds what it admits, below the buffer: a
+/// request larger than the share waits (it is not refused as too large), the demand says what it
+/// needs, a smaller share keeps what is held and admits nothing more until it drains, and a larger
+/// one admits the waiter at once.
+#[tokio::test(start_paused = true)]
+async fn a_share_bounds_admission_below_the_buffer_and_growing_it_admits_waiters() {
+    let q = q(10);
+    let demand = Arc::new(tokio::sync::Notify::new());
+    q.watch_demand(Arc::clone(&demand));
+    q.set_share(Some(4));
+    assert_eq!((q.load().free(), q.load().limit()), (4, 4));
+    let held = q.acquire(3, 0, Duration::from_secs(1)).await.unwrap();
+    let waiter = spawn_acquire(&q, 6, 0, Duration::from_secs(60));
+    settle().await;
+    // Told, so the cluster asks the store for more at once.
+    tokio::time::timeout(Duration::from_millis(1), demand.notified()).await.unwrap();
+    let d = q.demand();
+    assert_eq!((d.in_use, d.want, d.head), (3, 9, 6));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(q.demand().head_age, Duration::from_millis(250));
+    // Shrunk below what is held: the slots stay held, nothing more is admitted.
+    q.set_share(Some(2));
+    assert_eq!(q.load().free(), 0);
+    assert!(q.acquire(1, 0, Duration::from_millis(10)).await.is_err());
+    // Grown: the waiter goes at once.
+    q.set_share(Some(9));
+    let w = waiter.await.unwrap().unwrap();
+    assert_eq!((q.stats().in_use, q.stats().share), (9, Some(9)));
+    drop((held, w));
+    assert_eq!(q.demand(), Demand { in_use: 0, want: 0, head: 0, head_age: Duration::ZERO });
+    // No share: the whole buffer.
+    q.set_share(None);
+    assert_eq!(q.load().free(), 10);
+}

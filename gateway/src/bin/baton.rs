@@ -152,6 +152,10 @@ async fn check(file: &Path) -> ExitCode {
                 Some(f) => println!("  flow control: {}", f.describe()),
                 None => println!("  flow control: off (each decoder's own queue, first come first served)"),
             }
+            match &c.cluster {
+                Some(k) => println!("  cluster: {}", k.describe()),
+                None => println!("  cluster: off (this replica counts only its own slots: run one replica)"),
+            }
             let servers = if c.resolver.nameservers.is_empty() {
                 "the system's DNS servers".to_owned()
             } else {

@@ -65,6 +65,18 @@ pub struct ClusterConfig {
 }
 
 impl ClusterConfig {
+    /// One line for `baton check-config`.
+    pub fn describe(&self) -> String {
+        format!(
+            "replica {} sharing vllm-nixl and sglang decoders through {} (lease {} ms, sync {} ms, keys {}:*); native decoders' own ranks are their truth",
+            self.replica,
+            redacted(&self.store),
+            self.lease.as_millis(),
+            self.sync.as_millis(),
+            self.key_prefix
+        )
+    }
+
     /// A replica name unique to this process: the host's name (a Kubernetes pod's), the process id
     /// and a random suffix (a restarted process is a new replica; the old one's lease runs out).
     pub fn default_replica() -> String {
@@ -388,10 +400,25 @@ fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
     let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
     match authority.rsplit_once('@') {
-        Some((user, host)) if user.contains(':') || !user.is_empty() => {
-            let user = user.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{host}{path}")
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{path}"),
+            None => format!("{scheme}://***@{host}{path}"),
+        },
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_store_password_is_never_shown() {
+        for (url, shown) in [
+            ("redis://:secret@h:6379/0", "redis://:***@h:6379/0"),
+            ("redis://user:secret@h", "redis://user:***@h"),
+            ("redis://h:6379", "redis://h:6379"),
+            ("redis://secret@h/1", "redis://***@h/1"),
+        ] {
+            assert_eq!(super::redacted(url), shown);
         }
-        _ => url.to_owned(),
     }
 }

@@ -384,3 +384,39 @@ fn the_admin_listener_defaults_to_loopback_and_checks_its_token_and_address() {
         assert_eq!(e.field, field, "{case}: {e}");
     }
 }
+
+/// `[cluster]`: its defaults, and each rule naming its key; an lmcache pool is refused with it.
+#[test]
+fn the_cluster_table_checks_its_store_lease_sync_and_modes() {
+    let text =
+        format!("{GOOD}\n[cluster]\nstore = \"redis://:secret@127.0.0.1:6379/2\"\nreplica = \"gw-a\"\n");
+    let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap().cluster.unwrap();
+    assert_eq!(
+        (c.replica.as_str(), c.lease, c.sync, c.key_prefix.as_str()),
+        ("gw-a", crate::cluster::DEFAULT_LEASE, crate::cluster::DEFAULT_SYNC, "baton")
+    );
+    // Without a name, one unique to the process.
+    let text = format!("{GOOD}\n[cluster]\nstore = \"redis://127.0.0.1:6379\"\n");
+    let a = Config::parse(&text).unwrap().check(Path::new(".")).unwrap().cluster.unwrap().replica;
+    let b = Config::parse(&text).unwrap().check(Path::new(".")).unwrap().cluster.unwrap().replica;
+    assert_ne!(a, b);
+    assert!(a.contains(&format!("-{}-", std::process::id())), "{a}");
+    for (cluster, field) in [
+        ("store = \"http://127.0.0.1:6379\"", "cluster.store"),
+        ("store = \"redis://127.0.0.1:6379\"\nlease_ms = 100", "cluster.lease_ms"),
+        ("store = \"redis://127.0.0.1:6379\"\nlease_ms = 1000\nsync_ms = 300", "cluster.sync_ms"),
+        ("store = \"redis://127.0.0.1:6379\"\nsync_ms = 0", "cluster.sync_ms"),
+        ("store = \"redis://127.0.0.1:6379\"\nreplica = \"a b\"", "cluster.replica"),
+        ("store = \"redis://127.0.0.1:6379\"\nkey_prefix = \"a{b}\"", "cluster.key_prefix"),
+    ] {
+        let e = Config::parse(&format!("{GOOD}\n[cluster]\n{cluster}\n"))
+            .unwrap()
+            .check(Path::new("."))
+            .unwrap_err();
+        assert_eq!(e.field, field, "{cluster}: {e}");
+    }
+    let text = with_tokenizer(&format!("{GOOD}{LMCACHE}\n[cluster]\nstore = \"redis://127.0.0.1:6379\"\n"));
+    let e = Config::parse(&text).unwrap().check(Path::new(".")).unwrap_err();
+    assert_eq!(e.field, "decode[1].handoff", "{e}");
+    assert!(e.reason.contains("pd_proxy_host"), "{e}");
+}

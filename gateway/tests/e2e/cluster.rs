@@ -1,7 +1,8 @@
 //! Three `baton serve` replicas in front of one decoder, on the real binaries and a real Redis
 //! (Debian's, started here): never more requests on the decoder than it holds, counted by the
 //! engine itself; a replica killed with SIGKILL gives its share back within its lease; Redis
-//! stopped and restarted empty under load over-commits nothing.
+//! stopped and restarted empty under load over-commits nothing. The native mode needs no store:
+//! its decoder's ranks refuse what does not fit, and a killed replica's reservations lapse.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -192,6 +193,7 @@ async fn complete(addr: SocketAddr, body: &Value) -> Result<(u16, Bytes), String
 /// `clients` closed-loop clients per replica, until `stop` (or their replica is marked dead).
 fn load(
     addrs: &[SocketAddr],
+    tokens: usize,
     clients: usize,
     stop: &Arc<AtomicBool>,
     dead: &Arc<Vec<AtomicBool>>,
@@ -205,7 +207,7 @@ fn load(
                 let mut i = 0;
                 while !stop.load(Ordering::Relaxed) && !dead[a].load(Ordering::Relaxed) {
                     i += 1;
-                    let body = json!({"prompt": prompt(20, a * 100_000 + c * 1000 + i), "max_tokens": 4});
+                    let body = json!({"prompt": prompt(tokens, a * 100_000 + c * 1000 + i), "max_tokens": 4});
                     match complete(addr, &body).await {
                         Ok((200, _)) => _ = tally.ok.fetch_add(1, Ordering::Relaxed),
                         Ok((s, b)) => {
@@ -262,7 +264,7 @@ async fn three_replicas(kind: Kind) {
     let stop = Arc::new(AtomicBool::new(false));
     let dead = Arc::new((0..3).map(|_| AtomicBool::new(false)).collect::<Vec<_>>());
     let tally = Arc::new(Tally::default());
-    let tasks = load(&publics, 8, &stop, &dead, &tally);
+    let tasks = load(&publics, 20, 8, &stop, &dead, &tally);
     // (The store starts empty: the replicas hold still for the first lease.)
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 2000)).await;
     let before_kill = tally.ok.load(Ordering::Relaxed);
@@ -341,4 +343,99 @@ async fn three_vllm_nixl_replicas_never_over_commit_a_decoder_and_survive_a_kill
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sglang_replicas_never_over_commit_a_decoder_and_survive_a_kill_and_a_store_outage() {
     three_replicas(Kind::Sglang).await;
+}
+
+/// Native: the decoder's ranks are the truth. Three replicas, each believing it has the whole
+/// buffer, never reserve more pages than the ranks hold (the ranks' own count, sampled); a replica
+/// killed mid-load leaves pages that come back within the reservation lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_native_replicas_never_over_commit_and_a_killed_ones_pages_come_back_within_the_lease() {
+    let Some(redis) = Redis::start() else { return };
+    let g = tiny_geometry(2).unwrap();
+    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    let mut dc = SimConfig::new(SimRole::Decode, g);
+    dc.pages = 16;
+    dc.token_delay = Duration::from_millis(30);
+    let decode = launch(dc).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("baton-cluster-native-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("baton.toml");
+    let text = super::serve_toml(
+        &prefill,
+        &decode,
+        "",
+        &format!(
+            "[admission]\nlease_ms = {LEASE_MS}\nready_timeout_ms = 500\n\n[cluster]\nstore = \"{}\"\n",
+            redis.url()
+        ),
+    );
+    std::fs::write(&file, text).unwrap();
+    let mut rs = replicas(&file, 3);
+    let v = cluster_view(rs[0].admin).await;
+    assert_eq!((v["engine_truth"].clone(), v["shared"].clone()), (json!(["d"]), json!([])), "{v}");
+    let publics: Vec<SocketAddr> = rs.iter().map(|r| r.public).collect();
+    let watching = Arc::new(AtomicBool::new(true));
+    let (w, sim) = (Arc::clone(&watching), Arc::clone(&decode.engine));
+    // The ranks' own accounting, sampled under load: never an error, never more than they hold.
+    let watch = tokio::spawn(async move {
+        let mut most = 0;
+        while w.load(Ordering::Relaxed) {
+            let v = sim.stats();
+            for r in v["ranks"].as_array().unwrap() {
+                assert_eq!(r["accounting_errors"], 0, "{v}");
+                let used: u64 = ["pages_reserved", "pages_filled", "pages_quarantined", "pages_consuming"]
+                    .iter()
+                    .map(|k| r[*k].as_u64().unwrap())
+                    .sum();
+                assert_eq!(
+                    used + r["pages_free"].as_u64().unwrap(),
+                    r["pages_total"].as_u64().unwrap(),
+                    "{v}"
+                );
+                most = most.max(used);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        most
+    });
+    // 4-page prompts (63 tokens at 16 a page): 4 fit the 16 pages; 24 clients want them.
+    let stop = Arc::new(AtomicBool::new(false));
+    let dead = Arc::new((0..3).map(|_| AtomicBool::new(false)).collect::<Vec<_>>());
+    let tally = Arc::new(Tally::default());
+    let tasks = load(&publics, 63, 8, &stop, &dead, &tally);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    dead[0].store(true, Ordering::Relaxed);
+    drop(rs.remove(0).proc);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let killed_at = Instant::now();
+    watching.store(false, Ordering::Relaxed);
+    let most = watch.await.unwrap();
+    assert_eq!(most, 16, "the load never filled the buffer: the test proves nothing");
+    let other = tally.other.lock().unwrap().clone();
+    assert!(other.is_empty(), "{} answers other than 200: {:?}", other.len(), &other[..other.len().min(5)]);
+    // Every page back, the killed replica's included, within the lease.
+    loop {
+        let v = decode.engine.stats();
+        if v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["pages_free"] == r["pages_total"] && r["requests"] == 0)
+        {
+            break;
+        }
+        assert!(killed_at.elapsed() < Duration::from_millis(LEASE_MS + 2000), "{v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "native: {} completions, {} cut by the kill; every page free {:?} after the load stopped",
+        tally.ok.load(Ordering::Relaxed),
+        tally.cut.load(Ordering::Relaxed),
+        killed_at.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
