@@ -259,8 +259,8 @@ impl Cluster {
             .arg(in_use)
             .arg(want)
             .arg(head)
-            .arg(u64::try_from(head_age.as_millis()).unwrap_or(u64::MAX))
-            .arg(u64::try_from(self.cfg.lease.as_millis()).unwrap_or(u64::MAX))
+            .arg(ms(head_age))
+            .arg(ms(self.cfg.lease))
             .arg(held)
             .invoke_async(&mut conn)
             .await?;
@@ -281,7 +281,7 @@ impl Cluster {
     }
 
     fn since_epoch_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        ms(self.epoch.elapsed())
     }
 
     /// Records a sync's outcome; logs when the store goes down or comes back.
@@ -325,7 +325,7 @@ impl Cluster {
             .collect();
         json!({
             "replica": self.cfg.replica, "store": redacted(&self.cfg.store), "store_up": self.store_up(),
-            "lease_ms": self.cfg.lease.as_millis() as u64, "sync_ms": self.cfg.sync.as_millis() as u64,
+            "lease_ms": ms(self.cfg.lease), "sync_ms": ms(self.cfg.sync),
             "shared": shared, "engine_truth": self.engine_truth,
         })
     }
@@ -373,9 +373,8 @@ async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
         {
             let Some(c) = cluster.upgrade() else { return };
             let down = c.down_at.load(Ordering::Relaxed);
-            let paced = down > 0
-                && !c.store_up()
-                && c.since_epoch_ms().saturating_sub(down) < RECONNECT_EVERY.as_millis() as u64;
+            let paced =
+                down > 0 && !c.store_up() && c.since_epoch_ms().saturating_sub(down) < ms(RECONNECT_EVERY);
             if !paced {
                 let r = match tokio::time::timeout(STORE_TIMEOUT, c.sync(i)).await {
                     Ok(r) => r,
@@ -393,6 +392,10 @@ async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
             _ = tokio::time::sleep(sync) => {}
         }
     }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The store's URL without its password (`redis://user:***@host`).
