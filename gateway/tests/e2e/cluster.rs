@@ -439,3 +439,81 @@ async fn three_native_replicas_never_over_commit_and_a_killed_ones_pages_come_ba
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The share script alone, on a real Redis, driven as replicas would drive it: the granted
+/// shares never sum past the capacity; the longest waiter gets room even when it needs the whole
+/// decoder; a replica whose lease runs out loses its share; a store that starts empty holds
+/// everyone still for one lease, and a replica that re-registers keeps what it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_share_script_never_grants_past_capacity_and_serves_the_longest_waiter() {
+    let Some(mut redis) = Redis::start() else { return };
+    let script = redis::Script::new(include_str!("../../src/cluster/share.lua"));
+    let client = redis::Client::open(redis.url()).unwrap();
+    const CAP: u64 = 8;
+    const LEASE: u64 = 300;
+    // (replica, in_use, want, head, head_age_ms, held) -> (share, live, settling)
+    async fn call(
+        script: &redis::Script,
+        client: &redis::Client,
+        r: &str,
+        (in_use, want, head, age, held): (u64, u64, u64, u64, u64),
+    ) -> (u64, u64, u64) {
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let v: Vec<u64> = script
+            .key("t:{d}:replicas")
+            .key("t:{d}:leases")
+            .key("t:{d}:settling")
+            .key("t:{d}:epoch")
+            .arg(r)
+            .arg(CAP)
+            .arg(in_use)
+            .arg(want)
+            .arg(head)
+            .arg(age)
+            .arg(LEASE)
+            .arg(held)
+            .invoke_async(&mut c)
+            .await
+            .unwrap();
+        (v[0], v[1], v[2])
+    }
+    // An empty store: everyone holds still (nothing held, nothing granted) for one lease.
+    assert_eq!(call(&script, &client, "a", (0, 3, 3, 10, 0)).await, (0, 1, 1));
+    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await, (0, 2, 1));
+    tokio::time::sleep(Duration::from_millis(LEASE + 50)).await;
+    // Settled (both leases ran out meanwhile). Alone, a keeps all 8 spare; with b back, a fair
+    // share each. A smaller grant is recorded only once applied: until a says it holds 4, the
+    // store counts 8 and b gets nothing.
+    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 0)).await, (8, 1, 0));
+    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await, (0, 2, 0));
+    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 8)).await.0, 4);
+    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await.0, 0, "a has not applied its 4 yet");
+    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 4)).await.0, 4);
+    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await.0, 4);
+    // a has waiters (its next needs 6): it grows into what is free.
+    assert_eq!(call(&script, &client, "a", (0, 6, 6, 10, 4)).await.0, 4);
+    // b gets requests too, but a has waited longest: b yields toward 8 - 6 = 2 (keeping what it
+    // holds), and a grows once b has applied that.
+    assert_eq!(call(&script, &client, "b", (1, 5, 4, 5, 4)).await.0, 2);
+    assert_eq!(call(&script, &client, "a", (4, 10, 6, 20, 4)).await.0, 4);
+    assert_eq!(call(&script, &client, "b", (1, 5, 4, 5, 2)).await.0, 2);
+    assert_eq!(call(&script, &client, "a", (4, 10, 6, 30, 4)).await.0, 6);
+    // a's next request needs the whole decoder and has waited longest: b gives up everything.
+    assert_eq!(call(&script, &client, "a", (0, 8, 8, 40, 6)).await.0, 6);
+    assert_eq!(call(&script, &client, "b", (0, 3, 3, 1, 2)).await.0, 0);
+    assert_eq!(call(&script, &client, "b", (0, 3, 3, 1, 0)).await.0, 0);
+    assert_eq!(call(&script, &client, "a", (0, 8, 8, 50, 6)).await.0, 8);
+    // Never past the capacity, however long b has waited and however much it asks.
+    assert_eq!(call(&script, &client, "b", (0, 100, 1, 1000, 0)).await.0, 0);
+    // a stops syncing (killed): one lease later its 8 are b's.
+    tokio::time::sleep(Duration::from_millis(LEASE + 50)).await;
+    let (b, live, _) = call(&script, &client, "b", (0, 100, 1, 1000, 0)).await;
+    assert_eq!((b, live), (CAP, 1));
+    // The store restarts empty while b holds 5 of its 8: b keeps 5 and nobody grows for a lease.
+    redis.stop();
+    redis.restart();
+    let (b, _, settling) = call(&script, &client, "b", (5, 9, 4, 10, 8)).await;
+    assert_eq!((b, settling), (8, 1), "b re-registers what it may be using");
+    let (c, live, settling) = call(&script, &client, "c", (0, 4, 4, 500, 0)).await;
+    assert_eq!((c, live, settling), (0, 2, 1), "a newcomer waits out the settling");
+}
