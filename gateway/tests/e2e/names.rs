@@ -620,3 +620,107 @@ async fn a_failed_connection_looks_the_name_up_at_once() {
     eprintln!("B reached after {:?} and {failed} failed requests (refresh 60 s)", start.elapsed());
     serving.shutdown().await;
 }
+
+/// `deploy/kubernetes/`: the ConfigMap's `baton.toml` passes `baton check-config` with the
+/// engines' headless-Service names resolved (dnsmasq standing in for the cluster's DNS) and the
+/// Secrets' files where the Deployment mounts them; the Deployment's ports and probes are the
+/// file's listeners, its grace period covers the preStop sleep and the drain, and the
+/// ServiceMonitor scrapes a port and a Secret that exist. (`scripts/check-deploy` validates every
+/// manifest against the Kubernetes schemas.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubernetes_manifests_agree_with_each_other_and_their_config_checks() {
+    use serde_yaml_ng::Value as Yaml;
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
+    let docs = |file: &str| -> Vec<Yaml> {
+        let text = std::fs::read_to_string(deploy.join(file)).unwrap();
+        serde_yaml_ng::Deserializer::from_str(&text)
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .collect()
+    };
+    let cm = &docs("configmap.yaml")[0];
+    let toml_text = cm["data"]["baton.toml"].as_str().unwrap().to_owned();
+    let config: toml::Table = toml::from_str(&toml_text).unwrap();
+    // The engines' names, served by a dnsmasq on loopback.
+    let hosts: Vec<String> = toml_text
+        .lines()
+        .filter_map(|l| l.split("url = \"http://").nth(1))
+        .map(|rest| rest.split(':').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(hosts.len(), 4, "{hosts:?}");
+    let dir = tempdir("kubernetes");
+    let records: Vec<(&str, &[&str])> = hosts.iter().map(|h| (h.as_str(), &["127.0.0.1"][..])).collect();
+    let Some(dns) = Dns::start(&dir, &records).await else { return };
+    // The Secrets' files, where the Deployment mounts them.
+    let ca = Ca::new("k8s");
+    let (cert, key, _, _) = ca.leaf(&["baton.baton.svc"]);
+    std::fs::create_dir_all(dir.join("tls")).unwrap();
+    std::fs::create_dir_all(dir.join("keys")).unwrap();
+    std::fs::write(dir.join("tls/tls.crt"), cert).unwrap();
+    std::fs::write(dir.join("tls/tls.key"), key).unwrap();
+    std::fs::write(
+        dir.join("keys/keys.toml"),
+        format!("[[keys]]\nsha256 = \"{}\"\ntenant = \"team-a\"\n", "ab".repeat(32)),
+    )
+    .unwrap();
+    let text = format!(
+        "{}\n[resolver]\nnameservers = [\"{}\"]\n",
+        toml_text.replace("/etc/baton/", &format!("{}/", dir.display())),
+        dns.addr
+    );
+    let file = dir.join("baton.toml");
+    std::fs::write(&file, text).unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_baton")).arg("check-config").arg(&file).output().unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{out}{}", String::from_utf8_lossy(&check.stderr));
+    assert!(out.contains("cluster: replica"), "{out}");
+    for h in &hosts {
+        assert!(out.contains(&format!("{h} resolves to [127.0.0.1]")), "{h}: {out}");
+    }
+
+    // The Deployment: its ports are the file's listeners, its probes the public one, its grace
+    // period the preStop sleep plus the drain (and slack), its config mounted where args say.
+    let dep = &docs("deployment.yaml")[0];
+    let pod = &dep["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let port_of = |addr: &str| addr.rsplit(':').next().unwrap().parse::<u64>().unwrap();
+    let listener = port_of(config["listeners"][0]["address"].as_str().unwrap());
+    let admin = port_of(config["admin"]["listen"].as_str().unwrap());
+    let ports: Vec<(String, u64)> = c["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap().to_owned(), p["containerPort"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(ports, vec![("https".to_owned(), listener), ("admin".to_owned(), admin)]);
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["port"].as_str(), Some("https"), "{probe}");
+        assert_eq!(c[probe]["httpGet"]["scheme"].as_str(), Some("HTTPS"), "{probe}");
+    }
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"].as_str(), Some("/ready"));
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"].as_str(), Some("/health"));
+    let drain_s = config["shutdown"]["drain_timeout_ms"].as_integer().unwrap() as u64 / 1000;
+    let pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().unwrap();
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        grace > pre_stop + drain_s,
+        "grace {grace} s must exceed preStop {pre_stop} s + drain {drain_s} s"
+    );
+    let args: Vec<&str> = c["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let mounted =
+        c["volumeMounts"].as_sequence().unwrap().iter().any(|m| m["mountPath"].as_str() == Some(args[2]));
+    assert!(mounted, "{args:?} names a file no volume mounts");
+    // The ServiceMonitor scrapes the admin Service's port with a Secret that exists.
+    let sm = &docs("servicemonitor.yaml")[0];
+    let services = docs("service.yaml");
+    let admin_svc = services.iter().find(|s| s["metadata"]["name"].as_str() == Some("baton-admin")).unwrap();
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_mapping().unwrap() {
+        assert_eq!(&admin_svc["metadata"]["labels"][k.as_str().unwrap()], v, "the ServiceMonitor's selector");
+    }
+    let endpoint = &sm["spec"]["endpoints"][0];
+    assert_eq!(admin_svc["spec"]["ports"][0]["name"], endpoint["port"]);
+    let secret = endpoint["authorization"]["credentials"]["name"].as_str().unwrap();
+    let secrets = docs("secret.yaml");
+    assert!(secrets.iter().any(|s| s["metadata"]["name"].as_str() == Some(secret)
+        && !s["stringData"][endpoint["authorization"]["credentials"]["key"].as_str().unwrap()].is_null()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
