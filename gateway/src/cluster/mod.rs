@@ -43,11 +43,16 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
 /// How often a replica renews its lease and settles its share when nothing asks sooner.
 pub const DEFAULT_SYNC: Duration = Duration::from_millis(50);
 
-/// The longest a call to the store may take before it counts as down.
+/// The longest a call to the store may take before it counts as down (less with a short lease:
+/// an eighth of it, so a reachable replica renews well within its lease).
 const STORE_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// Retry of a store that could not be reached, at most this often per decoder.
+/// Retry of a store that could not be reached, at most this often per decoder (or an eighth of
+/// the lease).
 const RECONNECT_EVERY: Duration = Duration::from_millis(250);
+
+/// The least time between two syncs of one decoder, however fast requests start waiting.
+const MIN_SYNC_GAP: Duration = Duration::from_millis(5);
 
 /// `[cluster]`, checked.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,16 +82,30 @@ impl ClusterConfig {
         )
     }
 
-    /// A replica name unique to this process: the host's name (a Kubernetes pod's), the process id
-    /// and a random suffix (a restarted process is a new replica; the old one's lease runs out).
-    pub fn default_replica() -> String {
-        let host = std::env::var("HOSTNAME")
-            .ok()
+    /// A replica name unique to this process: `prefix` (default: the host's name, a Kubernetes
+    /// pod's), the process id and a random suffix. Always unique, even when every replica's file
+    /// says the same `replica` (two replicas under one name would be counted as one, and together
+    /// granted twice what the decoder holds); a restarted process is a new replica, and the old
+    /// one's lease runs out.
+    pub fn replica_name(prefix: Option<&str>) -> String {
+        let host = prefix
+            .map(str::to_owned)
+            .or_else(|| std::env::var("HOSTNAME").ok())
             .filter(|h| !h.is_empty())
             .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|h| h.trim().to_owned()))
             .filter(|h| !h.is_empty())
             .unwrap_or_else(|| "baton".into());
         format!("{host}-{}-{:08x}", std::process::id(), rand::random::<u32>())
+    }
+
+    /// The longest a call to the store may take.
+    fn store_timeout(&self) -> Duration {
+        STORE_TIMEOUT.min(self.lease / 8)
+    }
+
+    /// How often a store found down is tried again.
+    fn reconnect_every(&self) -> Duration {
+        RECONNECT_EVERY.min(self.lease / 8)
     }
 }
 
@@ -101,6 +120,8 @@ struct Member {
     settling: AtomicBool,
     /// Whether the store ever granted this replica a share of the decoder.
     synced: AtomicBool,
+    /// Rises with every call: the store ignores a call that arrives after a later one.
+    seq: AtomicU64,
 }
 
 /// The replicas' shared truth, as this replica sees it.
@@ -111,6 +132,8 @@ pub struct Cluster {
     script: redis::Script,
     members: Vec<Member>,
     up: AtomicBool,
+    /// The store's being down was logged (once per outage).
+    warned: AtomicBool,
     errors: AtomicU64,
     syncs: AtomicU64,
     /// When the store was last found down (for reconnect pacing), in ms since `epoch`.
@@ -160,6 +183,7 @@ impl Cluster {
                         replicas: AtomicU32::new(0),
                         settling: AtomicBool::new(false),
                         synced: AtomicBool::new(false),
+                        seq: AtomicU64::new(0),
                     });
                 }
             }
@@ -171,6 +195,7 @@ impl Cluster {
             script: redis::Script::new(include_str!("share.lua")),
             members,
             up: AtomicBool::new(false),
+            warned: AtomicBool::new(false),
             errors: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             down_at: AtomicU64::new(0),
@@ -191,14 +216,14 @@ impl Cluster {
     }
 
     /// Has flow control's next request count as waiting for the shared decoders (with flow
-    /// control on, requests wait there rather than in the decoders' queues), and wakes the syncs
-    /// when a request starts waiting there.
+    /// control on, requests wait there rather than in the decoders' queues); the syncs read it
+    /// every `sync` interval.
     pub fn attach_flow(&self, flow: &Arc<crate::flow::FlowControl>) {
         let _ = self.flow.set(Arc::downgrade(flow));
     }
 
-    /// What this replica wants of member `i`: its queue's demand, and flow control's next request
-    /// when it does not fit the share.
+    /// What this replica wants of a decoder: its queue's demand, and, when nobody waits there,
+    /// flow control's next request (on every shared decoder: any of them may take it).
     fn demand(&self, m: &Member) -> crate::admission::Demand {
         let mut d = m.queue.demand();
         let head = self.flow.get().and_then(Weak::upgrade).and_then(|f| f.head());
@@ -235,8 +260,8 @@ impl Cluster {
             return Ok(c.clone());
         }
         let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(STORE_TIMEOUT))
-            .set_response_timeout(Some(STORE_TIMEOUT));
+            .set_connection_timeout(Some(self.cfg.store_timeout()))
+            .set_response_timeout(Some(self.cfg.store_timeout()));
         let c = self.client.get_multiplexed_async_connection_with_config(&config).await?;
         *conn = Some(c.clone());
         Ok(c)
@@ -262,6 +287,7 @@ impl Cluster {
             .arg(ms(head_age))
             .arg(ms(self.cfg.lease))
             .arg(held)
+            .arg(m.seq.fetch_add(1, Ordering::Relaxed) + 1)
             .invoke_async(&mut conn)
             .await?;
         let [share, replicas, settling] = granted[..] else {
@@ -289,6 +315,7 @@ impl Cluster {
         match r {
             Ok(()) => {
                 self.syncs.fetch_add(1, Ordering::Relaxed);
+                self.warned.store(false, Ordering::Relaxed);
                 if !self.up.swap(true, Ordering::Relaxed) {
                     tracing::info!(store = %redacted(&self.cfg.store), "cluster: store reached");
                 }
@@ -296,9 +323,14 @@ impl Cluster {
             Err(e) => {
                 self.errors.fetch_add(1, Ordering::Relaxed);
                 self.down_at.store(self.since_epoch_ms().max(1), Ordering::Relaxed);
-                // A connection that failed is made again next time.
-                *self.conn.lock().await = None;
-                if self.up.swap(false, Ordering::Relaxed) || self.syncs.load(Ordering::Relaxed) == 0 {
+                // A connection that failed is made again next time (a script's own error leaves
+                // it be: the connection is fine).
+                if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
+                {
+                    *self.conn.lock().await = None;
+                }
+                let was_up = self.up.swap(false, Ordering::Relaxed);
+                if was_up || !self.warned.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         store = %redacted(&self.cfg.store),
                         error = %e,
@@ -332,6 +364,10 @@ impl Cluster {
 
     /// `baton_cluster_*`.
     pub fn metrics(&self, out: &mut Scrape) {
+        if self.members.is_empty() {
+            // Only decoders whose ranks are their own truth: the store is never called.
+            return;
+        }
         out.gauge(
             "baton_cluster_store_up",
             "Whether this replica's last call to the cluster store succeeded (0: shares frozen at the last granted).",
@@ -373,23 +409,27 @@ async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
         {
             let Some(c) = cluster.upgrade() else { return };
             let down = c.down_at.load(Ordering::Relaxed);
-            let paced =
-                down > 0 && !c.store_up() && c.since_epoch_ms().saturating_sub(down) < ms(RECONNECT_EVERY);
+            let paced = down > 0
+                && !c.store_up()
+                && c.since_epoch_ms().saturating_sub(down) < ms(c.cfg.reconnect_every());
             if !paced {
-                let r = match tokio::time::timeout(STORE_TIMEOUT, c.sync(i)).await {
+                let limit = c.cfg.store_timeout();
+                let r = match tokio::time::timeout(limit, c.sync(i)).await {
                     Ok(r) => r,
                     Err(_) => Err(redis::RedisError::from((
                         redis::ErrorKind::Io,
                         "timed out",
-                        format!("no answer within {STORE_TIMEOUT:?}"),
+                        format!("no answer within {limit:?}"),
                     ))),
                 };
                 c.outcome(r).await;
             }
         }
+        // However fast requests start waiting, one call per MIN_SYNC_GAP at most.
+        tokio::time::sleep(MIN_SYNC_GAP.min(sync)).await;
         tokio::select! {
             _ = demand.notified() => {}
-            _ = tokio::time::sleep(sync) => {}
+            _ = tokio::time::sleep(sync.saturating_sub(MIN_SYNC_GAP)) => {}
         }
     }
 }

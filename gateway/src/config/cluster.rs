@@ -19,7 +19,8 @@ const MAX_LEASE: Duration = Duration::from_secs(600);
 pub struct Cluster {
     /// `redis://[user:password@]host:port[/db]`.
     pub store: String,
-    /// This replica's name in the store (default: host name, process id and a random suffix).
+    /// What this replica's name in the store starts with (default: the host name); the process id
+    /// and a random suffix follow, so that replicas sharing one file are never one name.
     pub replica: Option<String>,
     /// A replica's lease (default 5000): a replica that stops syncing loses its shares this long
     /// after its last sync.
@@ -61,13 +62,12 @@ impl Cluster {
                 ),
             ));
         }
-        let replica = match &self.replica {
-            Some(r) if r.trim().is_empty() || r.contains(' ') => {
-                return Err(err("cluster.replica", format!("{r:?}: give a name without spaces")));
-            }
-            Some(r) => r.clone(),
-            None => ClusterConfig::default_replica(),
-        };
+        if let Some(r) = &self.replica
+            && (r.trim().is_empty() || r.contains(' '))
+        {
+            return Err(err("cluster.replica", format!("{r:?}: give a name without spaces")));
+        }
+        let replica = ClusterConfig::replica_name(self.replica.as_deref());
         let key_prefix = self.key_prefix.clone().unwrap_or_else(|| "baton".into());
         if key_prefix.is_empty() || key_prefix.contains(['{', '}', ' ']) {
             return Err(err(

@@ -442,8 +442,10 @@ async fn three_native_replicas_never_over_commit_and_a_killed_ones_pages_come_ba
 
 /// The share script alone, on a real Redis, driven as replicas would drive it: the granted
 /// shares never sum past the capacity; the longest waiter gets room even when it needs the whole
-/// decoder; a replica whose lease runs out loses its share; a store that starts empty holds
-/// everyone still for one lease, and a replica that re-registers keeps what it held.
+/// decoder; a smaller grant is recorded only once applied; a call overtaken by a later one
+/// changes nothing; a replica whose lease runs out loses its share; a store that starts empty,
+/// or that nobody reached for a lease, holds everyone still for one lease, and a replica that
+/// re-registers keeps what it held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_share_script_never_grants_past_capacity_and_serves_the_longest_waiter() {
     let Some(mut redis) = Redis::start() else { return };
@@ -451,19 +453,22 @@ async fn the_share_script_never_grants_past_capacity_and_serves_the_longest_wait
     let client = redis::Client::open(redis.url()).unwrap();
     const CAP: u64 = 8;
     const LEASE: u64 = 300;
-    // (replica, in_use, want, head, head_age_ms, held) -> (share, live, settling)
-    async fn call(
+    static SEQ: AtomicU64 = AtomicU64::new(1);
+    // (in_use, want, head, head_age_ms, held) of replica `r` -> (share, live, settling); `seq`:
+    // the call's place in the replica's order (None: the next).
+    async fn call_seq(
         script: &redis::Script,
         client: &redis::Client,
         r: &str,
         (in_use, want, head, age, held): (u64, u64, u64, u64, u64),
+        seq: Option<u64>,
     ) -> (u64, u64, u64) {
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
         let v: Vec<u64> = script
             .key("t:{d}:replicas")
             .key("t:{d}:leases")
             .key("t:{d}:settling")
-            .key("t:{d}:epoch")
+            .key("t:{d}:last")
             .arg(r)
             .arg(CAP)
             .arg(in_use)
@@ -472,48 +477,76 @@ async fn the_share_script_never_grants_past_capacity_and_serves_the_longest_wait
             .arg(age)
             .arg(LEASE)
             .arg(held)
+            .arg(seq.unwrap_or_else(|| SEQ.fetch_add(1, Ordering::Relaxed)))
             .invoke_async(&mut c)
             .await
             .unwrap();
         (v[0], v[1], v[2])
     }
-    // An empty store: everyone holds still (nothing held, nothing granted) for one lease.
-    assert_eq!(call(&script, &client, "a", (0, 3, 3, 10, 0)).await, (0, 1, 1));
-    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await, (0, 2, 1));
-    tokio::time::sleep(Duration::from_millis(LEASE + 50)).await;
-    // Settled (both leases ran out meanwhile). Alone, a keeps all 8 spare; with b back, a fair
-    // share each. A smaller grant is recorded only once applied: until a says it holds 4, the
-    // store counts 8 and b gets nothing.
-    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 0)).await, (8, 1, 0));
-    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await, (0, 2, 0));
-    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 8)).await.0, 4);
-    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await.0, 0, "a has not applied its 4 yet");
-    assert_eq!(call(&script, &client, "a", (0, 0, 0, 0, 4)).await.0, 4);
-    assert_eq!(call(&script, &client, "b", (0, 0, 0, 0, 0)).await.0, 4);
-    // a has waiters (its next needs 6): it grows into what is free.
-    assert_eq!(call(&script, &client, "a", (0, 6, 6, 10, 4)).await.0, 4);
-    // b gets requests too, but a has waited longest: b yields toward 8 - 6 = 2 (keeping what it
-    // holds), and a grows once b has applied that.
-    assert_eq!(call(&script, &client, "b", (1, 5, 4, 5, 4)).await.0, 2);
-    assert_eq!(call(&script, &client, "a", (4, 10, 6, 20, 4)).await.0, 4);
-    assert_eq!(call(&script, &client, "b", (1, 5, 4, 5, 2)).await.0, 2);
-    assert_eq!(call(&script, &client, "a", (4, 10, 6, 30, 4)).await.0, 6);
+    let call = |r: &'static str, d: (u64, u64, u64, u64, u64)| {
+        let (script, client) = (script.clone(), client.clone());
+        async move { call_seq(&script, &client, r, d, None).await }
+    };
+    const IDLE: (u64, u64, u64, u64, u64) = (0, 0, 0, 0, 0);
+    // An empty store: everyone holds still (nothing held, nothing granted) for one lease, while
+    // both keep syncing.
+    assert_eq!(call("a", (0, 3, 3, 10, 0)).await, (0, 1, 1));
+    assert_eq!(call("b", IDLE).await, (0, 2, 1));
+    let start = Instant::now();
+    while call("a", IDLE).await.2 == 1 {
+        call("b", IDLE).await;
+        assert!(start.elapsed() < Duration::from_millis(3 * LEASE));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    // a re-asserts: a fair share spare each (its first post-settling call may have been granted
+    // 4 or all 8; it applies 4 here).
+    assert_eq!(call("a", (0, 0, 0, 0, 4)).await.0, 4);
+    assert_eq!(call("b", IDLE).await.0, 4);
+    // a's next request needs all 8: a grows into what is free, and b, told to give up its 4,
+    // is still counted at 4 until it says it applied that; then a gets all 8.
+    assert_eq!(call("a", (0, 8, 8, 1, 4)).await.0, 4);
+    assert_eq!(call("b", (0, 0, 0, 0, 4)).await.0, 0);
+    assert_eq!(call("a", (0, 8, 8, 2, 4)).await.0, 4, "b has not applied its 0 yet");
+    assert_eq!(call("b", IDLE).await.0, 0);
+    assert_eq!(call("a", (0, 8, 8, 3, 4)).await.0, 8);
+    // Served; nobody waits: a keeps a fair share spare, and the rest is b's once a applied it.
+    assert_eq!(call("a", (0, 0, 0, 0, 8)).await.0, 4);
+    assert_eq!(call("b", IDLE).await.0, 0);
+    assert_eq!(call("a", (0, 0, 0, 0, 4)).await.0, 4);
+    assert_eq!(call("b", IDLE).await.0, 4);
+    // a has waiters (its next needs 6), and has waited longest; b gets requests too: b yields
+    // toward 8 - 6 = 2 (keeping what it holds), and a grows once b has applied that.
+    assert_eq!(call("a", (0, 6, 6, 10, 4)).await.0, 4);
+    assert_eq!(call("b", (1, 5, 4, 5, 4)).await.0, 2);
+    assert_eq!(call("a", (4, 10, 6, 20, 4)).await.0, 4, "b has not applied its 2 yet");
+    assert_eq!(call("b", (1, 5, 4, 5, 2)).await.0, 2);
+    assert_eq!(call("a", (4, 10, 6, 30, 4)).await.0, 6);
     // a's next request needs the whole decoder and has waited longest: b gives up everything.
-    assert_eq!(call(&script, &client, "a", (0, 8, 8, 40, 6)).await.0, 6);
-    assert_eq!(call(&script, &client, "b", (0, 3, 3, 1, 2)).await.0, 0);
-    assert_eq!(call(&script, &client, "b", (0, 3, 3, 1, 0)).await.0, 0);
-    assert_eq!(call(&script, &client, "a", (0, 8, 8, 50, 6)).await.0, 8);
+    assert_eq!(call("a", (0, 8, 8, 40, 6)).await.0, 6);
+    assert_eq!(call("b", (0, 3, 3, 1, 2)).await.0, 0);
+    assert_eq!(call("b", (0, 3, 3, 1, 0)).await.0, 0);
+    assert_eq!(call("a", (0, 8, 8, 50, 6)).await.0, 8);
     // Never past the capacity, however long b has waited and however much it asks.
-    assert_eq!(call(&script, &client, "b", (0, 100, 1, 1000, 0)).await.0, 0);
-    // a stops syncing (killed): one lease later its 8 are b's.
-    tokio::time::sleep(Duration::from_millis(LEASE + 50)).await;
-    let (b, live, _) = call(&script, &client, "b", (0, 100, 1, 1000, 0)).await;
-    assert_eq!((b, live), (CAP, 1));
-    // The store restarts empty while b holds 5 of its 8: b keeps 5 and nobody grows for a lease.
+    assert_eq!(call("b", (0, 100, 1, 1000, 0)).await.0, 0);
+    // A call of a's overtaken by a later one (an old retry arriving late) changes nothing.
+    assert_eq!(call_seq(&script, &client, "a", IDLE, Some(1)).await.0, 8);
+    assert_eq!(call("b", (0, 100, 1, 1000, 0)).await.0, 0, "a's stale call gave nothing back");
+    // a stops syncing (killed): one lease later its 8 are b's (b syncing all along).
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(LEASE + 100) {
+        call("b", (0, 100, 1, 1000, 0)).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert_eq!(call("b", (0, 100, 1, 1000, 0)).await, (CAP, 1, 0));
+    // Nobody reaches the store for a lease (b's own lease runs out too); b, holding 8, and then a
+    // newcomer: everyone holds still.
+    tokio::time::sleep(Duration::from_millis(LEASE + 100)).await;
+    assert_eq!(call("b", (5, 9, 4, 10, 8)).await, (8, 1, 1));
+    assert_eq!(call("c", (0, 4, 4, 500, 0)).await, (0, 2, 1), "a newcomer waits out the settling");
+    // The store restarts empty while b holds 5 of its 8: b keeps 8 (what it may admit on), the
+    // newcomer gets nothing, for one lease.
     redis.stop();
     redis.restart();
-    let (b, _, settling) = call(&script, &client, "b", (5, 9, 4, 10, 8)).await;
-    assert_eq!((b, settling), (8, 1), "b re-registers what it may be using");
-    let (c, live, settling) = call(&script, &client, "c", (0, 4, 4, 500, 0)).await;
-    assert_eq!((c, live, settling), (0, 2, 1), "a newcomer waits out the settling");
+    assert_eq!(call("b", (5, 9, 4, 10, 8)).await, (8, 1, 1));
+    assert_eq!(call("c", (0, 4, 4, 500, 0)).await, (0, 2, 1));
 }
