@@ -468,6 +468,11 @@ async fn a_lease_that_expires_before_the_kv_is_counted() {
     d.shutdown().await;
 }
 
+/// Whether a simulated decoder's ranks (its `/sim/stats`) hold no page and no request.
+fn ranks_clean(v: &Value) -> bool {
+    v["ranks"].as_array().unwrap().iter().all(|r| r["pages_free"] == r["pages_total"] && r["requests"] == 0)
+}
+
 /// Two gateway replicas in front of one decoder: neither knows the other's slots, the decoder's
 /// all-or-nothing reservations keep its buffer from being over-committed, everything completes and
 /// the buffer ends clean.
@@ -547,12 +552,7 @@ async fn two_replicas_share_one_decoder() {
     loop {
         let (_, body) = http(decode_http, "/sim/stats", None).await;
         let v: Value = serde_json::from_slice(&body).unwrap();
-        if v["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["pages_free"] == r["pages_total"] && r["requests"] == 0)
-        {
+        if ranks_clean(&v) {
             break;
         }
         assert!(start.elapsed() < Duration::from_secs(10), "{v}");

@@ -420,12 +420,7 @@ async fn three_native_replicas_never_over_commit_and_a_killed_ones_pages_come_ba
     // Every page back, the killed replica's included, within the lease.
     loop {
         let v = decode.engine.stats();
-        if v["ranks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["pages_free"] == r["pages_total"] && r["requests"] == 0)
-        {
+        if super::ranks_clean(&v) {
             break;
         }
         assert!(killed_at.elapsed() < Duration::from_millis(LEASE_MS + 2000), "{v}");
