@@ -1555,6 +1555,9 @@ mod drain;
 #[path = "e2e/cluster.rs"]
 mod cluster;
 
+#[path = "e2e/rotation.rs"]
+mod rotation;
+
 #[path = "e2e/dataplane_tls.rs"]
 mod dataplane_tls;
 

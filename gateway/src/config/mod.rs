@@ -34,7 +34,7 @@ mod tls;
 pub use crate::handoff::lmcache::{CheckedLmcache, LmcachePool};
 pub use crate::handoff::{CheckedMode, PoolMode};
 pub use decode::{CheckedDecoder, DecodePool};
-pub use tls::{FrontTlsConfig, FrontTlsFileError};
+pub use tls::{FrontTlsConfig, FrontTlsFileError, TlsFiles};
 
 /// Tokens per KV chunk when the model section names none (LMCache's and vLLM's common choice).
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;

@@ -5,9 +5,12 @@
 //!
 //! TLS 1.2 and 1.3 only (1.0 and 1.1 are refused: deprecated by RFC 8996), ALPN `h2` and
 //! `http/1.1`, and client-certificate verification (mTLS) when a client CA is configured.
+//!
+//! A configuration made from files remembers them ([`TlsFiles`]): the server reads them again when
+//! they change, or on SIGHUP, and swaps the certificate for new connections (`server::tls`).
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use baton_dataplane::transport::{TlsError, pem_certs, pem_key};
@@ -21,6 +24,28 @@ pub struct FrontTlsConfig {
     pub server: Arc<ServerConfig>,
     /// Clients must present a certificate from the client CA (mTLS).
     pub client_auth: bool,
+    /// The files it was read from, when it was (read again on change).
+    pub files: Option<TlsFiles>,
+}
+
+/// A listener's PEM files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// The files, in a fixed order.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        [Some(self.cert.as_path()), Some(self.key.as_path()), self.client_ca.as_deref()].into_iter().flatten()
+    }
+
+    /// Reads them again into a listener's TLS.
+    pub fn load(&self) -> Result<FrontTlsConfig, FrontTlsFileError> {
+        FrontTlsConfig::from_pem_files(&self.cert, &self.key, self.client_ca.as_deref())
+    }
 }
 
 impl fmt::Debug for FrontTlsConfig {
@@ -74,10 +99,12 @@ impl FrontTlsConfig {
         key: &Path,
         client_ca: Option<&Path>,
     ) -> Result<Self, FrontTlsFileError> {
+        let files =
+            TlsFiles { cert: cert.to_owned(), key: key.to_owned(), client_ca: client_ca.map(Path::to_owned) };
         let key = pem_key(key)?;
         let chain = pem_certs(cert)?;
         let client_ca = client_ca.map(pem_certs).transpose()?;
-        Self::new(chain, key, client_ca)
+        Ok(Self { files: Some(files), ..Self::new(chain, key, client_ca)? })
     }
 
     /// A listener's TLS from its chain and key and, for mTLS, the CA certificates that clients'
@@ -107,7 +134,7 @@ impl FrontTlsConfig {
         let mut server =
             builder.with_single_cert(chain, key).map_err(|source| FrontTlsFileError::Identity { source })?;
         server.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        Ok(Self { server: Arc::new(server), client_auth })
+        Ok(Self { server: Arc::new(server), client_auth, files: None })
     }
 
     /// Clients must present a certificate from the client CA.

@@ -232,6 +232,9 @@ pub struct Gateway {
     pub flow: Option<Arc<FlowControl>>,
     /// `[cluster]`: this replica's shares of the decoders, kept with the other replicas.
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// The listeners' TLS, by listener (its address, or `admin`), once they are bound: for the
+    /// certificate reloads' metrics.
+    pub tls: std::sync::OnceLock<Vec<(String, Arc<crate::telemetry::metrics::TlsReloads>)>>,
 }
 
 impl Gateway {
@@ -270,6 +273,7 @@ impl Gateway {
             draining: std::sync::atomic::AtomicBool::new(false),
             flow,
             cluster: access.cluster,
+            tls: std::sync::OnceLock::new(),
         });
         if let (Some(c), Some(f)) = (&g.cluster, &g.flow) {
             c.attach_flow(f);

@@ -40,6 +40,17 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     if let Some(c) = &g.cluster {
         c.metrics(&mut s);
     }
+    for (listener, counts) in g.tls.get().into_iter().flatten() {
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        for (result, n) in [("swapped", load(&counts.swapped)), ("refused", load(&counts.refused))] {
+            s.counter(
+                "baton_tls_reloads_total",
+                "Reloads of a listener's certificate files (on change or SIGHUP): swapped for new connections, or refused (the certificate in force stays).",
+                &[("listener", listener.as_str()), ("result", result)],
+                n as f64,
+            );
+        }
+    }
     for d in &g.decoders {
         let q = d.queue.stats();
         for (name, help, get) in gauges {

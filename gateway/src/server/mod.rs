@@ -130,14 +130,21 @@ impl Listeners {
         };
         let mut addrs = Vec::new();
         let mut running = Vec::new();
+        let mut certified = Vec::new();
         for (at, tls) in public {
             let listener = bind(at).await.map_err(|e| (at, e))?;
-            addrs.push(listener.local_addr().map_err(|e| (at, e))?);
+            let addr = listener.local_addr().map_err(|e| (at, e))?;
+            addrs.push(addr);
+            certified.extend(tls.clone().map(|t| (addr.to_string(), t)));
             running.push(serve(listener, tls, Surface::Public));
         }
         let listener = bind(admin_at).await.map_err(|e| (admin_at, e))?;
         let admin_addr = listener.local_addr().map_err(|e| (admin_at, e))?;
+        certified.extend(admin_tls.clone().map(|t| ("admin".to_owned(), t)));
         let admin = serve(listener, admin_tls, admin_surface);
+        // Certificates read again on change and on SIGHUP; counted in /metrics.
+        let _ = gateway.tls.set(certified.iter().map(|(n, t)| (n.clone(), t.counts())).collect());
+        drop(tls::FrontTls::spawn_watcher(certified));
         Ok(Self { addrs, admin_addr, public: running, admin })
     }
 

@@ -1,16 +1,34 @@
 //! TLS on the gateway's listener: the acceptor of the rustls configuration the configuration made
 //! (`config::FrontTlsConfig`: versions, ALPN, mTLS).
 
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::time::{Duration, SystemTime};
+
 use tokio_rustls::TlsAcceptor;
 
-use crate::config::FrontTlsConfig;
+use crate::config::{FrontTlsConfig, FrontTlsFileError, TlsFiles};
+use crate::telemetry::metrics::TlsReloads;
 
-/// A listener's TLS settings.
+/// How often a listener's certificate files are checked for a change.
+pub const TLS_POLL: Duration = Duration::from_secs(1);
+
+/// A listener's TLS settings: the acceptor new connections get, swapped when its files change.
+/// Cheap to clone (a handle).
 #[derive(Clone)]
 pub struct FrontTls {
-    acceptor: TlsAcceptor,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    acceptor: RwLock<TlsAcceptor>,
     /// Clients must present a certificate (mTLS).
     client_auth: bool,
+    files: Option<TlsFiles>,
+    /// The files' modification times and sizes when last read.
+    seen: Mutex<Vec<Option<(SystemTime, u64)>>>,
+    counts: Arc<TlsReloads>,
 }
 
 impl std::fmt::Debug for FrontTls {
@@ -21,18 +39,132 @@ impl std::fmt::Debug for FrontTls {
 
 impl From<FrontTlsConfig> for FrontTls {
     fn from(c: FrontTlsConfig) -> Self {
-        Self { acceptor: TlsAcceptor::from(c.server), client_auth: c.client_auth }
+        let seen = c.files.as_ref().map_or_else(Vec::new, stamps);
+        Self {
+            inner: Arc::new(Inner {
+                acceptor: RwLock::new(TlsAcceptor::from(c.server)),
+                client_auth: c.client_auth,
+                files: c.files,
+                seen: Mutex::new(seen),
+                counts: Arc::default(),
+            }),
+        }
     }
+}
+
+fn stamps(files: &TlsFiles) -> Vec<Option<(SystemTime, u64)>> {
+    files.paths().map(stamp).collect()
+}
+
+fn stamp(file: &Path) -> Option<(SystemTime, u64)> {
+    let m = std::fs::metadata(file).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+/// What a reload did.
+#[derive(Debug)]
+pub enum Reload {
+    /// The files were read and the new certificate serves new connections.
+    Swapped,
+    /// Nothing to do: no files, or none changed.
+    Unchanged,
+    /// The files did not make a usable TLS configuration: the one in force stays.
+    Refused(FrontTlsFileError),
 }
 
 impl FrontTls {
     /// Clients must present a certificate from the client CA.
     pub fn client_auth(&self) -> bool {
-        self.client_auth
+        self.inner.client_auth
     }
 
-    pub(crate) fn acceptor(&self) -> &TlsAcceptor {
-        &self.acceptor
+    /// The acceptor for a new connection (connections already open keep the certificate they
+    /// were made with).
+    pub(crate) fn acceptor(&self) -> TlsAcceptor {
+        self.inner.acceptor.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Reads the files again when any changed since they were last read (always with `force`:
+    /// SIGHUP). A set that does not load (a key that does not match the certificate, a file half
+    /// written) is refused and the certificate in force stays; it is tried again at its next
+    /// change.
+    pub fn reload(&self, force: bool) -> Reload {
+        let Some(files) = &self.inner.files else { return Reload::Unchanged };
+        let now = stamps(files);
+        {
+            let mut seen = self.inner.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if !force && *seen == now {
+                return Reload::Unchanged;
+            }
+            *seen = now;
+        }
+        match files.load() {
+            Ok(c) => {
+                *self.inner.acceptor.write().unwrap_or_else(PoisonError::into_inner) =
+                    TlsAcceptor::from(c.server);
+                self.inner.counts.swapped.fetch_add(1, Ordering::Relaxed);
+                Reload::Swapped
+            }
+            Err(e) => {
+                self.inner.counts.refused.fetch_add(1, Ordering::Relaxed);
+                Reload::Refused(e)
+            }
+        }
+    }
+
+    /// Its reloads so far (for `/metrics`).
+    pub fn counts(&self) -> Arc<TlsReloads> {
+        Arc::clone(&self.inner.counts)
+    }
+
+    /// Reads every listener's files again when they change (checked every [`TLS_POLL`]) and on
+    /// SIGHUP; ends once the listeners are gone. Each outcome is logged: a refused file as a
+    /// warning naming the listener and why.
+    pub fn spawn_watcher(listeners: Vec<(String, FrontTls)>) -> tokio::task::JoinHandle<()> {
+        let watched: Vec<(String, Weak<Inner>)> = listeners
+            .into_iter()
+            .filter(|(_, t)| t.inner.files.is_some())
+            .map(|(name, t)| (name, Arc::downgrade(&t.inner)))
+            .collect();
+        tokio::spawn(async move {
+            if watched.is_empty() {
+                return;
+            }
+            let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no SIGHUP handler: certificates are reloaded when their files change only");
+                    None
+                }
+            };
+            let mut tick = tokio::time::interval(TLS_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let force = tokio::select! {
+                    _ = tick.tick() => false,
+                    Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
+                };
+                let mut alive = false;
+                for (name, weak) in &watched {
+                    let Some(inner) = weak.upgrade() else { continue };
+                    alive = true;
+                    match (FrontTls { inner }).reload(force) {
+                        Reload::Swapped => {
+                            tracing::info!(listener = %name, "TLS certificate reloaded: new connections get it")
+                        }
+                        Reload::Unchanged => {}
+                        Reload::Refused(e) => tracing::warn!(
+                            listener = %name,
+                            error = %e,
+                            "TLS certificate files refused; the certificate in force stays"
+                        ),
+                    }
+                }
+                if !alive {
+                    return;
+                }
+            }
+        })
     }
 }
 
@@ -53,6 +185,40 @@ mod tests {
             let tls = FrontTls::from(config);
             assert_eq!(tls.client_auth(), client_ca.is_some());
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A reload swaps only when a file changed (or when forced), refuses a key that does not
+    /// match its certificate and keeps the acceptor in force, and counts both.
+    #[test]
+    fn a_reload_swaps_changed_files_and_refuses_a_bad_set() {
+        let dir = std::env::temp_dir().join(format!("baton-front-tls-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |c: &rcgen::CertifiedKey<rcgen::KeyPair>,
+                     key_of: &rcgen::CertifiedKey<rcgen::KeyPair>| {
+            std::fs::write(dir.join("a.pem"), c.cert.pem()).unwrap();
+            std::fs::write(dir.join("a.key"), key_of.signing_key.serialize_pem()).unwrap();
+        };
+        let one = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        write(&one, &one);
+        let tls = FrontTls::from(
+            FrontTlsConfig::from_pem_files(&dir.join("a.pem"), &dir.join("a.key"), None).unwrap(),
+        );
+        assert!(matches!(tls.reload(false), Reload::Unchanged));
+        assert!(matches!(tls.reload(true), Reload::Swapped));
+        let two = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        write(&two, &one);
+        let before = Arc::as_ptr(tls.acceptor().config());
+        assert!(matches!(tls.reload(true), Reload::Refused(_)));
+        assert_eq!(Arc::as_ptr(tls.acceptor().config()), before, "the acceptor in force stays");
+        // Not tried again until a file changes.
+        assert!(matches!(tls.reload(false), Reload::Unchanged));
+        // (a different length, so the change shows even within the file system's time resolution)
+        std::fs::write(dir.join("a.key"), format!("{}\n", two.signing_key.serialize_pem())).unwrap();
+        assert!(matches!(tls.reload(false), Reload::Swapped));
+        assert_ne!(Arc::as_ptr(tls.acceptor().config()), before);
+        let c = tls.counts();
+        assert_eq!((c.swapped.load(Ordering::Relaxed), c.refused.load(Ordering::Relaxed)), (2, 1));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -30,8 +30,12 @@ impl Drop for Proc {
 
 impl Proc {
     pub(super) fn term(&self) {
+        self.signal(rustix::process::Signal::TERM);
+    }
+
+    pub(super) fn signal(&self, signal: rustix::process::Signal) {
         let pid = rustix::process::Pid::from_child(&self.0);
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        rustix::process::kill_process(pid, signal).unwrap();
     }
 
     /// The exit code within `limit`.
