@@ -659,7 +659,34 @@ pub enum EngineTlsError {
 /// `[engine_tls]`: how `https://` engines are verified, and the gateway's certificate when they
 /// ask for one (mTLS).
 #[derive(Clone)]
-pub struct EngineTls(Arc<rustls::ClientConfig>);
+pub struct EngineTls(Arc<rustls::ClientConfig>, Option<EngineTlsFiles>);
+
+/// The files `[engine_tls]` was read from: read again when they change ([`EngineClient::reload`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineTlsFiles {
+    pub ca: Option<PathBuf>,
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl EngineTlsFiles {
+    fn paths(&self) -> impl Iterator<Item = &Path> {
+        let client = self.client.as_ref().map(|(c, k)| [c.as_path(), k.as_path()]);
+        self.ca.as_deref().into_iter().chain(client.into_iter().flatten())
+    }
+
+    fn load(&self) -> Result<EngineTls, EngineTlsError> {
+        EngineTls::from_pem_files(
+            self.ca.as_deref(),
+            self.client.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+        )
+    }
+}
+
+/// A file's modification time and size: what tells a watcher it changed.
+pub fn file_stamp(file: &Path) -> Option<(std::time::SystemTime, u64)> {
+    let m = std::fs::metadata(file).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
 
 impl fmt::Debug for EngineTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -686,11 +713,15 @@ impl EngineTls {
                 }
             }
         }
+        let files = EngineTlsFiles {
+            ca: ca.map(Path::to_owned),
+            client: client.map(|(c, k)| (c.to_owned(), k.to_owned())),
+        };
         let client = match client {
             Some((cert, key)) => Some((pem_certs(cert)?, pem_key(key)?)),
             None => None,
         };
-        Self::build(roots, client)
+        Ok(Self(Self::build(roots, client)?.0, Some(files)))
     }
 
     fn build(
@@ -710,7 +741,7 @@ impl EngineTls {
                 .map_err(|source| EngineTlsError::ClientCert { source })?,
             None => builder.with_no_client_auth(),
         };
-        Ok(Self(Arc::new(config)))
+        Ok(Self(Arc::new(config), None))
     }
 
     /// The system's roots (read once per process), or none: an `https://` engine then fails its
@@ -740,23 +771,89 @@ type Connector = HttpsConnector<HttpConnector<Names>>;
 /// (the system's roots when none is configured), connections kept alive.
 #[derive(Clone, Debug)]
 pub struct EngineClient {
-    http: Client<Connector, Full<Bytes>>,
+    /// Swapped whole when `[engine_tls]`'s files change: new requests get a pool of connections
+    /// made with the new certificates; requests under way keep theirs.
+    http: Arc<RwLock<Client<Connector, Full<Bytes>>>>,
     names: Names,
+    tls: Option<Arc<Reloading>>,
+}
+
+/// `[engine_tls]` files being watched.
+#[derive(Debug)]
+struct Reloading {
+    files: EngineTlsFiles,
+    seen: Mutex<Vec<Option<(std::time::SystemTime, u64)>>>,
+    swapped: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
 }
 
 impl EngineClient {
     pub fn new(names: Names, tls: Option<EngineTls>) -> Self {
+        let reloading = tls.as_ref().and_then(|t| t.1.clone()).map(|files| {
+            Arc::new(Reloading {
+                seen: Mutex::new(files.paths().map(file_stamp).collect()),
+                files,
+                swapped: Default::default(),
+                refused: Default::default(),
+            })
+        });
+        // No [engine_tls]: the system's roots.
+        let config = tls.map_or_else(EngineTls::system, |t| (*t.0).clone());
+        Self { http: Arc::new(RwLock::new(Self::pool(&names, config))), names, tls: reloading }
+    }
+
+    fn pool(names: &Names, config: rustls::ClientConfig) -> Client<Connector, Full<Bytes>> {
         let mut connector = HttpConnector::new_with_resolver(names.clone());
         connector.set_nodelay(true);
         // https:// URIs need the TLS layer to see them.
         connector.enforce_http(false);
-        let builder = HttpsConnectorBuilder::new();
-        // No [engine_tls]: the system's roots.
-        let builder = builder.with_tls_config(tls.map_or_else(EngineTls::system, |t| (*t.0).clone()));
-        let connector = builder.https_or_http().enable_http1().wrap_connector(connector);
-        let http =
-            Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector);
-        Self { http, names }
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
+        Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector)
+    }
+
+    /// Reads `[engine_tls]`'s files again when any changed since last read (always with
+    /// `force`): `Ok(true)` when new connections now use them, `Ok(false)` when nothing changed (or
+    /// nothing is configured). A set that does not load is refused and the one in force stays.
+    pub fn reload(&self, force: bool) -> Result<bool, EngineTlsError> {
+        let Some(r) = &self.tls else { return Ok(false) };
+        let now: Vec<_> = r.files.paths().map(file_stamp).collect();
+        {
+            let mut seen = r.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !force && *seen == now {
+                return Ok(false);
+            }
+            *seen = now;
+        }
+        match r.files.load() {
+            Ok(t) => {
+                let pool = Self::pool(&self.names, (*t.0).clone());
+                *self.http.write().unwrap_or_else(std::sync::PoisonError::into_inner) = pool;
+                r.swapped.fetch_add(1, Ordering::Relaxed);
+                Ok(true)
+            }
+            Err(e) => {
+                r.refused.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// `(swapped, refused)` reloads of `[engine_tls]`; `None` without its files.
+    pub fn reloads(&self) -> Option<(u64, u64)> {
+        self.tls.as_ref().map(|r| (r.swapped.load(Ordering::Relaxed), r.refused.load(Ordering::Relaxed)))
+    }
+
+    /// Whether `[engine_tls]` names files to watch.
+    pub fn watches_files(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    fn http(&self) -> Client<Connector, Full<Bytes>> {
+        self.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     pub fn names(&self) -> &Names {
@@ -770,11 +867,12 @@ impl EngineClient {
         to: &EngineUrl,
         mut req: Request<Full<Bytes>>,
     ) -> Result<Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+        let http = self.http();
         let Host::Name(name) = &to.0.at.host else {
-            return self.http.request(req).await;
+            return http.request(req).await;
         };
         let conn = capture_connection(&mut req);
-        match self.http.request(req).await {
+        match http.request(req).await {
             Ok(resp) => {
                 if let Some(info) = resp.extensions().get::<HttpInfo>()
                     && !self.names.current(name, info.remote_addr().ip())

@@ -40,13 +40,15 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     if let Some(c) = &g.cluster {
         c.metrics(&mut s);
     }
-    for (listener, counts) in g.tls.get().into_iter().flatten() {
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-        for (result, n) in [("swapped", load(&counts.swapped)), ("refused", load(&counts.refused))] {
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let listeners =
+        g.tls.get().into_iter().flatten().map(|(l, c)| (l.as_str(), (load(&c.swapped), load(&c.refused))));
+    for (tls, (swapped, refused)) in listeners.chain(g.shared.client.reloads().map(|r| ("engines", r))) {
+        for (result, n) in [("swapped", swapped), ("refused", refused)] {
             s.counter(
                 "baton_tls_reloads_total",
-                "Reloads of a listener's certificate files (on change or SIGHUP): swapped for new connections, or refused (the certificate in force stays).",
-                &[("listener", listener.as_str()), ("result", result)],
+                "Reloads of certificate files (on change or SIGHUP), by whose (a listener's address, admin, engines): swapped for new connections, or refused (the certificates in force stay).",
+                &[("tls", tls), ("result", result)],
                 n as f64,
             );
         }

@@ -144,7 +144,7 @@ impl Listeners {
         let admin = serve(listener, admin_tls, admin_surface);
         // Certificates read again on change and on SIGHUP; counted in /metrics.
         let _ = gateway.tls.set(certified.iter().map(|(n, t)| (n.clone(), t.counts())).collect());
-        drop(tls::FrontTls::spawn_watcher(certified));
+        drop(tls::FrontTls::spawn_watcher(Arc::downgrade(gateway), certified));
         Ok(Self { addrs, admin_addr, public: running, admin })
     }
 

@@ -117,17 +117,18 @@ impl FrontTls {
         Arc::clone(&self.inner.counts)
     }
 
-    /// Reads every listener's files again when they change (checked every [`TLS_POLL`]) and on
-    /// SIGHUP; ends once the listeners are gone. Each outcome is logged: a refused file as a
-    /// warning naming the listener and why.
-    pub fn spawn_watcher(listeners: Vec<(String, FrontTls)>) -> tokio::task::JoinHandle<()> {
-        let watched: Vec<(String, Weak<Inner>)> = listeners
-            .into_iter()
-            .filter(|(_, t)| t.inner.files.is_some())
-            .map(|(name, t)| (name, Arc::downgrade(&t.inner)))
-            .collect();
+    /// Reads every listener's files, and the engine client's (`[engine_tls]`), again when they
+    /// change (checked every [`TLS_POLL`]) and on SIGHUP; ends with the gateway. Each outcome is
+    /// logged: a refused file as a warning naming what and why.
+    pub fn spawn_watcher(
+        gateway: Weak<crate::pipeline::Gateway>,
+        listeners: Vec<(String, FrontTls)>,
+    ) -> tokio::task::JoinHandle<()> {
+        let listeners: Vec<(String, FrontTls)> =
+            listeners.into_iter().filter(|(_, t)| t.inner.files.is_some()).collect();
         tokio::spawn(async move {
-            if watched.is_empty() {
+            let engines = gateway.upgrade().is_some_and(|g| g.shared.client.watches_files());
+            if listeners.is_empty() && !engines {
                 return;
             }
             let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
@@ -144,11 +145,9 @@ impl FrontTls {
                     _ = tick.tick() => false,
                     Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
                 };
-                let mut alive = false;
-                for (name, weak) in &watched {
-                    let Some(inner) = weak.upgrade() else { continue };
-                    alive = true;
-                    match (FrontTls { inner }).reload(force) {
+                let Some(g) = gateway.upgrade() else { return };
+                for (name, tls) in &listeners {
+                    match tls.reload(force) {
                         Reload::Swapped => {
                             tracing::info!(listener = %name, "TLS certificate reloaded: new connections get it")
                         }
@@ -160,8 +159,14 @@ impl FrontTls {
                         ),
                     }
                 }
-                if !alive {
-                    return;
+                match g.shared.client.reload(force) {
+                    Ok(true) => {
+                        tracing::info!("[engine_tls] reloaded: new connections to the engines use it")
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "[engine_tls] files refused; the certificates in force stay")
+                    }
                 }
             }
         })

@@ -724,3 +724,70 @@ async fn the_kubernetes_manifests_agree_with_each_other_and_their_config_checks(
         && !s["stringData"][endpoint["authorization"]["credentials"]["key"].as_str().unwrap()].is_null()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `[engine_tls]` rotated under a running gateway: engines that require client certificates
+/// refuse the gateway's first one (another CA's); once its files hold a certificate of their CA,
+/// the file watch swaps the engine client and requests are served, with no restart. A pair that
+/// does not load (a key that is not the certificate's) is refused and counted, and the
+/// certificates in force keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_client_certificates_are_reloaded_when_their_files_change() {
+    let dir = tempdir("engine-rotation");
+    let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
+    let ca = Ca::new("engines CA");
+    let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
+    let p_front = tls_front_with(cert.clone(), key.clone_key(), prefill.addr, Some(ca.der.clone())).await;
+    let d_front = tls_front_with(cert, key, decode.addr, Some(ca.der.clone())).await;
+    std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
+    let (other_cert, other_key, _, _) = Ca::new("another CA").leaf(&["baton-gateway"]);
+    let install = |cert: &str, key: &str| {
+        for (name, text) in [("gateway.key", key), ("gateway.pem", cert)] {
+            std::fs::write(dir.join(format!("{name}.new")), text).unwrap();
+            std::fs::rename(dir.join(format!("{name}.new")), dir.join(name)).unwrap();
+        }
+    };
+    install(&other_cert, &other_key);
+    let serving = through_fronts(
+        &dir,
+        (&prefill, &decode, &dns),
+        (p_front, d_front),
+        "ca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\n",
+        false,
+    )
+    .await;
+    let reloads = |result: &'static str| {
+        let admin = serving.admin_addr;
+        async move {
+            let (_, m) = super::http(admin, "/metrics", None).await;
+            super::sample_or_zero(
+                &String::from_utf8_lossy(&m),
+                &format!("baton_tls_reloads_total{{result=\"{result}\",tls=\"engines\"}} "),
+            )
+        }
+    };
+    let complete = || async {
+        super::http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": "hello", "max_tokens": 3})))
+            .await
+            .0
+    };
+    // Rotated to a certificate of the engines' CA: served once the watch has read it (and the
+    // health checks found the engines again).
+    let (gw_cert, gw_key, _, _) = ca.leaf(&["baton-gateway"]);
+    install(&gw_cert, &gw_key);
+    let start = Instant::now();
+    while complete().await != 200 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never served after the rotation");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(reloads("swapped").await >= 1.0);
+    // A key that is not the certificate's: refused, counted, and the certificates in force serve.
+    let (_, stray_key, _, _) = ca.leaf(&["baton-gateway"]);
+    install(&gw_cert, &stray_key);
+    let start = Instant::now();
+    while reloads("refused").await < 1.0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the bad pair was never read");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(complete().await, 200);
+    serving.shutdown().await;
+}
