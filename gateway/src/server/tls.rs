@@ -1,7 +1,6 @@
 //! TLS on the gateway's listener: the acceptor of the rustls configuration the configuration made
 //! (`config::FrontTlsConfig`: versions, ALPN, mTLS).
 
-use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::{Duration, SystemTime};
@@ -53,12 +52,7 @@ impl From<FrontTlsConfig> for FrontTls {
 }
 
 fn stamps(files: &TlsFiles) -> Vec<Option<(SystemTime, u64)>> {
-    files.paths().map(stamp).collect()
-}
-
-fn stamp(file: &Path) -> Option<(SystemTime, u64)> {
-    let m = std::fs::metadata(file).ok()?;
-    Some((m.modified().ok()?, m.len()))
+    files.paths().map(crate::endpoints::file_stamp).collect()
 }
 
 /// What a reload did.

@@ -514,17 +514,28 @@ async fn https_engines_are_verified_against_the_configured_ca() {
     }
 }
 
+/// TLS fronts for both engines (as `engines.baton.test`) that require client certificates from
+/// a CA made here, whose certificate is written to `dir/ca.pem`.
+async fn mtls_fronts(
+    dir: &Path,
+    prefill: &baton_sim::Running,
+    decode: &baton_sim::Running,
+) -> (Ca, SocketAddr, SocketAddr) {
+    let ca = Ca::new("engines CA");
+    let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
+    let p_front = tls_front_with(cert.clone(), key.clone_key(), prefill.addr, Some(ca.der.clone())).await;
+    let d_front = tls_front_with(cert, key, decode.addr, Some(ca.der.clone())).await;
+    std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
+    (ca, p_front, d_front)
+}
+
 /// Engines behind mTLS: the gateway presents `[engine_tls] cert`/`key` and is served; with a
 /// certificate from another CA, or none, the handshake is refused and no engine sees the request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_that_require_client_certificates_get_the_gateways() {
     let dir = tempdir("engine-mtls");
     let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
-    let ca = Ca::new("engines CA");
-    let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
-    let p_front = tls_front_with(cert.clone(), key.clone_key(), prefill.addr, Some(ca.der.clone())).await;
-    let d_front = tls_front_with(cert, key, decode.addr, Some(ca.der.clone())).await;
-    std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
+    let (ca, p_front, d_front) = mtls_fronts(&dir, &prefill, &decode).await;
     let (gw_cert, gw_key, _, _) = ca.leaf(&["baton-gateway"]);
     std::fs::write(dir.join("gateway.pem"), gw_cert).unwrap();
     std::fs::write(dir.join("gateway.key"), gw_key).unwrap();
@@ -734,11 +745,7 @@ async fn the_kubernetes_manifests_agree_with_each_other_and_their_config_checks(
 async fn engine_client_certificates_are_reloaded_when_their_files_change() {
     let dir = tempdir("engine-rotation");
     let Some((prefill, decode, dns)) = native_pair(&dir, "engines.baton.test").await else { return };
-    let ca = Ca::new("engines CA");
-    let (_, _, cert, key) = ca.leaf(&["engines.baton.test"]);
-    let p_front = tls_front_with(cert.clone(), key.clone_key(), prefill.addr, Some(ca.der.clone())).await;
-    let d_front = tls_front_with(cert, key, decode.addr, Some(ca.der.clone())).await;
-    std::fs::write(dir.join("ca.pem"), &ca.pem).unwrap();
+    let (ca, p_front, d_front) = mtls_fronts(&dir, &prefill, &decode).await;
     let (other_cert, other_key, _, _) = Ca::new("another CA").leaf(&["baton-gateway"]);
     let install = |cert: &str, key: &str| {
         for (name, text) in [("gateway.key", key), ("gateway.pem", cert)] {
