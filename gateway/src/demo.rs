@@ -366,10 +366,12 @@ pub async fn start_gateway_with(
         explain: setup.explain,
         tracing,
         flow: setup.flow.clone(),
-        cluster: match setup.cluster.clone() {
-            Some(cfg) => Some(crate::cluster::Cluster::start(cfg, &decoders).map_err(StartError::Cluster)?),
-            None => None,
-        },
+        cluster: setup
+            .cluster
+            .clone()
+            .map(|cfg| crate::cluster::Cluster::start(cfg, &decoders))
+            .transpose()
+            .map_err(StartError::Cluster)?,
     };
     let admin_listen = setup.admin_listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     let admin = (admin_listen, None, Surface::Admin { token_sha256: setup.admin_token_sha256 });

@@ -682,10 +682,58 @@ impl EngineTlsFiles {
     }
 }
 
-/// A file's modification time and size: what tells a watcher it changed.
-pub fn file_stamp(file: &Path) -> Option<(std::time::SystemTime, u64)> {
-    let m = std::fs::metadata(file).ok()?;
-    Some((m.modified().ok()?, m.len()))
+/// Certificate files read again when they change (the listeners' and `[engine_tls]`'s), and
+/// what their reloads did.
+#[derive(Debug)]
+pub struct CertFiles {
+    paths: Vec<PathBuf>,
+    /// Each file's modification time and size when last read.
+    seen: Mutex<Vec<Option<(std::time::SystemTime, u64)>>>,
+    pub counts: Arc<TlsReloads>,
+}
+
+/// Reloads of one set of certificate files: swapped for new connections, or refused (the
+/// certificates in force stay). Read by `/metrics`.
+#[derive(Debug, Default)]
+pub struct TlsReloads {
+    pub swapped: std::sync::atomic::AtomicU64,
+    pub refused: std::sync::atomic::AtomicU64,
+}
+
+impl CertFiles {
+    /// Watches `paths`, as they are now (just read).
+    pub fn new<'a>(paths: impl Iterator<Item = &'a Path>) -> Self {
+        let paths: Vec<PathBuf> = paths.map(Path::to_owned).collect();
+        Self { seen: Mutex::new(Self::stamps(&paths)), paths, counts: Arc::default() }
+    }
+
+    fn stamps(paths: &[PathBuf]) -> Vec<Option<(std::time::SystemTime, u64)>> {
+        paths
+            .iter()
+            .map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                Some((m.modified().ok()?, m.len()))
+            })
+            .collect()
+    }
+
+    /// Runs `load` when a file changed since it was last read (always with `force`: SIGHUP), and
+    /// counts what it did; `None` when nothing changed. A set refused is tried again at its next
+    /// change, not on every check.
+    pub fn reload<T, E>(&self, force: bool, load: impl FnOnce() -> Result<T, E>) -> Option<Result<T, E>> {
+        let now = Self::stamps(&self.paths);
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !force && *seen == now {
+                return None;
+            }
+            *seen = now;
+        }
+        let r = load();
+        let counter = if r.is_ok() { &self.counts.swapped } else { &self.counts.refused };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Some(r)
+    }
 }
 
 impl fmt::Debug for EngineTls {
@@ -775,27 +823,15 @@ pub struct EngineClient {
     /// made with the new certificates; requests under way keep theirs.
     http: Arc<RwLock<Client<Connector, Full<Bytes>>>>,
     names: Names,
-    tls: Option<Arc<Reloading>>,
-}
-
-/// `[engine_tls]` files being watched.
-#[derive(Debug)]
-struct Reloading {
-    files: EngineTlsFiles,
-    seen: Mutex<Vec<Option<(std::time::SystemTime, u64)>>>,
-    swapped: std::sync::atomic::AtomicU64,
-    refused: std::sync::atomic::AtomicU64,
+    /// `[engine_tls]`'s files, watched.
+    tls: Option<Arc<(EngineTlsFiles, CertFiles)>>,
 }
 
 impl EngineClient {
     pub fn new(names: Names, tls: Option<EngineTls>) -> Self {
         let reloading = tls.as_ref().and_then(|t| t.1.clone()).map(|files| {
-            Arc::new(Reloading {
-                seen: Mutex::new(files.paths().map(file_stamp).collect()),
-                files,
-                swapped: Default::default(),
-                refused: Default::default(),
-            })
+            let watch = CertFiles::new(files.paths());
+            Arc::new((files, watch))
         });
         // No [engine_tls]: the system's roots.
         let config = tls.map_or_else(EngineTls::system, |t| (*t.0).clone());
@@ -816,35 +852,19 @@ impl EngineClient {
     }
 
     /// Reads `[engine_tls]`'s files again when any changed since last read (always with
-    /// `force`): `Ok(true)` when new connections now use them, `Ok(false)` when nothing changed (or
+    /// `force`): `Some(Ok(()))` when new connections now use them, `None` when nothing changed (or
     /// nothing is configured). A set that does not load is refused and the one in force stays.
-    pub fn reload(&self, force: bool) -> Result<bool, EngineTlsError> {
-        let Some(r) = &self.tls else { return Ok(false) };
-        let now: Vec<_> = r.files.paths().map(file_stamp).collect();
-        {
-            let mut seen = r.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !force && *seen == now {
-                return Ok(false);
-            }
-            *seen = now;
-        }
-        match r.files.load() {
-            Ok(t) => {
-                let pool = Self::pool(&self.names, (*t.0).clone());
-                *self.http.write().unwrap_or_else(std::sync::PoisonError::into_inner) = pool;
-                r.swapped.fetch_add(1, Ordering::Relaxed);
-                Ok(true)
-            }
-            Err(e) => {
-                r.refused.fetch_add(1, Ordering::Relaxed);
-                Err(e)
-            }
-        }
+    pub fn reload(&self, force: bool) -> Option<Result<(), EngineTlsError>> {
+        let (files, watch) = &**self.tls.as_ref()?;
+        Some(watch.reload(force, || files.load())?.map(|t| {
+            *self.http.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Self::pool(&self.names, (*t.0).clone());
+        }))
     }
 
-    /// `(swapped, refused)` reloads of `[engine_tls]`; `None` without its files.
-    pub fn reloads(&self) -> Option<(u64, u64)> {
-        self.tls.as_ref().map(|r| (r.swapped.load(Ordering::Relaxed), r.refused.load(Ordering::Relaxed)))
+    /// `[engine_tls]`'s reloads; `None` without its files.
+    pub fn reloads(&self) -> Option<Arc<TlsReloads>> {
+        self.tls.as_ref().map(|t| Arc::clone(&t.1.counts))
     }
 
     /// Whether `[engine_tls]` names files to watch.

@@ -168,10 +168,11 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         explain: c.explain,
         tracing,
         flow: c.flow,
-        cluster: match c.cluster {
-            Some(cfg) => Some(crate::cluster::Cluster::start(cfg, &decoders).map_err(StartError::Cluster)?),
-            None => None,
-        },
+        cluster: c
+            .cluster
+            .map(|cfg| crate::cluster::Cluster::start(cfg, &decoders))
+            .transpose()
+            .map_err(StartError::Cluster)?,
     };
     // The listeners' TLS as the configuration made it (its files were read and checked there).
     let tls = |t: Option<crate::config::FrontTlsConfig>| t.map(crate::server::tls::FrontTls::from);

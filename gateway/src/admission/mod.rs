@@ -115,8 +115,13 @@ impl QueueLoad {
 
     /// The most slots this replica may hold: the capacity, or its share of it.
     pub fn limit(&self) -> u32 {
-        self.share.map_or(self.capacity, |s| s.min(self.capacity))
+        limit(self.capacity, self.share)
     }
+}
+
+/// The capacity, or a replica's share of it.
+fn limit(capacity: u32, share: Option<u32>) -> u32 {
+    share.map_or(capacity, |s| s.min(capacity))
 }
 
 /// What a queue wants ([`SlotQueue::demand`]): for the share a replica asks of the cluster store.
@@ -189,7 +194,7 @@ struct State {
 impl State {
     /// The most slots admitted requests may hold: the capacity, or this replica's share of it.
     fn limit(&self) -> u32 {
-        self.share.map_or(self.capacity, |s| s.min(self.capacity))
+        limit(self.capacity, self.share)
     }
 
     fn weight(&self, class: u8) -> f64 {
@@ -433,7 +438,7 @@ impl SlotQueue {
             if s.share == share {
                 return;
             }
-            let grew = share.map_or(u32::MAX, |v| v) > s.limit();
+            let grew = limit(s.capacity, share) > s.limit();
             s.share = share;
             if let Some(w) = s.watcher.as_ref().filter(|_| grew) {
                 w.notify_one();

@@ -32,7 +32,6 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
-use crate::admission::SlotQueue;
 use crate::handoff::{Decoder, Mode, Sharing};
 use crate::telemetry::Scrape;
 
@@ -109,13 +108,11 @@ impl ClusterConfig {
     }
 }
 
-/// One decoder the store shares: what this replica was last granted.
+/// One decoder the store shares (the share granted is its queue's).
 struct Member {
     decoder: Arc<Decoder>,
-    queue: SlotQueue,
     /// Told when a request starts waiting here.
     demand: Arc<Notify>,
-    share: AtomicU32,
     replicas: AtomicU32,
     settling: AtomicBool,
     /// Whether the store ever granted this replica a share of the decoder.
@@ -135,7 +132,6 @@ pub struct Cluster {
     /// The store's being down was logged (once per outage).
     warned: AtomicBool,
     errors: AtomicU64,
-    syncs: AtomicU64,
     /// When the store was last found down (for reconnect pacing), in ms since `epoch`.
     down_at: AtomicU64,
     epoch: tokio::time::Instant,
@@ -177,9 +173,7 @@ impl Cluster {
                     d.queue.set_share(Some(0));
                     members.push(Member {
                         decoder: Arc::clone(d),
-                        queue: d.queue.clone(),
                         demand,
-                        share: AtomicU32::new(0),
                         replicas: AtomicU32::new(0),
                         settling: AtomicBool::new(false),
                         synced: AtomicBool::new(false),
@@ -197,7 +191,6 @@ impl Cluster {
             up: AtomicBool::new(false),
             warned: AtomicBool::new(false),
             errors: AtomicU64::new(0),
-            syncs: AtomicU64::new(0),
             down_at: AtomicU64::new(0),
             epoch: tokio::time::Instant::now(),
             engine_truth,
@@ -225,11 +218,12 @@ impl Cluster {
     /// What this replica wants of a decoder: its queue's demand, and, when nobody waits there,
     /// flow control's next request (on every shared decoder: any of them may take it).
     fn demand(&self, m: &Member) -> crate::admission::Demand {
-        let mut d = m.queue.demand();
+        let q = &m.decoder.queue;
+        let mut d = q.demand();
         let head = self.flow.get().and_then(Weak::upgrade).and_then(|f| f.head());
         if let Some((tokens, age)) = head {
             let need = m.decoder.slots_for(tokens);
-            if d.head == 0 && need <= m.queue.load().capacity {
+            if d.head == 0 && need <= q.load().capacity {
                 d.want += u64::from(need);
                 d.head = need;
                 d.head_age = age;
@@ -241,11 +235,6 @@ impl Cluster {
     /// Whether the last call to the store succeeded.
     pub fn store_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
-    }
-
-    /// This replica's name in the store.
-    pub fn replica(&self) -> &str {
-        &self.cfg.replica
     }
 
     fn key(&self, decoder: &str, what: &str) -> String {
@@ -271,22 +260,22 @@ impl Cluster {
     async fn sync(&self, i: usize) -> Result<(), redis::RedisError> {
         let m = &self.members[i];
         let crate::admission::Demand { in_use, want, head, head_age } = self.demand(m);
-        let held = m.queue.load().share.unwrap_or(0);
+        let load = m.decoder.queue.load();
         let mut conn = self.connection().await?;
         let granted: Vec<u64> = self
             .script
             .key(self.key(&m.decoder.name, "replicas"))
             .key(self.key(&m.decoder.name, "leases"))
             .key(self.key(&m.decoder.name, "settling"))
-            .key(self.key(&m.decoder.name, "epoch"))
+            .key(self.key(&m.decoder.name, "last"))
             .arg(&self.cfg.replica)
-            .arg(m.queue.load().capacity)
+            .arg(load.capacity)
             .arg(in_use)
             .arg(want)
             .arg(head)
             .arg(ms(head_age))
             .arg(ms(self.cfg.lease))
-            .arg(held)
+            .arg(load.share.unwrap_or(0))
             .arg(m.seq.fetch_add(1, Ordering::Relaxed) + 1)
             .invoke_async(&mut conn)
             .await?;
@@ -297,12 +286,10 @@ impl Cluster {
                 format!("{granted:?}"),
             )));
         };
-        let share = u32::try_from(share).unwrap_or(u32::MAX);
-        m.share.store(share, Ordering::Relaxed);
         m.replicas.store(u32::try_from(replicas).unwrap_or(u32::MAX), Ordering::Relaxed);
         m.settling.store(settling == 1, Ordering::Relaxed);
         m.synced.store(true, Ordering::Relaxed);
-        m.queue.set_share(Some(share));
+        m.decoder.queue.set_share(Some(u32::try_from(share).unwrap_or(u32::MAX)));
         Ok(())
     }
 
@@ -314,7 +301,6 @@ impl Cluster {
     async fn outcome(&self, r: Result<(), redis::RedisError>) {
         match r {
             Ok(()) => {
-                self.syncs.fetch_add(1, Ordering::Relaxed);
                 self.warned.store(false, Ordering::Relaxed);
                 if !self.up.swap(true, Ordering::Relaxed) {
                     tracing::info!(store = %redacted(&self.cfg.store), "cluster: store reached");
@@ -347,9 +333,9 @@ impl Cluster {
             .members
             .iter()
             .map(|m| {
-                let l = m.queue.load();
+                let l = m.decoder.queue.load();
                 json!({
-                    "decoder": m.decoder.name, "capacity": l.capacity, "share": m.share.load(Ordering::Relaxed),
+                    "decoder": m.decoder.name, "capacity": l.capacity, "share": l.share.unwrap_or(0),
                     "in_use": l.in_use, "waiting": l.waiting, "replicas": m.replicas.load(Ordering::Relaxed),
                     "settling": m.settling.load(Ordering::Relaxed), "synced": m.synced.load(Ordering::Relaxed),
                 })
@@ -386,7 +372,7 @@ impl Cluster {
                 "baton_cluster_share_slots",
                 "Slots of the decoder this replica may hold, as the store last granted.",
                 &l,
-                f64::from(m.share.load(Ordering::Relaxed)),
+                f64::from(m.decoder.queue.load().share.unwrap_or(0)),
             );
             out.gauge(
                 "baton_cluster_replicas",

@@ -478,6 +478,11 @@ impl State {
         }
     }
 
+    /// A waiter still in the queue.
+    fn waiter(&self, band: usize, tenant: &Arc<str>, key: Key) -> Option<&Waiter> {
+        self.bands.get(band)?.flows.get(tenant)?.get(&key)
+    }
+
     /// Takes a waiter out of the queue, every count with it; `None` when it is not there (the
     /// dispatcher took it already).
     fn take(&mut self, band: usize, tenant: &Arc<str>, key: Key) -> Option<Waiter> {
@@ -962,7 +967,7 @@ impl FlowControl {
     pub fn head(&self) -> Option<(usize, Duration)> {
         let s = self.lock();
         let (band, tenant, key) = s.head()?;
-        let w = s.bands.get(band)?.flows.get(&tenant)?.get(&key)?;
+        let w = s.waiter(band, &tenant, key)?;
         Some((w.tokens, w.arrived.elapsed()))
     }
 
@@ -972,12 +977,7 @@ impl FlowControl {
         let mut s = self.lock();
         loop {
             let (band, tenant, key) = s.head()?;
-            let fits = s
-                .bands
-                .get(band)
-                .and_then(|b| b.flows.get(&tenant))
-                .and_then(|q| q.get(&key))
-                .is_some_and(|w| room(w.tokens));
+            let fits = s.waiter(band, &tenant, key).is_some_and(|w| room(w.tokens));
             if !fits {
                 return None;
             }

@@ -187,7 +187,6 @@ pub trait PoolKeys: serde::de::DeserializeOwned + std::fmt::Debug {
 /// A mode's checked keys.
 pub type Checked<M> = <<M as ModeSpec>::Keys as PoolKeys>::Checked;
 
-/// A handoff mode as the configuration, the gateway's start and the demo see it.
 /// How several gateway replicas keep from admitting more than a mode's decoder holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sharing {
@@ -202,6 +201,7 @@ pub enum Sharing {
     Single,
 }
 
+/// A handoff mode as the configuration, the gateway's start and the demo see it.
 pub trait ModeSpec {
     /// Its name in the configuration (`handoff = "…"`) and in metric labels.
     const NAME: &'static str;

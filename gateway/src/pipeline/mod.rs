@@ -234,7 +234,7 @@ pub struct Gateway {
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
     /// The listeners' TLS, by listener (its address, or `admin`), once they are bound: for the
     /// certificate reloads' metrics.
-    pub tls: std::sync::OnceLock<Vec<(String, Arc<crate::telemetry::metrics::TlsReloads>)>>,
+    pub tls: std::sync::OnceLock<Vec<(String, Arc<crate::endpoints::TlsReloads>)>>,
 }
 
 impl Gateway {

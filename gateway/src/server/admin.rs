@@ -40,11 +40,12 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     if let Some(c) = &g.cluster {
         c.metrics(&mut s);
     }
-    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-    let listeners =
-        g.tls.get().into_iter().flatten().map(|(l, c)| (l.as_str(), (load(&c.swapped), load(&c.refused))));
-    for (tls, (swapped, refused)) in listeners.chain(g.shared.client.reloads().map(|r| ("engines", r))) {
-        for (result, n) in [("swapped", swapped), ("refused", refused)] {
+    let engines = g.shared.client.reloads().map(|c| ("engines", c));
+    for (tls, c) in
+        g.tls.get().into_iter().flatten().map(|(l, c)| (l.as_str(), std::sync::Arc::clone(c))).chain(engines)
+    {
+        for (result, n) in [("swapped", &c.swapped), ("refused", &c.refused)] {
+            let n = n.load(Ordering::Relaxed);
             s.counter(
                 "baton_tls_reloads_total",
                 "Reloads of certificate files (on change or SIGHUP), by whose (a listener's address, admin, engines): swapped for new connections, or refused (the certificates in force stay).",

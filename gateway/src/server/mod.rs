@@ -143,7 +143,8 @@ impl Listeners {
         certified.extend(admin_tls.clone().map(|t| ("admin".to_owned(), t)));
         let admin = serve(listener, admin_tls, admin_surface);
         // Certificates read again on change and on SIGHUP; counted in /metrics.
-        let _ = gateway.tls.set(certified.iter().map(|(n, t)| (n.clone(), t.counts())).collect());
+        let _ =
+            gateway.tls.set(certified.iter().filter_map(|(n, t)| Some((n.clone(), t.counts()?))).collect());
         drop(tls::FrontTls::spawn_watcher(Arc::downgrade(gateway), certified));
         Ok(Self { addrs, admin_addr, public: running, admin })
     }

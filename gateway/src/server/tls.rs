@@ -1,14 +1,13 @@
 //! TLS on the gateway's listener: the acceptor of the rustls configuration the configuration made
 //! (`config::FrontTlsConfig`: versions, ALPN, mTLS).
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::time::Duration;
 
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::{FrontTlsConfig, FrontTlsFileError, TlsFiles};
-use crate::telemetry::metrics::TlsReloads;
+use crate::endpoints::{CertFiles, TlsReloads};
 
 /// How often a listener's certificate files are checked for a change.
 pub const TLS_POLL: Duration = Duration::from_secs(1);
@@ -24,10 +23,8 @@ struct Inner {
     acceptor: RwLock<TlsAcceptor>,
     /// Clients must present a certificate (mTLS).
     client_auth: bool,
-    files: Option<TlsFiles>,
-    /// The files' modification times and sizes when last read.
-    seen: Mutex<Vec<Option<(SystemTime, u64)>>>,
-    counts: Arc<TlsReloads>,
+    /// The files it was read from, watched (none when it was made in memory).
+    files: Option<(TlsFiles, CertFiles)>,
 }
 
 impl std::fmt::Debug for FrontTls {
@@ -38,32 +35,18 @@ impl std::fmt::Debug for FrontTls {
 
 impl From<FrontTlsConfig> for FrontTls {
     fn from(c: FrontTlsConfig) -> Self {
-        let seen = c.files.as_ref().map_or_else(Vec::new, stamps);
+        let files = c.files.map(|f| {
+            let watch = CertFiles::new(f.paths());
+            (f, watch)
+        });
         Self {
             inner: Arc::new(Inner {
                 acceptor: RwLock::new(TlsAcceptor::from(c.server)),
                 client_auth: c.client_auth,
-                files: c.files,
-                seen: Mutex::new(seen),
-                counts: Arc::default(),
+                files,
             }),
         }
     }
-}
-
-fn stamps(files: &TlsFiles) -> Vec<Option<(SystemTime, u64)>> {
-    files.paths().map(crate::endpoints::file_stamp).collect()
-}
-
-/// What a reload did.
-#[derive(Debug)]
-pub enum Reload {
-    /// The files were read and the new certificate serves new connections.
-    Swapped,
-    /// Nothing to do: no files, or none changed.
-    Unchanged,
-    /// The files did not make a usable TLS configuration: the one in force stays.
-    Refused(FrontTlsFileError),
 }
 
 impl FrontTls {
@@ -79,36 +62,20 @@ impl FrontTls {
     }
 
     /// Reads the files again when any changed since they were last read (always with `force`:
-    /// SIGHUP). A set that does not load (a key that does not match the certificate, a file half
-    /// written) is refused and the certificate in force stays; it is tried again at its next
-    /// change.
-    pub fn reload(&self, force: bool) -> Reload {
-        let Some(files) = &self.inner.files else { return Reload::Unchanged };
-        let now = stamps(files);
-        {
-            let mut seen = self.inner.seen.lock().unwrap_or_else(PoisonError::into_inner);
-            if !force && *seen == now {
-                return Reload::Unchanged;
-            }
-            *seen = now;
-        }
-        match files.load() {
-            Ok(c) => {
-                *self.inner.acceptor.write().unwrap_or_else(PoisonError::into_inner) =
-                    TlsAcceptor::from(c.server);
-                self.inner.counts.swapped.fetch_add(1, Ordering::Relaxed);
-                Reload::Swapped
-            }
-            Err(e) => {
-                self.inner.counts.refused.fetch_add(1, Ordering::Relaxed);
-                Reload::Refused(e)
-            }
-        }
+    /// SIGHUP): `Some(Ok(()))` when new connections now get the new certificate, `None` when
+    /// nothing changed. A set that does not load (a key that does not match the certificate, a
+    /// file half written) is refused and the certificate in force stays.
+    pub fn reload(&self, force: bool) -> Option<Result<(), FrontTlsFileError>> {
+        let (files, watch) = self.inner.files.as_ref()?;
+        Some(watch.reload(force, || files.load())?.map(|c| {
+            *self.inner.acceptor.write().unwrap_or_else(PoisonError::into_inner) =
+                TlsAcceptor::from(c.server);
+        }))
     }
 
-    /// Its reloads so far (for `/metrics`).
-    pub fn counts(&self) -> Arc<TlsReloads> {
-        Arc::clone(&self.inner.counts)
+    /// Its reloads so far (for `/metrics`); `None` when it has no files.
+    pub fn counts(&self) -> Option<Arc<TlsReloads>> {
+        self.inner.files.as_ref().map(|(_, w)| Arc::clone(&w.counts))
     }
 
     /// Reads every listener's files, and the engine client's (`[engine_tls]`), again when they
@@ -142,11 +109,11 @@ impl FrontTls {
                 let Some(g) = gateway.upgrade() else { return };
                 for (name, tls) in &listeners {
                     match tls.reload(force) {
-                        Reload::Swapped => {
+                        Some(Ok(())) => {
                             tracing::info!(listener = %name, "TLS certificate reloaded: new connections get it")
                         }
-                        Reload::Unchanged => {}
-                        Reload::Refused(e) => tracing::warn!(
+                        None => {}
+                        Some(Err(e)) => tracing::warn!(
                             listener = %name,
                             error = %e,
                             "TLS certificate files refused; the certificate in force stays"
@@ -154,11 +121,11 @@ impl FrontTls {
                     }
                 }
                 match g.shared.client.reload(force) {
-                    Ok(true) => {
+                    Some(Ok(())) => {
                         tracing::info!("[engine_tls] reloaded: new connections to the engines use it")
                     }
-                    Ok(false) => {}
-                    Err(e) => {
+                    None => {}
+                    Some(Err(e)) => {
                         tracing::warn!(error = %e, "[engine_tls] files refused; the certificates in force stay")
                     }
                 }
@@ -203,20 +170,21 @@ mod tests {
         let tls = FrontTls::from(
             FrontTlsConfig::from_pem_files(&dir.join("a.pem"), &dir.join("a.key"), None).unwrap(),
         );
-        assert!(matches!(tls.reload(false), Reload::Unchanged));
-        assert!(matches!(tls.reload(true), Reload::Swapped));
+        assert!(tls.reload(false).is_none());
+        assert!(matches!(tls.reload(true), Some(Ok(()))));
         let two = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
         write(&two, &one);
         let before = Arc::as_ptr(tls.acceptor().config());
-        assert!(matches!(tls.reload(true), Reload::Refused(_)));
+        assert!(matches!(tls.reload(true), Some(Err(_))));
         assert_eq!(Arc::as_ptr(tls.acceptor().config()), before, "the acceptor in force stays");
         // Not tried again until a file changes.
-        assert!(matches!(tls.reload(false), Reload::Unchanged));
+        assert!(tls.reload(false).is_none());
         // (a different length, so the change shows even within the file system's time resolution)
         std::fs::write(dir.join("a.key"), format!("{}\n", two.signing_key.serialize_pem())).unwrap();
-        assert!(matches!(tls.reload(false), Reload::Swapped));
+        assert!(matches!(tls.reload(false), Some(Ok(()))));
         assert_ne!(Arc::as_ptr(tls.acceptor().config()), before);
-        let c = tls.counts();
+        let c = tls.counts().unwrap();
+        use std::sync::atomic::Ordering;
         assert_eq!((c.swapped.load(Ordering::Relaxed), c.refused.load(Ordering::Relaxed)), (2, 1));
         let _ = std::fs::remove_dir_all(&dir);
     }

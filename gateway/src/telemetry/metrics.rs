@@ -572,11 +572,3 @@ mod tests {
         Ok(())
     }
 }
-
-/// Reloads of one listener's certificate files: swapped for new connections, or refused (the
-/// certificate in force stays). Shared by the listener's TLS (`server::tls`) and `/metrics`.
-#[derive(Debug, Default)]
-pub struct TlsReloads {
-    pub swapped: std::sync::atomic::AtomicU64,
-    pub refused: std::sync::atomic::AtomicU64,
-}
