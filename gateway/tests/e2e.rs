@@ -1567,6 +1567,10 @@ mod certs;
 #[path = "e2e/names.rs"]
 mod names;
 
+/// Retries within a budget and per-engine circuit breakers.
+#[path = "e2e/retries.rs"]
+mod retries;
+
 /// The metrics checked by Prometheus' own tool, the latency and token series, the in-flight view.
 #[path = "e2e/observability.rs"]
 mod observability;

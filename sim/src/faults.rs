@@ -47,6 +47,9 @@ pub struct FaultConfig {
     /// proxy), which the engine never saw; otherwise it is the engine's own, and a NIXL consumer
     /// refusing a remote-prefill request tells the producer to free its blocks, as vLLM 0.32 does.
     pub fail_plain: bool,
+    /// A streamed answer stops after this many tokens (of each choice) and its body fails: the
+    /// connection is dropped mid-message, as by an engine that crashes while it streams.
+    pub cut_stream_after: Option<u32>,
 }
 
 /// The live fault switches of one engine.

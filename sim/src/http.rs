@@ -32,20 +32,40 @@ use super::prefill::PrefillEngine;
 /// Largest request body the engine reads.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
-type Resp = Response<BoxBody<Bytes, Infallible>>;
+type Resp = Response<BoxBody<Bytes, std::io::Error>>;
 
-/// A streaming body fed by a channel; the sender is the generation task.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+/// How long a stream cut by `cut_stream_after` lets its last tokens reach the client first.
+const CUT_AFTER_FLUSH: Duration = Duration::from_millis(50);
+
+/// A whole body.
+fn full(b: impl Into<Bytes>) -> BoxBody<Bytes, std::io::Error> {
+    Full::new(b.into()).map_err(|e| match e {}).boxed()
+}
+
+/// A streaming body fed by a channel; the sender is the generation task. With `cut`, the body
+/// fails where the channel ends (the `cut_stream_after` fault switch): hyper then drops the
+/// connection without ending the message, as an engine that crashes mid-stream does.
+struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+    cut: bool,
+}
 
 impl Body for ChannelBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = std::io::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let cut = self.cut;
+        self.rx.poll_recv(cx).map(|o| match o {
+            Some(b) => Some(Ok(Frame::data(b))),
+            None if cut => {
+                Some(Err(std::io::Error::other("stream cut by the cut_stream_after fault switch")))
+            }
+            None => None,
+        })
     }
 }
 
@@ -108,6 +128,8 @@ pub struct SimEngine {
     next_id: AtomicU64,
     /// The last generation requests received, for tests (`GET /sim/received`).
     received: Received,
+    /// Generation requests received, refused ones included (`/sim/stats` `generation_requests`).
+    generation_requests: AtomicU64,
 }
 
 /// Generation requests kept by [`Received`]: enough for any one test, bounded for a long demo.
@@ -145,7 +167,7 @@ impl Received {
 }
 
 fn json_response(status: u16, v: &Value) -> Resp {
-    let body = Full::new(Bytes::from(v.to_string())).boxed();
+    let body = full(v.to_string());
     let mut r = Response::new(body);
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
@@ -156,7 +178,7 @@ fn json_response(status: u16, v: &Value) -> Resp {
 /// error_response.py`): `type` named after the status, `code` the status as a number, `param` null.
 fn error_response(e: &SimError) -> Resp {
     if e.code == super::PLAIN {
-        let mut r = Response::new(Full::new(Bytes::from(e.message.clone())).boxed());
+        let mut r = Response::new(full(e.message.clone()));
         *r.status_mut() = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_GATEWAY);
         r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain"));
         return r;
@@ -193,6 +215,7 @@ impl SimEngine {
             token_delay,
             next_id: AtomicU64::new(1),
             received: Received::default(),
+            generation_requests: AtomicU64::new(0),
         })
     }
 
@@ -222,7 +245,7 @@ impl SimEngine {
             self.running.load(Ordering::Relaxed),
             f.report_waiting.unwrap_or(0),
         );
-        let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
+        let mut r = Response::new(full(text));
         r.headers_mut()
             .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
         r
@@ -250,7 +273,7 @@ impl SimEngine {
                 ));
             }
         }
-        let mut r = Response::new(Full::new(Bytes::from(text)).boxed());
+        let mut r = Response::new(full(text));
         r.headers_mut()
             .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; version=0.0.4"));
         r
@@ -402,6 +425,7 @@ impl SimEngine {
             }
         };
         self.received.keep(&path, &parts.headers, &body);
+        self.generation_requests.fetch_add(1, Ordering::SeqCst);
         match self.generate(ep, &body).await {
             Ok(r) => r,
             Err(e) => error_response(&e),
@@ -468,6 +492,7 @@ impl SimEngine {
         v["prefix_cache"] = self.cache.as_ref().map_or(Value::Null, |c| c.stats());
         v["running"] = self.running.load(Ordering::SeqCst).into();
         v["peak_running"] = self.peak_running.load(Ordering::SeqCst).into();
+        v["generation_requests"] = self.generation_requests.load(Ordering::SeqCst).into();
         v
     }
 
@@ -633,6 +658,7 @@ impl SimEngine {
         }
         let include_usage = req.include_usage();
         let delay = self.token_delay;
+        let cut_after = self.faults.get().cut_stream_after;
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         tokio::spawn(async move {
             // The engine's cache blocks stay held while tokens are produced; a client that leaves
@@ -643,6 +669,12 @@ impl SimEngine {
             // As vLLM streams several choices: each step's token of every choice, interleaved.
             let mut offsets = vec![0usize; choices.len()];
             for i in 0..n as usize {
+                if cut_after.is_some_and(|c| i >= c as usize) {
+                    // What was sent goes out first (hyper drops its unwritten buffer with the
+                    // connection), then the body fails.
+                    tokio::time::sleep(CUT_AFTER_FLUSH).await;
+                    return;
+                }
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
@@ -688,7 +720,7 @@ impl SimEngine {
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
-        let mut r = Response::new(ChannelBody(rx).boxed());
+        let mut r = Response::new(ChannelBody { rx, cut: cut_after.is_some() }.boxed());
         r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
         r.headers_mut().insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
         Ok(r)

@@ -308,6 +308,64 @@ pub struct Routing {
     pub health_check_timeout_ms: u64,
     /// `[routing.cache]`: the cache-aware policy and the block index.
     pub cache: cache::CacheRouting,
+    /// `[routing.retries]`: retries of legs that failed before anything depended on them.
+    pub retries: RetryKeys,
+}
+
+/// `[routing.retries]`, as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryKeys {
+    /// Tries of one leg, the first included (1: none).
+    pub attempts: u32,
+    /// Retries may add this share of the last 10 s of requests.
+    pub budget_ratio: f64,
+    /// Retries per second allowed on top of the share.
+    pub min_per_second: u32,
+    /// The first backoff's bound, ms (doubling, jittered).
+    pub backoff_ms: u64,
+    /// The longest backoff's bound, ms.
+    pub backoff_max_ms: u64,
+}
+
+impl Default for RetryKeys {
+    fn default() -> Self {
+        let d = crate::routing::retry::RetryConfig::default();
+        Self {
+            attempts: d.attempts,
+            budget_ratio: d.budget_ratio,
+            min_per_second: d.min_per_second,
+            backoff_ms: ms(d.backoff),
+            backoff_max_ms: ms(d.backoff_max),
+        }
+    }
+}
+
+impl RetryKeys {
+    fn check(&self) -> Result<crate::routing::retry::RetryConfig, ConfigError> {
+        if !(1..=10).contains(&self.attempts) {
+            return Err(err("routing.retries.attempts", "must be from 1 (no retries) to 10"));
+        }
+        if !(0.0..=1.0).contains(&self.budget_ratio) {
+            return Err(err("routing.retries.budget_ratio", "must be from 0 to 1"));
+        }
+        if self.backoff_max_ms < self.backoff_ms {
+            return Err(err("routing.retries.backoff_max_ms", "must be at least backoff_ms"));
+        }
+        if self.backoff_max_ms > 10_000 {
+            return Err(err(
+                "routing.retries.backoff_max_ms",
+                "must be at most 10000 (a retry waits no longer)",
+            ));
+        }
+        Ok(crate::routing::retry::RetryConfig {
+            attempts: self.attempts,
+            budget_ratio: self.budget_ratio,
+            min_per_second: self.min_per_second,
+            backoff: Duration::from_millis(self.backoff_ms),
+            backoff_max: Duration::from_millis(self.backoff_max_ms),
+        })
+    }
 }
 
 impl Default for Routing {
@@ -319,6 +377,7 @@ impl Default for Routing {
             health_check_interval_ms: ms(DEFAULT_HEALTH_CHECK_INTERVAL),
             health_check_timeout_ms: ms(DEFAULT_HEALTH_CHECK_TIMEOUT),
             cache: cache::CacheRouting::default(),
+            retries: RetryKeys::default(),
         }
     }
 }
@@ -890,6 +949,7 @@ impl Routing {
             eject_for: Duration::from_millis(self.eject_ms),
             check_interval: Duration::from_millis(self.health_check_interval_ms),
             check_timeout: Duration::from_millis(self.health_check_timeout_ms),
+            retries: self.retries.check()?,
         };
         Ok((routing, health))
     }

@@ -239,6 +239,17 @@ tls_key = "nope.key""#,
             format!("{GOOD}\n[routing]\npolicy = \"cache-aware\"\n[routing.cache]\nguard_ratio = 0.5\n"),
             "routing.cache.guard_ratio",
         ),
+        ("no tries at all", format!("{GOOD}\n[routing.retries]\nattempts = 0\n"), "routing.retries.attempts"),
+        (
+            "retry budget above every request",
+            format!("{GOOD}\n[routing.retries]\nbudget_ratio = 1.5\n"),
+            "routing.retries.budget_ratio",
+        ),
+        (
+            "retry backoff cap below its start",
+            format!("{GOOD}\n[routing.retries]\nbackoff_ms = 100\nbackoff_max_ms = 50\n"),
+            "routing.retries.backoff_max_ms",
+        ),
         (
             "zero health interval",
             format!("{GOOD}\n[routing]\nhealth_check_interval_ms = 0\n"),
@@ -421,4 +432,29 @@ fn the_cluster_table_checks_its_store_lease_sync_and_modes() {
     let e = Config::parse(&text).unwrap().check(Path::new(".")).unwrap_err();
     assert_eq!(e.field, "decode[1].handoff", "{e}");
     assert!(e.reason.contains("pd_proxy_host"), "{e}");
+}
+
+#[test]
+fn retries_are_read_with_their_defaults() {
+    use crate::routing::retry::RetryConfig;
+    let c = Config::parse(GOOD).unwrap().check(Path::new(".")).unwrap();
+    assert_eq!(c.health.retries, RetryConfig::default());
+    let text = format!(
+        "{GOOD}\n[routing.retries]\nattempts = 1\nbudget_ratio = 0.5\nmin_per_second = 0\nbackoff_ms = 0\nbackoff_max_ms = 0\n"
+    );
+    let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap();
+    assert_eq!(
+        c.health.retries,
+        RetryConfig {
+            attempts: 1,
+            budget_ratio: 0.5,
+            min_per_second: 0,
+            backoff: Duration::ZERO,
+            backoff_max: Duration::ZERO
+        }
+    );
+    assert!(
+        Config::parse(&format!("{GOOD}\n[routing.retries]\ntries = 2\n")).is_err(),
+        "unknown keys refused"
+    );
 }

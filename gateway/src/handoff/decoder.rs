@@ -94,6 +94,21 @@ pub struct Leg<'a> {
     /// (it holds nearly all of the prompt in its KV cache and computes the rest itself; only
     /// where [`Handoff::serves_alone`]).
     pub work: Option<crate::routing::Work>,
+    /// Where the mode marks an attempt the driver may run again on other engines ([`Unstarted`]).
+    pub retry: &'a std::sync::OnceLock<Unstarted>,
+}
+
+/// The engine whose failure ended an attempt that nothing depended on yet: no byte reached the
+/// client and no KV transfer began (the engine never saw the request, refused it with a 503, or,
+/// where its partial work cannot reach a decoder, cut the connection before answering). The mode
+/// marks it ([`Leg::retry`]) where it knows; the driver then routes the request again without
+/// that engine, within the retry budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unstarted {
+    /// This prefiller (by name).
+    Prefill(String),
+    /// The request's decoder.
+    Decode,
 }
 
 /// A handoff mode: the strategy the driver runs a request through once it is admitted and routed.

@@ -165,6 +165,21 @@ impl LegError {
             Self::Refused { .. } => true,
         }
     }
+
+    /// Whether another engine may be asked instead, as far as this failure goes: the engine was
+    /// never reached, or refused the request with a 503, or (`reset`: where the caller knows the
+    /// engine's partial work cannot matter) its connection failed before any answer. A timeout
+    /// never is: the engine may still be working, and asking another doubles the load that made
+    /// it slow. Whether anything else (a byte to the client, a KV transfer) already depends on the
+    /// leg is the caller's to know.
+    pub fn retryable(&self, reset: bool) -> bool {
+        match self {
+            Self::Unanswered { source, .. } => {
+                source.unsent() || (reset && matches!(source, PostError::Send(_)))
+            }
+            Self::Refused { status, .. } => *status == 503,
+        }
+    }
 }
 
 impl From<LegError> for GatewayError {
@@ -310,9 +325,12 @@ impl Shared {
         }
     }
 
-    /// Posts the prefill to the first prefiller, then the next ones while a prefiller cannot even
-    /// be connected to (it never saw the request, so another may take it). `sent` is set while the
-    /// request may have reached an engine.
+    /// Posts the prefill to the first prefiller, then the next ones, within the retry budget and
+    /// `attempts`, while a prefiller cannot even be connected to (it never saw the request, so
+    /// another may take it). With `answered`, also after a 503 or a connection that failed before
+    /// any answer (for a mode whose prefiller keeps the KV to itself until a decoder asks for it,
+    /// so its partial work cannot reach the decoder). `sent` is set while the request may have
+    /// reached an engine.
     pub(crate) async fn prefill<'a, P: Borrow<Prefiller>, B: Serialize + Sync + ?Sized>(
         &self,
         prefills: &'a [P],
@@ -320,21 +338,32 @@ impl Shared {
         body: &B,
         sent: &mut bool,
         detach: bool,
+        answered: bool,
     ) -> Result<(&'a Prefiller, Response<Incoming>, InFlight<'a>), GatewayError> {
+        let mut seen = false;
         for (attempt, prefill) in prefills.iter().map(Borrow::borrow).enumerate() {
             *sent = true;
             let in_flight = prefill.health.start();
-            match self.post(&prefill.http, "prefill", path, body, detach).await {
-                Ok(resp) => return Ok((prefill, resp, in_flight)),
-                Err(e) => {
-                    self.failed(prefill);
-                    *sent = !e.unsent();
-                    if !e.unsent() || attempt + 1 >= prefills.len() {
-                        return Err(e.on("prefill"));
-                    }
-                    tracing::debug!(prefill = prefill.name, error = %e, "prefill unreachable, trying the next");
+            let failure = match self.post(&prefill.http, "prefill", path, body, detach).await {
+                Ok(resp) if answered && resp.status() == 503 => {
+                    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                    LegError::Refused { leg: "prefill", status: 503, body }
                 }
+                Ok(resp) => return Ok((prefill, resp, in_flight)),
+                Err(source) => LegError::Unanswered { leg: "prefill", source },
+            };
+            drop(in_flight);
+            self.failed(prefill);
+            seen |= failure.maybe_sent();
+            *sent = seen;
+            let tried = u32::try_from(attempt + 1).unwrap_or(u32::MAX);
+            if attempt + 1 >= prefills.len()
+                || !failure.retryable(answered)
+                || self.retries.before_retry("prefill", tried).await.is_err()
+            {
+                return Err(failure.into());
             }
+            tracing::debug!(prefill = prefill.name, error = %failure, "prefill failed before it mattered, trying the next");
         }
         Err(GatewayError::NoEndpoint("prefill"))
     }

@@ -23,7 +23,7 @@ pub mod native;
 pub mod nixl;
 pub mod sglang;
 
-pub use decoder::{BoxFuture, Decoder, Handoff, Leg};
+pub use decoder::{BoxFuture, Decoder, Handoff, Leg, Unstarted};
 pub use legs::{BoxError, Drains, RespBody};
 pub use shared::{
     DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Engine, KeyGen,

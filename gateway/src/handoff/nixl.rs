@@ -27,7 +27,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
-use super::decoder::{BoxFuture, Handoff, Leg};
+use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
 use super::legs::{Drains, Held, LegError, Patched, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
@@ -172,14 +172,21 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, work, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, work, retry, .. } = leg;
         let alone = work.is_none();
         let path = req.endpoint.path();
         if alone {
             // The decoder holds nearly all of the prompt: the client's request as it came, with no
-            // `kv_transfer_params`, is a plain request it computes (and answers) by itself.
+            // `kv_transfer_params`, is a plain request it computes (and answers) by itself. No KV
+            // moves: a decoder never reached, refusing (503) or cut off before answering may be
+            // replaced.
             timing.enter(Phase::Decode);
-            let resp = self.shared.call("decode", &**dec, path, &Patched::new(&req.raw, &[])).await?;
+            let body = Patched::new(&req.raw, &[]);
+            let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
+                if e.retryable(true) {
+                    let _ = retry.set(Unstarted::Decode);
+                }
+            })?;
             timing.mark(Phase::Decode);
             return Ok(resp.map(|inner| Held::body(inner, slots)));
         }
@@ -229,7 +236,15 @@ impl Nixl {
 
         let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
-        let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| match e {
+        let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
+            // Never reached, or refused (503) before it pulled anything: the request may be run
+            // again elsewhere, with a prefill of its own (these blocks are freed below or by
+            // the decoder). A decoder cut off mid-call may have begun to pull: never.
+            if e.retryable(false) {
+                let _ = retry.set(Unstarted::Decode);
+            }
+        });
+        let resp = resp.inspect_err(|e| match e {
             // It may have reached the decoder, which then pulls (or times out) itself.
             LegError::Unanswered { .. } if e.maybe_sent() => owed.params = None,
             // vLLM's own refusal: since 0.32 its decoder tells the producer to free the blocks
@@ -309,7 +324,7 @@ async fn prefill_task(shared: &Shared, order: &[Prefiller], path: &str, body: &R
         kv_transfer_params: Option<Value>,
     }
     let mut sent = false;
-    let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false).await?;
+    let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, true).await?;
     let b = shared.answer("prefill", p, resp).await;
     drop(in_flight);
     let a: PrefillAnswer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {

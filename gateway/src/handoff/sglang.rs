@@ -35,8 +35,8 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
-use super::decoder::{BoxFuture, Handoff, Leg};
-use super::legs::{Held, Holds, Patched, PostError, RespBody, raw_json};
+use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
+use super::legs::{Held, Holds, LegError, Patched, PostError, RespBody, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -180,7 +180,7 @@ impl Sglang {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, work, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, work, retry, .. } = leg;
         // Both legs are sent at once: the request is in its decode from here.
         timing.enter(Phase::Decode);
         let shared = &*self.shared;
@@ -233,8 +233,13 @@ impl Sglang {
                 p = &mut prefill_rx, if !prefill_done => {
                     prefill_done = true;
                     match p {
-                        Ok(PrefillOutcome { result: Ok(()), took }) => timing.record(Phase::Prefill, took),
-                        Ok(PrefillOutcome { result: Err(e), .. }) => {
+                        Ok(PrefillOutcome { result: Ok(()), took, .. }) => timing.record(Phase::Prefill, took),
+                        Ok(PrefillOutcome { result: Err(e), retryable, .. }) => {
+                            // A prefiller never reached, or refusing (503), sent no KV: the
+                            // request may run again on another (its decode is aborted here).
+                            if retryable {
+                                let _ = retry.set(Unstarted::Prefill(prefill.name.clone()));
+                            }
                             shared.spawn(abort_decode(decode, abort));
                             return Err(e);
                         }
@@ -244,11 +249,22 @@ impl Sglang {
                 d = &mut decode => break d,
             }
         };
+        // A decoder never reached, or refusing (503), took no KV: it never joined the bootstrap
+        // room (the prefiller's side of the room is aborted with this attempt, whether or not it
+        // answered). The request may run again elsewhere, in a room of its own. A decoder cut off
+        // mid-call may have begun to pull: never.
+        let replaceable = |e: &LegError| {
+            if e.retryable(false) {
+                let _ = retry.set(Unstarted::Decode);
+            }
+        };
         let resp = match resp {
-            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await?,
+            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await.inspect_err(replaceable)?,
             Ok(Some(Err(e))) => {
                 shared.failed(&**dec);
-                return Err(e.on("decode"));
+                let e = LegError::Unanswered { leg: "decode", source: e };
+                replaceable(&e);
+                return Err(e.into());
             }
             Ok(None) => {
                 return Err(GatewayError::Upstream {
@@ -336,6 +352,8 @@ fn splitmix(x: u64) -> u64 {
 struct PrefillOutcome {
     result: Result<(), GatewayError>,
     took: Duration,
+    /// The prefiller was never reached or refused (503): it holds and sent nothing.
+    retryable: bool,
 }
 
 /// The prefill leg of one request.
@@ -354,14 +372,16 @@ impl PrefillLeg {
         let started = Instant::now();
         let in_flight = p.health.start();
         // The answer (one token) is not used; it is read so the connection is reused.
-        let result = aborter.shared.fetch("prefill", &p, path, &body).await.map(drop).map_err(Into::into);
+        let result = aborter.shared.fetch("prefill", &p, path, &body).await;
+        let retryable = result.as_ref().is_err_and(|e| e.retryable(false));
+        let result = result.map(drop).map_err(Into::into);
         drop((in_flight, work));
         // The request was abandoned while this leg ran: the engine may have taken the abort before the
         // request and now holds the KV for a decoder that will not come.
         if result.is_ok() && aborter.abandoned() {
             aborter.send(&p.http).await;
         }
-        let _ = tx.send(PrefillOutcome { result, took: started.elapsed() });
+        let _ = tx.send(PrefillOutcome { result, took: started.elapsed(), retryable });
     }
 }
 
@@ -482,7 +502,7 @@ impl Holds for DecodeStream {
         let Poll::Ready(p) = Pin::new(rx).poll(cx) else { return None };
         self.prefill = None;
         match p {
-            Ok(PrefillOutcome { result: Ok(()), took }) => {
+            Ok(PrefillOutcome { result: Ok(()), took, .. }) => {
                 if let Some(t) = self.timing.as_mut() {
                     t.record(Phase::Prefill, took);
                 }
@@ -515,7 +535,7 @@ impl Drop for DecodeStream {
         // The prefill's answer may come after the decoder's ended; it is still timed.
         let (Some(rx), Some(mut timing)) = (self.prefill.take(), self.timing.take()) else { return };
         self.shared.spawn_from_drop(async move {
-            if let Ok(PrefillOutcome { result: Ok(()), took }) = rx.await {
+            if let Ok(PrefillOutcome { result: Ok(()), took, .. }) = rx.await {
                 timing.record(Phase::Prefill, took);
             }
         });

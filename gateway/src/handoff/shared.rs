@@ -62,6 +62,8 @@ pub struct Shared {
     pub health: HealthConfig,
     pub keys: KeyGen,
     pub metrics: Arc<Metrics>,
+    /// The retry budget (`[routing.retries]`) every request's legs draw on.
+    pub retries: crate::routing::retry::Retries,
     /// Every task a request spawns (a leg that runs on after its client left, a drain, a cancel, a
     /// release wait): a drain of the gateway waits for them, so nothing a request owes an engine is
     /// cut off by a shutdown.
@@ -87,7 +89,16 @@ impl Shared {
         client: EngineClient,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
-        Arc::new(Self { client, limits, health, keys: KeyGen::default(), metrics, tasks: TaskTracker::new() })
+        let retries = crate::routing::retry::Retries::new(health.retries);
+        Arc::new(Self {
+            client,
+            limits,
+            health,
+            keys: KeyGen::default(),
+            metrics,
+            retries,
+            tasks: TaskTracker::new(),
+        })
     }
 
     /// Runs `work` in a task of its own that carries the request's id and trace, tracked so a

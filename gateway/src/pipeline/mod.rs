@@ -29,9 +29,10 @@ use crate::api::{self, Endpoint, GatewayError, GenRequest, MAX_BODY_BYTES, valid
 use crate::auth::ApiKeys;
 use crate::flow::{Admitted, Ask, FlowControl};
 use crate::handoff::decoder::Decoder;
-use crate::handoff::{Leg, Prefiller, RespBody, Shared};
+use crate::handoff::{Leg, Prefiller, RespBody, Shared, Unstarted};
 use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNames};
 use crate::prefix::PromptKeys;
+use crate::routing::retry::Denied;
 use crate::routing::{
     Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router, Work,
 };
@@ -60,6 +61,13 @@ struct Dispatched {
 struct Pass {
     ticket: Ticket,
     settle: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// The engines an earlier attempt of a request failed on (indexes), left out of its next route.
+#[derive(Debug, Default)]
+struct Avoid {
+    prefills: Vec<usize>,
+    decoders: Vec<usize>,
 }
 
 /// What a decision record names the engines by, shared by the records (written when read).
@@ -327,7 +335,7 @@ impl Gateway {
         let decode_cached = cached.split_off(self.prefills.len().min(cached.len()));
         let mut c = Candidates {
             prefill: PrefillView {
-                healthy: self.prefills.iter().map(|p| p.health.healthy()).collect(),
+                healthy: self.prefills.iter().map(|p| p.health.routable()).collect(),
                 in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
                 latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
                 cached_tokens: cached,
@@ -337,7 +345,7 @@ impl Gateway {
         };
         for d in &self.decoders {
             let l = d.queue.load();
-            c.decode.healthy.push(d.health.healthy());
+            c.decode.healthy.push(d.health.routable());
             c.decode.slots_needed.push(d.slots_for(tokens));
             c.decode.capacity_slots.push(l.capacity);
             c.decode.free_slots.push(l.free());
@@ -663,21 +671,19 @@ impl Gateway {
             _ => None,
         };
         let waited = flowed.as_ref().map_or(Duration::ZERO, |a| a.waited);
-        let (routes, work) =
-            self.route(preq.as_ref(), &facts, &ids, flowed.is_some(), live, trace.as_ref()).await?;
-        let alone = work.is_none();
-        let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
-        let prefills = if alone { Vec::new() } else { self.prefill_order(routes.iter().map(|r| r.prefill)) };
-        let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
-        live.routed(route.decode);
-        if let Some(t) = &trace {
-            t.routed(dec.mode(), &dec.name, prefills.first().map(|p| p.name.as_str()));
-        }
+        let mut avoid = Avoid::default();
+        let (mut routes, mut work) =
+            self.route(preq.as_ref(), &facts, &ids, flowed.is_some(), &avoid, live, trace.as_ref()).await?;
+        let mode = self
+            .decoders
+            .get(routes.first().map_or(usize::MAX, |r| r.decode))
+            .ok_or(GatewayError::NoEndpoint("decode"))?
+            .mode();
 
         // `route` up to here; then `queue`, the wait for the decoder's room.
-        let recorder = Some((Arc::clone(&self.shared.metrics), dec.mode()));
-        let mut timing = Timing::tracked(Some(Arc::clone(live)), trace, recorder);
-        let (settle, charge) = match flowed {
+        let recorder = Some((Arc::clone(&self.shared.metrics), mode));
+        let mut timing = Timing::tracked(Some(Arc::clone(live)), trace.clone(), recorder);
+        let (mut settle, charge) = match flowed {
             Some(Admitted { charge, settle, .. }) => {
                 timing.record(Phase::Flow, waited);
                 (settle, Some(charge))
@@ -686,8 +692,66 @@ impl Gateway {
         };
         timing.record(Phase::Route, live.started.elapsed().saturating_sub(waited));
         timing.enter(Phase::Queue);
-        let to = work.map(|work| (&prefills[..], work));
-        let r = self.handoff(dec, to, &req, &ids, Pass { ticket, settle }, &mut timing).await;
+        self.shared.retries.request();
+        let mut retried: Vec<Value> = Vec::new();
+        let (r, dec, prefills) = loop {
+            let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
+            let prefills = match work {
+                None => Vec::new(),
+                Some(_) => self.prefill_order(routes.iter().map(|r| r.prefill), &avoid),
+            };
+            let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
+            // Where a breaker is half-open, this request is its probe.
+            for h in prefills.first().map(|p| &*p.health).into_iter().chain([&dec.health]) {
+                h.chosen(&self.shared.health);
+            }
+            live.routed(route.decode);
+            if let Some(t) = &trace {
+                t.routed(dec.mode(), &dec.name, prefills.first().map(|p| p.name.as_str()));
+            }
+            let to = work.take().map(|work| (&prefills[..], work));
+            let unstarted = std::sync::OnceLock::new();
+            let pass = Pass { ticket, settle: settle.take() };
+            let r = self.handoff(dec, to, &req, &ids, pass, &mut timing, &unstarted).await;
+            let (Err(e), Some(failed)) = (&r, unstarted.into_inner()) else { break (r, dec, prefills) };
+            // Nothing depended on the attempt yet: run it again without the engine that failed,
+            // when another can take it and the budget allows.
+            let leg = match &failed {
+                Unstarted::Prefill(name) => {
+                    avoid.prefills.extend(self.prefills.iter().position(|p| &p.name == name));
+                    "prefill"
+                }
+                Unstarted::Decode => {
+                    avoid.decoders.push(route.decode);
+                    "decode"
+                }
+            };
+            let engine = match &failed {
+                Unstarted::Prefill(name) => name.clone(),
+                Unstarted::Decode => dec.name.clone(),
+            };
+            retried.push(json!({"leg": leg, "engine": engine, "error": e.to_string()}));
+            let tried = u32::try_from(retried.len()).unwrap_or(u32::MAX);
+            let again = self.route(preq.as_ref(), &facts, &ids, false, &avoid, live, trace.as_ref()).await;
+            let Ok(again) = again else { break (r, dec, prefills) };
+            if let Err(why) = self.shared.retries.before_retry(leg, tried).await {
+                if let Some(last) = retried.last_mut() {
+                    last["retried"] = json!(false);
+                    last["why_not"] = json!(match why {
+                        Denied::Budget => "the retry budget is spent",
+                        Denied::Attempts => "the request had its attempts",
+                    });
+                }
+                break (r, dec, prefills);
+            }
+            tracing::debug!(leg, engine, error = %e, "attempt failed before it mattered, routing it again");
+            (routes, work) = again;
+            timing.mark(Phase::Route);
+            timing.enter(Phase::Queue);
+        };
+        if !retried.is_empty() {
+            live.note("retries", move || Value::Array(retried.clone()));
+        }
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
@@ -801,11 +865,21 @@ impl Gateway {
         facts: &RouteFacts<'_>,
         ids: &[u32],
         room_only: bool,
+        avoid: &Avoid,
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
     ) -> Result<(Vec<Route>, Option<Work>), GatewayError> {
         let keys = self.router.prefix.as_ref().map(|f| f.index.keys(ids));
         let mut cands = self.candidates_keyed(ids.len(), keys.as_ref());
+        for (list, avoided) in
+            [(&mut cands.prefill.healthy, &avoid.prefills), (&mut cands.decode.healthy, &avoid.decoders)]
+        {
+            for &i in avoided {
+                if let Some(h) = list.get_mut(i) {
+                    *h = false;
+                }
+            }
+        }
         let no_room = if room_only { self.only_with_room(&mut cands, ids.len()) } else { Vec::new() };
         let mut by_plugin = None;
         let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
@@ -902,14 +976,14 @@ impl Gateway {
         });
     }
 
-    /// The routed prefillers, then every other healthy one: tried in turn only while a prefiller
-    /// cannot be connected to.
-    fn prefill_order(&self, routed: impl Iterator<Item = usize>) -> Vec<&Prefiller> {
+    /// The routed prefillers, then every other healthy one (less those an earlier attempt of the
+    /// request failed on): tried in turn only while a prefiller fails before it mattered.
+    fn prefill_order(&self, routed: impl Iterator<Item = usize>, avoid: &Avoid) -> Vec<&Prefiller> {
         let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());
         let healthy =
             (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy()));
         for i in routed.chain(healthy) {
-            if !order.contains(&i) {
+            if !order.contains(&i) && !avoid.prefills.contains(&i) {
                 order.push(i);
             }
         }
@@ -919,6 +993,7 @@ impl Gateway {
     /// Admission on the decoder, then the mode's legs; `prefills` in the order to try with the
     /// work counted on the first, or `None` when the decoder gets the request alone. `settle`
     /// (flow control's) is dropped once the decoder admitted it.
+    #[allow(clippy::too_many_arguments)]
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
@@ -927,6 +1002,7 @@ impl Gateway {
         ids: &[u32],
         pass: Pass,
         timing: &mut Timing,
+        retry: &std::sync::OnceLock<Unstarted>,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
@@ -940,7 +1016,7 @@ impl Gateway {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
         let (prefills, work) = prefills.map_or((&[][..], None), |(p, w)| (p, Some(w)));
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work }).await
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work, retry }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

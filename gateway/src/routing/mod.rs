@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+pub mod retry;
+
 /// Consecutive failures (connection refused, 5xx, timeouts) that eject an endpoint.
 pub const DEFAULT_EJECT_AFTER_FAILURES: u32 = 3;
 /// How long a first ejection lasts.
@@ -463,6 +465,43 @@ pub struct HealthConfig {
     pub eject_for: Duration,
     pub check_interval: Duration,
     pub check_timeout: Duration,
+    /// `[routing.retries]`.
+    pub retries: retry::RetryConfig,
+}
+
+impl HealthConfig {
+    /// While an engine's breaker is half-open, one request may probe it this often: the first
+    /// ejection's span, at most a second.
+    pub fn probe_every(&self) -> Duration {
+        self.eject_for.min(MAX_PROBE_EVERY)
+    }
+}
+
+/// The longest gap between probes of a half-open engine.
+pub const MAX_PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// An engine's circuit breaker, as its passive health keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Breaker {
+    /// Requests flow; consecutive failures are counted.
+    Closed,
+    /// Ejected after consecutive failures: no request is routed to it until the span ends.
+    Open,
+    /// The span ended: one request at a time probes it (one per [`HealthConfig::probe_every`]); a
+    /// success closes the breaker, a failure opens it again for twice as long.
+    HalfOpen,
+}
+
+impl Breaker {
+    pub const ALL: [Breaker; 3] = [Breaker::Closed, Breaker::Open, Breaker::HalfOpen];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Breaker::Closed => "closed",
+            Breaker::Open => "open",
+            Breaker::HalfOpen => "half_open",
+        }
+    }
 }
 
 impl Default for HealthConfig {
@@ -472,6 +511,7 @@ impl Default for HealthConfig {
             eject_for: DEFAULT_EJECT_FOR,
             check_interval: DEFAULT_HEALTH_CHECK_INTERVAL,
             check_timeout: DEFAULT_HEALTH_CHECK_TIMEOUT,
+            retries: retry::RetryConfig::default(),
         }
     }
 }
@@ -482,8 +522,11 @@ pub struct Health {
     epoch: Instant,
     failures: AtomicU32,
     ejections: AtomicU32,
-    /// Milliseconds after `epoch` until which the endpoint is ejected.
+    /// Milliseconds after `epoch` until which the endpoint is ejected (0: its breaker is closed;
+    /// past: half-open).
     ejected_until: AtomicU64,
+    /// While half-open: milliseconds after `epoch` from which the next probe may go.
+    next_probe: AtomicU64,
     /// The last active check failed.
     check_down: AtomicBool,
     in_flight: AtomicU32,
@@ -502,6 +545,7 @@ impl Default for Health {
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             ejected_until: AtomicU64::new(0),
+            next_probe: AtomicU64::new(0),
             check_down: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
@@ -561,10 +605,59 @@ impl Health {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Neither ejected nor failing its health check.
+    /// Neither ejected (its breaker open) nor failing its health check. A half-open engine counts:
+    /// it may take a probe.
     pub fn healthy(&self) -> bool {
-        !self.check_down.load(Ordering::Relaxed)
-            && self.ejected_until.load(Ordering::Relaxed) <= self.now_ms()
+        !self.check_failing() && self.breaker() != Breaker::Open
+    }
+
+    /// Its breaker's state.
+    pub fn breaker(&self) -> Breaker {
+        match self.ejected_until.load(Ordering::Relaxed) {
+            0 => Breaker::Closed,
+            // (An ejection made in the epoch's first millisecond is stored as 1, not 0.)
+            until if until > self.now_ms().max(1) => Breaker::Open,
+            _ => Breaker::HalfOpen,
+        }
+    }
+
+    /// Whether a request may be routed here now: its health check passing, and its breaker closed,
+    /// or half-open with no probe taken within [`HealthConfig::probe_every`]. Nothing is taken:
+    /// the request the router sends here takes the probe ([`Health::chosen`]).
+    pub fn routable(&self) -> bool {
+        if self.check_failing() {
+            return false;
+        }
+        match self.breaker() {
+            Breaker::Closed => true,
+            Breaker::Open => false,
+            Breaker::HalfOpen => self.next_probe.load(Ordering::Relaxed) <= self.now_ms(),
+        }
+    }
+
+    /// A request was routed here: while the breaker is half-open, it is the probe, and no other
+    /// request is offered the engine for [`HealthConfig::probe_every`]. (Two requests routed at
+    /// the same instant may both probe; the next are held off.)
+    pub fn chosen(&self, cfg: &HealthConfig) {
+        if self.breaker() == Breaker::HalfOpen {
+            let every = u64::try_from(cfg.probe_every().as_millis()).unwrap_or(u64::MAX);
+            self.next_probe.store(self.now_ms().saturating_add(every), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether its last active health check failed.
+    pub fn check_failing(&self) -> bool {
+        self.check_down.load(Ordering::Relaxed)
+    }
+
+    /// Consecutive failures counted since the last success or ejection.
+    pub fn failures(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Milliseconds until an open breaker turns half-open (0 when it is not open).
+    pub fn open_for_ms(&self) -> u64 {
+        self.ejected_until.load(Ordering::Relaxed).saturating_sub(self.now_ms())
     }
 
     pub fn in_flight(&self) -> u32 {
@@ -581,23 +674,28 @@ impl Health {
         self.latency_us.load(Ordering::Relaxed)
     }
 
-    /// A request succeeded on the endpoint.
+    /// A request succeeded on the endpoint: its breaker closes.
     pub fn success(&self) {
         self.failures.store(0, Ordering::Relaxed);
         self.ejections.store(0, Ordering::Relaxed);
+        if self.ejected_until.load(Ordering::Relaxed) != 0 && self.breaker() == Breaker::HalfOpen {
+            self.ejected_until.store(0, Ordering::Relaxed);
+        }
     }
 
-    /// A request failed because of the endpoint; returns true when this failure ejected it.
+    /// A request failed because of the endpoint; returns true when this failure ejected it: the
+    /// `eject_after_failures`th in a row, or any while its breaker is half-open (a failed probe).
     pub fn failure(&self, cfg: &HealthConfig) -> bool {
         let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n < cfg.eject_after_failures.max(1) {
+        if n < cfg.eject_after_failures.max(1) && self.breaker() != Breaker::HalfOpen {
             return false;
         }
         self.failures.store(0, Ordering::Relaxed);
         let k = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
         let span = cfg.eject_for.saturating_mul(1 << k).min(MAX_EJECT_FOR.max(cfg.eject_for));
         let until = self.now_ms().saturating_add(u64::try_from(span.as_millis()).unwrap_or(u64::MAX));
-        self.ejected_until.store(until, Ordering::Relaxed);
+        // Never 0, which is a closed breaker.
+        self.ejected_until.store(until.max(1), Ordering::Relaxed);
         self.ejected_total.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -883,5 +981,53 @@ mod tests {
         drop(g);
         assert_eq!(h.in_flight(), 0);
         assert!(h.latency_us() >= 2000, "the first request sets the average: {}", h.latency_us());
+    }
+
+    /// Closed → open after consecutive failures → half-open when the span ends, where one request
+    /// probes at a time: a failed probe opens it again for twice as long, a good one closes it.
+    #[test]
+    fn the_breaker_opens_probes_half_open_and_closes() {
+        let cfg = HealthConfig {
+            eject_after_failures: 2,
+            eject_for: Duration::from_millis(40),
+            ..Default::default()
+        };
+        let h = Health::default();
+        assert_eq!(h.breaker(), Breaker::Closed);
+        h.chosen(&cfg);
+        assert!(h.routable(), "closed: every request");
+        assert!(!h.failure(&cfg));
+        assert!(h.failure(&cfg));
+        assert_eq!(h.breaker(), Breaker::Open);
+        assert!(!h.healthy() && !h.routable());
+        assert!(h.open_for_ms() > 0 && h.open_for_ms() <= 40);
+        std::thread::sleep(Duration::from_millis(45));
+        assert_eq!(h.breaker(), Breaker::HalfOpen);
+        assert!(h.healthy(), "half-open counts as healthy: it may take a probe");
+        assert!(h.routable() && h.routable(), "offered until a request is routed to it");
+        h.chosen(&cfg);
+        assert!(!h.routable(), "one probe per probe_every");
+        // The probe fails: open again at once (not after two failures), for twice as long.
+        assert!(h.failure(&cfg));
+        assert_eq!(h.breaker(), Breaker::Open);
+        assert!(h.open_for_ms() > 40, "doubled: {}", h.open_for_ms());
+        std::thread::sleep(Duration::from_millis(85));
+        assert_eq!(h.breaker(), Breaker::HalfOpen);
+        std::thread::sleep(Duration::from_millis(45));
+        assert!(h.routable(), "a probe again once probe_every has passed");
+        h.chosen(&cfg);
+        h.success();
+        assert_eq!(h.breaker(), Breaker::Closed);
+        h.chosen(&cfg);
+        assert!(h.routable());
+        // Closed again, the count starts over and the span is the first one's.
+        assert!(!h.failure(&cfg));
+        assert!(h.failure(&cfg));
+        assert!(h.open_for_ms() <= 40);
+        assert_eq!(h.ejected_total.load(Ordering::Relaxed), 3);
+        // A failing health check keeps even a closed breaker's engine out.
+        h.readdressed();
+        h.checked(false);
+        assert!(!h.routable());
     }
 }

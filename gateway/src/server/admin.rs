@@ -1,4 +1,4 @@
-//! The operator's routes: `/metrics`, `/admin/decoders`, `/admin/names`, `/admin/plugins/reload`. Each decoder's
+//! The operator's routes: `/metrics`, `/admin/decoders`, `/admin/engines`, `/admin/names`, `/admin/plugins/reload`. Each decoder's
 //! mode contributes its own part through the [`crate::handoff::Handoff`] trait; nothing here knows
 //! a mode.
 
@@ -14,6 +14,7 @@ use crate::admission::QueueStats;
 use crate::api::GatewayError;
 use crate::handoff::{BoxError, RespBody};
 use crate::pipeline::Gateway;
+use crate::routing::Breaker;
 use crate::telemetry::Scrape;
 use crate::telemetry::scrape::CONTENT_TYPE;
 
@@ -85,11 +86,21 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
         }
         s.counter(
             "baton_endpoint_ejections_total",
-            "Passive ejections after consecutive failures.",
+            "Passive ejections after consecutive failures (the breaker opened).",
             &labels,
             h.ejected_total.load(Ordering::Relaxed) as f64,
         );
+        let now = h.breaker();
+        for state in Breaker::ALL {
+            s.gauge(
+                "baton_endpoint_breaker",
+                "1 for the state the engine's circuit breaker is in: closed, open (ejected: no request routed to it) or half_open (one probe at a time).",
+                &[("pool", pool), ("endpoint", name.as_str()), ("state", state.as_str())],
+                f64::from(u8::from(state == now)),
+            );
+        }
     }
+    g.shared.retries.metrics(&mut s);
     for d in &g.decoders {
         d.handoff.metrics(&d.name, &mut s);
     }
@@ -222,6 +233,25 @@ pub async fn decoders(g: &Gateway) -> Value {
         out.push(v);
     }
     json!({"decoders": out})
+}
+
+/// `/admin/engines`: every engine's circuit breaker and health check, and the retry budget.
+pub fn engines(g: &Gateway) -> Value {
+    let prefills = g.prefills.iter().map(|p| ("prefill", &p.name, &p.http, &*p.health));
+    let decoders = g.decoders.iter().map(|d| ("decode", &d.name, &d.http, &d.health));
+    let engines: Vec<Value> = prefills
+        .chain(decoders)
+        .map(|(pool, name, http, h)| {
+            json!({
+                "pool": pool, "name": name, "http": http.to_string(), "breaker": h.breaker().as_str(),
+                "consecutive_failures": h.failures(), "open_for_ms": h.open_for_ms(),
+                "ejections_total": h.ejected_total.load(Ordering::Relaxed),
+                "health_check": if h.check_failing() { "failing" } else { "passing" },
+                "in_flight": h.in_flight(),
+            })
+        })
+        .collect();
+    json!({"engines": engines, "retries": g.shared.retries.view()})
 }
 
 /// `POST /admin/plugins/reload`: every plugin from its file; 200 when all loaded, else 422 with

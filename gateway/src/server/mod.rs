@@ -326,6 +326,7 @@ impl Gateway {
                 return r;
             }
             (&Method::GET, "/admin/decoders") => return full(200, &admin::decoders(&self).await),
+            (&Method::GET, "/admin/engines") => return full(200, &admin::engines(&self)),
             (&Method::GET, "/admin/names") => return full(200, &admin::names(&self)),
             (&Method::GET, "/admin/flow") => return admin::flow(&self),
             (&Method::GET, "/admin/cluster") => return admin::cluster(&self),

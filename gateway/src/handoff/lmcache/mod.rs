@@ -477,7 +477,7 @@ impl Lmcache {
     ) -> Result<PrefillOut, GatewayError> {
         let shared = &*self.shared;
         let (prefill, resp, in_flight) =
-            shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true).await?;
+            shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true, false).await?;
         holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
         let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
             if let LegError::Refused { status: 400..=499, .. } = e {

@@ -310,7 +310,7 @@ impl Native {
         // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
         // never saw the addresses leaves the pages free at once (no quarantine).
         let prefilled =
-            match shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false).await {
+            match shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false, false).await {
                 // The prefill's own answer (one token) is not used; it is read so the connection is
                 // reused.
                 Ok((prefill, resp, in_flight)) => {
