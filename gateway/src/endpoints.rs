@@ -682,8 +682,75 @@ impl EngineTlsFiles {
     }
 }
 
-/// Certificate files read again when they change (the listeners' and `[engine_tls]`'s), and
-/// what their reloads did.
+/// `[dataplane_tls]` (or a pool's `[decode.dataplane_tls]`) as read from its files: the client
+/// that native decoders' rank links share ([`baton_dataplane::transport::TlsClient`] clones share
+/// one configuration), replaced in place when the files change. New data-plane connections (a
+/// pool that grows, a reconnect) use the new certificates; open ones keep theirs.
+#[derive(Clone, Debug)]
+pub struct DataplaneCerts {
+    pub client: baton_dataplane::transport::TlsClient,
+    files: Arc<DataplaneFiles>,
+}
+
+#[derive(Debug)]
+struct DataplaneFiles {
+    /// What `/metrics` calls it: `dataplane`, or `dataplane:decode[N]` for a pool's own.
+    name: String,
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+    server_name: String,
+    watch: CertFiles,
+}
+
+impl DataplaneFiles {
+    fn load(&self) -> Result<baton_dataplane::transport::TlsClient, TlsError> {
+        baton_dataplane::transport::TlsClient::from_pem_files(
+            &self.ca,
+            &self.server_name,
+            Some((&self.cert, &self.key)),
+        )
+    }
+}
+
+impl DataplaneCerts {
+    /// Reads the files (the CA the ranks' certificates chain to, the gateway's certificate and
+    /// key) and starts watching them.
+    pub fn load(
+        name: String,
+        ca: PathBuf,
+        cert: PathBuf,
+        key: PathBuf,
+        server_name: String,
+    ) -> Result<Self, TlsError> {
+        let watch = CertFiles::new([ca.as_path(), cert.as_path(), key.as_path()].into_iter());
+        let files = DataplaneFiles { name, ca, cert, key, server_name, watch };
+        Ok(Self { client: files.load()?, files: Arc::new(files) })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.files.name
+    }
+
+    /// Whether `other` is this one (a pool without its own shares the global one).
+    pub fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.files, &other.files)
+    }
+
+    /// Reads the files again when any changed since last read (always with `force`: SIGHUP):
+    /// `Some(Ok(()))` when new connections now use them, `None` when nothing changed. A set that
+    /// does not load is refused and the one in force stays.
+    pub fn reload(&self, force: bool) -> Option<Result<(), TlsError>> {
+        Some(self.files.watch.reload(force, || self.files.load())?.map(|new| self.client.replace(&new)))
+    }
+
+    pub fn counts(&self) -> Arc<TlsReloads> {
+        Arc::clone(&self.files.watch.counts)
+    }
+}
+
+/// Certificate files read again when they change (the listeners', `[engine_tls]`'s and
+/// `[dataplane_tls]`'s), and what their reloads did.
 #[derive(Debug)]
 pub struct CertFiles {
     paths: Vec<PathBuf>,

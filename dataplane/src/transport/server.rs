@@ -250,7 +250,8 @@ impl<D: Device> RankServer<D> {
     }
 
     async fn run(self: Arc<Self>, listener: TcpListener, tls: Option<TlsServer>, stop: Arc<Notify>) {
-        let acceptor = tls.map(|t| t.acceptor());
+        // The acceptor is taken per connection: a certificate replaced meanwhile
+        // ([`TlsServer::replace`]) serves the next handshake.
         let mut tasks = JoinSet::new();
         let reaper = Arc::clone(&self);
         tasks.spawn(async move { reaper.reap_forever().await });
@@ -263,7 +264,7 @@ impl<D: Device> RankServer<D> {
                     Ok((stream, peer)) => {
                         let _ = stream.set_nodelay(true);
                         let this = Arc::clone(&self);
-                        let acceptor = acceptor.clone();
+                        let acceptor = tls.as_ref().map(TlsServer::acceptor);
                         tasks.spawn(async move {
                             let conn: BoxConn = match acceptor {
                                 None => Box::new(stream),

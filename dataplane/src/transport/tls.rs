@@ -4,9 +4,13 @@
 //! Both ends are baton, so the defaults are strict: TLS 1.3 only (no reason to speak older versions
 //! to ourselves) and the ALPN protocol `baton-dp/1`, so a data-plane port is never mistaken for an
 //! HTTPS endpoint.
+//!
+//! Certificates rotate: [`TlsServer::replace`] and [`TlsClient::replace`] swap the configuration
+//! every clone of the handle shares. New handshakes use the new one; connections already open
+//! keep the one they were made with. Which files to watch, and when, is the embedder's to say.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
@@ -64,10 +68,35 @@ pub fn pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
         .map_err(|e| TlsError::File { path: path.display().to_string(), reason: e.to_string() })
 }
 
-/// A rank's TLS identity and, for mTLS, the CA its peers' certificates must chain to.
+/// A configuration every clone of a handle shares, swapped whole.
+#[derive(Debug)]
+struct Shared<T>(Arc<RwLock<Arc<T>>>);
+
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<T> Shared<T> {
+    fn new(config: T) -> Self {
+        Self(Arc::new(RwLock::new(Arc::new(config))))
+    }
+
+    fn get(&self) -> Arc<T> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn set(&self, config: Arc<T>) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = config;
+    }
+}
+
+/// A rank's TLS identity and, for mTLS, the CA its peers' certificates must chain to. Clones share
+/// it: [`TlsServer::replace`] on one changes what every clone's new handshakes present.
 #[derive(Debug, Clone)]
 pub struct TlsServer {
-    config: Arc<ServerConfig>,
+    config: Shared<ServerConfig>,
 }
 
 impl TlsServer {
@@ -90,7 +119,13 @@ impl TlsServer {
         };
         let mut config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Config(e.to_string()))?;
         config.alpn_protocols = vec![ALPN.to_vec()];
-        Ok(Self { config: Arc::new(config) })
+        Ok(Self { config: Shared::new(config) })
+    }
+
+    /// From now on, new handshakes (on this handle and every clone of it) use `new`'s identity and
+    /// client CA; connections already open keep theirs.
+    pub fn replace(&self, new: &TlsServer) {
+        self.config.set(new.config.get());
     }
 
     /// From PEM files: certificate chain, private key, and optionally the client CA (mTLS).
@@ -98,17 +133,17 @@ impl TlsServer {
         Self::new(pem_certs(cert)?, pem_key(key_file)?, client_ca.map(pem_certs).transpose()?)
     }
 
+    /// The acceptor for a new connection, with the configuration in force now.
     pub(crate) fn acceptor(&self) -> TlsAcceptor {
-        TlsAcceptor::from(Arc::clone(&self.config))
+        TlsAcceptor::from(self.config.get())
     }
 }
 
 /// How a peer connects to a rank over TLS: the CA to trust, the name to check, and for mTLS its own
-/// identity.
+/// identity. Clones share it: [`TlsClient::replace`] on one changes every clone's new connections.
 #[derive(Debug, Clone)]
 pub struct TlsClient {
-    config: Arc<ClientConfig>,
-    server_name: ServerName<'static>,
+    config: Shared<(Arc<ClientConfig>, ServerName<'static>)>,
 }
 
 impl TlsClient {
@@ -130,7 +165,13 @@ impl TlsClient {
         config.alpn_protocols = vec![ALPN.to_vec()];
         let server_name = ServerName::try_from(server_name.to_owned())
             .map_err(|e| TlsError::Config(format!("server name {server_name:?}: {e}")))?;
-        Ok(Self { config: Arc::new(config), server_name })
+        Ok(Self { config: Shared::new((Arc::new(config), server_name)) })
+    }
+
+    /// From now on, new connections (on this handle and every clone of it) trust `new`'s CA,
+    /// check its server name and present its identity; connections already open keep theirs.
+    pub fn replace(&self, new: &TlsClient) {
+        self.config.set(new.config.get());
     }
 
     /// From PEM files: the CA, the rank's name, and optionally this peer's certificate and key.
@@ -146,7 +187,9 @@ impl TlsClient {
         Self::new(pem_certs(ca)?, server_name, identity)
     }
 
+    /// The connector for a new connection, with the configuration in force now.
     pub(crate) fn connector(&self) -> (TlsConnector, ServerName<'static>) {
-        (TlsConnector::from(Arc::clone(&self.config)), self.server_name.clone())
+        let c = self.config.get();
+        (TlsConnector::from(Arc::clone(&c.0)), c.1.clone())
     }
 }

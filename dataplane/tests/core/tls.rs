@@ -71,7 +71,25 @@ impl Drop for Pki {
     }
 }
 
+impl Pki {
+    fn server(&self, mtls: bool) -> TlsServer {
+        let ca = self.file("ca.pem");
+        TlsServer::from_pem_files(
+            &self.file("server.pem"),
+            &self.file("server.key"),
+            mtls.then_some(ca.as_path()),
+        )
+        .unwrap()
+    }
+}
+
 async fn tls_server(pki: &Pki, mtls: bool) -> (Arc<RankServer<CpuDevice>>, ServerHandle) {
+    let (srv, h, _) = tls_server_with(pki.server(mtls)).await;
+    (srv, h)
+}
+
+/// A rank serving `tls`; the handle it serves with, to replace its certificates.
+async fn tls_server_with(tls: TlsServer) -> (Arc<RankServer<CpuDevice>>, ServerHandle, TlsServer) {
     let (sink, tx) = RankServer::<CpuDevice>::sink();
     let buf = RankBuffer::new(
         Arc::new(CpuDevice),
@@ -84,15 +102,32 @@ async fn tls_server(pki: &Pki, mtls: bool) -> (Arc<RankServer<CpuDevice>>, Serve
     )
     .unwrap();
     let srv = RankServer::new(buf, 1, tx);
-    let ca = pki.file("ca.pem");
-    let tls = TlsServer::from_pem_files(
-        &pki.file("server.pem"),
-        &pki.file("server.key"),
-        mtls.then_some(ca.as_path()),
-    )
-    .unwrap();
-    let h = srv.start_tls(TcpListener::bind("127.0.0.1:0").await.unwrap(), tls).unwrap();
-    (srv, h)
+    let h = srv.start_tls(TcpListener::bind("127.0.0.1:0").await.unwrap(), tls.clone()).unwrap();
+    (srv, h, tls)
+}
+
+/// Certificates rotated on both ends while connections are open: a rank moved to a new CA (its
+/// certificate and the client CA it trusts) serves new handshakes with the new ones only, and a
+/// client handle moved to the new CA connects with it; connections opened before keep working.
+#[tokio::test]
+async fn replaced_certificates_serve_new_connections_and_open_ones_keep_theirs() {
+    let (old, new) = (Pki::new("rotate-old"), Pki::new("rotate-new"));
+    let (_srv, h, tls) = tls_server_with(old.server(true)).await;
+    let fp = tiny().fingerprint();
+    let client = old.client(true);
+    let mut open = ControlClient::connect_with(h.addr, Some(&client), fp, 0).await.unwrap();
+    // The rank moves to the new CA: new handshakes with the old CA's client fail, the new CA's pass.
+    tls.replace(&new.server(true));
+    assert!(ControlClient::connect_with(h.addr, Some(&client), fp, 0).await.is_err(), "the old CA got in");
+    assert!(ControlClient::connect_with(h.addr, Some(&new.client(true)), fp, 0).await.is_ok());
+    // A clone of the client handle (as a connection pool keeps one) follows its replacement.
+    let pooled = client.clone();
+    client.replace(&new.client(true));
+    let mut fresh = ControlClient::connect_with(h.addr, Some(&pooled), fp, 0).await.unwrap();
+    assert_eq!(fresh.info().await.unwrap().pages_total, 8);
+    // The connection made before both replacements still serves.
+    assert_eq!(open.info().await.unwrap().pages_total, 8);
+    h.shutdown().await;
 }
 
 #[tokio::test]

@@ -118,15 +118,19 @@ pub struct DataplaneTls {
 }
 
 impl DataplaneTls {
-    /// The client it describes, its files read (`path` makes them absolute).
+    /// The client it describes, its files read (`path` makes them absolute) and watched; `name`
+    /// is what `/metrics` calls it.
     pub fn load(
         &self,
+        name: String,
         path: &dyn Fn(&Path) -> PathBuf,
-    ) -> Result<baton_dataplane::transport::TlsClient, baton_dataplane::transport::TlsError> {
-        baton_dataplane::transport::TlsClient::from_pem_files(
-            &path(&self.ca),
-            &self.server_name,
-            Some((&path(&self.cert), &path(&self.key))),
+    ) -> Result<crate::endpoints::DataplaneCerts, baton_dataplane::transport::TlsError> {
+        crate::endpoints::DataplaneCerts::load(
+            name,
+            path(&self.ca),
+            path(&self.cert),
+            path(&self.key),
+            self.server_name.clone(),
         )
     }
 }
@@ -490,7 +494,7 @@ pub struct Checked {
     /// `[auth] models_open`.
     pub models_open: bool,
     /// `[dataplane_tls]`, loaded.
-    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
+    pub dataplane_tls: Option<crate::endpoints::DataplaneCerts>,
     /// `[resolver]`.
     pub resolver: ResolverSettings,
     /// `[engine_tls]`, loaded (the system's roots without it).
@@ -667,7 +671,9 @@ impl Config {
                 .drain_timeout_ms
                 .map_or(DEFAULT_DRAIN_TIMEOUT, std::time::Duration::from_millis),
             dataplane_tls: match &self.dataplane_tls {
-                Some(t) => Some(t.load(&path).map_err(|e| err("dataplane_tls", e.to_string()))?),
+                Some(t) => {
+                    Some(t.load("dataplane".into(), &path).map_err(|e| err("dataplane_tls", e.to_string()))?)
+                }
                 None => None,
             },
             resolver,

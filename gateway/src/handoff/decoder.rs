@@ -154,4 +154,10 @@ pub trait Handoff: Send + Sync + std::fmt::Debug {
 
     /// The mode's own series for `/metrics` (labelled with `decoder`).
     fn metrics(&self, _decoder: &str, _out: &mut Scrape) {}
+
+    /// The data-plane certificates its connections use, for the gateway's certificate watcher
+    /// to reload (`native` with `[dataplane_tls]`).
+    fn dataplane_certs(&self) -> Option<&crate::endpoints::DataplaneCerts> {
+        None
+    }
 }

@@ -75,7 +75,7 @@ pub struct StartContext {
     /// `[lmcache] tool_call_parser`.
     pub tool_call_parser: Option<lmcache::tools::ToolParser>,
     /// `[dataplane_tls]`: how to reach `native` decoders' ranks when the data plane is authenticated.
-    pub dataplane_tls: Option<baton_dataplane::transport::TlsClient>,
+    pub dataplane_tls: Option<crate::endpoints::DataplaneCerts>,
 }
 
 /// Why a decode pool could not be started.

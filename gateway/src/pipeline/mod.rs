@@ -369,6 +369,18 @@ impl Gateway {
         q
     }
 
+    /// The data-plane certificates the decoders' connections use, each once (pools without their
+    /// own share the global `[dataplane_tls]`).
+    pub fn dataplane_certs(&self) -> Vec<&crate::endpoints::DataplaneCerts> {
+        let mut out: Vec<&crate::endpoints::DataplaneCerts> = Vec::new();
+        for c in self.decoders.iter().filter_map(|d| d.handoff.dataplane_certs()) {
+            if !out.iter().any(|o| o.same(c)) {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     /// Ready to serve: not draining, and a prefiller and a decoder with room exist.
     pub fn ready(&self) -> bool {
         !self.draining.load(Ordering::Relaxed)

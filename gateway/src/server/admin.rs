@@ -41,10 +41,11 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
     if let Some(c) = &g.cluster {
         c.metrics(&mut s);
     }
-    let engines = g.shared.client.reloads().map(|c| ("engines", c));
-    for (tls, c) in
-        g.tls.get().into_iter().flatten().map(|(l, c)| (l.as_str(), std::sync::Arc::clone(c))).chain(engines)
-    {
+    let engines = g.shared.client.reloads().map(|c| ("engines".to_owned(), c));
+    let dataplane = g.dataplane_certs().into_iter().map(|c| (c.name().to_owned(), c.counts()));
+    let listeners = g.tls.get().into_iter().flatten().map(|(l, c)| (l.clone(), std::sync::Arc::clone(c)));
+    for (tls, c) in listeners.chain(engines).chain(dataplane) {
+        let tls = tls.as_str();
         for (result, n) in [("swapped", &c.swapped), ("refused", &c.refused)] {
             let n = n.load(Ordering::Relaxed);
             s.counter(

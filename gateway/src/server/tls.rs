@@ -78,8 +78,8 @@ impl FrontTls {
         self.inner.files.as_ref().map(|(_, w)| Arc::clone(&w.counts))
     }
 
-    /// Reads every listener's files, and the engine client's (`[engine_tls]`), again when they
-    /// change (checked every [`TLS_POLL`]) and on SIGHUP; ends with the gateway. Each outcome is
+    /// Reads every listener's files, the engine client's (`[engine_tls]`) and the data plane's
+    /// (`[dataplane_tls]`, pools' own), again when they change (checked every [`TLS_POLL`]) and on SIGHUP; ends with the gateway. Each outcome is
     /// logged: a refused file as a warning naming what and why.
     pub fn spawn_watcher(
         gateway: Weak<crate::pipeline::Gateway>,
@@ -88,7 +88,9 @@ impl FrontTls {
         let listeners: Vec<(String, FrontTls)> =
             listeners.into_iter().filter(|(_, t)| t.inner.files.is_some()).collect();
         tokio::spawn(async move {
-            let engines = gateway.upgrade().is_some_and(|g| g.shared.client.watches_files());
+            let engines = gateway
+                .upgrade()
+                .is_some_and(|g| g.shared.client.watches_files() || !g.dataplane_certs().is_empty());
             if listeners.is_empty() && !engines {
                 return;
             }
@@ -127,6 +129,20 @@ impl FrontTls {
                     None => {}
                     Some(Err(e)) => {
                         tracing::warn!(error = %e, "[engine_tls] files refused; the certificates in force stay")
+                    }
+                }
+                for certs in g.dataplane_certs() {
+                    match certs.reload(force) {
+                        Some(Ok(())) => tracing::info!(
+                            tls = certs.name(),
+                            "data-plane TLS reloaded: new connections to the ranks use it"
+                        ),
+                        None => {}
+                        Some(Err(e)) => tracing::warn!(
+                            tls = certs.name(),
+                            error = %e,
+                            "data-plane TLS files refused; the certificates in force stay"
+                        ),
                     }
                 }
             }

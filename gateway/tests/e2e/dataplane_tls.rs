@@ -149,3 +149,108 @@ fn a_plaintext_rank_off_loopback_is_refused_unless_the_pool_says_so() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `[dataplane_tls]` reloaded live: the gateway's certificate for the ranks is rotated while it
+/// serves. A mismatched pair is refused and counted, and the certificate in force keeps opening
+/// new connections; a new pair is swapped in, and the ranks see it on the gateway's next new
+/// connections (one from a CA they do not trust is refused at their handshake) while the
+/// connections already open keep serving; a good pair again mends it, with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_data_plane_certificates_serve_new_connections() {
+    let dir = std::env::temp_dir().join(format!("baton-dptls-rotate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ca = Ca::new("baton data plane CA");
+    let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
+    let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
+    let ca_file = write("ca.pem", &ca.pem);
+    let (engine_cert, engine_key) = (write("engine.pem", &engine_pem), write("engine.key", &engine_key));
+    write("gateway.pem", &gateway_pem);
+    write("gateway.key", &gateway_key);
+    let g = tiny_geometry(1).unwrap();
+    let tls = DpTls::from_pem_files(&ca_file, &engine_cert, &engine_key, "localhost").unwrap();
+    let mut p = SimConfig::new(SimRole::Prefill, g);
+    p.dp_tls = Some(tls.clone());
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.dp_tls = Some(tls);
+    let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
+    // The decoder's breaker opens while the ranks refuse the gateway (below): a short span, so
+    // the mended gateway probes it again soon.
+    let conf = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n\n[routing]\neject_ms = 100\n";
+    let file = write("baton.toml", &super::serve_toml(&prefill, &decode, "", conf));
+    let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+    let (addr, admin) = (serving.addrs[0], serving.admin_addr);
+    // `n` requests at once: more than the control connections pooled so far open new ones.
+    let burst = |n: usize, seed: usize| async move {
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..n {
+            let body = json!({"prompt": super::prompt(60, seed + i), "max_tokens": 2});
+            set.spawn(async move { super::http(addr, "/v1/completions", Some(&body)).await.0 });
+        }
+        set.join_all().await
+    };
+    let reloads = |result: &'static str| async move {
+        let (_, m) = super::http(admin, "/metrics", None).await;
+        super::plugins::metric(
+            &String::from_utf8_lossy(&m),
+            &format!("baton_tls_reloads_total{{result=\"{result}\",tls=\"dataplane\"}} "),
+        )
+    };
+    let wait_for = |result: &'static str, n: f64| async move {
+        let t = std::time::Instant::now();
+        while reloads(result).await < n {
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "no {result} reload within 5 s");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    let refused_by_rank = || decode.engine.stats()["ranks"][0]["handshakes_refused"].as_u64().unwrap();
+    assert_eq!(burst(3, 0).await, vec![200; 3]);
+
+    // A key that does not match its certificate: refused, the pair in force stays.
+    let (other_pem, _, ..) = ca.leaf(&["localhost"]);
+    write("gateway.pem", &other_pem);
+    wait_for("refused", 1.0).await;
+    assert_eq!(burst(4, 10).await, vec![200; 4], "the certificate in force still opens connections");
+    assert_eq!(refused_by_rank(), 0);
+
+    // A valid pair from a CA the ranks do not trust: swapped in, and the ranks refuse the
+    // gateway's new connections, the proof that they carry it.
+    let rogue = super::certs::Ca::new("a CA the ranks do not trust");
+    let (rogue_pem, rogue_key, ..) = rogue.leaf(&["localhost"]);
+    write("gateway.key", &rogue_key);
+    write("gateway.pem", &rogue_pem);
+    wait_for("swapped", 1.0).await;
+    let statuses = burst(12, 20).await;
+    let t = std::time::Instant::now();
+    while refused_by_rank() == 0 && t.elapsed() < std::time::Duration::from_secs(5) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(refused_by_rank() > 0, "new connections presented the new certificate: {statuses:?}");
+    assert!(statuses.contains(&200), "connections open before the rotation kept serving: {statuses:?}");
+
+    // A good pair again: swapped, and every request is served.
+    let (mended_pem, mended_key, ..) = ca.leaf(&["localhost"]);
+    write("gateway.key", &mended_key);
+    write("gateway.pem", &mended_pem);
+    wait_for("swapped", 2.0).await;
+    let t = std::time::Instant::now();
+    loop {
+        let (s, b) =
+            super::http(addr, "/v1/completions", Some(&json!({"prompt": "mended", "max_tokens": 2}))).await;
+        if s == 200 {
+            break;
+        }
+        // (503 while the decoder's breaker is still open)
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "{s}: {}", String::from_utf8_lossy(&b));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let refused = refused_by_rank();
+    assert_eq!(burst(12, 40).await, vec![200; 12]);
+    assert_eq!(refused_by_rank(), refused, "no handshake refused after the mend");
+    serving.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -65,7 +65,7 @@ pub struct Checked {
     pub geometry: KvGeometry,
     pub max_slots: Option<u32>,
     /// The pool's own data-plane TLS (`None`: the global one, if any).
-    pub tls: Option<baton_dataplane::transport::TlsClient>,
+    pub tls: Option<crate::endpoints::DataplaneCerts>,
 }
 
 /// A native decoder.
@@ -73,6 +73,8 @@ pub struct Checked {
 pub struct Native {
     shared: Arc<Shared>,
     pub ranks: Arc<Ranks>,
+    /// The data-plane TLS its rank links use, reloaded by the gateway's certificate watcher.
+    certs: Option<crate::endpoints::DataplaneCerts>,
 }
 
 impl PoolKeys for Keys {
@@ -85,7 +87,10 @@ impl PoolKeys for Keys {
         let tp = u32::try_from(self.dataplane.len()).map_err(|_| cx.err("dataplane", "too many ranks"))?;
         let geometry = cx.geometry(tp)?;
         let tls = match &self.dataplane_tls {
-            Some(t) => Some(t.load(cx.path).map_err(|e| cx.err("dataplane_tls", e.to_string()))?),
+            Some(t) => Some(
+                t.load(format!("dataplane:{}", cx.field), cx.path)
+                    .map_err(|e| cx.err("dataplane_tls", e.to_string()))?,
+            ),
             None => None,
         };
         // A rank's port lets whoever reaches it reserve every page, cancel requests and write into
@@ -156,14 +161,15 @@ impl Native {
         ctx: &StartContext,
         queue: &SlotQueue,
     ) -> Result<Self, baton_dataplane::transport::TransportError> {
+        let certs = c.tls.or_else(|| ctx.dataplane_tls.clone());
         let links = RankLinks {
             addrs: c.ranks,
             fingerprint: c.geometry.fingerprint(),
-            tls: c.tls.or_else(|| ctx.dataplane_tls.clone()),
+            tls: certs.as_ref().map(|c| c.client.clone()),
             names: ctx.shared.client.names().clone(),
         };
         let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
-        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks) })
+        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks), certs })
     }
 
     /// Reserves the request's pages on every rank; a refusal for room (another replica's pages)
@@ -397,6 +403,10 @@ impl Handoff for Native {
                 .collect();
             json!({"ranks": ranks})
         })
+    }
+
+    fn dataplane_certs(&self) -> Option<&crate::endpoints::DataplaneCerts> {
+        self.certs.as_ref()
     }
 }
 
