@@ -57,15 +57,20 @@ struct Dispatched {
 }
 
 /// How a request enters its decoder's queue: the admission plugin's ticket, and flow control's
-/// token to drop once it holds its room (when flow control let it go).
-struct Pass {
+/// token to drop once it holds its room (when flow control let it go); and where the mode marks
+/// a failure nothing depended on yet ([`Unstarted`]).
+struct Pass<'a> {
     ticket: Ticket,
     settle: Option<tokio::sync::oneshot::Sender<()>>,
+    retry: &'a std::sync::OnceLock<Unstarted>,
 }
 
-/// The engines an earlier attempt of a request failed on (indexes), left out of its next route.
+/// What a request's route leaves out: the engines an earlier attempt of it failed on (indexes),
+/// and, with `no_room`, the decoders that cannot take it at once (flow control let it go for
+/// the room it saw).
 #[derive(Debug, Default)]
 struct Avoid {
+    no_room: bool,
     prefills: Vec<usize>,
     decoders: Vec<usize>,
 }
@@ -683,9 +688,9 @@ impl Gateway {
             _ => None,
         };
         let waited = flowed.as_ref().map_or(Duration::ZERO, |a| a.waited);
-        let mut avoid = Avoid::default();
+        let mut avoid = Avoid { no_room: flowed.is_some(), ..Avoid::default() };
         let (mut routes, mut work) =
-            self.route(preq.as_ref(), &facts, &ids, flowed.is_some(), &avoid, live, trace.as_ref()).await?;
+            self.route(preq.as_ref(), &facts, &ids, &avoid, live, trace.as_ref()).await?;
         let mode = self
             .decoders
             .get(routes.first().map_or(usize::MAX, |r| r.decode))
@@ -723,39 +728,46 @@ impl Gateway {
             }
             let to = work.take().map(|work| (&prefills[..], work));
             let unstarted = std::sync::OnceLock::new();
-            let pass = Pass { ticket, settle: settle.take() };
-            let r = self.handoff(dec, to, &req, &ids, pass, &mut timing, &unstarted).await;
-            let (Err(e), Some(failed)) = (&r, unstarted.into_inner()) else { break (r, dec, prefills) };
+            let pass = Pass { ticket, settle: settle.take(), retry: &unstarted };
+            let r = self.handoff(dec, to, &req, &ids, pass, &mut timing).await;
+            let (e, failed) = match (r, unstarted.into_inner()) {
+                (Err(e), Some(failed)) => (e, failed),
+                (r, _) => break (r, dec, prefills),
+            };
             // Nothing depended on the attempt yet: run it again without the engine that failed,
             // when another can take it and the budget allows.
-            let leg = match &failed {
+            let (leg, engine) = match failed {
                 Unstarted::Prefill(name) => {
-                    avoid.prefills.extend(self.prefills.iter().position(|p| &p.name == name));
-                    "prefill"
+                    avoid.prefills.extend(self.prefills.iter().position(|p| p.name == name));
+                    ("prefill", name)
                 }
                 Unstarted::Decode => {
                     avoid.decoders.push(route.decode);
-                    "decode"
+                    ("decode", dec.name.clone())
                 }
-            };
-            let engine = match &failed {
-                Unstarted::Prefill(name) => name.clone(),
-                Unstarted::Decode => dec.name.clone(),
             };
             retried.push(json!({"leg": leg, "engine": engine, "error": e.to_string()}));
             let tried = u32::try_from(retried.len()).unwrap_or(u32::MAX);
-            let again = self.route(preq.as_ref(), &facts, &ids, false, &avoid, live, trace.as_ref()).await;
-            let Ok(again) = again else { break (r, dec, prefills) };
-            if let Err(why) = self.shared.retries.before_retry(leg, tried).await {
-                if let Some(last) = retried.last_mut() {
-                    last["retried"] = json!(false);
-                    last["why_not"] = json!(match why {
+            avoid.no_room = false;
+            let again = match self.route(preq.as_ref(), &facts, &ids, &avoid, live, trace.as_ref()).await {
+                Ok(again) => self.shared.retries.before_retry(leg, tried).await.map(|()| again).map_err(
+                    |why| match why {
                         Denied::Budget => "the retry budget is spent",
                         Denied::Attempts => "the request had its attempts",
-                    });
+                    },
+                ),
+                Err(_) => Err("no other engine to route it to"),
+            };
+            let again = match again {
+                Ok(again) => again,
+                Err(why_not) => {
+                    if let Some(last) = retried.last_mut() {
+                        last["retried"] = json!(false);
+                        last["why_not"] = json!(why_not);
+                    }
+                    break (Err(e), dec, prefills);
                 }
-                break (r, dec, prefills);
-            }
+            };
             tracing::debug!(leg, engine, error = %e, "attempt failed before it mattered, routing it again");
             (routes, work) = again;
             timing.mark(Phase::Route);
@@ -876,7 +888,6 @@ impl Gateway {
         preq: Option<&Arc<PolicyRequest>>,
         facts: &RouteFacts<'_>,
         ids: &[u32],
-        room_only: bool,
         avoid: &Avoid,
         live: &Arc<Live>,
         trace: Option<&Arc<trace::RequestTrace>>,
@@ -892,7 +903,7 @@ impl Gateway {
                 }
             }
         }
-        let no_room = if room_only { self.only_with_room(&mut cands, ids.len()) } else { Vec::new() };
+        let no_room = if avoid.no_room { self.only_with_room(&mut cands, ids.len()) } else { Vec::new() };
         let mut by_plugin = None;
         let routed = match (self.plugins.as_ref().and_then(|p| p.routing.as_ref()), preq) {
             (Some(p), Some(preq)) => {
@@ -1005,16 +1016,14 @@ impl Gateway {
     /// Admission on the decoder, then the mode's legs; `prefills` in the order to try with the
     /// work counted on the first, or `None` when the decoder gets the request alone. `settle`
     /// (flow control's) is dropped once the decoder admitted it.
-    #[allow(clippy::too_many_arguments)]
     async fn handoff(
         &self,
         dec: &Arc<Decoder>,
         prefills: Option<(&[&Prefiller], Work)>,
         req: &GenRequest,
         ids: &[u32],
-        pass: Pass,
+        pass: Pass<'_>,
         timing: &mut Timing,
-        retry: &std::sync::OnceLock<Unstarted>,
     ) -> Result<Response<RespBody>, GatewayError> {
         dec.handoff.accepts(req)?;
         let (need, ahead) = (dec.slots_for(ids.len()), dec.queue.waiting());
@@ -1028,7 +1037,7 @@ impl Gateway {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
         let (prefills, work) = prefills.map_or((&[][..], None), |(p, w)| (p, Some(w)));
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work, retry }).await
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work, retry: pass.retry }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

@@ -105,7 +105,7 @@ impl Retries {
 
     /// The bucket of `second`, emptied if it held an older second.
     fn bucket(buckets: &mut [Bucket; BUCKETS], second: u64) -> &mut Bucket {
-        let b = &mut buckets[(second % BUCKETS as u64) as usize];
+        let b = &mut buckets[usize::try_from(second % BUCKETS as u64).unwrap_or(0)];
         if b.second != second {
             *b = Bucket { second, requests: 0, retries: 0 };
         }

@@ -211,7 +211,7 @@ async fn rotated_data_plane_certificates_serve_new_connections() {
     assert_eq!(burst(3, 0).await, vec![200; 3]);
 
     // A key that does not match its certificate: refused, the pair in force stays.
-    let (other_pem, _, ..) = ca.leaf(&["localhost"]);
+    let (other_pem, ..) = ca.leaf(&["localhost"]);
     write("gateway.pem", &other_pem);
     wait_for("refused", 1.0).await;
     assert_eq!(burst(4, 10).await, vec![200; 4], "the certificate in force still opens connections");
