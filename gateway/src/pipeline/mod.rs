@@ -708,7 +708,6 @@ impl Gateway {
             None => (None, None),
         };
         timing.record(Phase::Route, live.started.elapsed().saturating_sub(waited));
-        timing.enter(Phase::Queue);
         self.shared.retries.request();
         let mut retried: Vec<Value> = Vec::new();
         let (r, dec, prefills) = loop {
@@ -726,6 +725,7 @@ impl Gateway {
             if let Some(t) = &trace {
                 t.routed(dec.mode(), &dec.name, prefills.first().map(|p| p.name.as_str()));
             }
+            timing.enter(Phase::Queue);
             let to = work.take().map(|work| (&prefills[..], work));
             let unstarted = std::sync::OnceLock::new();
             let pass = Pass { ticket, settle: settle.take(), retry: &unstarted };
@@ -770,8 +770,8 @@ impl Gateway {
             };
             tracing::debug!(leg, engine, error = %e, "attempt failed before it mattered, routing it again");
             (routes, work) = again;
+            // The failed attempt and the wait before the next count as routing.
             timing.mark(Phase::Route);
-            timing.enter(Phase::Queue);
         };
         if !retried.is_empty() {
             live.note("retries", move || Value::Array(retried.clone()));
