@@ -261,6 +261,10 @@ pub enum FrameError {
     /// A field holds a value outside its range.
     #[error("bad value for {field}: {value}")]
     Value { field: &'static str, value: u64 },
+    /// A text field is not UTF-8 (it is refused, not repaired: a path such as `export` must reach
+    /// the peer as it was sent).
+    #[error("{field} is not UTF-8 (bad byte at {at})")]
+    Utf8 { field: &'static str, at: usize },
 }
 
 /// A decoded frame and how many bytes of the input it used.
@@ -750,7 +754,9 @@ impl<'a> R<'a> {
         self.take(n, field)
     }
     fn string(&mut self, field: &'static str) -> Result<String, FrameError> {
-        Ok(String::from_utf8_lossy(self.bytes(field)?).into_owned())
+        std::str::from_utf8(self.bytes(field)?)
+            .map(str::to_owned)
+            .map_err(|e| FrameError::Utf8 { field, at: e.valid_up_to() })
     }
 }
 
@@ -1021,6 +1027,16 @@ mod tests {
         for (name, bytes, want) in cases {
             assert_eq!(decode(&bytes), Err(want), "{name}");
         }
+        // Found by the fuzzer (tests/fuzz, `dataplane_wire`): a `Refused` frame whose message ends
+        // in 0xFF decoded to U+FFFD, so the frame re-encoded as other bytes. Text fields are now
+        // refused unless UTF-8.
+        let found = b"\x26\x00\x00\x00\x01\x0a\x00\x00\x41\x01\x3b\x00\x00\xa8\x00\x00\x00\x00\x00\x01\x0a\x00\x00\x01\x03\x00\x00\x01\x06\xff\xf7\x00\x2b\x00\x00\x00\x00\x01\x00\x00\x00\xff";
+        assert_eq!(decode(found), Err(FrameError::Utf8 { field: "message", at: 0 }));
+        let mut b = Vec::new();
+        encode(&Frame::Error { code: RefusalCode::Geometry, message: "ok".into() }, &mut b);
+        let n = b.len();
+        b[n - 1] = 0xC3;
+        assert_eq!(decode(&b), Err(FrameError::Utf8 { field: "message", at: 1 }));
         // A list count larger than the frame cannot make the decoder allocate it.
         let mut b = Vec::new();
         encode(&Frame::Reserve { key: key(), chunks: 1, lease_ms: 1, prefixes: vec![] }, &mut b);
