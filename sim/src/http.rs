@@ -42,12 +42,12 @@ fn full(b: impl Into<Bytes>) -> BoxBody<Bytes, std::io::Error> {
     Full::new(b.into()).map_err(|e| match e {}).boxed()
 }
 
-/// A streaming body fed by a channel; the sender is the generation task. With `cut`, the body
-/// fails where the channel ends (the `cut_stream_after` fault switch): hyper then drops the
-/// connection without ending the message, as an engine that crashes mid-stream does.
+/// A streaming body fed by a channel; the sender is the generation task. When the task set `cut`
+/// (the `cut_stream_after` fault switch), the body fails where the channel ends: hyper then drops
+/// the connection without ending the message, as an engine that crashes mid-stream does.
 struct ChannelBody {
     rx: mpsc::Receiver<Bytes>,
-    cut: bool,
+    cut: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Body for ChannelBody {
@@ -58,10 +58,11 @@ impl Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        let cut = self.cut;
-        self.rx.poll_recv(cx).map(|o| match o {
+        let polled = self.rx.poll_recv(cx);
+        // Read once the channel has ended: the task sets it before it lets go of the channel.
+        polled.map(|o| match o {
             Some(b) => Some(Ok(Frame::data(b))),
-            None if cut => {
+            None if self.cut.load(Ordering::SeqCst) => {
                 Some(Err(std::io::Error::other("stream cut by the cut_stream_after fault switch")))
             }
             None => None,
@@ -659,6 +660,8 @@ impl SimEngine {
         let include_usage = req.include_usage();
         let delay = self.token_delay;
         let cut_after = self.faults.get().cut_stream_after;
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cutting = Arc::clone(&cut);
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         tokio::spawn(async move {
             // The engine's cache blocks stay held while tokens are produced; a client that leaves
@@ -673,6 +676,7 @@ impl SimEngine {
                     // What was sent goes out first (hyper drops its unwritten buffer with the
                     // connection), then the body fails.
                     tokio::time::sleep(CUT_AFTER_FLUSH).await;
+                    cutting.store(true, Ordering::SeqCst);
                     return;
                 }
                 if !delay.is_zero() {
@@ -720,7 +724,7 @@ impl SimEngine {
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
-        let mut r = Response::new(ChannelBody { rx, cut: cut_after.is_some() }.boxed());
+        let mut r = Response::new(ChannelBody { rx, cut }.boxed());
         r.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
         r.headers_mut().insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
         Ok(r)

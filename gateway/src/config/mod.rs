@@ -320,7 +320,7 @@ pub struct Routing {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryKeys {
-    /// Tries of one leg, the first included (1: none).
+    /// Tries of a request, the first included (1: none): its retries of every leg together.
     pub attempts: u32,
     /// Retries may add this share of the last 10 s of requests.
     pub budget_ratio: f64,

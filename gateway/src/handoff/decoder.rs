@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use hyper::Response;
 use serde_json::Value;
@@ -96,6 +97,9 @@ pub struct Leg<'a> {
     pub work: Option<crate::routing::Work>,
     /// Where the mode marks an attempt the driver may run again on other engines ([`Unstarted`]).
     pub retry: &'a std::sync::OnceLock<Unstarted>,
+    /// Retries the request has made so far, of every leg and attempt: what
+    /// `[routing.retries] attempts` bounds ([`crate::handoff::Shared::prefill`] draws on it too).
+    pub retried: &'a Arc<AtomicU32>,
 }
 
 /// The engine whose failure ended an attempt that nothing depended on yet: no byte reached the

@@ -157,6 +157,14 @@ pub enum LegError {
     Refused { leg: &'static str, status: u16, body: Bytes },
 }
 
+/// How [`Shared::prefill`] may retry: also after an answer (`answered`: a 503, or a connection
+/// that failed before any answer), and the request's count of retries so far.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Retrying<'a> {
+    pub answered: bool,
+    pub retried: &'a std::sync::atomic::AtomicU32,
+}
+
 impl LegError {
     /// Whether the engine may have seen the request.
     pub fn maybe_sent(&self) -> bool {
@@ -326,11 +334,11 @@ impl Shared {
     }
 
     /// Posts the prefill to the first prefiller, then the next ones, within the retry budget and
-    /// `attempts`, while a prefiller cannot even be connected to (it never saw the request, so
-    /// another may take it). With `answered`, also after a 503 or a connection that failed before
-    /// any answer (for a mode whose prefiller keeps the KV to itself until a decoder asks for it,
-    /// so its partial work cannot reach the decoder). `sent` is set while the request may have
-    /// reached an engine.
+    /// the request's `attempts` (`retry.retried`, shared with the driver's retries), while a
+    /// prefiller cannot even be connected to (it never saw the request, so another may take it).
+    /// With `retry.answered`, also after a 503 or a connection that failed before any answer (for a
+    /// mode whose prefiller keeps the KV to itself until a decoder asks for it, so its partial work
+    /// cannot reach the decoder). `sent` is set while the request may have reached an engine.
     pub(crate) async fn prefill<'a, P: Borrow<Prefiller>, B: Serialize + Sync + ?Sized>(
         &self,
         prefills: &'a [P],
@@ -338,14 +346,18 @@ impl Shared {
         body: &B,
         sent: &mut bool,
         detach: bool,
-        answered: bool,
+        retry: Retrying<'_>,
     ) -> Result<(&'a Prefiller, Response<Incoming>, InFlight<'a>), GatewayError> {
         let mut seen = false;
         for (attempt, prefill) in prefills.iter().map(Borrow::borrow).enumerate() {
+            if attempt > 0 {
+                // A fallback whose breaker is half-open: this request is its probe.
+                prefill.health.chosen(&self.health);
+            }
             *sent = true;
             let in_flight = prefill.health.start();
             let failure = match self.post(&prefill.http, "prefill", path, body, detach).await {
-                Ok(resp) if answered && resp.status() == 503 => {
+                Ok(resp) if retry.answered && resp.status() == 503 => {
                     let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
                     LegError::Refused { leg: "prefill", status: 503, body }
                 }
@@ -356,10 +368,9 @@ impl Shared {
             self.failed(prefill);
             seen |= failure.maybe_sent();
             *sent = seen;
-            let tried = u32::try_from(attempt + 1).unwrap_or(u32::MAX);
             if attempt + 1 >= prefills.len()
-                || !failure.retryable(answered)
-                || self.retries.before_retry("prefill", tried).await.is_err()
+                || !failure.retryable(retry.answered)
+                || self.retries.before_retry("prefill", retry.retried).await.is_err()
             {
                 return Err(failure.into());
             }

@@ -21,6 +21,7 @@
 //! (and the blocks it names) is never lost.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use hyper::Response;
 use serde_json::value::RawValue;
@@ -28,7 +29,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Drains, Held, LegError, Patched, RespBody, raw_json};
+use super::legs::{Drains, Held, LegError, Patched, RespBody, Retrying, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -172,7 +173,7 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, work, retry, .. } = leg;
+        let Leg { dec, prefills, req, slots, timing, work, retry, retried, .. } = leg;
         let alone = work.is_none();
         let path = req.endpoint.path();
         if alone {
@@ -222,9 +223,9 @@ impl Nixl {
         // sent, the task drains it.
         let (tx, rx) = oneshot::channel::<PrefillResult>();
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
-        let shared = Arc::clone(&self.shared);
+        let (shared, retried) = (Arc::clone(&self.shared), Arc::clone(retried));
         self.shared.spawn(async move {
-            let r = prefill_task(&shared, &order, path, &prefill_body).await;
+            let r = prefill_task(&shared, &order, path, &prefill_body, &retried).await;
             drop(work);
             if let Err(Ok(params)) = tx.send(r) {
                 drain(shared, to, params).await;
@@ -237,10 +238,16 @@ impl Nixl {
         let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
         let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
-            // Never reached, or refused (503) before it pulled anything: the request may be run
-            // again elsewhere, with a prefill of its own (these blocks are freed below or by
-            // the decoder). A decoder cut off mid-call may have begun to pull: never.
-            if e.retryable(false) {
+            // Never reached, or refused (503) by vLLM itself, which refuses before it pulls: the
+            // request may be run again elsewhere, with a prefill of its own (these blocks are
+            // freed below or by the decoder). A 503 from something in front of the decoder (a
+            // proxy's "reset before headers") may come after the decoder began to pull, as may a
+            // connection cut mid-call: never.
+            let replaceable = match e {
+                LegError::Refused { status: 503, body, .. } => vllm_refused(body),
+                e => e.retryable(false),
+            };
+            if replaceable {
                 let _ = retry.set(Unstarted::Decode);
             }
         });
@@ -317,14 +324,21 @@ fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
 
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
-async fn prefill_task(shared: &Shared, order: &[Prefiller], path: &str, body: &RawValue) -> PrefillResult {
+async fn prefill_task(
+    shared: &Shared,
+    order: &[Prefiller],
+    path: &str,
+    body: &RawValue,
+    retried: &AtomicU32,
+) -> PrefillResult {
     /// The one field of the prefill's answer the decode needs; the rest is skipped unread.
     #[derive(serde::Deserialize)]
     struct PrefillAnswer {
         kv_transfer_params: Option<Value>,
     }
     let mut sent = false;
-    let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, true).await?;
+    let retry = Retrying { answered: true, retried };
+    let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, retry).await?;
     let b = shared.answer("prefill", p, resp).await;
     drop(in_flight);
     let a: PrefillAnswer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {

@@ -185,7 +185,12 @@ impl Sglang {
         timing.enter(Phase::Decode);
         let shared = &*self.shared;
         let prefill = prefills.first().ok_or(GatewayError::NoEndpoint("prefill"))?;
-        let port = self.bootstrap_port(prefill).await?;
+        // A prefiller whose bootstrap port cannot be learned got no generation request: another
+        // may take it.
+        let port = self.bootstrap_port(prefill).await.inspect_err(|_| {
+            shared.failed(*prefill);
+            let _ = retry.set(Unstarted::Prefill(prefill.name.clone()));
+        })?;
         let Bodies { decode: decode_body, prefill: prefill_body, rid } =
             bodies(&req.raw, &prefill.http, port, shared.keys.next().request.0)?;
         let aborter = Arc::new(Aborter {
@@ -249,12 +254,12 @@ impl Sglang {
                 d = &mut decode => break d,
             }
         };
-        // A decoder never reached, or refusing (503), took no KV: it never joined the bootstrap
-        // room (the prefiller's side of the room is aborted with this attempt, whether or not it
-        // answered). The request may run again elsewhere, in a room of its own. A decoder cut off
-        // mid-call may have begun to pull: never.
+        // A decoder never reached took no KV; one refusing (503) before the prefill answered did
+        // not take it either (an SGLang prefill answers once its KV has gone to the decoder). The
+        // request may run again elsewhere, in a room of its own (this attempt's room is aborted on
+        // both engines). A decoder cut off mid-call may have begun to pull: never.
         let replaceable = |e: &LegError| {
-            if e.retryable(false) {
+            if e.retryable(false) && (!prefill_done || !e.maybe_sent()) {
                 let _ = retry.set(Unstarted::Decode);
             }
         };

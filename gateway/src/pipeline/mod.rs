@@ -10,7 +10,7 @@
 //! It knows no mode by name and no connection: `server` calls it, `handoff` implements the modes.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub mod batch;
@@ -63,6 +63,8 @@ struct Pass<'a> {
     ticket: Ticket,
     settle: Option<tokio::sync::oneshot::Sender<()>>,
     retry: &'a std::sync::OnceLock<Unstarted>,
+    /// The request's retries so far ([`Leg::retried`]).
+    retried: &'a Arc<AtomicU32>,
 }
 
 /// What a request's route leaves out: the engines an earlier attempt of it failed on (indexes),
@@ -303,7 +305,7 @@ impl Gateway {
     /// Whether decoder `d` would admit a prompt of `tokens` at once: routable, its queue open with
     /// nobody waiting and the slots free.
     fn has_room(d: &Decoder, tokens: usize) -> bool {
-        d.health.healthy() && d.queue.load().admits_now(d.slots_for(tokens))
+        d.health.routable() && d.queue.load().admits_now(d.slots_for(tokens))
     }
 
     /// Whether any decoder would admit a prompt of `tokens` at once.
@@ -322,7 +324,7 @@ impl Gateway {
     /// holds it. Otherwise it goes straight to routing and admission, which refuse it at once
     /// (too large, no healthy decoder) rather than after a wait.
     fn flow_can_serve(&self, tokens: usize) -> bool {
-        self.decoders.iter().any(|d| d.health.healthy() && d.slots_for(tokens) <= d.queue.load().capacity)
+        self.decoders.iter().any(|d| d.health.routable() && d.slots_for(tokens) <= d.queue.load().capacity)
     }
 
     /// Every endpoint's state, one list per metric, for the routing policy.
@@ -709,7 +711,13 @@ impl Gateway {
         };
         timing.record(Phase::Route, live.started.elapsed().saturating_sub(waited));
         self.shared.retries.request();
-        let mut retried: Vec<Value> = Vec::new();
+        // Retries of this request, every leg's (`[routing.retries] attempts` bounds them), and
+        // what the decision record says of each failed attempt.
+        let retried = Arc::new(AtomicU32::new(0));
+        let mut record: Vec<Value> = Vec::new();
+        // Every attempt waits for its decoder's room within what the first one was given.
+        let wait = ticket.max_wait.unwrap_or(self.shared.limits.queue_timeout);
+        let queue_deadline = Instant::now() + wait;
         let (r, dec, prefills) = loop {
             let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
             let prefills = match work {
@@ -728,14 +736,14 @@ impl Gateway {
             timing.enter(Phase::Queue);
             let to = work.take().map(|work| (&prefills[..], work));
             let unstarted = std::sync::OnceLock::new();
-            let pass = Pass { ticket, settle: settle.take(), retry: &unstarted };
+            let pass = Pass { ticket, settle: settle.take(), retry: &unstarted, retried: &retried };
             let r = self.handoff(dec, to, &req, &ids, pass, &mut timing).await;
             let (e, failed) = match (r, unstarted.into_inner()) {
                 (Err(e), Some(failed)) => (e, failed),
                 (r, _) => break (r, dec, prefills),
             };
             // Nothing depended on the attempt yet: run it again without the engine that failed,
-            // when another can take it and the budget allows.
+            // when the budget allows and another engine can take it.
             let (leg, engine) = match failed {
                 Unstarted::Prefill(name) => {
                     avoid.prefills.extend(self.prefills.iter().position(|p| p.name == name));
@@ -746,22 +754,20 @@ impl Gateway {
                     ("decode", dec.name.clone())
                 }
             };
-            retried.push(json!({"leg": leg, "engine": engine, "error": e.to_string()}));
-            let tried = u32::try_from(retried.len()).unwrap_or(u32::MAX);
+            record.push(json!({"leg": leg, "engine": engine, "error": e.to_string()}));
             avoid.no_room = false;
-            let again = match self.route(preq.as_ref(), &facts, &ids, &avoid, live, trace.as_ref()).await {
-                Ok(again) => self.shared.retries.before_retry(leg, tried).await.map(|()| again).map_err(
-                    |why| match why {
-                        Denied::Budget => "the retry budget is spent",
-                        Denied::Attempts => "the request had its attempts",
-                    },
-                ),
-                Err(_) => Err("no other engine to route it to"),
+            let again = match self.shared.retries.before_retry(leg, &retried).await {
+                Ok(()) => self
+                    .route(preq.as_ref(), &facts, &ids, &avoid, live, trace.as_ref())
+                    .await
+                    .map_err(|_| "no other engine to route it to"),
+                Err(Denied::Budget) => Err("the retry budget is spent"),
+                Err(Denied::Attempts) => Err("the request had its attempts"),
             };
             let again = match again {
                 Ok(again) => again,
                 Err(why_not) => {
-                    if let Some(last) = retried.last_mut() {
+                    if let Some(last) = record.last_mut() {
                         last["retried"] = json!(false);
                         last["why_not"] = json!(why_not);
                     }
@@ -770,11 +776,12 @@ impl Gateway {
             };
             tracing::debug!(leg, engine, error = %e, "attempt failed before it mattered, routing it again");
             (routes, work) = again;
+            ticket.max_wait = Some(queue_deadline.saturating_duration_since(Instant::now()));
             // The failed attempt and the wait before the next count as routing.
             timing.mark(Phase::Route);
         };
-        if !retried.is_empty() {
-            live.note("retries", move || Value::Array(retried.clone()));
+        if !record.is_empty() {
+            live.note("retries", move || Value::Array(record.clone()));
         }
         let r = r.map(|mut resp| {
             let h = resp.headers_mut();
@@ -1004,7 +1011,7 @@ impl Gateway {
     fn prefill_order(&self, routed: impl Iterator<Item = usize>, avoid: &Avoid) -> Vec<&Prefiller> {
         let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());
         let healthy =
-            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.healthy()));
+            (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.routable()));
         for i in routed.chain(healthy) {
             if !order.contains(&i) && !avoid.prefills.contains(&i) {
                 order.push(i);
@@ -1037,7 +1044,8 @@ impl Gateway {
             json!({"decoder": named.name, "slots": need, "waiting_ahead": ahead, "wait_ms": round_ms(wait)})
         });
         let (prefills, work) = prefills.map_or((&[][..], None), |(p, w)| (p, Some(w)));
-        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work, retry: pass.retry }).await
+        let (retry, retried) = (pass.retry, pass.retried);
+        dec.handoff.run(Leg { dec, prefills, req, ids, slots, timing, work, retry, retried }).await
     }
 
     /// The time to the response headers (for a stream, its first byte) and the status, once per

@@ -613,7 +613,12 @@ impl Health {
 
     /// Its breaker's state.
     pub fn breaker(&self) -> Breaker {
-        match self.ejected_until.load(Ordering::Relaxed) {
+        self.breaker_at(self.ejected_until.load(Ordering::Relaxed))
+    }
+
+    /// The breaker's state when `ejected_until` holds `until`.
+    fn breaker_at(&self, until: u64) -> Breaker {
+        match until {
             0 => Breaker::Closed,
             // (An ejection made in the epoch's first millisecond is stored as 1, not 0.)
             until if until > self.now_ms().max(1) => Breaker::Open,
@@ -674,28 +679,48 @@ impl Health {
         self.latency_us.load(Ordering::Relaxed)
     }
 
-    /// A request succeeded on the endpoint: its breaker closes.
+    /// A request succeeded on the endpoint: the failures in a row start over, and a half-open
+    /// breaker closes. While it is open the success is of a request sent before it opened, and
+    /// changes nothing: the probe decides.
     pub fn success(&self) {
-        self.failures.store(0, Ordering::Relaxed);
-        self.ejections.store(0, Ordering::Relaxed);
-        if self.ejected_until.load(Ordering::Relaxed) != 0 && self.breaker() == Breaker::HalfOpen {
-            self.ejected_until.store(0, Ordering::Relaxed);
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        match self.breaker_at(until) {
+            Breaker::Open => {}
+            Breaker::Closed => self.failures.store(0, Ordering::Relaxed),
+            Breaker::HalfOpen => {
+                // Only the state it saw: a failed probe that opened it meanwhile stands.
+                if self.ejected_until.compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+                {
+                    self.failures.store(0, Ordering::Relaxed);
+                    self.ejections.store(0, Ordering::Relaxed);
+                }
+            }
         }
     }
 
-    /// A request failed because of the endpoint; returns true when this failure ejected it: the
-    /// `eject_after_failures`th in a row, or any while its breaker is half-open (a failed probe).
+    /// A request failed because of the endpoint; returns true when this failure opened its
+    /// breaker (ejected it): the `eject_after_failures`th in a row, or any while it is half-open
+    /// (a failed probe). While it is open, a failure is of a request sent before it opened and
+    /// counts for nothing; of failures at the same instant, one opens it.
     pub fn failure(&self, cfg: &HealthConfig) -> bool {
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        let state = self.breaker_at(until);
+        if state == Breaker::Open {
+            return false;
+        }
         let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if n < cfg.eject_after_failures.max(1) && self.breaker() != Breaker::HalfOpen {
+        if n < cfg.eject_after_failures.max(1) && state != Breaker::HalfOpen {
+            return false;
+        }
+        let k = self.ejections.load(Ordering::Relaxed).min(16);
+        let span = cfg.eject_for.saturating_mul(1 << k).min(MAX_EJECT_FOR.max(cfg.eject_for));
+        // Never 0, which is a closed breaker.
+        let open = self.now_ms().saturating_add(u64::try_from(span.as_millis()).unwrap_or(u64::MAX)).max(1);
+        if self.ejected_until.compare_exchange(until, open, Ordering::Relaxed, Ordering::Relaxed).is_err() {
             return false;
         }
         self.failures.store(0, Ordering::Relaxed);
-        let k = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
-        let span = cfg.eject_for.saturating_mul(1 << k).min(MAX_EJECT_FOR.max(cfg.eject_for));
-        let until = self.now_ms().saturating_add(u64::try_from(span.as_millis()).unwrap_or(u64::MAX));
-        // Never 0, which is a closed breaker.
-        self.ejected_until.store(until.max(1), Ordering::Relaxed);
+        self.ejections.fetch_add(1, Ordering::Relaxed);
         self.ejected_total.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -1001,6 +1026,13 @@ mod tests {
         assert_eq!(h.breaker(), Breaker::Open);
         assert!(!h.healthy() && !h.routable());
         assert!(h.open_for_ms() > 0 && h.open_for_ms() <= 40);
+        // Requests sent before it opened end while it is open: their failures and successes
+        // change nothing (no second ejection, no early close).
+        for _ in 0..5 {
+            assert!(!h.failure(&cfg));
+        }
+        h.success();
+        assert_eq!((h.breaker(), h.ejected_total.load(Ordering::Relaxed)), (Breaker::Open, 1));
         std::thread::sleep(Duration::from_millis(45));
         assert_eq!(h.breaker(), Breaker::HalfOpen);
         assert!(h.healthy(), "half-open counts as healthy: it may take a probe");

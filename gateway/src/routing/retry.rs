@@ -1,6 +1,7 @@
 //! Retries of a leg that failed before anything of it could matter: within a budget that is a
 //! share of recent requests (as linkerd's and Finagle's retry budgets are), with jittered
-//! exponential backoff, and never more than `attempts` tries of one leg.
+//! exponential backoff, and never more than `attempts` tries of one request (its retries of every leg
+//! together, counted on the request).
 //!
 //! What may be retried is decided where the failure is known (the handoff modes): a leg whose
 //! engine never saw the request, or refused it (`503`), or cut the connection before answering,
@@ -8,14 +9,14 @@
 //! whether the budget allows one more and how long to wait first.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
 
 use crate::telemetry::Scrape;
 
-/// Tries of one leg (the first and its retries).
+/// Tries of one request (the first and its retries, of any leg).
 pub const DEFAULT_ATTEMPTS: u32 = 3;
 /// Retries may add this share of the requests of the last [`WINDOW`].
 pub const DEFAULT_BUDGET_RATIO: f64 = 0.2;
@@ -33,7 +34,7 @@ const BUCKETS: usize = 10;
 /// `[routing.retries]`, checked.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RetryConfig {
-    /// Tries of one leg, the first included (1: no retries).
+    /// Tries of one request, the first included (1: no retries).
     pub attempts: u32,
     pub budget_ratio: f64,
     pub min_per_second: u32,
@@ -190,9 +191,12 @@ impl Retries {
         Duration::from_micros(rand::rng().random_range(0..=micros))
     }
 
-    /// [`Retries::allow`], then its backoff slept: `Err` when no retry may go.
-    pub async fn before_retry(&self, leg: &str, tried: u32) -> Result<(), Denied> {
+    /// [`Retries::allow`] for the request whose retries so far `retried` counts (one more when
+    /// allowed), then its backoff slept: `Err` when no retry may go.
+    pub async fn before_retry(&self, leg: &str, retried: &AtomicU32) -> Result<(), Denied> {
+        let tried = retried.load(Ordering::Relaxed).saturating_add(1);
         self.allow(leg, tried)?;
+        retried.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(self.backoff(tried)).await;
         Ok(())
     }

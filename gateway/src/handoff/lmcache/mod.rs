@@ -24,6 +24,7 @@ mod shape;
 pub mod tools;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -34,7 +35,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{BoxError, Drains, LegError, Patched, RespBody, raw_json};
+use super::legs::{BoxError, Drains, LegError, Patched, RespBody, Retrying, raw_json};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -314,7 +315,7 @@ fn first_token_usable(req: &GenRequest) -> bool {
 
 impl Lmcache {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, work, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, work, retried, .. } = leg;
         timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
         let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
@@ -346,7 +347,7 @@ impl Lmcache {
             counters: Arc::clone(&self.drains),
         });
 
-        let pre = self.prefill(prefills, &prefill_body, &mut holding, first_token, req).await;
+        let pre = self.prefill(prefills, &prefill_body, &mut holding, first_token, req, retried).await;
         drop(work);
         let pre = pre?;
         timing.mark(Phase::Prefill);
@@ -474,10 +475,12 @@ impl Lmcache {
         holding: &mut Holding,
         first_token: bool,
         req: &GenRequest,
+        retried: &AtomicU32,
     ) -> Result<PrefillOut, GatewayError> {
         let shared = &*self.shared;
+        let retry = Retrying { answered: false, retried };
         let (prefill, resp, in_flight) =
-            shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true, false).await?;
+            shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true, retry).await?;
         holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
         let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
             if let LegError::Refused { status: 400..=499, .. } = e {

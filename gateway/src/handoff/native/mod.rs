@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Patched, RespBody, boxed};
+use super::legs::{Patched, RespBody, Retrying, boxed};
 use super::shared::{Backoff, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -271,7 +271,7 @@ impl Native {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, ids, slots, timing, work, .. } = leg;
+        let Leg { dec, prefills, req, ids, slots, timing, work, retried, .. } = leg;
         let alone = work.is_none();
         let shared = &*self.shared;
         if alone {
@@ -315,17 +315,26 @@ impl Native {
             .set(contract::FIELD, &params(life.key, targets, ids));
         // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
         // never saw the addresses leaves the pages free at once (no quarantine).
-        let prefilled =
-            match shared.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, false, false).await {
-                // The prefill's own answer (one token) is not used; it is read so the connection is
-                // reused.
-                Ok((prefill, resp, in_flight)) => {
-                    let answered = shared.answer("prefill", prefill, resp).await;
-                    drop(in_flight);
-                    answered.map(drop).map_err(GatewayError::from)
-                }
-                Err(e) => Err(e),
-            };
+        let prefilled = match shared
+            .prefill(
+                prefills,
+                req.endpoint.path(),
+                &body,
+                &mut life.sent,
+                false,
+                Retrying { answered: false, retried },
+            )
+            .await
+        {
+            // The prefill's own answer (one token) is not used; it is read so the connection is
+            // reused.
+            Ok((prefill, resp, in_flight)) => {
+                let answered = shared.answer("prefill", prefill, resp).await;
+                drop(in_flight);
+                answered.map(drop).map_err(GatewayError::from)
+            }
+            Err(e) => Err(e),
+        };
         drop(work);
         if let Err(e) = prefilled {
             // A prefill that failed because a rank's lease ran out (its writes refused as stale)
