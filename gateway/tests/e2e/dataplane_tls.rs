@@ -10,30 +10,61 @@ use baton_sim::{DpTls, SimConfig, SimRole, kv::output_text, launch, tiny_geometr
 use super::certs::Ca;
 use serde_json::json;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
-    let dir = std::env::temp_dir().join(format!("baton-dptls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let write = |name: &str, text: &str| {
-        let p = dir.join(name);
+/// A prefiller and a decoder of TP `tp` whose data planes serve mTLS with a certificate from one
+/// CA, and the gateway's certificate and key from the same CA, as PEM files (`ca.pem`,
+/// `gateway.pem`, `gateway.key`) in a folder of the test's own.
+struct Mtls {
+    dir: std::path::PathBuf,
+    ca: Ca,
+    prefill: baton_sim::Running,
+    decode: baton_sim::Running,
+}
+
+impl Mtls {
+    async fn start(tag: &str, tp: u32) -> Self {
+        let dir = std::env::temp_dir().join(format!("baton-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = Ca::new("baton data plane CA");
+        let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
+        let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
+        for (name, text) in [
+            ("ca.pem", &ca.pem),
+            ("engine.pem", &engine_pem),
+            ("engine.key", &engine_key),
+            ("gateway.pem", &gateway_pem),
+            ("gateway.key", &gateway_key),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        let g = tiny_geometry(tp).unwrap();
+        let tls = DpTls::from_pem_files(
+            &dir.join("ca.pem"),
+            &dir.join("engine.pem"),
+            &dir.join("engine.key"),
+            "localhost",
+        )
+        .unwrap();
+        let mut p = SimConfig::new(SimRole::Prefill, g);
+        p.dp_tls = Some(tls.clone());
+        let mut d = SimConfig::new(SimRole::Decode, g);
+        d.dp_tls = Some(tls);
+        let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
+        Self { dir, ca, prefill, decode }
+    }
+
+    fn write(&self, name: &str, text: &str) -> std::path::PathBuf {
+        let p = self.dir.join(name);
         std::fs::write(&p, text).unwrap();
         p
-    };
-    let ca = Ca::new("baton data plane CA");
-    let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
-    let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
-    let ca_file = write("ca.pem", &ca.pem);
-    let (engine_cert, engine_key) = (write("engine.pem", &engine_pem), write("engine.key", &engine_key));
-    write("gateway.pem", &gateway_pem);
-    write("gateway.key", &gateway_key);
+    }
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
+    let m = Mtls::start("dptls", 2).await;
+    let (dir, ca, prefill, decode) = (&m.dir, &m.ca, &m.prefill, &m.decode);
+    let write = |name: &str, text: &str| m.write(name, text);
     let g = tiny_geometry(2).unwrap();
-    let tls = DpTls::from_pem_files(&ca_file, &engine_cert, &engine_key, "localhost").unwrap();
-    let mut p = SimConfig::new(SimRole::Prefill, g);
-    p.dp_tls = Some(tls.clone());
-    let mut d = SimConfig::new(SimRole::Decode, g);
-    d.dp_tls = Some(tls);
-    let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
     let tls = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n";
     let text = super::serve_toml(&prefill, &decode, "", tls);
     let file = write("baton.toml", &text);
@@ -157,27 +188,9 @@ fn a_plaintext_rank_off_loopback_is_refused_unless_the_pool_says_so() {
 /// connections already open keep serving; a good pair again mends it, with no restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rotated_data_plane_certificates_serve_new_connections() {
-    let dir = std::env::temp_dir().join(format!("baton-dptls-rotate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let write = |name: &str, text: &str| {
-        let p = dir.join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    };
-    let ca = Ca::new("baton data plane CA");
-    let (engine_pem, engine_key, ..) = ca.leaf(&["localhost"]);
-    let (gateway_pem, gateway_key, ..) = ca.leaf(&["localhost"]);
-    let ca_file = write("ca.pem", &ca.pem);
-    let (engine_cert, engine_key) = (write("engine.pem", &engine_pem), write("engine.key", &engine_key));
-    write("gateway.pem", &gateway_pem);
-    write("gateway.key", &gateway_key);
-    let g = tiny_geometry(1).unwrap();
-    let tls = DpTls::from_pem_files(&ca_file, &engine_cert, &engine_key, "localhost").unwrap();
-    let mut p = SimConfig::new(SimRole::Prefill, g);
-    p.dp_tls = Some(tls.clone());
-    let mut d = SimConfig::new(SimRole::Decode, g);
-    d.dp_tls = Some(tls);
-    let (prefill, decode) = (launch(p).await.unwrap(), launch(d).await.unwrap());
+    let m = Mtls::start("dptls-rotate", 1).await;
+    let (dir, ca, prefill, decode) = (&m.dir, &m.ca, &m.prefill, &m.decode);
+    let write = |name: &str, text: &str| m.write(name, text);
     // The decoder's breaker opens while the ranks refuse the gateway (below): a short span, so
     // the mended gateway probes it again soon.
     let conf = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n\n[routing]\neject_ms = 100\n";
