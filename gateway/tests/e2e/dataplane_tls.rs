@@ -66,7 +66,7 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     let write = |name: &str, text: &str| m.write(name, text);
     let g = tiny_geometry(2).unwrap();
     let tls = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n";
-    let text = super::serve_toml(&prefill, &decode, "", tls);
+    let text = super::serve_toml(prefill, decode, "", tls);
     let file = write("baton.toml", &text);
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     // The gateway's control connections, its event feeds and the prefiller's writes all pass.
@@ -130,7 +130,7 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
 
     // The same TLS given to the pool itself (`[decode.dataplane_tls]`) instead of to every pool.
     let pool_tls = tls.replace("[dataplane_tls]", "[decode.dataplane_tls]");
-    let file = write("pool.toml", &super::serve_toml(&prefill, &decode, &pool_tls, ""));
+    let file = write("pool.toml", &super::serve_toml(prefill, decode, &pool_tls, ""));
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     let (s, b) = super::http(
         serving.addrs[0],
@@ -141,7 +141,7 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
     serving.shutdown().await;
     // Without any TLS the gateway cannot reach the ranks at all.
-    let file = write("none.toml", &super::serve_toml(&prefill, &decode, "", ""));
+    let file = write("none.toml", &super::serve_toml(prefill, decode, "", ""));
     let refused = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await;
     assert!(refused.is_err(), "a gateway without the data plane's TLS reached its ranks");
     let _ = std::fs::remove_dir_all(&dir);
@@ -194,7 +194,7 @@ async fn rotated_data_plane_certificates_serve_new_connections() {
     // The decoder's breaker opens while the ranks refuse the gateway (below): a short span, so
     // the mended gateway probes it again soon.
     let conf = "[dataplane_tls]\nca = \"ca.pem\"\ncert = \"gateway.pem\"\nkey = \"gateway.key\"\nserver_name = \"localhost\"\n\n[routing]\neject_ms = 100\n";
-    let file = write("baton.toml", &super::serve_toml(&prefill, &decode, "", conf));
+    let file = write("baton.toml", &super::serve_toml(prefill, decode, "", conf));
     let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
     let (addr, admin) = (serving.addrs[0], serving.admin_addr);
     // `n` requests at once: more than the control connections pooled so far open new ones.
