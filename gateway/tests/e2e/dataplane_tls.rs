@@ -144,7 +144,7 @@ async fn mtls_data_plane_serves_the_gateway_and_refuses_strangers() {
     let file = write("none.toml", &super::serve_toml(prefill, decode, "", ""));
     let refused = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await;
     assert!(refused.is_err(), "a gateway without the data plane's TLS reached its ranks");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A rank off loopback in plain TCP is refused by `check-config` and `baton serve`, naming the
@@ -272,5 +272,5 @@ async fn rotated_data_plane_certificates_serve_new_connections() {
     assert_eq!(burst(12, 200).await, vec![200; 12]);
     assert_eq!(refused_by_rank(), refused, "no handshake refused after the mend");
     serving.shutdown().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
