@@ -213,7 +213,7 @@ impl Retries {
             for (why, n) in [("budget", &c.budget), ("attempts", &c.attempts)] {
                 out.counter(
                     "baton_retries_denied_total",
-                    "Retryable failures not retried: the retry budget was spent, or the leg had its attempts.",
+                    "Retryable failures not retried: the retry budget was spent, or the request had its attempts.",
                     &[("leg", leg), ("why", why)],
                     n.load(Ordering::Relaxed) as f64,
                 );
