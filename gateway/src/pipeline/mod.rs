@@ -1006,7 +1006,7 @@ impl Gateway {
         });
     }
 
-    /// The routed prefillers, then every other healthy one (less those an earlier attempt of the
+    /// The routed prefillers, then every other routable one (less those an earlier attempt of the
     /// request failed on): tried in turn only while a prefiller fails before it mattered.
     fn prefill_order(&self, routed: impl Iterator<Item = usize>, avoid: &Avoid) -> Vec<&Prefiller> {
         let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());

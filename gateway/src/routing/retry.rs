@@ -57,7 +57,7 @@ impl Default for RetryConfig {
 /// Why a retry was not made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Denied {
-    /// The leg had its `attempts`.
+    /// The request had its `attempts`.
     Attempts,
     /// Retries in the window already reached the budget.
     Budget,
@@ -124,8 +124,9 @@ impl Retries {
         if leg == "prefill" { &self.prefill } else { &self.decode }
     }
 
-    /// Whether try number `tried + 1` of a `leg` that failed may go: within the leg's attempts and
-    /// the budget (counted as spent when it may). The answer is counted either way.
+    /// Whether a retry of a request that has made `tried` tries so far may go, after its `leg`
+    /// failed: within the request's attempts and the budget (counted as spent when it may). The
+    /// answer is counted by leg either way.
     pub fn allow(&self, leg: &str, tried: u32) -> Result<(), Denied> {
         let c = self.counts(leg);
         if tried >= self.cfg.attempts {

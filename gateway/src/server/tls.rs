@@ -79,7 +79,8 @@ impl FrontTls {
     }
 
     /// Reads every listener's files, the engine client's (`[engine_tls]`) and the data plane's
-    /// (`[dataplane_tls]`, pools' own), again when they change (checked every [`TLS_POLL`]) and on SIGHUP; ends with the gateway. Each outcome is
+    /// (`[dataplane_tls]`, pools' own), again when they change (checked every [`TLS_POLL`]) and
+    /// on SIGHUP; ends with the gateway. Each outcome is
     /// logged: a refused file as a warning naming what and why.
     pub fn spawn_watcher(
         gateway: Weak<crate::pipeline::Gateway>,
@@ -109,44 +110,29 @@ impl FrontTls {
                     Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
                 };
                 let Some(g) = gateway.upgrade() else { return };
+                // The same words as /metrics' `tls` label: a listener's address, `admin`,
+                // `engines`, `dataplane[:decode[N]]`.
                 for (name, tls) in &listeners {
-                    match tls.reload(force) {
-                        Some(Ok(())) => {
-                            tracing::info!(listener = %name, "TLS certificate reloaded: new connections get it")
-                        }
-                        None => {}
-                        Some(Err(e)) => tracing::warn!(
-                            listener = %name,
-                            error = %e,
-                            "TLS certificate files refused; the certificate in force stays"
-                        ),
-                    }
+                    logged(name, tls.reload(force));
                 }
-                match g.shared.client.reload(force) {
-                    Some(Ok(())) => {
-                        tracing::info!("[engine_tls] reloaded: new connections to the engines use it")
-                    }
-                    None => {}
-                    Some(Err(e)) => {
-                        tracing::warn!(error = %e, "[engine_tls] files refused; the certificates in force stay")
-                    }
-                }
+                logged("engines", g.shared.client.reload(force));
                 for certs in g.dataplane_certs() {
-                    match certs.reload(force) {
-                        Some(Ok(())) => tracing::info!(
-                            tls = certs.name(),
-                            "data-plane TLS reloaded: new connections to the ranks use it"
-                        ),
-                        None => {}
-                        Some(Err(e)) => tracing::warn!(
-                            tls = certs.name(),
-                            error = %e,
-                            "data-plane TLS files refused; the certificates in force stay"
-                        ),
-                    }
+                    logged(certs.name(), certs.reload(force));
                 }
             }
         })
+    }
+}
+
+/// Logs what one set of certificate files' reload did: nothing (unchanged), swapped for new
+/// connections, or refused (a warning naming why; the set in force stays).
+fn logged<E: std::fmt::Display>(tls: &str, reloaded: Option<Result<(), E>>) {
+    match reloaded {
+        None => {}
+        Some(Ok(())) => tracing::info!(tls, "TLS certificates reloaded: new connections use them"),
+        Some(Err(e)) => {
+            tracing::warn!(tls, error = %e, "TLS certificate files refused; the certificates in force stay")
+        }
     }
 }
 
