@@ -18,6 +18,14 @@
 //! others shrink toward a fair share (less when its next request needs more), as their requests
 //! end: nobody starves, a request needing the whole buffer included.
 //!
+//! Flow control, when on, is shared too ([`crate::flow::Fleet`]): each tenant's token budget is
+//! one bucket in the store, taken from per request in one atomic script (the store's clock refills
+//! it) and given back, less what the answer cost, when it ends; tenants' fair-share counters add
+//! every replica's service, synced every `sync` interval, so a tenant served by one replica waits
+//! its turn at the others. While the store is down, each replica checks a budget against its own
+//! share of it (over the live replicas last counted, its own recent use included), and orders
+//! tenants by the others' service as last read.
+//!
 //! When the store cannot be reached a replica keeps the share it last held and never grows it
 //! (failing closed: the shares last granted sum to at most the capacity). A replica that never
 //! reached the store holds nothing. Both are logged and counted (`baton_cluster_store_up`,
@@ -139,6 +147,14 @@ pub struct Cluster {
     engine_truth: Vec<String>,
     /// Flow control, when on: its next request counts as waiting for every shared decoder.
     flow: std::sync::OnceLock<Weak<crate::flow::FlowControl>>,
+    flow_script: redis::Script,
+    budget_script: redis::Script,
+    /// Replicas flow control counted in the store (0: never counted).
+    flow_replicas: AtomicU32,
+    /// Budget calls to the store: taken, refused, failed.
+    budget_calls: [AtomicU64; 3],
+    /// Itself, for the budget's give-backs made in the background.
+    me: std::sync::OnceLock<Weak<Cluster>>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -195,7 +211,13 @@ impl Cluster {
             epoch: tokio::time::Instant::now(),
             engine_truth,
             flow: std::sync::OnceLock::new(),
+            flow_script: redis::Script::new(include_str!("flow.lua")),
+            budget_script: redis::Script::new(include_str!("budget.lua")),
+            flow_replicas: AtomicU32::new(0),
+            budget_calls: Default::default(),
+            me: std::sync::OnceLock::new(),
         });
+        let _ = cluster.me.set(Arc::downgrade(&cluster));
         for i in 0..cluster.members.len() {
             tokio::spawn(sync_loop(Arc::downgrade(&cluster), i));
         }
@@ -211,8 +233,110 @@ impl Cluster {
     /// Has flow control's next request count as waiting for the shared decoders (with flow
     /// control on, requests wait there rather than in the decoders' queues); the syncs read it
     /// every `sync` interval.
-    pub fn attach_flow(&self, flow: &Arc<crate::flow::FlowControl>) {
-        let _ = self.flow.set(Arc::downgrade(flow));
+    ///
+    /// Shares flow control's budgets and counters with the other replicas too (one sync task,
+    /// ended when flow control or the cluster is gone).
+    pub fn attach_flow(self: &Arc<Self>, flow: &Arc<crate::flow::FlowControl>) {
+        if self.flow.set(Arc::downgrade(flow)).is_ok() {
+            flow.share_with(Arc::clone(self) as Arc<dyn crate::flow::Fleet>);
+            tokio::spawn(flow_loop(Arc::downgrade(self), Arc::downgrade(flow)));
+        }
+    }
+
+    fn flow_key(&self, what: &str) -> String {
+        // One hash tag for flow control's keys (a Redis Cluster keeps them in one slot).
+        format!("{}:{{flow}}:{what}", self.cfg.key_prefix)
+    }
+
+    /// One sync of flow control's counters: this replica's service in, the fleet's out.
+    async fn sync_flow(&self, flow: &crate::flow::FlowControl) -> Result<(), redis::RedisError> {
+        let sent = flow.unsynced();
+        let mut conn = self.connection().await?;
+        let mut call = self.flow_script.prepare_invoke();
+        call.key(self.flow_key("counters"))
+            .key(self.flow_key("replicas"))
+            .arg(&self.cfg.replica)
+            .arg(ms(self.cfg.lease))
+            .arg(ms(COUNTERS_KEPT));
+        for u in &sent {
+            call.arg(&*u.tenant).arg(u.delta.to_string()).arg(u.served.to_string());
+        }
+        let answer: Vec<String> = call.invoke_async(&mut conn).await?;
+        let parsed: Option<Vec<f64>> = answer.iter().map(|v| v.parse().ok()).collect();
+        let (Some(replicas), Some(totals)) = (answer.first().and_then(|r| r.parse().ok()), parsed) else {
+            return Err(script_answer("the flow script", &answer));
+        };
+        if totals.len() != sent.len() + 1 {
+            return Err(script_answer("the flow script", &answer));
+        }
+        self.flow_replicas.store(replicas, Ordering::Relaxed);
+        flow.synced(&sent, &totals[1..]);
+        Ok(())
+    }
+
+    /// Whether a call to the store may be made now: it is up, or was last found down long
+    /// enough ago to be tried again.
+    fn store_callable(&self) -> bool {
+        let down = self.down_at.load(Ordering::Relaxed);
+        self.store_up()
+            || down == 0
+            || self.since_epoch_ms().saturating_sub(down) >= ms(self.cfg.reconnect_every())
+    }
+
+    /// A call to the store within its timeout, its failure recorded.
+    async fn call<T>(
+        &self,
+        f: impl Future<Output = Result<T, redis::RedisError>>,
+    ) -> Result<T, redis::RedisError> {
+        let limit = self.cfg.store_timeout();
+        let r = match tokio::time::timeout(limit, f).await {
+            Ok(r) => r,
+            Err(_) => Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "timed out",
+                format!("no answer within {limit:?}"),
+            ))),
+        };
+        match r {
+            Ok(v) => {
+                self.outcome(Ok(())).await;
+                Ok(v)
+            }
+            Err(e) => {
+                let kept = redis::RedisError::from((e.kind(), "store call failed", e.to_string()));
+                self.outcome(Err(e)).await;
+                Err(kept)
+            }
+        }
+    }
+
+    /// One call of the budget script: `take` of the tenant's bucket if `need` is there (or, with
+    /// a negative `take`, given back).
+    async fn budget(
+        &self,
+        tenant: &str,
+        rule: crate::flow::BudgetRule,
+        take: f64,
+        need: f64,
+    ) -> Result<Result<(), u64>, redis::RedisError> {
+        let mut conn = self.connection().await?;
+        let answer: (u8, String) = self
+            .budget_script
+            .key(self.flow_key(&format!("budget:{tenant}")))
+            .arg(rule.tokens_per_minute)
+            .arg(take.to_string())
+            .arg(need.to_string())
+            .invoke_async(&mut conn)
+            .await?;
+        match answer {
+            (1, _) => Ok(Ok(())),
+            (0, refill) => match refill.parse::<f64>() {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                Ok(s) if s.is_finite() => Ok(Err(s.max(1.0) as u64)),
+                _ => Err(script_answer("the budget script", &[refill])),
+            },
+            (n, v) => Err(script_answer("the budget script", &[n.to_string(), v])),
+        }
     }
 
     /// What this replica wants of a decoder: its queue's demand, and, when nobody waits there,
@@ -345,12 +469,21 @@ impl Cluster {
             "replica": self.cfg.replica, "store": redacted(&self.cfg.store), "store_up": self.store_up(),
             "lease_ms": ms(self.cfg.lease), "sync_ms": ms(self.cfg.sync),
             "shared": shared, "engine_truth": self.engine_truth,
+            "flow": self.flow.get().map(|_| json!({
+                "replicas": self.flow_replicas.load(Ordering::Relaxed),
+                "budget_calls": {
+                    "taken": self.budget_calls[0].load(Ordering::Relaxed),
+                    "refused": self.budget_calls[1].load(Ordering::Relaxed),
+                    "failed": self.budget_calls[2].load(Ordering::Relaxed),
+                },
+            })),
         })
     }
 
     /// `baton_cluster_*`.
     pub fn metrics(&self, out: &mut Scrape) {
-        if self.members.is_empty() {
+        let flow = self.flow.get().is_some();
+        if self.members.is_empty() && !flow {
             // Only decoders whose ranks are their own truth: the store is never called.
             return;
         }
@@ -366,6 +499,22 @@ impl Cluster {
             &[],
             self.errors.load(Ordering::Relaxed) as f64,
         );
+        if flow {
+            for (i, outcome) in ["taken", "refused", "failed"].into_iter().enumerate() {
+                out.counter(
+                    "baton_cluster_budget_calls_total",
+                    "Calls to the store for a tenant's fleet-wide token budget, by outcome (failed: this replica's share was checked instead).",
+                    &[("outcome", outcome)],
+                    self.budget_calls[i].load(Ordering::Relaxed) as f64,
+                );
+            }
+            out.gauge(
+                "baton_cluster_flow_replicas",
+                "Live replicas sharing flow control's budgets and counters, as the store last counted.",
+                &[],
+                f64::from(self.flow_replicas.load(Ordering::Relaxed)),
+            );
+        }
         for m in &self.members {
             let l = [("decoder", m.decoder.name.as_str())];
             out.gauge(
@@ -417,6 +566,71 @@ async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
             _ = demand.notified() => {}
             _ = tokio::time::sleep(sync.saturating_sub(MIN_SYNC_GAP)) => {}
         }
+    }
+}
+
+impl crate::flow::Fleet for Cluster {
+    fn reserve<'a>(
+        &'a self,
+        tenant: &'a str,
+        rule: crate::flow::BudgetRule,
+        hold: f64,
+        need: f64,
+    ) -> crate::flow::Reserve<'a> {
+        Box::pin(async move {
+            if !self.store_callable() {
+                self.budget_calls[2].fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            match self.call(self.budget(tenant, rule, hold, need)).await {
+                Ok(r) => {
+                    self.budget_calls[usize::from(r.is_err())].fetch_add(1, Ordering::Relaxed);
+                    Some(r)
+                }
+                Err(_) => {
+                    self.budget_calls[2].fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+            }
+        })
+    }
+
+    fn give_back(&self, tenant: &str, rule: crate::flow::BudgetRule, tokens: f64) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let Some(me) = self.me.get().and_then(Weak::upgrade) else { return };
+        let tenant = tenant.to_owned();
+        rt.spawn(async move {
+            if me.store_callable() {
+                let _ = me.call(me.budget(&tenant, rule, -tokens, 0.0)).await;
+            }
+        });
+    }
+
+    fn replicas(&self) -> u32 {
+        self.flow_replicas.load(Ordering::Relaxed).max(1)
+    }
+}
+
+/// How long the store keeps tenants' counters after the last replica's sync: a fleet idle this
+/// long starts them afresh (VTC's counters only order tenants against each other).
+const COUNTERS_KEPT: Duration = Duration::from_secs(3600);
+
+/// An answer a script should not give.
+fn script_answer(script: &str, answer: &[String]) -> redis::RedisError {
+    redis::RedisError::from((redis::ErrorKind::Parse, "unexpected answer", format!("{script}: {answer:?}")))
+}
+
+/// Syncs flow control's counters every `sync` interval, until flow control or the cluster is gone.
+async fn flow_loop(cluster: Weak<Cluster>, flow: Weak<crate::flow::FlowControl>) {
+    loop {
+        let sync = {
+            let (Some(c), Some(f)) = (cluster.upgrade(), flow.upgrade()) else { return };
+            if c.store_callable() {
+                let _ = c.call(c.sync_flow(&f)).await;
+            }
+            c.cfg.sync
+        };
+        tokio::time::sleep(sync).await;
     }
 }
 

@@ -20,10 +20,18 @@
 //!   request (its known input must fit) and charged after its answer; a refusal names the budget
 //!   and when it refills.
 //!
-//! Everything here is in memory, one gateway replica's view.
+//! - **Replicas.** Alone, everything here is one replica's memory. With `[cluster]` the replicas
+//!   share it through the store ([`Fleet`]): a tenant's budget is one bucket in the store, checked
+//!   and held per request; its counter adds the service every other replica gave it, synced every
+//!   `sync` interval. While the store cannot be reached, each replica checks budgets against its
+//!   own share (the budget over the live replicas last counted), and its own recent use of that
+//!   share; counters go on with the others' service as last read.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -68,6 +76,9 @@ const GATEWAY_WAIT: &str = "the gateway's queue timeout";
 /// Output tokens charged to a tenant's counter at a time while a request streams (the flow lock
 /// is taken once per this many, not once per chunk); the rest when it ends.
 const OUTPUT_CHARGE_EVERY: u64 = 16;
+/// Tenants whose counters one sync with the other replicas reads back at most, besides those
+/// that changed or wait.
+pub const SYNCED_TENANTS: usize = 1024;
 /// Recent dispatches remembered for the decision records' "served first".
 const RECENT: usize = 4096;
 
@@ -111,6 +122,54 @@ impl Counts {
 pub struct BudgetRule {
     pub tokens_per_minute: u64,
     pub counts: Counts,
+}
+
+impl BudgetRule {
+    /// What a request of `input` tokens and at most `max_output` holds of a bucket of this rule,
+    /// and what it must find there (see `Bucket::hold`).
+    pub fn hold(&self, input: u64, max_output: u64) -> (f64, f64) {
+        let hold = self.cost(input, max_output);
+        (hold, hold.clamp(1.0, (self.tokens_per_minute as f64).max(1.0)))
+    }
+
+    /// What an answer of `input` and `output` tokens costs.
+    pub fn cost(&self, input: u64, output: u64) -> f64 {
+        match self.counts {
+            Counts::Input => input as f64,
+            Counts::Output => output as f64,
+            Counts::Total => (input + output) as f64,
+        }
+    }
+
+    /// Tokens per second.
+    pub fn rate(&self) -> f64 {
+        self.tokens_per_minute as f64 / 60.0
+    }
+}
+
+/// [`Fleet::reserve`]'s answer, to come.
+pub type Reserve<'a> = Pin<Box<dyn Future<Output = Option<Result<(), u64>>> + Send + 'a>>;
+
+/// The other gateway replicas, through `[cluster]`'s store.
+pub trait Fleet: Send + Sync + std::fmt::Debug {
+    /// Takes `hold` of `tenant`'s fleet-wide bucket if `need` is there: `Some(Ok(()))` taken,
+    /// `Some(Err(s))` refused (it refills within `s` seconds), `None` the store cannot be reached.
+    fn reserve<'a>(&'a self, tenant: &'a str, rule: BudgetRule, hold: f64, need: f64) -> Reserve<'a>;
+    /// Gives `tokens` back to the tenant's bucket (negative: takes that many more), in the
+    /// background; lost when the store cannot be reached (the bucket keeps less: never more).
+    fn give_back(&self, tenant: &str, rule: BudgetRule, tokens: f64);
+    /// The live replicas last counted (1 before any count): each one's share of a budget while
+    /// the store cannot be reached.
+    fn replicas(&self) -> u32;
+}
+
+/// A tenant's counter as [`Fleet`] syncs it: this replica's service since the last sync, and
+/// its whole service (what the store is seeded with when it has lost the tenant).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Unsynced {
+    pub tenant: Arc<str>,
+    pub delta: f64,
+    pub served: f64,
 }
 
 /// A tenant's share, cap and budget.
@@ -308,8 +367,21 @@ impl Bucket {
         Self { rule, level: rule.tokens_per_minute as f64, at: now }
     }
 
+    /// Makes this bucket one of `replicas` equal shares of `rule`: what was used of the old share
+    /// stays used of the new one (never fuller than it).
+    fn share(&mut self, rule: BudgetRule, replicas: u32, now: Instant) {
+        let share =
+            BudgetRule { tokens_per_minute: rule.tokens_per_minute / u64::from(replicas.max(1)), ..rule };
+        if self.rule != share {
+            self.refill(now);
+            let (old, new) = (self.rule.tokens_per_minute as f64, share.tokens_per_minute as f64);
+            self.rule = share;
+            self.level = (self.level + new - old).min(new);
+        }
+    }
+
     fn rate(&self) -> f64 {
-        self.rule.tokens_per_minute as f64 / 60.0
+        (self.rule.tokens_per_minute as f64 / 60.0).max(f64::MIN_POSITIVE)
     }
 
     fn refill(&mut self, now: Instant) {
@@ -324,16 +396,7 @@ impl Bucket {
     /// served), and what it must find there: the hold, at most the whole budget (so a large
     /// request still goes when the bucket is full), at least one token.
     fn hold(&self, input: u64, max_output: u64) -> (f64, f64) {
-        let hold = self.cost(input, max_output);
-        (hold, hold.clamp(1.0, self.rule.tokens_per_minute as f64))
-    }
-
-    fn cost(&self, input: u64, output: u64) -> f64 {
-        match self.rule.counts {
-            Counts::Input => input as f64,
-            Counts::Output => output as f64,
-            Counts::Total => (input + output) as f64,
-        }
+        self.rule.hold(input, max_output)
     }
 
     fn full(&self, now: Instant) -> bool {
@@ -345,8 +408,15 @@ impl Bucket {
 #[derive(Debug)]
 struct TenantState {
     weight: f64,
-    /// VTC's counter: cost served, over the weight.
+    /// VTC's counter: cost served, over the weight (this replica's, lifts included).
     counter: f64,
+    /// Of `counter`, the service this replica gave (lifts not included), and how much of it the
+    /// fleet's store has.
+    served: f64,
+    published: f64,
+    /// The service the other replicas gave, as last read from the store: the tenant's counter
+    /// is `counter + others` (`TenantState::fair`).
+    others: f64,
     queued: usize,
     budget: Option<Bucket>,
     /// Requests let go and not yet ended (its `Charge` not yet dropped).
@@ -354,6 +424,19 @@ struct TenantState {
     served_input: u64,
     served_output: u64,
     refused_budget: u64,
+}
+
+impl TenantState {
+    /// The counter fair shares compare: this replica's and every other one's service.
+    fn fair(&self) -> f64 {
+        self.counter + self.others
+    }
+
+    /// Charges `cost` (already over the weight) served here; negative: a refund.
+    fn serve(&mut self, cost: f64) {
+        self.counter += cost;
+        self.served += cost;
+    }
 }
 
 /// A waiter's place in its flow: (order key, sequence).
@@ -445,14 +528,21 @@ impl Drop for Place {
 impl State {
     fn tenant(&mut self, cfg: &FlowConfig, t: &Arc<str>, now: Instant) -> &mut TenantState {
         if !self.tenants.contains_key(t) && self.tenants.len() >= MAX_IDLE_TENANTS {
-            self.tenants
-                .retain(|_, s| s.queued > 0 || s.open > 0 || s.budget.as_ref().is_some_and(|b| !b.full(now)));
+            self.tenants.retain(|_, s| {
+                s.queued > 0
+                    || s.open > 0
+                    || s.served != s.published
+                    || s.budget.as_ref().is_some_and(|b| !b.full(now))
+            });
         }
         self.tenants.entry(Arc::clone(t)).or_insert_with(|| {
             let rule = cfg.rule(t);
             TenantState {
                 weight: rule.weight,
                 counter: 0.0,
+                served: 0.0,
+                published: 0.0,
+                others: 0.0,
                 queued: 0,
                 budget: rule.budget.map(|r| Bucket::new(r, now)),
                 open: 0,
@@ -470,11 +560,11 @@ impl State {
             .tenants
             .iter()
             .filter(|(k, s)| s.queued > 0 && *k != t)
-            .map(|(_, s)| s.counter)
+            .map(|(_, s)| s.fair())
             .fold(None, |m: Option<f64>, c| Some(m.map_or(c, |m| m.min(c))))
             .unwrap_or(self.last_left);
         if let Some(s) = self.tenants.get_mut(t) {
-            s.counter = s.counter.max(floor);
+            s.counter = s.counter.max(floor - s.others);
         }
     }
 
@@ -498,7 +588,7 @@ impl State {
         if let Some(s) = self.tenants.get_mut(tenant) {
             s.queued -= 1;
             if s.queued == 0 {
-                self.last_left = s.counter;
+                self.last_left = s.fair();
             }
         }
         Some(w)
@@ -515,7 +605,7 @@ impl State {
         let mut best: Option<Best<'_>> = None;
         for (t, q) in &band.flows {
             let Some((k, _)) = q.first_key_value() else { continue };
-            let c = self.tenants.get(t).map_or(0.0, |s| s.counter);
+            let c = self.tenants.get(t).map_or(0.0, TenantState::fair);
             let better = match best {
                 None => true,
                 Some((bc, bn, bk, _)) => {
@@ -565,6 +655,8 @@ pub struct Charge {
     charged: u64,
     /// What it holds of the tenant's budget (its input and `max_tokens`, as the budget counts).
     held: f64,
+    /// The hold is in the fleet's bucket (`[cluster]`'s store), not only this replica's.
+    in_store: bool,
     /// Let go: counted in the tenant's requests in flight.
     dispatched: bool,
     /// The answer ended: the budget is charged what was served.
@@ -599,7 +691,7 @@ impl Charge {
 /// Charges `more` output tokens to `tenant`'s counter.
 fn add_output(s: &mut State, cfg: &FlowConfig, tenant: &Arc<str>, more: u64) {
     if let Some(t) = s.tenants.get_mut(tenant) {
-        t.counter += cfg.output_cost * more as f64 / t.weight;
+        t.serve(cfg.output_cost * more as f64 / t.weight);
         t.served_output += more;
     }
 }
@@ -609,14 +701,27 @@ impl Drop for Charge {
         let more = self.take_output();
         let mut s = self.flow.lock();
         add_output(&mut s, &self.flow.cfg, &self.tenant, more);
-        let Some(t) = s.tenants.get_mut(&self.tenant) else { return };
-        if self.dispatched {
-            t.open = t.open.saturating_sub(1);
+        let rule = self.flow.cfg.rule(&self.tenant).budget;
+        // Refused or failed before its answer: nothing is charged, the whole hold goes back.
+        let back = match rule {
+            Some(r) if self.finished => self.held - r.cost(self.input, self.seen),
+            _ => self.held,
+        };
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            if self.dispatched {
+                t.open = t.open.saturating_sub(1);
+            }
+            // With a fleet, this replica's share mirrors what it took of the fleet's bucket.
+            if let Some(b) = t.budget.as_mut() {
+                b.level += back;
+            }
         }
-        if let Some(b) = t.budget.as_mut() {
-            // Refused or failed before its answer: nothing is charged, the whole hold goes back.
-            let cost = if self.finished { b.cost(self.input, self.seen) } else { 0.0 };
-            b.level += self.held - cost;
+        drop(s);
+        if self.in_store
+            && let (Some(fleet), Some(rule)) = (self.flow.fleet.get(), rule)
+            && back != 0.0
+        {
+            fleet.give_back(&self.tenant, rule, back);
         }
     }
 }
@@ -638,6 +743,10 @@ pub struct Admitted {
 pub struct FlowControl {
     pub cfg: FlowConfig,
     state: Mutex<State>,
+    /// The other replicas (`[cluster]`), when there are.
+    fleet: OnceLock<Arc<dyn Fleet>>,
+    /// Budget checks made against this replica's share because the store could not be reached.
+    budget_local: AtomicU64,
     /// Woken when room may have appeared or the head changed.
     pub wake: Arc<Notify>,
 }
@@ -668,8 +777,43 @@ impl FlowControl {
                 dispatches: 0,
                 in_dispatch: 0,
             }),
+            fleet: OnceLock::new(),
+            budget_local: AtomicU64::new(0),
             wake: Arc::new(Notify::new()),
         })
+    }
+
+    /// Shares budgets and counters with the other replicas through `fleet` (once).
+    pub fn share_with(&self, fleet: Arc<dyn Fleet>) {
+        let _ = self.fleet.set(fleet);
+    }
+
+    /// The counters to sync with [`Fleet`]'s store: every tenant with service here the store lacks
+    /// and every waiting one (whose others' service orders it), then the rest this replica knows
+    /// (read back for `/admin/flow`), [`SYNCED_TENANTS`] at most.
+    pub fn unsynced(&self) -> Vec<Unsynced> {
+        let s = self.lock();
+        let entry = |(k, t): (&Arc<str>, &TenantState)| Unsynced {
+            tenant: Arc::clone(k),
+            delta: t.served - t.published,
+            served: t.served,
+        };
+        let urgent = |t: &TenantState| t.served != t.published || t.queued > 0;
+        let mut out: Vec<Unsynced> = s.tenants.iter().filter(|(_, t)| urgent(t)).map(entry).collect();
+        let room = SYNCED_TENANTS.saturating_sub(out.len());
+        out.extend(s.tenants.iter().filter(|(_, t)| !urgent(t)).take(room).map(entry));
+        out
+    }
+
+    /// The store took `sent` and answered each tenant's fleet-wide service, `totals`.
+    pub fn synced(&self, sent: &[Unsynced], totals: &[f64]) {
+        let mut s = self.lock();
+        for (u, total) in sent.iter().zip(totals) {
+            if let Some(t) = s.tenants.get_mut(&u.tenant) {
+                t.published += u.delta;
+                t.others = (total - t.published).max(0.0);
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -728,6 +872,9 @@ impl FlowControl {
     fn check_budget(&self, s: &mut State, id: &Identity, ask: &Ask, now: Instant) -> Result<f64, Refused> {
         let t = s.tenant(&self.cfg, &id.tenant, now);
         let Some(b) = t.budget.as_mut() else { return Ok(0.0) };
+        if let (Some(fleet), Some(rule)) = (self.fleet.get(), self.cfg.rule(&id.tenant).budget) {
+            b.share(rule, fleet.replicas(), now);
+        }
         b.refill(now);
         let (hold, need) = b.hold(ask.tokens as u64, ask.max_tokens.map_or(0, u64::from));
         if b.level >= need {
@@ -736,18 +883,46 @@ impl FlowControl {
         }
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let refill_s = ((need - b.level) / b.rate()).ceil().max(1.0) as u64;
-        let rule = b.rule;
-        t.refused_budget += 1;
-        let band = id.band;
-        if let Some(bq) = s.bands.get_mut(band) {
+        let rule = self.cfg.rule(&id.tenant).budget.unwrap_or(b.rule);
+        Err(self.budget_refused(s, id, rule, refill_s))
+    }
+
+    /// Counts a budget's refusal.
+    fn budget_refused(&self, s: &mut State, id: &Identity, rule: BudgetRule, refill_s: u64) -> Refused {
+        if let Some(t) = s.tenants.get_mut(&id.tenant) {
+            t.refused_budget += 1;
+        }
+        if let Some(bq) = s.bands.get_mut(id.band) {
             *bq.refused.entry("budget").or_default() += 1;
         }
-        Err(Refused::Budget {
+        Refused::Budget {
             tenant: id.tenant.to_string(),
             tokens_per_minute: rule.tokens_per_minute,
             counts: rule.counts.as_str(),
             refill_s,
-        })
+        }
+    }
+
+    /// With a fleet: takes the request's hold of its tenant's bucket in the store. `Ok(Some(hold))`
+    /// taken there; `Ok(None)`: no budget, no fleet, or the store cannot be reached (this
+    /// replica's share is checked instead).
+    async fn fleet_budget(&self, id: &Identity, ask: &Ask) -> Result<Option<f64>, Refused> {
+        let (Some(fleet), Some(rule)) = (self.fleet.get(), self.cfg.rule(&id.tenant).budget) else {
+            return Ok(None);
+        };
+        let (hold, need) = rule.hold(ask.tokens as u64, ask.max_tokens.map_or(0, u64::from));
+        match fleet.reserve(&id.tenant, rule, hold, need).await {
+            Some(Ok(())) => Ok(Some(hold)),
+            Some(Err(refill_s)) => {
+                let mut s = self.lock();
+                s.tenant(&self.cfg, &id.tenant, Instant::now());
+                Err(self.budget_refused(&mut s, id, rule, refill_s))
+            }
+            None => {
+                self.budget_local.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+        }
     }
 
     fn waited(&self, band: usize, d: Duration) {
@@ -798,12 +973,39 @@ impl FlowControl {
             seen: 0,
             charged: 0,
             held: 0.0,
+            in_store: false,
             dispatched: false,
             finished: false,
         };
+        let in_store = match self.fleet_budget(id, &ask).await {
+            Ok(held) => held,
+            Err(r) => {
+                drop(charge);
+                return Err(r);
+            }
+        };
         let entered = {
             let mut s = self.lock();
-            match self.check_budget(&mut s, id, &ask, now) {
+            let budget = match in_store {
+                Some(held) => {
+                    // Taken of the fleet's bucket: this replica's share mirrors it, so that its
+                    // share holds its own recent use when the store goes away.
+                    let now = Instant::now();
+                    let fleet_rule = self.cfg.rule(&id.tenant).budget;
+                    let replicas = self.fleet.get().map_or(1, |f| f.replicas());
+                    if let (Some(b), Some(rule)) =
+                        (s.tenant(&self.cfg, &id.tenant, now).budget.as_mut(), fleet_rule)
+                    {
+                        b.share(rule, replicas, now);
+                        b.refill(now);
+                        b.level -= held;
+                    }
+                    charge.in_store = true;
+                    Ok(held)
+                }
+                None => self.check_budget(&mut s, id, &ask, now),
+            };
+            match budget {
                 Err(r) => Err(r),
                 Ok(held) => {
                     charge.held = held;
@@ -941,7 +1143,7 @@ impl FlowControl {
     fn dispatch_now(&self, s: &mut State, tenant: &Arc<str>, input: u64, input_cost: f64, band: usize) {
         let now = Instant::now();
         let t = s.tenant(&self.cfg, tenant, now);
-        t.counter += input_cost / t.weight;
+        t.serve(input_cost / t.weight);
         t.served_input += input;
         t.open += 1;
         if let Some(b) = s.bands.get_mut(band) {
@@ -953,7 +1155,7 @@ impl FlowControl {
     /// Undoes [`FlowControl::dispatch_now`] for a request let go that was gone by then.
     fn refund(&self, s: &mut State, tenant: &Arc<str>, input: u64, input_cost: f64, band: usize) {
         if let Some(t) = s.tenants.get_mut(tenant) {
-            t.counter -= input_cost / t.weight;
+            t.serve(-input_cost / t.weight);
             t.served_input = t.served_input.saturating_sub(input);
             t.open = t.open.saturating_sub(1);
         }
@@ -1056,7 +1258,8 @@ impl FlowControl {
                     json!({"tokens_per_minute": b.rule.tokens_per_minute, "counts": b.rule.counts.as_str(),
                            "available": level.round(), "refused": st.refused_budget})
                 });
-                json!({"tenant": &**t, "weight": st.weight, "virtual_counter": st.counter,
+                json!({"tenant": &**t, "weight": st.weight, "virtual_counter": st.fair(),
+                       "other_replicas_counter": st.others,
                        "queued": st.queued, "in_flight": st.open, "served_input_tokens": st.served_input,
                        "served_output_tokens": st.served_output, "budget": budget})
             })
@@ -1095,6 +1298,14 @@ impl FlowControl {
                     n as f64,
                 );
             }
+        }
+        if self.fleet.get().is_some() {
+            out.counter(
+                "baton_flow_budget_local_total",
+                "Budget checks made against this replica's share because the cluster store could not be reached.",
+                &[],
+                self.budget_local.load(Ordering::Relaxed) as f64,
+            );
         }
         let mut by_label: BTreeMap<Arc<str>, (f64, f64, f64)> = BTreeMap::new();
         for (t, st) in &s.tenants {

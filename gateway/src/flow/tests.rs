@@ -361,3 +361,109 @@ async fn a_deadline_already_past_is_refused_before_it_waits() {
     assert_eq!(r.code(), "deadline_exceeded");
     assert!(r.to_string().contains("80ms after it arrived"), "{r}");
 }
+
+/// A fleet whose store is a bucket in memory, or down.
+#[derive(Debug, Default)]
+struct FakeFleet {
+    /// The fleet-wide bucket's level; `None`: the store cannot be reached.
+    level: Mutex<Option<f64>>,
+    replicas: u32,
+    given_back: Mutex<Vec<f64>>,
+}
+
+impl Fleet for FakeFleet {
+    fn reserve<'a>(&'a self, _: &'a str, _: BudgetRule, hold: f64, need: f64) -> Reserve<'a> {
+        Box::pin(async move {
+            let mut l = self.level.lock().unwrap();
+            let level = l.as_mut()?;
+            if *level < need {
+                return Some(Err(7));
+            }
+            *level -= hold;
+            Some(Ok(()))
+        })
+    }
+
+    fn give_back(&self, _: &str, _: BudgetRule, tokens: f64) {
+        self.given_back.lock().unwrap().push(tokens);
+        if let Some(l) = self.level.lock().unwrap().as_mut() {
+            *l += tokens;
+        }
+    }
+
+    fn replicas(&self) -> u32 {
+        self.replicas
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_a_fleet_the_store_holds_the_budget_and_a_replica_keeps_its_share_when_it_is_down() {
+    let mut c = FlowConfig::fair(Duration::from_secs(30));
+    let rule = BudgetRule { tokens_per_minute: 600, counts: Counts::Input };
+    c.tenants.insert("metered".into(), TenantRule { budget: Some(rule), ..TenantRule::default() });
+    let f = FlowControl::new(c);
+    let fleet = Arc::new(FakeFleet { level: Mutex::new(Some(250.0)), replicas: 3, ..FakeFleet::default() });
+    f.share_with(Arc::clone(&fleet) as Arc<dyn Fleet>);
+    let ask = |tokens| Ask { tokens, bytes: 1, plugin_wait: None, max_tokens: None };
+    let metered = id(&f, "metered", &[]);
+    // The store's bucket decides: 250 left fleet-wide, though this replica took nothing yet.
+    let a = f.enter(&metered, ask(200), |_| true, |_| {}).await.unwrap();
+    let r = f.enter(&metered, ask(100), |_| true, |_| {}).await.unwrap_err();
+    assert_eq!((r.status(), r.retry_after()), (429, Some(7)), "{r}");
+    assert!(r.to_string().contains("600 tokens per minute"), "{r}");
+    // Its answer cost what it held: nothing to give back. One that failed gives its hold back.
+    a.charge.finish(0);
+    let b = f.enter(&metered, ask(50), |_| true, |_| {}).await.unwrap();
+    drop(b);
+    assert_eq!(*fleet.given_back.lock().unwrap(), [50.0]);
+    // The store goes down: this replica's share is 600 / 3 = 200 a minute, less the 200 it
+    // took while the store was up (its share mirrors its own use): refused until it refills.
+    *fleet.level.lock().unwrap() = None;
+    let r = f.enter(&metered, ask(100), |_| true, |_| {}).await.unwrap_err();
+    assert_eq!(r.status(), 429, "{r}");
+    // At 200 a minute, 100 tokens are back after 30 s; never more than the share (200).
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let metered = id(&f, "metered", &[]);
+    f.enter(&metered, ask(100), |_| true, |_| {}).await.unwrap().charge.finish(0);
+    tokio::time::advance(Duration::from_secs(600)).await;
+    let metered = id(&f, "metered", &[]);
+    f.enter(&metered, ask(200), |_| true, |_| {}).await.unwrap().charge.finish(0);
+    assert_eq!(f.enter(&metered, ask(1), |_| true, |_| {}).await.unwrap_err().status(), 429);
+    let mut scrape = Scrape::default();
+    f.metrics(&mut scrape, |t: &str| Arc::from(t));
+    let text = scrape.encode();
+    assert!(text.contains("baton_flow_budget_local_total 4"), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_other_replicas_service_counts_in_a_tenants_turn() {
+    let f = FlowControl::new(FlowConfig::fair(Duration::from_secs(30)));
+    let mut hs = Vec::new();
+    for _ in 0..3 {
+        hs.push(("served-elsewhere".to_owned(), queue(&f, id(&f, "served-elsewhere", &[]), 100)));
+    }
+    tokio::task::yield_now().await;
+    for _ in 0..3 {
+        hs.push(("new".to_owned(), queue(&f, id(&f, "new", &[]), 100)));
+    }
+    tokio::task::yield_now().await;
+    // The store says another replica served the first tenant 1000 (and the second nothing).
+    let sent = f.unsynced();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    let totals: Vec<f64> =
+        sent.iter().map(|u| if &*u.tenant == "served-elsewhere" { 1000.0 } else { 0.0 }).collect();
+    f.synced(&sent, &totals);
+    let order = drain(&f, hs).await;
+    assert_eq!(order[..3], ["new", "new", "new"], "{order:?}");
+    // What this replica serves is sent once: the next sync has only the new service.
+    let sent = f.unsynced();
+    let served: f64 = sent.iter().map(|u| u.delta).sum();
+    assert!((served - 600.0).abs() < 1e-9, "{sent:?}");
+    let totals: Vec<f64> =
+        sent.iter().map(|u| u.served + if &*u.tenant == "served-elsewhere" { 1000.0 } else { 0.0 }).collect();
+    f.synced(&sent, &totals);
+    assert!(f.unsynced().iter().all(|u| u.delta == 0.0));
+    let v = f.view();
+    let t = v["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "served-elsewhere").unwrap();
+    assert_eq!(t["other_replicas_counter"], 1000.0, "{v}");
+}

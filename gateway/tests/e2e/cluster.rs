@@ -545,3 +545,122 @@ async fn the_share_script_never_grants_past_capacity_and_serves_the_longest_wait
     assert_eq!(call("b", (5, 9, 4, 10, 8)).await, (8, 1, 1));
     assert_eq!(call("c", (0, 4, 4, 500, 0)).await, (0, 2, 1));
 }
+
+/// A completion for `tenant` (its fairness id): its status and body.
+async fn complete_as(addr: SocketAddr, tenant: &str, body: &Value) -> (u16, Value) {
+    let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::post("/v1/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .header("x-gateway-inference-fairness-id", tenant)
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = send.send_request(req).await.unwrap();
+    let status = res.status().as_u16();
+    let b = res.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// Flow control with `[cluster]`: one tenant's token budget is one bucket for both replicas (not
+/// one each), its counter adds the other replica's service, and with the store stopped each
+/// replica keeps to its own share, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_a_tenants_budget_and_counter_and_keep_to_their_share_without_the_store() {
+    const BUDGET: u64 = 600;
+    let Some(mut redis) = Redis::start() else { return };
+    let g = tiny_geometry(1).unwrap();
+    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("baton-cluster-flow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("baton.toml");
+    let text = super::serve_toml(
+        &prefill,
+        &decode,
+        "",
+        &format!(
+            "[flow]\ntrust_fairness_header = true\n\n[flow.tenants.metered]\ntokens_per_minute = {BUDGET}\n\
+             budget_counts = \"input\"\n\n[cluster]\nstore = \"{}\"\nlease_ms = {LEASE_MS}\nsync_ms = 20\n",
+            redis.url()
+        ),
+    );
+    std::fs::write(&file, text).unwrap();
+    let rs = replicas(&file, 2);
+    let start = Instant::now();
+    // Alternating between the replicas: the shared bucket lets about BUDGET tokens through in
+    // all (one bucket each would let twice as many).
+    let body = json!({"prompt": prompt(150, 1), "max_tokens": 2});
+    let (mut served, mut tokens, mut refused) = (0u64, 0u64, Vec::new());
+    for i in 0..10 {
+        let (s, v) = complete_as(rs[i % 2].public, "metered", &body).await;
+        match s {
+            200 => {
+                served += 1;
+                tokens += v["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+            429 => refused.push(v),
+            _ => panic!("{s} {v}"),
+        }
+    }
+    let refill = start.elapsed().as_secs_f64() * BUDGET as f64 / 60.0;
+    let one = tokens / served.max(1);
+    eprintln!("shared budget: {served} served ({tokens} tokens), {} refused", refused.len());
+    assert!((tokens as f64) <= BUDGET as f64 + refill, "{tokens} tokens served of a {BUDGET} budget");
+    assert!(tokens + one > BUDGET, "only {tokens} tokens served of a {BUDGET} budget");
+    assert!(!refused.is_empty());
+    for r in &refused {
+        assert_eq!(r["error"]["code"], "rate_limit_exceeded", "{r}");
+    }
+    // Each replica's counter for the tenant holds the other's service, synced within a moment.
+    let waited = Instant::now();
+    loop {
+        let mut others = Vec::new();
+        for r in &rs {
+            let (_, f) = http(r.admin, "/admin/flow", None).await;
+            let f: Value = serde_json::from_slice(&f).unwrap();
+            let t = f["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "metered").cloned();
+            let other = t.as_ref().map_or(0.0, |t| t["other_replicas_counter"].as_f64().unwrap());
+            let mine = t.as_ref().map_or(0.0, |t| t["virtual_counter"].as_f64().unwrap()) - other;
+            others.push((mine, other));
+        }
+        if others[0].1 == others[1].0 && others[1].1 == others[0].0 && others[0].0 > 0.0 {
+            break;
+        }
+        assert!(waited.elapsed() < Duration::from_secs(5), "counters not shared: {others:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let v = cluster_view(rs[0].admin).await;
+    assert_eq!(v["flow"]["replicas"], 2, "{v}");
+
+    // The store stopped: each replica checks its own share (BUDGET / 2, less what it used), so
+    // the tenant is still refused; the checks are counted.
+    redis.stop();
+    for r in &rs {
+        let (s, v) = complete_as(r.public, "metered", &body).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")), "{v}");
+        let (_, m) = http(r.admin, "/metrics", None).await;
+        let m = String::from_utf8_lossy(&m);
+        assert!(super::sample_or_zero(&m, "baton_flow_budget_local_total ") >= 1.0, "{m}");
+        assert!(
+            super::sample_or_zero(&m, "baton_cluster_budget_calls_total{outcome=\"failed\"} ") >= 1.0,
+            "{m}"
+        );
+        // Other tenants have no budget and are served.
+        let (s, v) = complete_as(r.public, "free", &body).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    // The store back, empty: the fleet's bucket is full again.
+    redis.restart();
+    let back = Instant::now();
+    loop {
+        let (s, v) = complete_as(rs[0].public, "metered", &body).await;
+        if s == 200 {
+            break;
+        }
+        assert!(back.elapsed() < Duration::from_secs(5), "{s} {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
