@@ -17,6 +17,9 @@ pub struct FaultConfig {
     /// Decode: this rank drops its next `drop_ready_events` READY statuses.
     pub drop_ready_rank: Option<u32>,
     pub drop_ready_events: u32,
+    /// Decode: of every this many READY statuses (all ranks together), one is dropped, for as long
+    /// as the switch is on (100: 1% of readiness signals lost).
+    pub drop_ready_every: Option<u32>,
     /// Prefill: wait `stall_ms` before writing this chunk index.
     pub stall_chunk: Option<u32>,
     pub stall_ms: u64,
@@ -59,6 +62,8 @@ pub struct Faults {
     drops_left: AtomicU32,
     /// Refusals left when `fail_requests` is set.
     fails_left: AtomicU32,
+    /// READY statuses seen, for `drop_ready_every`.
+    ready_seen: AtomicU32,
 }
 
 impl Faults {
@@ -86,6 +91,11 @@ impl Faults {
     }
 
     fn take_drop(&self, rank: u32) -> bool {
+        if let Some(every) = self.get().drop_ready_every.filter(|e| *e > 0)
+            && self.ready_seen.fetch_add(1, Ordering::SeqCst) % every == every - 1
+        {
+            return true;
+        }
         if self.get().drop_ready_rank != Some(rank) {
             return false;
         }

@@ -147,6 +147,8 @@ pub struct QueueStats {
     pub oldest_wait: Option<Duration>,
     /// Slot releases that found fewer slots in use than they returned; always 0 unless there is a bug.
     pub accounting_errors: u64,
+    /// Releases held back for the engine to notice an abandoned request ([`SlotGuard::engine_has_it`]).
+    pub lingered: u64,
     /// Whether the queue admits ([`SlotQueue::set_open`]).
     pub open: bool,
     /// This replica's share of the capacity ([`SlotQueue::set_share`]), when replicas share it.
@@ -181,6 +183,7 @@ struct State {
     /// Guards outstanding.
     holders: u32,
     accounting_errors: u64,
+    lingered: u64,
     /// False while the engine says it is full: nothing is admitted, waiters keep their places.
     open: bool,
     /// Told whenever room may have appeared (slots returned, the queue opened or grew).
@@ -232,6 +235,9 @@ impl std::fmt::Debug for SlotQueue {
 pub struct SlotGuard {
     state: Arc<Mutex<State>>,
     slots: u32,
+    /// While an engine runs the request with no way to say it stopped (`engine_has_it`): how
+    /// long the slots stay held after the guard is dropped.
+    linger: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for SlotGuard {
@@ -244,6 +250,36 @@ impl SlotGuard {
     pub fn slots(&self) -> u32 {
         self.slots
     }
+
+    /// The engine has the request and counts it until it notices it was abandoned: dropped before
+    /// [`SlotGuard::engine_done`], the slots are held `grace` longer (the engine's time to see
+    /// the closed connection and free the request), so the engine never runs more than the
+    /// slots say.
+    pub fn engine_has_it(&mut self, grace: std::time::Duration) {
+        self.linger = Some(grace).filter(|g| !g.is_zero());
+    }
+
+    /// The engine's answer ended: it holds nothing of the request any more.
+    pub fn engine_done(&mut self) {
+        self.linger = None;
+    }
+}
+
+/// Returns `slots` to the queue and grants who fits.
+fn release(state: &Arc<Mutex<State>>, slots: u32) {
+    let grants = {
+        let mut s = lock(state);
+        s.holders = s.holders.saturating_sub(1);
+        match s.in_use.checked_sub(slots) {
+            Some(v) => s.in_use = v,
+            None => s.accounting_errors += 1,
+        }
+        if let Some(w) = &s.watcher {
+            w.notify_one();
+        }
+        grant(state, &mut s)
+    };
+    deliver(grants);
 }
 
 fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -267,7 +303,7 @@ fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotG
         s.holders += 1;
         s.waiting -= 1;
         s.waiting_slots -= u64::from(w.slots);
-        out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots }));
+        out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots, linger: None }));
     }
     out
 }
@@ -284,19 +320,18 @@ fn deliver(grants: Vec<(oneshot::Sender<SlotGuard>, SlotGuard)>) {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        let grants = {
-            let mut s = lock(&self.state);
-            s.holders = s.holders.saturating_sub(1);
-            match s.in_use.checked_sub(self.slots) {
-                Some(v) => s.in_use = v,
-                None => s.accounting_errors += 1,
-            }
-            if let Some(w) = &s.watcher {
-                w.notify_one();
-            }
-            grant(&self.state, &mut s)
-        };
-        deliver(grants);
+        if let Some(grace) = self.linger
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            lock(&self.state).lingered += 1;
+            let (state, slots) = (Arc::clone(&self.state), self.slots);
+            rt.spawn(async move {
+                tokio::time::sleep(grace).await;
+                release(&state, slots);
+            });
+            return;
+        }
+        release(&self.state, self.slots);
     }
 }
 
@@ -339,6 +374,7 @@ impl SlotQueue {
             waiting_slots: 0,
             holders: 0,
             accounting_errors: 0,
+            lingered: 0,
             open: true,
             watcher: None,
             share: None,
@@ -363,7 +399,7 @@ impl SlotQueue {
             if s.open && s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.limit()) {
                 s.in_use += slots;
                 s.holders += 1;
-                return Ok(SlotGuard { state: Arc::clone(&self.state), slots });
+                return Ok(SlotGuard { state: Arc::clone(&self.state), slots, linger: None });
             }
             if s.waiting >= s.config.max_queue {
                 return Err(AdmissionError::QueueFull { limit: s.config.max_queue });
@@ -519,6 +555,7 @@ impl SlotQueue {
             waiting_slots,
             oldest_wait: oldest.map(|o| now.saturating_duration_since(o)),
             accounting_errors: s.accounting_errors,
+            lingered: s.lingered,
             open: s.open,
             share: s.share,
         }

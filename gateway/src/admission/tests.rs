@@ -315,3 +315,26 @@ async fn a_share_bounds_admission_below_the_buffer_and_growing_it_admits_waiters
     q.set_share(None);
     assert_eq!(q.load().free(), 10);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_the_engine_may_still_run_is_held_its_grace_after_it_is_dropped() {
+    let q = q(2);
+    let grace = Duration::from_millis(100);
+    // Abandoned while the engine ran it: held the grace longer, and counted.
+    let mut a = q.acquire(2, 0, LONG).await.unwrap();
+    a.engine_has_it(grace);
+    drop(a);
+    assert_eq!(q.stats().in_use, 2);
+    assert_eq!(q.stats().lingered, 1);
+    tokio::time::sleep(grace - Duration::from_millis(1)).await;
+    assert_eq!(q.stats().in_use, 2);
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(q.stats().in_use, 0);
+    // Its answer ended (or it never reached the engine): released at once.
+    let mut b = q.acquire(2, 0, LONG).await.unwrap();
+    b.engine_has_it(grace);
+    b.engine_done();
+    drop(b);
+    assert_eq!(q.stats().in_use, 0);
+    assert_eq!(q.stats().lingered, 1);
+}

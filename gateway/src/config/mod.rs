@@ -293,6 +293,9 @@ pub struct Admission {
     pub ready_timeout_ms: u64,
     /// Longest an upstream leg may take to answer, ms (default [`DEFAULT_UPSTREAM_TIMEOUT`]).
     pub upstream_timeout_ms: u64,
+    /// A `vllm-nixl` or `sglang` decoder's slot held this much longer after its request was
+    /// abandoned while the engine ran it, ms (default [`crate::handoff::DEFAULT_CANCEL_GRACE`]).
+    pub cancel_grace_ms: u64,
     /// API key → tenant name, for policy plugins (a key not listed is its own tenant).
     pub tenants: std::collections::BTreeMap<String, String>,
 }
@@ -446,6 +449,7 @@ impl Default for Admission {
             lease_ms: ms(DEFAULT_LEASE),
             ready_timeout_ms: ms(DEFAULT_READY_TIMEOUT),
             upstream_timeout_ms: ms(DEFAULT_UPSTREAM_TIMEOUT),
+            cancel_grace_ms: ms(crate::handoff::DEFAULT_CANCEL_GRACE),
             tenants: std::collections::BTreeMap::new(),
         }
     }
@@ -910,6 +914,15 @@ impl Admission {
         if self.max_queue == 0 {
             return Err(err("admission.max_queue", "must be greater than 0"));
         }
+        if self.cancel_grace_ms > 10_000 {
+            return Err(err(
+                "admission.cancel_grace_ms",
+                format!(
+                    "{} is over 10000: a slot held that long after its client left is a slot lost",
+                    self.cancel_grace_ms
+                ),
+            ));
+        }
         if self.lease_ms <= self.ready_timeout_ms {
             return Err(err(
                 "admission.lease_ms",
@@ -925,6 +938,7 @@ impl Admission {
             ready_timeout: Duration::from_millis(self.ready_timeout_ms),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
+            cancel_grace: Duration::from_millis(self.cancel_grace_ms),
         })
     }
 }

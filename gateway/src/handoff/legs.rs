@@ -166,6 +166,12 @@ pub(crate) struct Retrying<'a> {
 }
 
 impl LegError {
+    /// Whether the engine may still be running the request: it may have seen it and gave no
+    /// answer (a timeout, a connection cut).
+    pub fn may_run_on(&self) -> bool {
+        matches!(self, Self::Unanswered { .. }) && self.maybe_sent()
+    }
+
     /// Whether the engine may have seen the request.
     pub fn maybe_sent(&self) -> bool {
         match self {
@@ -475,8 +481,29 @@ pub(crate) trait Holds: Send + Sync + Unpin + 'static {
     }
 }
 
-/// The request's slot, held until its answer ends.
-impl Holds for Option<crate::admission::SlotGuard> {}
+/// The request's slot, held until its answer ends (and, if the client left first, the engine's
+/// time to notice: [`crate::admission::SlotGuard::engine_has_it`]).
+impl Holds for Option<crate::admission::SlotGuard> {
+    fn ended(&mut self) {
+        if let Some(s) = self {
+            s.engine_done();
+        }
+    }
+}
+
+/// Marks the request's slot as run by the engine from here on (see
+/// [`crate::admission::SlotGuard::engine_has_it`]), or, after an answer that ended, no more.
+pub(crate) fn engine_has_it(
+    slots: &mut Option<crate::admission::SlotGuard>,
+    grace: Option<std::time::Duration>,
+) {
+    if let Some(s) = slots {
+        match grace {
+            Some(g) => s.engine_has_it(g),
+            None => s.engine_done(),
+        }
+    }
+}
 
 /// An engine's answer, holding `H` until it ends (or the client leaves and it is dropped).
 pub(crate) struct Held<H> {

@@ -26,8 +26,8 @@ pub mod sglang;
 pub use decoder::{BoxFuture, Decoder, Handoff, Leg, Unstarted};
 pub use legs::{BoxError, Drains, RespBody};
 pub use shared::{
-    DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, Engine, KeyGen,
-    Limits, Prefiller, Shared,
+    DEFAULT_CANCEL_GRACE, DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT,
+    DEFAULT_UPSTREAM_TIMEOUT, Engine, KeyGen, Limits, Prefiller, Shared,
 };
 
 use std::sync::Arc;

@@ -29,7 +29,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Drains, Held, LegError, Patched, RespBody, Retrying, raw_json};
+use super::legs::{Drains, Held, LegError, Patched, RespBody, Retrying, engine_has_it, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -173,7 +173,8 @@ type PrefillResult = Result<Value, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, work, retry, retried, .. } = leg;
+        let Leg { dec, prefills, req, mut slots, timing, work, retry, retried, .. } = leg;
+        let grace = self.shared.limits.cancel_grace;
         let alone = work.is_none();
         let path = req.endpoint.path();
         if alone {
@@ -183,11 +184,16 @@ impl Nixl {
             // replaced.
             timing.enter(Phase::Decode);
             let body = Patched::new(&req.raw, &[]);
+            engine_has_it(&mut slots, Some(grace));
             let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
                 if e.retryable(true) {
                     let _ = retry.set(Unstarted::Decode);
                 }
-            })?;
+            });
+            if resp.as_ref().is_err_and(|e| !e.may_run_on()) {
+                engine_has_it(&mut slots, None);
+            }
+            let resp = resp?;
             timing.mark(Phase::Decode);
             return Ok(resp.map(|inner| Held::body(inner, slots)));
         }
@@ -237,6 +243,7 @@ impl Nixl {
 
         let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
+        engine_has_it(&mut slots, Some(grace));
         let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
             // Never reached, or refused (503) by vLLM itself, which refuses before it pulls: the
             // request may be run again elsewhere, with a prefill of its own (these blocks are
@@ -251,6 +258,9 @@ impl Nixl {
                 let _ = retry.set(Unstarted::Decode);
             }
         });
+        if resp.as_ref().is_err_and(|e| !e.may_run_on()) {
+            engine_has_it(&mut slots, None);
+        }
         let resp = resp.inspect_err(|e| match e {
             // It may have reached the decoder, which then pulls (or times out) itself.
             LegError::Unanswered { .. } if e.maybe_sent() => owed.params = None,

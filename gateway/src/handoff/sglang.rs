@@ -36,7 +36,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Held, Holds, LegError, Patched, PostError, RespBody, raw_json};
+use super::legs::{Held, Holds, LegError, Patched, PostError, RespBody, engine_has_it, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -180,7 +180,7 @@ impl Sglang {
     }
 
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
-        let Leg { dec, prefills, req, slots, timing, work, retry, .. } = leg;
+        let Leg { dec, prefills, req, mut slots, timing, work, retry, .. } = leg;
         // Both legs are sent at once: the request is in its decode from here.
         timing.enter(Phase::Decode);
         let shared = &*self.shared;
@@ -218,6 +218,7 @@ impl Sglang {
         };
         shared.spawn(leg.run(tx));
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
+        engine_has_it(&mut slots, Some(shared.limits.cancel_grace));
         let decoder = Arc::clone(dec);
         let mut decode = shared.spawn(async move {
             // Health is counted by the request that waits for this answer, not here: an answer
@@ -264,10 +265,18 @@ impl Sglang {
             }
         };
         let resp = match resp {
-            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await.inspect_err(replaceable)?,
+            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await.inspect_err(|e| {
+                if !e.may_run_on() {
+                    engine_has_it(&mut slots, None);
+                }
+                replaceable(e);
+            })?,
             Ok(Some(Err(e))) => {
                 shared.failed(&**dec);
                 let e = LegError::Unanswered { leg: "decode", source: e };
+                if !e.may_run_on() {
+                    engine_has_it(&mut slots, None);
+                }
                 replaceable(&e);
                 return Err(e.into());
             }
@@ -289,7 +298,7 @@ impl Sglang {
         let prefill = (!prefill_done).then_some(prefill_rx);
         let (shared, timing) = (Arc::clone(&self.shared), prefill.is_some().then(|| timing.later()));
         Ok(resp.map(|inner| {
-            Held::body(inner, DecodeStream { prefill, timing, shared, _slot: slots, abort: Some(abort) })
+            Held::body(inner, DecodeStream { prefill, timing, shared, slot: slots, abort: Some(abort) })
         }))
     }
 }
@@ -497,7 +506,7 @@ struct DecodeStream {
     /// The prefill's time, when it answers after the response started.
     timing: Option<Later>,
     shared: Arc<Shared>,
-    _slot: Option<SlotGuard>,
+    slot: Option<SlotGuard>,
     abort: Option<AbortGuard>,
 }
 
@@ -528,6 +537,7 @@ impl Holds for DecodeStream {
             // The answer ended whole: nothing to abort.
             a.armed = false;
         }
+        engine_has_it(&mut self.slot, None);
     }
 
     fn sized(&self) -> bool {

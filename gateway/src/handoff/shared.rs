@@ -30,6 +30,10 @@ pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
 /// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
 /// free before they are returned anyway: the decoder's lease and quarantine end them by then.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a `vllm-nixl` or `sglang` decoder's slot stays held after its request was abandoned
+/// while the engine ran it (the client left, a wait timed out): the engine's time to notice the
+/// closed connection and free the request (vLLM aborts it at its next step).
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_millis(100);
 
 /// Timing limits of the handoff.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +43,8 @@ pub struct Limits {
     pub ready_timeout: Duration,
     pub upstream_timeout: Duration,
     pub release_timeout: Duration,
+    /// [`DEFAULT_CANCEL_GRACE`].
+    pub cancel_grace: Duration,
 }
 
 impl Default for Limits {
@@ -49,6 +55,7 @@ impl Default for Limits {
             ready_timeout: DEFAULT_READY_TIMEOUT,
             upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
     }
 }

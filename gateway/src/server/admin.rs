@@ -61,6 +61,12 @@ pub fn metrics(g: &Gateway) -> Response<RespBody> {
         for (name, help, get) in gauges {
             s.gauge(name, help, &[("decoder", &d.name)], get(&q));
         }
+        s.counter(
+            "baton_decoder_slots_lingered_total",
+            "Slots held on after their request was abandoned while the engine ran it (admission.cancel_grace_ms), so the engine never runs more than it holds.",
+            &[("decoder", &d.name)],
+            q.lingered as f64,
+        );
     }
     let engines = g.prefills.iter().map(|p| ("prefill", &p.name, &*p.health));
     for (pool, name, h) in engines.chain(g.decoders.iter().map(|d| ("decode", &d.name, &d.health))) {

@@ -129,8 +129,22 @@ impl RankFeed {
                     let _ = tx.send(e);
                 }
             }
-            // Requests waiting on this rank now run into their deadlines; new ones are served once
-            // the feed is back.
+            // Every request in flight holds pages on every rank, and whatever this rank said while
+            // its feed was down is lost (a restarted rank holds none of them): each request's feed
+            // is closed now. One waiting for its KV fails at once rather than at its deadline;
+            // one waiting for its pages' release gives its slots back, and the rank, which
+            // refuses a reservation that does not fit, stays the truth for what it still holds.
+            // New requests are served once the feed is back.
+            let orphaned = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|e| e.into_inner()));
+            if !orphaned.is_empty() {
+                tracing::warn!(
+                    rank = self.rank,
+                    addr = %self.addr,
+                    requests = orphaned.len(),
+                    "decoder rank's event feed lost: its requests' feeds closed"
+                );
+            }
+            drop(orphaned);
             let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
             feed = loop {
                 backoff.wait().await;
