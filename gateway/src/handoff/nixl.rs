@@ -34,6 +34,7 @@ use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
+use crate::admission::SlotGuard;
 use crate::api::{GatewayError, Internal, Problem};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
@@ -113,7 +114,17 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Value) {
         .set("stream", &false)
         .set("max_tokens", &1)
         .replace("max_completion_tokens", &1);
+    // The request's slot, if it never reached the decoder: the drain is a request the decoder
+    // runs, and holds it while it does.
+    let mut slot = to.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if slot.is_some() && to.sent.load(std::sync::atomic::Ordering::Relaxed) {
+        // The decode call was cut off (its client left): the decoder may still run it until it
+        // notices, in this same slot.
+        tokio::time::sleep(shared.limits.cancel_grace).await;
+    }
+    engine_has_it(&mut slot, Some(shared.limits.cancel_grace));
     shared.drain(&to.decoder, to.path, &body, &to.counters).await;
+    drop(slot);
 }
 
 /// Where a drain goes and what it is made of.
@@ -123,6 +134,11 @@ struct Owing {
     /// The client's request, shared: a drain body is built from it only when one is sent.
     request: Arc<Map<String, Value>>,
     counters: Arc<Drains>,
+    /// The request's slot of the decoder until its decode is sent: a drain sent instead holds it
+    /// (and a request abandoned while its prefill runs keeps it until the prefill ends).
+    slot: std::sync::Mutex<Option<SlotGuard>>,
+    /// The decode call was made.
+    sent: std::sync::atomic::AtomicBool,
 }
 
 /// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
@@ -221,6 +237,8 @@ impl Nixl {
             path,
             request: Arc::clone(&req.raw),
             counters: Arc::clone(&self.drains),
+            slot: std::sync::Mutex::new(slots.take()),
+            sent: std::sync::atomic::AtomicBool::new(false),
         });
         let mut owed = Owed { shared: Arc::clone(&self.shared), to: Arc::clone(&to), params: None };
         // The prefill runs in its own task: if the client leaves, its answer still arrives and the
@@ -243,8 +261,13 @@ impl Nixl {
 
         let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
         owed.params = Some(params);
+        // The slot stays with what is owed while the call runs: a client that leaves mid-call
+        // leaves a drain holding it, sent once the decoder had time to drop the abandoned call.
+        owed.to.sent.store(true, std::sync::atomic::Ordering::Relaxed);
+        let resp = self.shared.call("decode", &**dec, path, &body).await;
+        slots = owed.to.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         engine_has_it(&mut slots, Some(grace));
-        let resp = self.shared.call("decode", &**dec, path, &body).await.inspect_err(|e| {
+        let resp = resp.inspect_err(|e| {
             // Never reached, or refused (503) by vLLM itself, which refuses before it pulls: the
             // request may be run again elsewhere, with a prefill of its own (these blocks are
             // freed below or by the decoder). A 503 from something in front of the decoder (a

@@ -239,3 +239,32 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
     assert_eq!(drains(&d, "vllm-nixl", "failed").await, 0.0);
     d.shutdown().await;
 }
+
+/// A client that leaves while the decoder runs its request: the slot is held `cancel_grace_ms`
+/// more, until the engine noticed and let the request go, so the next request never makes the
+/// decoder run more than its `max_in_flight` (the faulted soak saw a decoder of 8 run 9 before
+/// the grace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_request_keeps_its_slot_until_the_engine_lets_it_go() {
+    let target = NixlTarget { max_in_flight: 1, ..fast_scrape() };
+    let d = nixl_demo(Duration::from_millis(2), target).await;
+    let decode = d.engines.iter().find(|e| e.engine.stats()["role"] == "decode").unwrap();
+    for i in 0..10 {
+        // 30 tokens at 2 ms: the engine runs ~60 ms; its client leaves after 25 ms, and the
+        // engine only notices once its answer is done (within the grace).
+        let body = json!({"prompt": prompt(40, i), "max_tokens": 30});
+        let left =
+            tokio::time::timeout(Duration::from_millis(25), http(d.addr, "/v1/completions", Some(&body)));
+        assert!(left.await.is_err(), "answered within 25 ms: the test proves nothing");
+        let (s, _) =
+            http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 100 + i), "max_tokens": 2})))
+                .await;
+        assert_eq!(s, 200);
+    }
+    let stats = decode.engine.stats();
+    assert_eq!(stats["peak_running"], 1, "the decoder ran more than its one slot: {stats}");
+    let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
+    assert!(lingered >= 10, "{lingered} slots held on after their clients left");
+    assert_nixl_clean(&d, Duration::from_secs(5)).await;
+    d.shutdown().await;
+}
