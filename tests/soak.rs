@@ -5,7 +5,7 @@
 //!
 //! - **client aborts**: one request in ten is dropped by its client at a random moment (before
 //!   its answer or mid-stream);
-//! - **engine crashes**: every `BATON_SOAK_CRASH_EVERY` requests (default 300) one engine, in
+//! - **engine crashes**: every `BATON_SOAK_CRASH_EVERY` requests served (default 300) one engine, in
 //!   turn, is killed with SIGKILL and started again on the same ports 200 ms later; the requests
 //!   in flight on it when it died are counted;
 //! - **lost readiness**: the native decoder drops one READY signal in every 200 (two ranks, so
@@ -121,15 +121,31 @@ fn env_or(name: &str, default: u64) -> u64 {
 /// Why the soak could not run (a missing tool).
 struct Skip(String);
 
-/// A free loopback port (and, with `two`, the one after it too).
+/// A free loopback port (and, with `two`, the one after it too), below the kernel's ephemeral
+/// range: a killed engine restarts on its ports, which an outgoing connection could otherwise
+/// have taken meanwhile.
 fn free_port(two: bool) -> u16 {
+    let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| {
+            let mut it = r.split_whitespace().map(|p| p.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    let (from, to) = if low > 12_000 { (10_000, low - 1) } else { (high.saturating_add(1), u16::MAX - 1) };
+    let mut seed = u64::from(std::process::id()) ^ u64::try_from(started_ns()).unwrap_or(0);
     loop {
-        let a = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = a.local_addr().unwrap().port();
-        if !two || (port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok()) {
+        seed = draw(seed, 7, u64::MAX);
+        let port = from + u16::try_from(seed % u64::from(to - from)).unwrap_or(0);
+        let first = TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if first && (!two || TcpListener::bind(("127.0.0.1", port + 1)).is_ok()) {
             return port;
         }
     }
+}
+
+fn started_ns() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
 }
 
 /// The workspace's binaries, beside this test's own.
@@ -207,15 +223,31 @@ impl Engine {
     }
 
     fn start(&mut self) {
-        let mut child = Command::new(&self.args[0])
-            .args(&self.args[1..])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let proc = Proc(child);
-        let line = lines.next().expect("baton-sim printed its addresses").unwrap();
+        // A port of the killed process may still be held a moment (its sockets closing).
+        let started = Instant::now();
+        let (proc, line, lines) = loop {
+            let mut child = Command::new(&self.args[0])
+                .args(&self.args[1..])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            let stderr = child.stderr.take().unwrap();
+            let proc = Proc(child);
+            if let Some(Ok(line)) = lines.next() {
+                std::thread::spawn(move || BufReader::new(stderr).lines().for_each(drop));
+                break (proc, line, lines);
+            }
+            let why: Vec<String> = BufReader::new(stderr).lines().map_while(Result::ok).collect();
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{} did not start: {}",
+                self.name,
+                why.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
         std::thread::spawn(move || lines.for_each(drop));
         let v: Value = serde_json::from_str(&line).unwrap();
         self.ranks = v["ranks"]
@@ -588,7 +620,10 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
         if done.load(Ordering::Relaxed) >= requests {
             break;
         }
-        if crash_every > 0 && issued >= (crash_no + 1) * crash_every && issued < requests {
+        // Counted in requests served, not sent: requests failing fast while engines are down do
+        // not bring the next kill sooner.
+        let served = u64::try_from(lat.lock().unwrap().len()).unwrap_or(u64::MAX);
+        if crash_every > 0 && served >= (crash_no + 1) * crash_every && issued < requests {
             crash_no += 1;
             let engines = Arc::clone(&engines);
             let i = usize::try_from(crash_no).unwrap_or(0) % 4;

@@ -246,7 +246,7 @@ impl Sglang {
                             if retryable {
                                 let _ = retry.set(Unstarted::Prefill(prefill.name.clone()));
                             }
-                            shared.spawn(abort_decode(decode, abort));
+                            shared.spawn(abort_decode(decode, abort, slots.take()));
                             return Err(e);
                         }
                         Err(_) => return Err(GatewayError::Internal(Internal::TaskLost { task: "prefill" })),
@@ -411,13 +411,19 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 async fn abort_decode(
     decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, PostError>>>,
     mut abort: AbortGuard,
+    mut slot: Option<SlotGuard>,
 ) {
     abort.armed = false;
     abort.aborter.abandoned.store(true, Ordering::Relaxed);
     if let Some(decoder) = abort.engines.last() {
         abort.aborter.until_answered(decoder).await;
     }
+    // Answered: the decoder dropped the request (aborted, or done), and its slot comes back now.
+    if abort.aborter.decode_answered.load(Ordering::Relaxed) {
+        engine_has_it(&mut slot, None);
+    }
     decode.abort();
+    drop(slot);
 }
 
 /// Tells SGLang engines to abort one request (`POST /abort_request {"rid"}`), and whether the

@@ -116,6 +116,14 @@ struct RankFeed {
 }
 
 impl RankFeed {
+    /// Closes the feed of every request in flight on the decoder (see `run`).
+    fn orphan(&self, why: &'static str) {
+        let orphaned = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|e| e.into_inner()));
+        if !orphaned.is_empty() {
+            tracing::warn!(rank = self.rank, addr = %self.addr, requests = orphaned.len(), "{why}");
+        }
+    }
+
     async fn run(self, mut feed: EventStream) {
         let r32 = u32::try_from(self.rank).unwrap_or(u32::MAX);
         loop {
@@ -134,17 +142,10 @@ impl RankFeed {
             // is closed now. One waiting for its KV fails at once rather than at its deadline;
             // one waiting for its pages' release gives its slots back, and the rank, which
             // refuses a reservation that does not fit, stays the truth for what it still holds.
-            // New requests are served once the feed is back.
-            let orphaned = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|e| e.into_inner()));
-            if !orphaned.is_empty() {
-                tracing::warn!(
-                    rank = self.rank,
-                    addr = %self.addr,
-                    requests = orphaned.len(),
-                    "decoder rank's event feed lost: its requests' feeds closed"
-                );
-            }
-            drop(orphaned);
+            // Nothing is admitted until the feed is back: a request reserving meanwhile could
+            // never hear its rank.
+            self.queue.set_open(false);
+            self.orphan("decoder rank's event feed lost: its requests' feeds closed");
             let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
             feed = loop {
                 backoff.wait().await;
@@ -157,6 +158,12 @@ impl RankFeed {
                     cap.store(info.pages_total, Ordering::Relaxed);
                 }
                 self.queue.resize(capacity(&self.caps, self.max_slots));
+                // A request admitted just before the feed was lost that reserved while it was
+                // down may have missed its events too.
+                self.orphan(
+                    "decoder rank's event feed back: requests that reserved while it was down closed",
+                );
+                self.queue.set_open(true);
                 break f;
             };
         }
