@@ -132,7 +132,19 @@ fn free_port(two: bool) -> u16 {
             Some((it.next()??, it.next()??))
         })
         .unwrap_or((32768, 60999));
-    let (from, to) = if low > 12_000 { (10_000, low - 1) } else { (high.saturating_add(1), u16::MAX - 1) };
+    let (from, to) = if low > 12_000 {
+        (10_000, low - 1)
+    } else if high < 60_000 {
+        (high + 1, u16::MAX - 1)
+    } else {
+        // No room outside the ephemeral range: any free ports, as the kernel gives them.
+        loop {
+            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            if !two || (port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok()) {
+                return port;
+            }
+        }
+    };
     let mut seed = u64::from(std::process::id()) ^ u64::try_from(started_ns()).unwrap_or(0);
     loop {
         seed = draw(seed, 7, u64::MAX);
@@ -433,7 +445,12 @@ async fn one(addr: SocketAddr, i: u64, limit: Duration, abort_every: u64) -> End
     }
 }
 
+/// A GET's JSON (or its text), `None` when it fails or takes over 2 s (an engine just killed).
 async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
+    tokio::time::timeout(Duration::from_secs(2), get_json_now(addr, path)).await.ok().flatten()
+}
+
+async fn get_json_now(addr: SocketAddr, path: &str) -> Option<Value> {
     let s = tokio::net::TcpStream::connect(addr).await.ok()?;
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.ok()?;
     tokio::spawn(conn);

@@ -3,7 +3,9 @@
 --
 -- KEYS[1]  the bucket: hash {level, at (ms)}; absent: full
 -- ARGV     tokens_per_minute, take, need
---   take > 0: taken only if `need` is there; take < 0: given back (never past full)
+--   need > 0: `take` taken only if `need` is there (a request's hold);
+--   need = 0: `take` applied whatever the level (an answer's cost beyond its hold, taken even
+--   below zero; or, negative, what it held beyond its cost given back, never past full)
 --
 -- Returns {1, level} taken (or given), {0, seconds until `need` is there} refused.
 local cap = tonumber(ARGV[1])
@@ -15,7 +17,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local level = tonumber(redis.call('HGET', KEYS[1], 'level') or cap)
 local at = tonumber(redis.call('HGET', KEYS[1], 'at') or now)
 level = math.min(cap, level + rate * math.max(0, now - at))
-if take > 0 and level < need then
+if need > 0 and level < need then
   return {0, tostring(math.max(1, math.ceil((need - level) / rate / 1000)))}
 end
 level = math.min(cap, level - take)

@@ -253,13 +253,13 @@ impl Cluster {
         let sent = flow.unsynced();
         let mut conn = self.connection().await?;
         let mut call = self.flow_script.prepare_invoke();
-        call.key(self.flow_key("counters"))
+        call.key(self.flow_key("served:"))
             .key(self.flow_key("replicas"))
             .arg(&self.cfg.replica)
             .arg(ms(self.cfg.lease))
             .arg(ms(COUNTERS_KEPT));
         for u in &sent {
-            call.arg(&*u.tenant).arg(u.delta.to_string()).arg(u.served.to_string());
+            call.arg(&*u.tenant).arg(u.served.to_string());
         }
         let answer: Vec<String> = call.invoke_async(&mut conn).await?;
         let parsed: Option<Vec<f64>> = answer.iter().map(|v| v.parse().ok()).collect();
@@ -578,7 +578,8 @@ impl crate::flow::Fleet for Cluster {
         need: f64,
     ) -> crate::flow::Reserve<'a> {
         Box::pin(async move {
-            if !self.store_callable() {
+            // While the store is down only the sync task probes it: requests never wait on it.
+            if !self.store_up() {
                 self.budget_calls[2].fetch_add(1, Ordering::Relaxed);
                 return None;
             }

@@ -163,12 +163,11 @@ pub trait Fleet: Send + Sync + std::fmt::Debug {
     fn replicas(&self) -> u32;
 }
 
-/// A tenant's counter as [`Fleet`] syncs it: this replica's service since the last sync, and
-/// its whole service (what the store is seeded with when it has lost the tenant).
+/// A tenant's counter as [`Fleet`] syncs it: this replica's whole service to it (the store keeps
+/// each replica's and sums them).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Unsynced {
     pub tenant: Arc<str>,
-    pub delta: f64,
     pub served: f64,
 }
 
@@ -793,11 +792,7 @@ impl FlowControl {
     /// (read back for `/admin/flow`), [`SYNCED_TENANTS`] at most.
     pub fn unsynced(&self) -> Vec<Unsynced> {
         let s = self.lock();
-        let entry = |(k, t): (&Arc<str>, &TenantState)| Unsynced {
-            tenant: Arc::clone(k),
-            delta: t.served - t.published,
-            served: t.served,
-        };
+        let entry = |(k, t): (&Arc<str>, &TenantState)| Unsynced { tenant: Arc::clone(k), served: t.served };
         let urgent = |t: &TenantState| t.served != t.published || t.queued > 0;
         let mut out: Vec<Unsynced> = s.tenants.iter().filter(|(_, t)| urgent(t)).map(entry).collect();
         let room = SYNCED_TENANTS.saturating_sub(out.len());
@@ -810,8 +805,8 @@ impl FlowControl {
         let mut s = self.lock();
         for (u, total) in sent.iter().zip(totals) {
             if let Some(t) = s.tenants.get_mut(&u.tenant) {
-                t.published += u.delta;
-                t.others = (total - t.published).max(0.0);
+                t.published = u.served;
+                t.others = (total - u.served).max(0.0);
             }
         }
     }

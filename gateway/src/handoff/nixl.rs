@@ -295,7 +295,18 @@ impl Nixl {
             // request away (a proxy, a load balancer): nobody told the producer, and `owed` drains
             // the blocks when this returns instead of leaving them to the producer's lease.
             _ => {}
-        })?;
+        });
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                if owed.params.is_some() {
+                    // The drain `owed` sends as this returns is a request on the decoder: it
+                    // holds this slot.
+                    *owed.to.slot.lock().unwrap_or_else(|e| e.into_inner()) = slots.take();
+                }
+                return Err(e.into());
+            }
+        };
         owed.params = None;
         timing.mark(Phase::Decode);
         Ok(resp.map(|inner| Held::body(inner, slots)))

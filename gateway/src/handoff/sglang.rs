@@ -411,18 +411,16 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 async fn abort_decode(
     decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, PostError>>>,
     mut abort: AbortGuard,
-    mut slot: Option<SlotGuard>,
+    slot: Option<SlotGuard>,
 ) {
     abort.armed = false;
     abort.aborter.abandoned.store(true, Ordering::Relaxed);
     if let Some(decoder) = abort.engines.last() {
         abort.aborter.until_answered(decoder).await;
     }
-    // Answered: the decoder dropped the request (aborted, or done), and its slot comes back now.
-    if abort.aborter.decode_answered.load(Ordering::Relaxed) {
-        engine_has_it(&mut slot, None);
-    }
     decode.abort();
+    // Held until the abort was answered, and `cancel_grace_ms` more (an answer's headers do not
+    // say the decoder dropped the request).
     drop(slot);
 }
 

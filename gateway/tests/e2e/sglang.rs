@@ -106,7 +106,10 @@ async fn a_prefill_refusal_reaches_the_client_and_aborts_the_decode_leg() {
         );
         // The engine's own type, passed on (the simulator answers errors as vLLM 0.32 does).
         assert_eq!(v["error"]["type"], "BadRequestError", "{v}");
-        assert_sglang_clean(&d, Duration::from_millis(100)).await;
+        // The decode leg's slot is held until the abort was answered and the grace after it
+        // (`cancel_grace_ms`, 100 ms): the decoder's time to drop the request.
+        assert_sglang_clean(&d, Duration::from_millis(100) + baton_gateway::handoff::DEFAULT_CANCEL_GRACE)
+            .await;
         eprintln!("stream={stream}: decode leg gone {:?} after the 400", answered.elapsed());
     }
     // Every decode leg that reached the decoder was ended by /abort_request: the clean check above

@@ -113,6 +113,8 @@ struct RankFeed {
     queue: SlotQueue,
     caps: Arc<Vec<AtomicU32>>,
     max_slots: Option<u32>,
+    /// The decoder's ranks whose feeds are down now: it admits nothing while any is.
+    down: Arc<AtomicU32>,
 }
 
 impl RankFeed {
@@ -144,7 +146,9 @@ impl RankFeed {
             // refuses a reservation that does not fit, stays the truth for what it still holds.
             // Nothing is admitted until the feed is back: a request reserving meanwhile could
             // never hear its rank.
-            self.queue.set_open(false);
+            if self.down.fetch_add(1, Ordering::SeqCst) == 0 {
+                self.queue.set_open(false);
+            }
             self.orphan("decoder rank's event feed lost: its requests' feeds closed");
             let mut backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
             feed = loop {
@@ -163,7 +167,9 @@ impl RankFeed {
                 self.orphan(
                     "decoder rank's event feed back: requests that reserved while it was down closed",
                 );
-                self.queue.set_open(true);
+                if self.down.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    self.queue.set_open(true);
+                }
                 break f;
             };
         }
@@ -219,6 +225,7 @@ impl Ranks {
         }
         queue.resize(capacity(&caps, max_slots));
         let mut routers = JoinSet::new();
+        let down = Arc::new(AtomicU32::new(0));
         for (r, feed) in feeds.into_iter().enumerate() {
             let rank = RankFeed {
                 rank: r,
@@ -228,6 +235,7 @@ impl Ranks {
                 queue: queue.clone(),
                 caps: Arc::clone(&caps),
                 max_slots,
+                down: Arc::clone(&down),
             };
             routers.spawn(rank.run(feed));
         }
