@@ -668,3 +668,41 @@ async fn two_replicas_share_a_tenants_budget_and_counter_and_keep_to_their_share
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The budget script alone, on a real Redis: a hold is taken only if it is there; an answer's
+/// cost beyond its hold is charged even below zero (a request with no `max_tokens` held only its
+/// input); what a request held beyond its cost goes back, never past full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_script_charges_every_answer_and_never_fills_past_the_budget() {
+    let Some(redis) = Redis::start() else { return };
+    let script = redis::Script::new(include_str!("../../src/cluster/budget.lua"));
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut call = async |take: f64, need: f64| -> (u8, f64) {
+        let (ok, v): (u8, String) = script
+            .key("t:{flow}:budget:a")
+            .arg(600)
+            .arg(take.to_string())
+            .arg(need.to_string())
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        (ok, v.parse().unwrap())
+    };
+    // A hold of 500: there.
+    assert_eq!(call(500.0, 500.0).await.0, 1);
+    // Its answer cost 700: 200 more, charged though the bucket goes below zero.
+    let (ok, level) = call(200.0, 0.0).await;
+    assert_eq!(ok, 1);
+    assert!((-100.5..-99.0).contains(&level), "{level}");
+    // Another answer's extra 50, charged below zero too.
+    let (ok, level) = call(50.0, 0.0).await;
+    assert_eq!(ok, 1);
+    assert!((-150.5..-149.0).contains(&level), "{level}");
+    // Nothing more fits: refused, with the seconds until 1 token is there (151 at 10 a second).
+    let (ok, refill) = call(1.0, 1.0).await;
+    assert_eq!((ok, refill), (0, 16.0));
+    // Given back: never past the budget.
+    let (ok, level) = call(-10_000.0, 0.0).await;
+    assert_eq!((ok, level), (1, 600.0));
+}
