@@ -44,10 +44,14 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 
+#[path = "support/procs.rs"]
+mod procs;
 #[path = "support/skip.rs"]
 mod skip;
+
+use procs::Proc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -175,16 +179,6 @@ fn bin(name: &str) -> Result<PathBuf, Skip> {
     }
 }
 
-/// A process killed (SIGKILL) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A simulated engine as its own process, started again on the same ports after a crash.
 struct Engine {
     name: String,
@@ -278,25 +272,10 @@ struct Replica {
 }
 
 fn replica(file: &Path) -> Replica {
-    let mut child = Command::new(bin("baton").ok().unwrap())
-        .args(["serve", "--config", file.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let proc = Proc(child);
-    let (mut public, mut admin) = (None, None);
-    while public.is_none() || admin.is_none() {
-        let line = lines.next().expect("baton printed its addresses").unwrap();
-        let after = |marker: &str| {
-            line.split(marker).nth(1).and_then(|r| r.split_whitespace().next()).map(|a| a.parse().unwrap())
-        };
-        public = public.or(after("serving on "));
-        admin = admin.or(after("admin (/metrics, /admin/*) on "));
-    }
-    std::thread::spawn(move || lines.for_each(drop));
-    Replica { _proc: proc, public: public.unwrap(), admin: admin.unwrap() }
+    let baton = bin("baton").ok().unwrap();
+    let (proc, public, admin) =
+        procs::spawn_baton(&baton, &["serve", "--config", file.to_str().unwrap()], Stdio::null());
+    Replica { _proc: proc, public, admin }
 }
 
 /// Debian's `redis-server` on a free port.

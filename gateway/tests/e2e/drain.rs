@@ -3,9 +3,8 @@
 //! clean; with a 1 s drain timeout and 10 s streams, the streams are cut, nothing stays held and it
 //! still exits 0; `baton demo` drains the same way.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -19,68 +18,15 @@ use serde_json::json;
 use tokio::net::TcpStream;
 
 /// Killed however the test ends.
-pub(super) struct Proc(Child);
+pub(super) use super::procs::Proc;
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    pub(super) fn term(&self) {
-        self.signal(rustix::process::Signal::TERM);
-    }
-
-    pub(super) fn signal(&self, signal: rustix::process::Signal) {
-        let pid = rustix::process::Pid::from_child(&self.0);
-        rustix::process::kill_process(pid, signal).unwrap();
-    }
-
-    /// The exit code within `limit`.
-    pub(super) async fn exit_code(&mut self, limit: Duration) -> i32 {
-        let start = Instant::now();
-        loop {
-            if let Some(s) = self.0.try_wait().unwrap() {
-                return s.code().unwrap_or(-1);
-            }
-            assert!(start.elapsed() < limit, "still running after {limit:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-/// Starts the binary with `args` and reads the addresses it prints: public, admin.
 pub(super) fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     spawn_with(args, Stdio::null())
 }
 
 /// [`spawn`], its log (stderr) written to `stderr`.
 pub(super) fn spawn_with(args: &[&str], stderr: Stdio) -> (Proc, SocketAddr, SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let proc = Proc(child);
-    let (mut public, mut admin) = (None, None);
-    while public.is_none() || admin.is_none() {
-        let line = lines.next().expect("the binary printed its addresses").unwrap();
-        let after = |marker: &str| {
-            line.split(marker)
-                .nth(1)
-                .and_then(|r| r.split_whitespace().next())
-                .map(|a| a.parse::<SocketAddr>().unwrap())
-        };
-        public = public.or(after("serving on ")).or(after("gateway on http://"));
-        admin = admin.or(after("admin (/metrics, /admin/*) on "));
-    }
-    // The rest of stdout is drained so the process never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
-    (proc, public.unwrap(), admin.unwrap())
+    super::procs::spawn_baton(std::path::Path::new(env!("CARGO_BIN_EXE_baton")), args, stderr)
 }
 
 /// `n` streams of `tokens` tokens each, once every one has its headers.
