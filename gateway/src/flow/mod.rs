@@ -700,7 +700,9 @@ impl Drop for Charge {
         let more = self.take_output();
         let mut s = self.flow.lock();
         add_output(&mut s, &self.flow.cfg, &self.tenant, more);
-        let rule = self.flow.cfg.rule(&self.tenant).budget;
+        // Only a tenant with a budget has its rule looked up (not on every request).
+        let budgeted = self.in_store || s.tenants.get(&self.tenant).is_some_and(|t| t.budget.is_some());
+        let rule = if budgeted { self.flow.cfg.rule(&self.tenant).budget } else { None };
         // Refused or failed before its answer: nothing is charged, the whole hold goes back.
         let back = match rule {
             Some(r) if self.finished => self.held - r.cost(self.input, self.seen),
@@ -902,9 +904,8 @@ impl FlowControl {
     /// taken there; `Ok(None)`: no budget, no fleet, or the store cannot be reached (this
     /// replica's share is checked instead).
     async fn fleet_budget(&self, id: &Identity, ask: &Ask) -> Result<Option<f64>, Refused> {
-        let (Some(fleet), Some(rule)) = (self.fleet.get(), self.cfg.rule(&id.tenant).budget) else {
-            return Ok(None);
-        };
+        let Some(fleet) = self.fleet.get() else { return Ok(None) };
+        let Some(rule) = self.cfg.rule(&id.tenant).budget else { return Ok(None) };
         let (hold, need) = rule.hold(ask.tokens as u64, ask.max_tokens.map_or(0, u64::from));
         match fleet.reserve(&id.tenant, rule, hold, need).await {
             Some(Ok(())) => Ok(Some(hold)),
