@@ -297,17 +297,8 @@ impl Cluster {
                 format!("no answer within {limit:?}"),
             ))),
         };
-        match r {
-            Ok(v) => {
-                self.outcome(Ok(())).await;
-                Ok(v)
-            }
-            Err(e) => {
-                let kept = redis::RedisError::from((e.kind(), "store call failed", e.to_string()));
-                self.outcome(Err(e)).await;
-                Err(kept)
-            }
-        }
+        self.outcome(r.as_ref().map(|_| ())).await;
+        r
     }
 
     /// One call of the budget script: `take` of the tenant's bucket if `need` is there (or, with
@@ -422,7 +413,7 @@ impl Cluster {
     }
 
     /// Records a sync's outcome; logs when the store goes down or comes back.
-    async fn outcome(&self, r: Result<(), redis::RedisError>) {
+    async fn outcome(&self, r: Result<(), &redis::RedisError>) {
         match r {
             Ok(()) => {
                 self.warned.store(false, Ordering::Relaxed);
@@ -444,7 +435,7 @@ impl Cluster {
                     tracing::warn!(
                         store = %redacted(&self.cfg.store),
                         error = %e,
-                        "cluster: store unreachable; each decoder keeps the share this replica last held and never grows it"
+                        "cluster: store unreachable; each decoder keeps the share this replica last held and never grows it, and tenants' budgets are checked against this replica's share"
                     );
                 }
             }
@@ -543,21 +534,8 @@ async fn sync_loop(cluster: Weak<Cluster>, i: usize) {
     loop {
         {
             let Some(c) = cluster.upgrade() else { return };
-            let down = c.down_at.load(Ordering::Relaxed);
-            let paced = down > 0
-                && !c.store_up()
-                && c.since_epoch_ms().saturating_sub(down) < ms(c.cfg.reconnect_every());
-            if !paced {
-                let limit = c.cfg.store_timeout();
-                let r = match tokio::time::timeout(limit, c.sync(i)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(redis::RedisError::from((
-                        redis::ErrorKind::Io,
-                        "timed out",
-                        format!("no answer within {limit:?}"),
-                    ))),
-                };
-                c.outcome(r).await;
+            if c.store_callable() {
+                let _ = c.call(c.sync(i)).await;
             }
         }
         // However fast requests start waiting, one call per MIN_SYNC_GAP at most.
