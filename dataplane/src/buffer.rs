@@ -399,6 +399,11 @@ impl<D: Device> Ready<D> {
         self.core.key
     }
 
+    /// Chunks of the request (owned and shared).
+    pub fn chunks(&self) -> u32 {
+        self.core.chunks
+    }
+
     /// Starts consuming: the decoder moves the pages into its engine's cache. Fails if the lease
     /// passed while the request waited.
     pub fn consume(self) -> Result<Consuming<D>, LeaseError> {

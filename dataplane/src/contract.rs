@@ -138,6 +138,11 @@ pub struct BatonParams {
     /// Decode only: no KV comes through the PD buffer; compute the prompt locally.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub local_prefill: bool,
+    /// Decode only: the KV may still be arriving (the gateway sent this request alongside the
+    /// prefill): wait up to this many milliseconds for every rank's, and answer nothing before it
+    /// is in. Sent only to ranks whose Welcome said they wait (`RankServer::set_decode_waits`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_wait_ms: Option<u32>,
 }
 
 impl BatonParams {
@@ -149,6 +154,7 @@ impl BatonParams {
             decoders,
             prompt_token_ids,
             local_prefill: false,
+            kv_wait_ms: None,
         }
     }
 
@@ -219,6 +225,7 @@ mod tests {
             decoders: Vec::new(),
             prompt_token_ids: None,
             local_prefill: false,
+            kv_wait_ms: None,
         }
         .key()
         .unwrap_err();

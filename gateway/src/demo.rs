@@ -65,6 +65,10 @@ pub struct DemoConfig {
     pub prefix_cache: Option<baton_sim::cache::CacheConfig>,
     /// The gateway in front (its limits, tokenizer, routing).
     pub gateway: GatewaySetup,
+    /// `native` mode: the decoders wait for a request's KV themselves, so the gateway sends the
+    /// decode alongside the prefill (`false`: engines that cannot, the gateway waiting for every
+    /// rank's READY first).
+    pub decode_waits: bool,
 }
 
 /// How a gateway in front of engines is set up.
@@ -148,6 +152,7 @@ impl Default for DemoConfig {
             sglang: baton_sim::SglangSimConfig::default(),
             prefix_cache: None,
             gateway: GatewaySetup::default(),
+            decode_waits: true,
         }
     }
 }
@@ -243,6 +248,7 @@ pub async fn start_engines_with(c: &DemoConfig, notify: Option<SocketAddr>) -> R
         });
         if role == SimRole::Decode {
             sc.pages = c.pages;
+            sc.decode_waits = c.decode_waits;
         } else {
             sc.faults = c.prefill_faults.clone();
         }

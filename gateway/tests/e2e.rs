@@ -1920,3 +1920,82 @@ async fn prompt_lists_are_one_pd_request_each_merged_by_index() {
         d.shutdown().await;
     }
 }
+
+/// A native decoder whose engine waits for the KV itself (its ranks' Welcome says so) gets the
+/// decode request alongside the prefill, with `kv_wait_ms` set to the gateway's readiness
+/// deadline; one that cannot gets it after every rank's READY, without it. Both serve, and free
+/// everything. A prefill that fails while the decoder waits ends that wait at once (the gateway
+/// cancels the pages), long before the deadline: the client gets the prefill's error, and the
+/// slots and pages come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_that_waits_for_the_kv_gets_the_decode_with_the_prefill() {
+    use baton_gateway::demo::GatewaySetup;
+    use baton_gateway::handoff::shared::Limits;
+    let limits = Limits { ready_timeout: Duration::from_secs(20), ..Limits::default() };
+    for waits in [true, false] {
+        let d = start(DemoConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tp: 2,
+            decode_waits: waits,
+            gateway: GatewaySetup { limits: limits.clone(), ..GatewaySetup::default() },
+            ..DemoConfig::default()
+        })
+        .await
+        .unwrap();
+        let (s, b) =
+            http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 1), "max_tokens": 3}))).await;
+        assert_eq!(s, 200, "waits {waits}: {}", String::from_utf8_lossy(&b));
+        let (_, got) = http(d.decode_addrs()[0], "/sim/received", None).await;
+        let got: Value = serde_json::from_slice(&got).unwrap();
+        let wait = &got.as_array().unwrap().last().unwrap()["body"]["baton"]["kv_wait_ms"];
+        if waits {
+            assert_eq!(wait, 20_000, "the gateway's readiness deadline: {got}");
+        } else {
+            assert!(wait.is_null(), "never sent to an engine that cannot wait: {got}");
+        }
+        wait_free(&d).await;
+        d.shutdown().await;
+    }
+
+    // The prefill refused (500) while the decoder waits.
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        prefill_faults: baton_sim::faults::FaultConfig { fail_status: Some(500), ..Default::default() },
+        gateway: GatewaySetup { limits, ..GatewaySetup::default() },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    let t = Instant::now();
+    let (s, b) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 1), "max_tokens": 3}))).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(s, 502, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("prefill"), "the prefill's error: {v}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let (_, got) = http(d.decode_addrs()[0], "/sim/received", None).await;
+    assert_eq!(got_len(&got), 1, "the decode went out with the prefill");
+    wait_free(&d).await;
+    assert!(t.elapsed() < Duration::from_secs(15), "the decoder's wait ended with the cancel: {:?}", t.elapsed());
+    d.shutdown().await;
+}
+
+fn got_len(b: &[u8]) -> usize {
+    serde_json::from_slice::<Value>(b).unwrap().as_array().unwrap().len()
+}
+
+/// Waits until the demo's decoder holds no slot and its engine no page nor block.
+async fn wait_free(d: &baton_gateway::demo::Demo) {
+    let start = Instant::now();
+    loop {
+        let (_, st) = http(d.decode_addrs()[0], "/sim/stats", None).await;
+        let st: Value = serde_json::from_slice(&st).unwrap();
+        let pages_free = st["ranks"].as_array().unwrap().iter().all(|r| r["pages_free"] == r["pages_total"]);
+        if d.gateway.decoders[0].queue.stats().in_use == 0 && pages_free && st["engine_blocks_held"] == 0 {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "still held: {st}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

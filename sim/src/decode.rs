@@ -20,7 +20,7 @@ use baton_dataplane::device::any::{AnyDevice, AnyTensor};
 use baton_dataplane::device::{CacheLayout, Device, KvSpan};
 use baton_dataplane::geometry::KvGeometry;
 use baton_dataplane::ids::RequestKey;
-use baton_dataplane::transport::{RankServer, ServerHandle};
+use baton_dataplane::transport::{RankServer, ServerHandle, WaitError};
 
 pub struct DecodeRank {
     pub server: Arc<RankServer<AnyDevice>>,
@@ -86,6 +86,7 @@ impl DecodeEngine {
             )
             .map_err(SimError::internal)?;
             let server = RankServer::new(buf, geometry.tp_size, tx);
+            server.set_decode_waits(c.decode_waits);
             let port = match base_port {
                 Some(b) => b
                     .checked_add(u16::try_from(r).unwrap_or(u16::MAX))
@@ -149,7 +150,16 @@ impl DecodeEngine {
 
     /// Takes the request's KV from every rank: checks it is ready and byte-exact, scatters it into
     /// the engine's cache, frees the PD pages. Returns the engine blocks now holding the KV.
-    pub async fn consume(&self, key: RequestKey, ids: &[u32]) -> Result<Vec<Blocks>, SimError> {
+    ///
+    /// With `wait` (the request's `kv_wait_ms`), a rank whose KV is not all in yet is waited for,
+    /// up to that long in all.
+    pub async fn consume(
+        &self,
+        key: RequestKey,
+        ids: &[u32],
+        wait: Option<Duration>,
+    ) -> Result<Vec<Blocks>, SimError> {
+        let deadline = wait.map(|w| tokio::time::Instant::now() + w);
         let hashes = prefix_hashes(ids);
         let cl = self.geometry.chunk_layout();
         let chunks = u32::try_from(ids.len().div_ceil(cl.chunk_tokens as usize)).unwrap_or(u32::MAX);
@@ -159,26 +169,44 @@ impl DecodeEngine {
             if rank.sink.crashed.load(Ordering::SeqCst) {
                 return Err(SimError::upstream(format!("decoder rank {r} is down")));
             }
-            let res = rank
-                .server
-                .take(key)
-                .ok_or_else(|| SimError::conflict(format!("no reservation for {key} on rank {r}")))?;
-            if res.chunks() != chunks {
-                return Err(SimError::bad(format!(
-                    "reservation has {} chunks, the prompt needs {chunks}",
-                    res.chunks()
-                )));
-            }
-            let ready = match res.try_ready() {
-                Ok(ready) => ready,
-                // Dropping the reservation cancels it: a decode that came too early fails cleanly.
-                Err(NotReady::Pending(_)) => {
-                    return Err(SimError::conflict(format!("kv of {key} is not ready on rank {r}")));
+            let ready = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(tokio::time::Instant::now());
+                    match rank.server.take_ready(key, left).await {
+                        Ok(ready) => ready,
+                        Err(e @ WaitError::NotReserved(_)) => {
+                            return Err(SimError::conflict(format!("rank {r}: {e}")));
+                        }
+                        Err(e @ WaitError::Closed(..)) => return Err(SimError::gone(format!("rank {r}: {e}"))),
+                        Err(e @ WaitError::TimedOut(..)) => {
+                            return Err(SimError::timeout(format!("rank {r}: {e}")));
+                        }
+                    }
                 }
-                Err(NotReady::Closed(e)) => {
-                    return Err(SimError::gone(format!("kv of {key} on rank {r}: {e}")));
+                None => {
+                    let res = rank
+                        .server
+                        .take(key)
+                        .ok_or_else(|| SimError::conflict(format!("no reservation for {key} on rank {r}")))?;
+                    match res.try_ready() {
+                        Ok(ready) => ready,
+                        // Dropping the reservation cancels it: a decode that came too early fails
+                        // cleanly.
+                        Err(NotReady::Pending(_)) => {
+                            return Err(SimError::conflict(format!("kv of {key} is not ready on rank {r}")));
+                        }
+                        Err(NotReady::Closed(e)) => {
+                            return Err(SimError::gone(format!("kv of {key} on rank {r}: {e}")));
+                        }
+                    }
                 }
             };
+            if ready.chunks() != chunks {
+                return Err(SimError::bad(format!(
+                    "reservation has {} chunks, the prompt needs {chunks}",
+                    ready.chunks()
+                )));
+            }
             let f = self.faults.get();
             if f.slow_rank == Some(r32) {
                 tokio::time::sleep(Duration::from_millis(f.slow_ms)).await;

@@ -614,7 +614,8 @@ impl SimEngine {
             (Role::Decode(_), Some(b)) if b.local_prefill => {}
             (Role::Decode(d), Some(b)) => {
                 let key = b.key().map_err(SimError::bad)?;
-                held = d.consume(key, &ids).await?;
+                let wait = b.kv_wait_ms.map(|ms| Duration::from_millis(u64::from(ms)));
+                held = d.consume(key, &ids, wait).await?;
             }
             _ => {}
         }

@@ -129,6 +129,10 @@ pub struct SimConfig {
     /// The engine as a prefix cache (prefill time by uncached tokens, `cached_tokens` in usage,
     /// KV events); `None`: every prompt computed in no time, as before.
     pub prefix_cache: Option<cache::CacheConfig>,
+    /// Decode: the ranks say in their Welcome that a decode request with `kv_wait_ms` waits here
+    /// for its KV, so the gateway sends it alongside the prefill (`false`: the gateway waits for
+    /// every rank's READY first, as with an engine that cannot wait).
+    pub decode_waits: bool,
 }
 
 /// An engine's data-plane identity: one certificate and key, used to serve its ranks (peers must
@@ -210,6 +214,7 @@ impl SimConfig {
             sglang: None,
             dp_tls: None,
             prefix_cache: None,
+            decode_waits: true,
         }
     }
 }

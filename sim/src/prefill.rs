@@ -200,10 +200,13 @@ impl PrefillEngine {
             Err(SimError::timeout(format!("kv transfer not confirmed within {:?}", self.hold_ttl)))
         });
         tasks.shutdown().await;
-        // Whatever happened, the decoders learn that nothing more will come for this request.
+        // Whatever happened, the decoders learn that nothing more will come for this request (a
+        // transfer that succeeded fenced with its chunks).
         fence_guard.armed = false;
-        for t in targets {
-            self.fence(t.addr, t.rank, key).await;
+        if outcome.is_err() {
+            for t in targets {
+                self.fence(t.addr, t.rank, key).await;
+            }
         }
         drop(held);
         outcome
@@ -262,12 +265,17 @@ impl PrefillEngine {
             };
             self.device.gather(&rank.cache, &span, &cl, &staging, 0).map_err(SimError::internal)?;
             self.device.read_page(&staging, 0, 0, &mut page).map_err(SimError::internal)?;
-            producer.write_chunk(key, chunk, PageAddr { page: p, generation }, &page).await.map_err(|e| {
+            // Pipelined: the rank's answers are read once every chunk is sent.
+            producer.send_chunk(key, chunk, PageAddr { page: p, generation }, &page).await.map_err(|e| {
                 SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
             })?;
             report.chunks += 1;
             report.bytes += page.len() as u64;
         }
+        // The fence rides with the chunks: one round trip for the whole transfer.
+        producer.finish(Some(key)).await.map_err(|e| {
+            SimError::upstream(format!("writing {key}'s chunks to decoder rank {}: {e}", t.rank))
+        })?;
         self.give_back(t.addr, t.rank, producer);
         Ok(report)
     }

@@ -1,5 +1,6 @@
 //! Clients of a decoder rank's server: control (the gateway), producer (a prefiller rank) and events.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -19,6 +20,8 @@ pub struct Welcome {
     pub page_bytes: u64,
     /// Where a same-host producer may write pages directly (empty when the rank does not export).
     pub export: String,
+    /// The engine waits for a request's KV itself when the decode request says `kv_wait_ms`.
+    pub decode_waits: bool,
 }
 
 async fn connect(
@@ -46,8 +49,8 @@ async fn connect(
     let mut io = FrameIo::new(conn);
     io.write(&Frame::Hello(Hello { role, geometry, rank })).await?;
     match answer(&mut io, DEFAULT_REQUEST_TIMEOUT).await? {
-        Frame::Welcome { rank, ranks, pages_total, page_bytes, export, .. } => {
-            Ok((io, Welcome { rank, ranks, pages_total, page_bytes, export }))
+        Frame::Welcome { rank, ranks, pages_total, page_bytes, export, decode_waits, .. } => {
+            Ok((io, Welcome { rank, ranks, pages_total, page_bytes, export, decode_waits }))
         }
         other => Err(TransportError::Unexpected(format!("{other:?} instead of welcome"))),
     }
@@ -158,7 +161,16 @@ impl ControlClient {
     }
 }
 
+/// Chunks a producer sends before it waits for the oldest one's answer: enough to cover a round
+/// trip at the data plane's chunk sizes, few enough that the rank's answers never fill its socket
+/// while the producer is still writing.
+pub const PIPELINE_WINDOW: usize = 16;
+
 /// A prefiller rank's connection to one decoder rank: writes chunks, fences.
+///
+/// Chunks may be pipelined ([`ProducerClient::send_chunk`], then [`ProducerClient::finish`]): the
+/// rank answers each in order, and a request's chunks and its fence cost one round trip instead of
+/// one each.
 #[derive(Debug)]
 pub struct ProducerClient {
     io: FrameIo<BoxConn>,
@@ -166,6 +178,10 @@ pub struct ProducerClient {
     segment: usize,
     /// The rank's export, mapped: chunks are copied into it instead of sent over the socket.
     shm: Option<crate::device::shm::ShmWriter>,
+    /// Chunks sent whose answers are not read yet, oldest first.
+    unanswered: VecDeque<(RequestKey, u32)>,
+    /// Of the chunks answered since the last [`ProducerClient::finish`], those already there.
+    duplicates: u32,
 }
 
 impl ProducerClient {
@@ -181,7 +197,14 @@ impl ProducerClient {
         rank: u32,
     ) -> Result<Self, TransportError> {
         let (io, welcome) = connect(addr, tls, Role::Producer, geometry, rank).await?;
-        Ok(Self { io, welcome, segment: DEFAULT_SEGMENT_BYTES, shm: None })
+        Ok(Self {
+            io,
+            welcome,
+            segment: DEFAULT_SEGMENT_BYTES,
+            shm: None,
+            unanswered: VecDeque::new(),
+            duplicates: 0,
+        })
     }
 
     /// Sets the segment size (bytes per frame) for chunk writes.
@@ -244,6 +267,21 @@ impl ProducerClient {
         addr: PageAddr,
         bytes: &[u8],
     ) -> Result<bool, TransportError> {
+        self.send_chunk(key, chunk, addr, bytes).await?;
+        Ok(self.finish(None).await? > 0)
+    }
+
+    /// Sends a whole chunk without waiting for the rank's answer, which [`ProducerClient::finish`]
+    /// reads (or this call, for the oldest, once [`PIPELINE_WINDOW`] are unanswered). A refusal of
+    /// any chunk comes back as that call's error; the connection is then in the middle of
+    /// answers and must be dropped, not reused.
+    pub async fn send_chunk(
+        &mut self,
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+        bytes: &[u8],
+    ) -> Result<(), TransportError> {
         if bytes.len() as u64 != self.welcome.page_bytes {
             return Err(TransportError::Refused {
                 code: RefusalCode::BadRequest,
@@ -253,7 +291,13 @@ impl ProducerClient {
             });
         }
         if self.shm.is_some() {
-            return self.write_chunk_shm(key, chunk, addr, bytes).await;
+            // Granted, copied, then committed: each step waits for the rank, so nothing pipelines.
+            let duplicate = self.write_chunk_shm(key, chunk, addr, bytes).await?;
+            self.duplicates += u32::from(duplicate);
+            return Ok(());
+        }
+        while self.unanswered.len() >= PIPELINE_WINDOW {
+            self.read_ack().await?;
         }
         let mut offset = 0usize;
         for seg in bytes.chunks(self.segment) {
@@ -261,16 +305,45 @@ impl ProducerClient {
             self.io.write_chunk(&head, seg).await?;
             offset += seg.len();
         }
+        self.unanswered.push_back((key, chunk));
+        Ok(())
+    }
+
+    /// The oldest unanswered chunk's answer.
+    async fn read_ack(&mut self) -> Result<(), TransportError> {
+        let Some((key, chunk)) = self.unanswered.pop_front() else { return Ok(()) };
         match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
-            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => Ok(duplicate),
-            other => Err(TransportError::Unexpected(format!("{other:?}"))),
+            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => {
+                self.duplicates += u32::from(duplicate);
+                Ok(())
+            }
+            other => Err(TransportError::Unexpected(format!("{other:?} instead of chunk {chunk}'s answer"))),
         }
+    }
+
+    /// Reads the answer of every chunk sent; with `fence`, fences that request in the same round
+    /// trip (after its chunks: see [`ProducerClient::fence`]). Returns how many chunks answered
+    /// since the last call were already there.
+    pub async fn finish(&mut self, fence: Option<RequestKey>) -> Result<u32, TransportError> {
+        if let Some(key) = fence {
+            self.io.write(&Frame::Fence { key }).await?;
+        }
+        while !self.unanswered.is_empty() {
+            self.read_ack().await?;
+        }
+        if let Some(key) = fence {
+            self.fenced(key).await?;
+        }
+        Ok(std::mem::take(&mut self.duplicates))
     }
 
     /// Tells the rank nothing more will be written for `key` (after a cancel, its quarantined pages
     /// come back at once).
     pub async fn fence(&mut self, key: RequestKey) -> Result<(), TransportError> {
-        self.io.write(&Frame::Fence { key }).await?;
+        self.finish(Some(key)).await.map(drop)
+    }
+
+    async fn fenced(&mut self, key: RequestKey) -> Result<(), TransportError> {
         match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
             Frame::Done { key: k } if k == key => Ok(()),
             other => Err(TransportError::Unexpected(format!("{other:?}"))),

@@ -12,6 +12,10 @@ use crate::wire::{ChunkHead, Decoded, DecodedHead, Frame, decode, decode_head, e
 /// Largest piece of a chunk payload read from the socket at once.
 const PAYLOAD_PIECE: usize = 1 << 20;
 
+/// Largest chunk payload copied behind its head to leave in one write (a copy this size costs
+/// less than the second system call and segment it saves).
+const COALESCE_PAYLOAD: usize = 64 << 10;
+
 /// What [`FrameIo::read_head`] found.
 #[derive(Debug)]
 pub enum Incoming {
@@ -25,7 +29,8 @@ pub enum Incoming {
 pub struct FrameIo<S> {
     stream: S,
     rbuf: Vec<u8>,
-    wbuf: Vec<u8>,
+    /// Encoded frames waiting for [`FrameIo::flush`].
+    queued: Vec<u8>,
     scratch: Vec<u8>,
 }
 
@@ -40,7 +45,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
         Self {
             stream,
             rbuf: Vec::with_capacity(64 << 10),
-            wbuf: Vec::with_capacity(4 << 10),
+            queued: Vec::with_capacity(1 << 10),
             scratch: Vec::new(),
         }
     }
@@ -118,21 +123,50 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
         Ok(())
     }
 
-    /// Sends one frame.
+    /// Sends one frame (after any [`FrameIo::queue`]d before it).
     pub async fn write(&mut self, frame: &Frame) -> Result<(), TransportError> {
-        self.wbuf.clear();
-        encode(frame, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
+        encode(frame, &mut self.queued);
+        self.flush().await
+    }
+
+    /// Holds a frame to send with the next [`FrameIo::flush`] or [`FrameIo::write`]: answers to
+    /// frames that arrived together leave together.
+    pub fn queue(&mut self, frame: &Frame) {
+        encode(frame, &mut self.queued);
+    }
+
+    /// Frames [`FrameIo::queue`]d and not yet sent.
+    pub fn queued(&self) -> usize {
+        self.queued.len()
+    }
+
+    /// Sends every queued frame.
+    pub async fn flush(&mut self) -> Result<(), TransportError> {
+        if !self.queued.is_empty() {
+            self.stream.write_all(&self.queued).await?;
+            self.queued.clear();
+        }
         Ok(())
     }
 
-    /// Sends a chunk frame: its head, then `payload` straight from the caller's memory.
+    /// Whether bytes of a next frame are already read (its answer can wait for it).
+    pub fn has_input(&self) -> bool {
+        !self.rbuf.is_empty()
+    }
+
+    /// Sends a chunk frame: its head, then `payload` straight from the caller's memory (a small
+    /// one copied behind the head, so the frame leaves in one write and, without Nagle, one
+    /// segment).
     pub async fn write_chunk(&mut self, head: &ChunkHead, payload: &[u8]) -> Result<(), TransportError> {
-        self.wbuf.clear();
-        encode_chunk_head(&ChunkHead { len: payload.len(), ..*head }, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
-        self.stream.write_all(payload).await?;
-        Ok(())
+        encode_chunk_head(&ChunkHead { len: payload.len(), ..*head }, &mut self.queued);
+        if payload.len() <= COALESCE_PAYLOAD {
+            self.queued.extend_from_slice(payload);
+            self.flush().await
+        } else {
+            self.flush().await?;
+            self.stream.write_all(payload).await?;
+            Ok(())
+        }
     }
 
     pub fn into_inner(self) -> S {

@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-pub use client::{ControlClient, EventStream, ProducerClient, RankInfo, Welcome};
+pub use client::{ControlClient, EventStream, PIPELINE_WINDOW, ProducerClient, RankInfo, Welcome};
 pub use io::{FrameIo, Incoming};
-pub use server::{BroadcastSink, RankServer, ServerHandle};
+pub use server::{BroadcastSink, RankServer, ServerHandle, WaitError};
 pub use tls::{ALPN, TlsClient, TlsError, TlsServer, pem_certs, pem_key};
 
 /// A data-plane connection: plain TCP or TLS over TCP.

@@ -15,7 +15,9 @@ use tokio::task::JoinSet;
 use super::{
     BoxConn, DEFAULT_EVENT_BACKLOG, DEFAULT_HANDSHAKE_TIMEOUT, FrameIo, Incoming, TlsServer, TransportError,
 };
-use crate::buffer::{BeginWrite, PageWriter, RankBuffer, Reservation, ReserveRequest, WriteOutcome};
+use crate::buffer::{
+    BeginWrite, NotReady, PageWriter, RankBuffer, Ready, Reservation, ReserveRequest, WriteOutcome,
+};
 use crate::device::Device;
 use crate::events::{EventSink, RankEvent, TerminalState};
 use crate::ids::{Rank, RequestKey};
@@ -25,6 +27,13 @@ use crate::wire::{ChunkHead, Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
 /// Chunks one producer connection may hold granted (written through the export, not yet
 /// committed): a producer pipelines a few; more is a runaway peer holding pages.
 const MAX_GRANTS_PER_CONNECTION: usize = 64;
+
+/// Answers to a pipelining producer held back (while its next frames are already read) up to this
+/// many bytes before they are sent.
+const REPLY_BATCH_BYTES: usize = 4 << 10;
+
+/// Events published together are sent in one write of up to this many bytes.
+const EVENT_BATCH_BYTES: usize = 16 << 10;
 
 /// How often the reaper wakes at the latest, so a renewal that moves a deadline earlier is honoured
 /// within this bound.
@@ -62,6 +71,25 @@ pub struct RankServer<D: Device> {
     events: broadcast::Sender<RankEvent>,
     /// Connections refused at the TLS handshake.
     refused: std::sync::atomic::AtomicU64,
+    /// Said in every Welcome: the embedding engine waits for a request's KV itself.
+    decode_waits: std::sync::atomic::AtomicBool,
+    /// Requests [`RankServer::take_ready`] waits on, woken by their status.
+    waiting: Mutex<FxHashMap<RequestKey, Arc<Notify>>>,
+}
+
+/// Why [`RankServer::take_ready`] gave no ready request.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum WaitError {
+    /// This rank holds no reservation of the request: never reserved here, cancelled, expired, or
+    /// already taken.
+    #[error("no reservation for {0} on this rank (never reserved, cancelled, expired or already taken)")]
+    NotReserved(RequestKey),
+    /// The request ended while it waited.
+    #[error("{0}: {1}")]
+    Closed(RequestKey, LeaseError),
+    /// Its KV was not all in within the time given.
+    #[error("the kv of {0} was not all in within {1:?}")]
+    TimedOut(RequestKey, Duration),
 }
 
 /// How long a cancel that found no reservation is remembered.
@@ -188,7 +216,81 @@ impl<D: Device> RankServer<D> {
             cancelled: Mutex::new(Tombstones::default()),
             events,
             refused: std::sync::atomic::AtomicU64::new(0),
+            decode_waits: std::sync::atomic::AtomicBool::new(false),
+            waiting: Mutex::new(FxHashMap::default()),
         })
+    }
+
+    /// Says in every Welcome from now on that the embedding engine waits for a request's KV itself
+    /// when its decode request carries `kv_wait_ms` (with [`RankServer::take_ready`]): the gateway
+    /// then sends the decode request while the prefill runs, instead of after every rank's READY.
+    /// A gateway older than this flag refuses the Welcome that carries it: upgrade the gateways
+    /// first.
+    pub fn set_decode_waits(&self, on: bool) {
+        self.decode_waits.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Takes the reservation of `key` once every chunk of it is in, waiting up to `within` for the
+    /// last one: what a decode request that arrived with the prefill does. Fails at once when the
+    /// rank holds no reservation of it, and as soon as the request ends (cancelled, expired). Its
+    /// wake-up is the request's status event, so the server must be started
+    /// ([`RankServer::start`]).
+    pub async fn take_ready(&self, key: RequestKey, within: Duration) -> Result<Ready<D>, WaitError> {
+        let deadline = tokio::time::Instant::now() + within;
+        let notify = Arc::clone(self.lock_waiting().entry(key).or_default());
+        let outcome = loop {
+            let woken = notify.notified();
+            tokio::pin!(woken);
+            // Registered before the state is read: a status emitted in between still wakes it.
+            woken.as_mut().enable();
+            let ready = {
+                let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                held.get(&key).map(Reservation::is_ready)
+            };
+            match ready {
+                None => break Err(WaitError::NotReserved(key)),
+                Some(Err(e)) => break Err(WaitError::Closed(key, e)),
+                Some(Ok(true)) => {
+                    break match self.take(key).map(Reservation::try_ready) {
+                        Some(Ok(r)) => Ok(r),
+                        Some(Err(NotReady::Closed(e))) => Err(WaitError::Closed(key, e)),
+                        // Ready stays ready; put back, a reservation the server would lose.
+                        Some(Err(NotReady::Pending(r))) => {
+                            self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
+                            continue;
+                        }
+                        None => Err(WaitError::NotReserved(key)),
+                    };
+                }
+                Some(Ok(false)) => {}
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                break Err(WaitError::TimedOut(key, within));
+            }
+        };
+        let mut waiting = self.lock_waiting();
+        // The last waiter of the key takes its entry away.
+        if Arc::strong_count(&notify) == 2 {
+            waiting.remove(&key);
+        }
+        outcome
+    }
+
+    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, FxHashMap<RequestKey, Arc<Notify>>> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wakes whoever waits on `key` (every key: `None`).
+    fn wake(&self, key: Option<RequestKey>) {
+        let waiting = self.lock_waiting();
+        match key {
+            Some(k) => {
+                if let Some(n) = waiting.get(&k) {
+                    n.notify_waiters();
+                }
+            }
+            None => waiting.values().for_each(|n| n.notify_waiters()),
+        }
     }
 
     /// Connections refused at the TLS handshake (no certificate, one from another CA, plain TCP).
@@ -313,9 +415,13 @@ impl<D: Device> RankServer<D> {
         let mut rx = self.events.subscribe();
         loop {
             match rx.recv().await {
-                Ok(RankEvent::Status(s)) if s.state != TerminalState::Ready => self.forget_if_closed(s.key()),
+                Ok(RankEvent::Status(s)) => {
+                    if s.state != TerminalState::Ready {
+                        self.forget_if_closed(s.key());
+                    }
+                    self.wake(Some(s.key()));
+                }
                 Ok(RankEvent::Released(r)) => self.forget_if_closed(r.key),
-                Ok(_) => {}
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     // Missed some: sweep everything once.
                     let keys: Vec<RequestKey> =
@@ -323,6 +429,7 @@ impl<D: Device> RankServer<D> {
                     for k in keys {
                         self.forget_if_closed(k);
                     }
+                    self.wake(None);
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             }
@@ -368,6 +475,7 @@ impl<D: Device> RankServer<D> {
             page_bytes: self.buf.page_bytes() as u64,
             geometry: self.buf.geometry().fingerprint(),
             export: self.buf.export().unwrap_or_default(),
+            decode_waits: self.decode_waits.load(std::sync::atomic::Ordering::Relaxed),
         };
         if io.write(&welcome).await.is_err() {
             return;
@@ -492,7 +600,12 @@ impl<D: Device> RankServer<D> {
                     let (reply, next) = self.chunk_segment(io, head, current.take()).await?;
                     current = next;
                     if let Some(reply) = reply {
-                        io.write(&reply).await?;
+                        io.queue(&reply);
+                    }
+                    // While a pipelining producer's next frames are already here, answers wait to
+                    // leave together; never while the server would wait to read.
+                    if !io.has_input() || io.queued() >= REPLY_BATCH_BYTES {
+                        io.flush().await?;
                     }
                 }
                 Incoming::Frame(Frame::Fence { key }) => {
@@ -615,7 +728,22 @@ impl<D: Device> RankServer<D> {
         let mut rx = self.events.subscribe();
         loop {
             match rx.recv().await {
-                Ok(ev) => io.write(&Frame::Event(ev)).await?,
+                Ok(ev) => {
+                    // Events already published leave in the same write.
+                    io.queue(&Frame::Event(ev));
+                    while io.queued() < EVENT_BATCH_BYTES {
+                        match rx.try_recv() {
+                            Ok(ev) => io.queue(&Frame::Event(ev)),
+                            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                                return Err(TransportError::Unexpected(format!(
+                                    "subscriber fell {n} events behind; reconnect and reconcile"
+                                )));
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    io.flush().await?;
+                }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     return Err(TransportError::Unexpected(format!(
                         "subscriber fell {n} events behind; reconnect and reconcile"

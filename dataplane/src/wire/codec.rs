@@ -122,6 +122,11 @@ pub enum Frame {
         /// Where a same-host producer can write pages directly (a shared-memory file); empty when the
         /// rank does not export its buffer.
         export: String,
+        /// The engine embedding the rank waits for a request's KV itself when its decode request
+        /// says so (`kv_wait_ms`, `baton_dataplane::contract`): the gateway may send the decode
+        /// request before the KV is in. Carried in the header's flags ([`WELCOME_DECODE_WAITS`]),
+        /// so a rank that does not set it sends the frame it always did.
+        decode_waits: bool,
     },
     /// Ask for the buffer's current state.
     Info,
@@ -314,7 +319,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u32(h.rank);
                 kind::HELLO
             }
-            Frame::Welcome { rank, ranks, pages_total, page_bytes, geometry, export } => {
+            Frame::Welcome { rank, ranks, pages_total, page_bytes, geometry, export, decode_waits: _ } => {
                 w.u32(*rank);
                 w.u32(*ranks);
                 w.u32(*pages_total);
@@ -435,11 +440,15 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
     // The body length is bounded by what the caller built; frames over u32 are impossible by the
     // limits above, and a decoder refuses anything over the limit anyway.
     let len = u32::try_from(out.len() - start - 4).unwrap_or(u32::MAX);
+    let flags = match frame {
+        Frame::Welcome { decode_waits: true, .. } => WELCOME_DECODE_WAITS,
+        _ => 0,
+    };
     if let Some(h) = out.get_mut(start..start + HEADER_LEN) {
         h[..4].copy_from_slice(&len.to_le_bytes());
         h[4] = PROTOCOL_VERSION;
         h[5] = k;
-        h[6..8].copy_from_slice(&0u16.to_le_bytes());
+        h[6..8].copy_from_slice(&flags.to_le_bytes());
     }
 }
 
@@ -467,7 +476,15 @@ pub fn encode_chunk_head(h: &ChunkHead, out: &mut Vec<u8>) {
 }
 
 /// Checks the 8-byte header: returns (frame length after the `len` field, kind).
-fn check_header(buf: &[u8]) -> Result<(usize, u8), FrameError> {
+/// Welcome's flag: the engine embedding the rank waits for a request's KV itself.
+pub const WELCOME_DECODE_WAITS: u16 = 1;
+
+/// The flags each kind may carry (every other bit is refused).
+fn known_flags(kind: u8) -> u16 {
+    if kind == kind::WELCOME { WELCOME_DECODE_WAITS } else { 0 }
+}
+
+fn check_header(buf: &[u8]) -> Result<(usize, u8, u16), FrameError> {
     let mut r = R { buf, pos: 0 };
     let len = r.u32("len")? as usize;
     let version = r.u8("version")?;
@@ -483,10 +500,10 @@ fn check_header(buf: &[u8]) -> Result<(usize, u8), FrameError> {
     if len > limit {
         return Err(FrameError::Oversized { len, limit });
     }
-    if flags != 0 {
+    if flags & !known_flags(k) != 0 {
         return Err(FrameError::Flags(flags));
     }
-    Ok((len, k))
+    Ok((len, k, flags))
 }
 
 fn read_chunk_fields(r: &mut R<'_>) -> Result<ChunkHead, FrameError> {
@@ -505,7 +522,7 @@ pub fn decode_head(buf: &[u8]) -> Result<DecodedHead, FrameError> {
     if buf.len() < HEADER_LEN {
         return Ok(DecodedHead::Incomplete(HEADER_LEN));
     }
-    let (len, k) = check_header(buf)?;
+    let (len, k, _) = check_header(buf)?;
     if k != kind::CHUNK {
         return Ok(match decode(buf)? {
             Decoded::Frame(f, n) => DecodedHead::Frame(f, n),
@@ -531,7 +548,7 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
     if buf.len() < HEADER_LEN {
         return Ok(Decoded::Incomplete(HEADER_LEN));
     }
-    let (len, k) = check_header(buf)?;
+    let (len, k, flags) = check_header(buf)?;
     let total = len + 4;
     if buf.len() < total {
         return Ok(Decoded::Incomplete(total));
@@ -550,6 +567,7 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
             page_bytes: r.u64("page_bytes")?,
             geometry: r.u64("geometry")?,
             export: r.string("export")?,
+            decode_waits: flags & WELCOME_DECODE_WAITS != 0,
         },
         kind::GRANT => Frame::Grant {
             key: r.key()?,
@@ -779,6 +797,7 @@ mod tests {
                 page_bytes: 32 << 20,
                 geometry: 42,
                 export: "/dev/shm/x".into(),
+                decode_waits: true,
             },
             Frame::Grant { key: k, chunk: 1, addr: PageAddr { page: 3, generation: 4 } },
             Frame::Granted { key: k, chunk: 1, offset: 3 << 20 },

@@ -363,3 +363,111 @@ async fn shared_memory_needs_an_export() {
     assert!(!prod.is_shared_memory());
     h.shutdown().await;
 }
+
+/// Chunks sent without waiting (more than the window, so the producer also reads answers on the
+/// way) and the fence riding with them: every byte lands, the request is ready, and the
+/// duplicates of a second pass are counted. A refused chunk in the middle of a pipeline is that
+/// call's error.
+#[tokio::test]
+async fn pipelined_chunks_and_their_fence_land_in_one_pass() {
+    use baton_dataplane::transport::PIPELINE_WINDOW;
+    let chunks = u32::try_from(PIPELINE_WINDOW).unwrap() + 4;
+    let (srv, h) = server(chunks + 2).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
+    let k = key(40);
+    let addrs = ctl.reserve(k, chunks, Duration::from_secs(30), &[]).await.unwrap();
+    for (c, a) in &addrs {
+        prod.send_chunk(k, *c, *a, &content(u64::from(*c), 0, page)).await.unwrap();
+    }
+    assert_eq!(prod.finish(Some(k)).await.unwrap(), 0);
+    // Sent again: every chunk is already there.
+    for (c, a) in &addrs {
+        prod.send_chunk(k, *c, *a, &content(u64::from(*c), 0, page)).await.unwrap();
+    }
+    assert_eq!(prod.finish(None).await.unwrap(), chunks);
+    let ready = srv.take(k).unwrap().try_ready().ok().expect("every chunk is in");
+    let consuming = ready.consume().unwrap();
+    let mut got = vec![0u8; page];
+    for (c, _) in &addrs {
+        consuming.read_chunk(*c, &mut got).unwrap();
+        assert_eq!(got, content(u64::from(*c), 0, page), "chunk {c}");
+    }
+    drop(consuming);
+
+    // A stale address in the middle: the refusal surfaces, from the send or the finish.
+    let k2 = key(41);
+    let addrs = ctl.reserve(k2, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let stale = PageAddr { generation: addrs[1].1.generation + 7, ..addrs[1].1 };
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let sent = async {
+        prod.send_chunk(k2, addrs[0].0, addrs[0].1, &vec![1; page]).await?;
+        prod.send_chunk(k2, addrs[1].0, stale, &vec![2; page]).await?;
+        prod.finish(Some(k2)).await
+    };
+    let err = sent.await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { code: RefusalCode::Stale, .. }), "{err:?}");
+}
+
+/// A rank whose engine waits for the KV says so in its Welcome; one that does not, does not.
+#[tokio::test]
+async fn the_welcome_says_whether_the_engine_waits_for_the_kv() {
+    let (srv, h) = server(4).await;
+    assert!(!ControlClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
+    srv.set_decode_waits(true);
+    assert!(ControlClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
+    assert!(ProducerClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
+}
+
+/// `take_ready` waits for the last chunk and hands the ready request over; it fails at once for a
+/// request the rank does not hold, as soon as its request is cancelled while it waits, and at its
+/// deadline when the KV never completes.
+#[tokio::test]
+async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_lives() {
+    use baton_dataplane::transport::WaitError;
+    let (srv, h) = server(8).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
+
+    assert!(matches!(srv.take_ready(key(50), WAIT).await, Err(WaitError::NotReserved(_))));
+
+    // Ready after the wait began.
+    let k = key(51);
+    let addrs = ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let waiter = {
+        let srv = Arc::clone(&srv);
+        tokio::spawn(async move { srv.take_ready(k, WAIT).await.map(|r| r.key()) })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiter.is_finished(), "it waits while a chunk is missing");
+    for (c, a) in &addrs {
+        prod.send_chunk(k, *c, *a, &vec![3; page]).await.unwrap();
+    }
+    prod.finish(Some(k)).await.unwrap();
+    assert_eq!(tokio::time::timeout(WAIT, waiter).await.unwrap().unwrap(), Ok(k));
+    assert!(srv.take(k).is_none(), "taken by the waiter");
+
+    // Cancelled while it waits: the wait ends at once, not at its deadline.
+    let k = key(52);
+    ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let waiter = {
+        let srv = Arc::clone(&srv);
+        tokio::spawn(async move { srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key()) })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = std::time::Instant::now();
+    ctl.cancel_unsent(k).await.unwrap();
+    let out = tokio::time::timeout(WAIT, waiter).await.unwrap().unwrap();
+    assert!(matches!(out, Err(WaitError::NotReserved(_) | WaitError::Closed(..))), "{out:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "woken by the cancel: {:?}", t.elapsed());
+
+    // Never complete: the deadline.
+    let k = key(53);
+    ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let out = srv.take_ready(k, Duration::from_millis(100)).await.map(|r| r.key());
+    assert_eq!(out, Err(WaitError::TimedOut(k, Duration::from_millis(100))));
+    assert!(srv.take(k).is_some(), "a wait that timed out leaves the reservation where it was");
+    assert_eq!(ctl.info().await.unwrap().pages_free, 6);
+}

@@ -183,6 +183,10 @@ pub enum KvFailure {
     /// The decoder's event feed closed before the KV was ready.
     #[error("decoder event feed closed")]
     FeedClosed,
+    /// The decoder, sent the request alongside the prefill to wait for the KV itself, gave up on
+    /// it (its wait timed out, or the request's pages were cancelled or expired meanwhile).
+    #[error("the decoder waiting for the kv answered {status}: {message}")]
+    DecoderWait { status: u16, message: String },
     /// Prefill ranks had not reported their writes into the decoder's buffer by the deadline.
     #[error("{got} of {need} prefill ranks reported the kv for decoder {decoder} within {within:?}")]
     NotNotified { got: usize, need: usize, decoder: String, within: std::time::Duration },

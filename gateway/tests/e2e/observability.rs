@@ -227,7 +227,9 @@ fn alert_rules_check_and_their_tests_pass() {
 
 /// A request held in the KV wait (a decoder rank drops its READY) is listed by
 /// `GET /admin/requests?older_than_ms=N` with its phase, age and decoder while it waits, counted in
-/// the in-flight gauges, and gone once its wait times out; a younger threshold hides it.
+/// the in-flight gauges, and gone once its wait times out; a younger threshold hides it. The
+/// decoders cannot wait for the KV themselves here: the gateway's own wait is the one held (a
+/// decoder that waits finds its KV in whatever the feed said).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stuck_view_lists_a_request_held_in_the_kv_wait() {
     let limits = baton_gateway::handoff::Limits {
@@ -237,6 +239,7 @@ async fn the_stuck_view_lists_a_request_held_in_the_kv_wait() {
     let d = start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
+        decode_waits: false,
         gateway: GatewaySetup { limits, ..GatewaySetup::default() },
         ..DemoConfig::default()
     })

@@ -79,6 +79,10 @@ struct Cli {
     /// Decode: how long cancelled pages stay quarantined when the producer never fences, ms
     #[arg(long, value_name = "N", default_value_t = millis(DEFAULT_QUARANTINE_TTL))]
     quarantine_ms: u64,
+    /// Decode: whether a decode request that arrives before its KV waits for it (said to the
+    /// gateway in the ranks' Welcome); `false` plays an engine that cannot
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    decode_waits: bool,
     /// Prefill: how long a request's KV blocks wait for the decoder to take them, ms
     #[arg(long, value_name = "N", default_value_t = millis(DEFAULT_PRODUCER_HOLD_TTL))]
     hold_ttl_ms: u64,
@@ -251,6 +255,7 @@ impl Cli {
         c.block_size = self.block_size;
         c.token_delay = Duration::from_micros(self.token_delay_us);
         c.quarantine_ttl = Duration::from_millis(self.quarantine_ms);
+        c.decode_waits = self.decode_waits;
         c.hold_ttl = Duration::from_millis(self.hold_ttl_ms);
         // Each protocol is on when any of its flags is given, as scripts have always relied on
         // (`--lmcache-proxy ADDR` alone makes an LMCache prefiller).

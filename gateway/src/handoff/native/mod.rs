@@ -40,6 +40,9 @@ pub use ranks::{RankLinks, Ranks};
 const RESERVE_BACKOFF: Duration = Duration::from_millis(2);
 /// Longest pause between reservation retries.
 const RESERVE_BACKOFF_MAX: Duration = Duration::from_millis(50);
+/// How long a decoder's "the request's pages are gone" waits for the rank's own status on the
+/// event feed, to say whether the lease expired.
+const STATUS_AFTER_ANSWER: Duration = Duration::from_millis(200);
 
 /// `handoff = "native"` (the default): the decoder's data-plane ranks.
 #[derive(Debug, Deserialize)]
@@ -218,21 +221,41 @@ impl Native {
     /// The expiry a rank has already reported for this request, if one has: counted, as the error
     /// the client gets.
     fn expired(&self, dec: &Decoder, life: &mut Lifecycle) -> Option<GatewayError> {
-        let rx = life.rx.as_mut()?;
-        while let Ok(event) = rx.try_recv() {
-            match event {
-                RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Expired => {
-                    self.shared.metrics.lease_expired(&dec.name);
-                    return Some(GatewayError::KvTransfer(KvFailure::RankFailed {
-                        rank: s.rank,
-                        state: s.state.as_str(),
-                    }));
-                }
-                RankEvent::Released(_) => life.released += 1,
-                RankEvent::Status(_) => {}
+        loop {
+            let event = life.rx.as_mut()?.try_recv().ok()?;
+            if let Some(e) = self.expiry(dec, life, event) {
+                return Some(e);
             }
         }
-        None
+    }
+
+    /// [`Native::expired`], waiting up to `wait` for a rank's status to arrive.
+    async fn expired_within(&self, dec: &Decoder, life: &mut Lifecycle, wait: Duration) -> Option<GatewayError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let event = match tokio::time::timeout_at(deadline, life.rx.as_mut()?.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) | Err(_) => return self.expired(dec, life),
+            };
+            if let Some(e) = self.expiry(dec, life, event) {
+                return Some(e);
+            }
+        }
+    }
+
+    /// One event of the request's feed: its expiry as the client's error (counted), if it is one.
+    fn expiry(&self, dec: &Decoder, life: &mut Lifecycle, event: RankEvent) -> Option<GatewayError> {
+        match event {
+            RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Expired => {
+                self.shared.metrics.lease_expired(&dec.name);
+                Some(GatewayError::KvTransfer(KvFailure::RankFailed { rank: s.rank, state: s.state.as_str() }))
+            }
+            RankEvent::Released(_) => {
+                life.released += 1;
+                None
+            }
+            RankEvent::Status(_) => None,
+        }
     }
 
     /// Waits until every rank holds the whole KV (or one fails, or the deadline passes).
@@ -313,6 +336,9 @@ impl Native {
         let body = Patched::new(&req.raw, &["stream_options"])
             .set("stream", &false)
             .set(contract::FIELD, &params(life.key, targets, ids));
+        if self.ranks.decode_waits() {
+            return self.overlapped(dec, prefills, req, ids, body, life, timing, work, retried).await;
+        }
         // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
         // never saw the addresses leaves the pages free at once (no quarantine).
         let prefilled = match shared
@@ -355,6 +381,119 @@ impl Native {
         drop(life);
         timing.mark(Phase::Decode);
         Ok(resp.map(boxed))
+    }
+
+    /// The prefill and the decode at once, for a decoder whose engine waits for the KV itself: the
+    /// decode request (with `kv_wait_ms`) goes out with the prefill, and the decoder answers once
+    /// its ranks hold the whole KV, with no READY round trip through the gateway and no decode
+    /// request after it. Every guard stays: the pages are reserved first, a failed prefill
+    /// cancels them (which ends the decoder's wait at once), the decoder's wait has the
+    /// gateway's readiness deadline, and the slots go back only when every rank has released.
+    #[allow(clippy::too_many_arguments)]
+    async fn overlapped(
+        &self,
+        dec: &Decoder,
+        prefills: &[&crate::handoff::shared::Prefiller],
+        req: &GenRequest,
+        ids: &[u32],
+        body: Patched<'_>,
+        mut life: Lifecycle,
+        timing: &mut Timing,
+        work: Option<crate::routing::Work>,
+        retried: &Arc<std::sync::atomic::AtomicU32>,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        let shared = &*self.shared;
+        let within = shared.limits.ready_timeout;
+        let mut p = params(life.key, Vec::new(), ids);
+        p.kv_wait_ms = Some(u32::try_from(within.as_millis()).unwrap_or(u32::MAX).max(1));
+        let decode_body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
+        let path = req.endpoint.path();
+        enum Ended {
+            Decoded(Response<hyper::body::Incoming>),
+            PrefillFailed(GatewayError),
+            DecodeFailed(crate::handoff::legs::LegError),
+        }
+        let ended = {
+            let sent = &mut life.sent;
+            let prefill = async {
+                match shared
+                    .prefill(prefills, path, &body, sent, false, Retrying { answered: false, retried })
+                    .await
+                {
+                    Ok((prefill, resp, in_flight)) => {
+                        let answered = shared.answer("prefill", prefill, resp).await;
+                        drop(in_flight);
+                        answered.map(drop).map_err(GatewayError::from)
+                    }
+                    Err(e) => Err(e),
+                }
+            };
+            let decode = shared.call("decode", dec, path, &decode_body);
+            tokio::pin!(prefill, decode);
+            let mut prefilled = false;
+            loop {
+                tokio::select! {
+                    r = &mut prefill, if !prefilled => match r {
+                        Ok(()) => {
+                            prefilled = true;
+                            timing.mark(Phase::Prefill);
+                            timing.enter(Phase::KvReady);
+                        }
+                        Err(e) => break Ended::PrefillFailed(e),
+                    },
+                    r = &mut decode => match r {
+                        Ok(resp) => {
+                            if !prefilled {
+                                // The decoder holds the KV, so the prefill wrote all of it: its
+                                // answer is due now, and read so its connection is reused.
+                                if let Err(e) = prefill.await {
+                                    tracing::debug!(error = %e, "the prefill failed after the decoder took its kv");
+                                }
+                                timing.mark(Phase::Prefill);
+                            }
+                            // From the prefill's answer to the decoder's: the KV's last leg as
+                            // the gateway sees it.
+                            timing.mark(Phase::KvReady);
+                            timing.enter(Phase::Decode);
+                            break Ended::Decoded(resp);
+                        }
+                        Err(e) => break Ended::DecodeFailed(e),
+                    },
+                }
+            }
+        };
+        drop(work);
+        match ended {
+            Ended::Decoded(resp) => {
+                life.decoded = true;
+                drop(life);
+                timing.mark(Phase::Decode);
+                Ok(resp.map(boxed))
+            }
+            // A prefill that failed because a rank's lease ran out is that expiry. Dropping the
+            // lifecycle cancels the pages, which ends the decoder's wait.
+            Ended::PrefillFailed(e) => Err(self.expired(dec, &mut life).unwrap_or(e)),
+            Ended::DecodeFailed(e) => {
+                // A decoder that gave up on a request its rank expired: the expiry, as the rank
+                // reported it on the feed (which may come a moment after the decoder's answer).
+                let closed = matches!(e, crate::handoff::legs::LegError::Refused { status: 410, .. });
+                let wait = if closed { STATUS_AFTER_ANSWER } else { Duration::ZERO };
+                if let Some(expired) = self.expired_within(dec, &mut life, wait).await {
+                    return Err(expired);
+                }
+                Err(match e {
+                    // The decoder's own word on the KV it waited for (409, 410, 504): a transfer
+                    // failure, not a refusal of the client's request.
+                    crate::handoff::legs::LegError::Refused { status: status @ (409 | 410 | 504), body, .. } => {
+                        GatewayError::KvTransfer(KvFailure::DecoderWait {
+                            status,
+                            message: crate::handoff::legs::short_body(&body),
+                        })
+                    }
+                    other => other.into(),
+                })
+            }
+        }
     }
 }
 

@@ -84,6 +84,8 @@ pub struct Ranks {
     links: RankLinks,
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
     waiters: Waiters,
+    /// Whether each rank's engine waits for a request's KV itself (its last Welcome).
+    waits: Arc<Vec<std::sync::atomic::AtomicBool>>,
     _routers: JoinSet<()>,
 }
 
@@ -115,6 +117,7 @@ struct RankFeed {
     max_slots: Option<u32>,
     /// The decoder's ranks whose feeds are down now: it admits nothing while any is.
     down: Arc<AtomicU32>,
+    waits: Arc<Vec<std::sync::atomic::AtomicBool>>,
 }
 
 impl RankFeed {
@@ -160,6 +163,10 @@ impl RankFeed {
                 let Ok(f) = self.links.events(&self.addr, r32).await else { continue };
                 if let Some(cap) = self.caps.get(self.rank) {
                     cap.store(info.pages_total, Ordering::Relaxed);
+                }
+                // A restarted engine may say otherwise now.
+                if let Some(w) = self.waits.get(self.rank) {
+                    w.store(c.welcome.decode_waits, Ordering::Relaxed);
                 }
                 self.queue.resize(capacity(&self.caps, self.max_slots));
                 // A request admitted just before the feed was lost that reserved while it was
@@ -214,11 +221,16 @@ impl Ranks {
         let mut controls = Vec::new();
         let mut feeds = Vec::new();
         let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
+        let waits: Arc<Vec<std::sync::atomic::AtomicBool>> =
+            Arc::new(ranks.iter().map(|_| std::sync::atomic::AtomicBool::new(false)).collect());
         for (r, addr) in ranks.iter().enumerate() {
             let r32 = u32::try_from(r).unwrap_or(u32::MAX);
             let mut c = links.control(addr, r32).await?;
             if let Some(cap) = caps.get(r) {
                 cap.store(c.info().await?.pages_total, Ordering::Relaxed);
+            }
+            if let Some(w) = waits.get(r) {
+                w.store(c.welcome.decode_waits, Ordering::Relaxed);
             }
             controls.push(tokio::sync::Mutex::new(vec![c]));
             feeds.push(links.events(addr, r32).await?);
@@ -236,10 +248,11 @@ impl Ranks {
                 caps: Arc::clone(&caps),
                 max_slots,
                 down: Arc::clone(&down),
+                waits: Arc::clone(&waits),
             };
             routers.spawn(rank.run(feed));
         }
-        Ok(Self { name, chunk_tokens, links, controls, waiters, _routers: routers })
+        Ok(Self { name, chunk_tokens, links, controls, waiters, waits, _routers: routers })
     }
 
     /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
@@ -362,6 +375,12 @@ impl Ranks {
     /// Slots a prompt of `tokens` takes here: its chunks.
     pub fn slots_for(&self, tokens: usize) -> u32 {
         u32::try_from(tokens.div_ceil(self.chunk_tokens.max(1) as usize)).unwrap_or(u32::MAX)
+    }
+
+    /// Whether every rank's engine waits for a request's KV itself (`kv_wait_ms`), as their last
+    /// Welcome said.
+    pub fn decode_waits(&self) -> bool {
+        !self.waits.is_empty() && self.waits.iter().all(|w| w.load(Ordering::Relaxed))
     }
 
     pub fn rank_count(&self) -> u32 {
