@@ -98,6 +98,9 @@ fn engines_main(mode: &str) {
             cache_blocks: 65_536,
             chunk_tokens: CHUNK_TOKENS,
             shape: Some(SHAPE),
+            // `BATON_PROXY_BENCH_DECODE_WAITS=0`: native decoders that cannot wait for the KV
+            // (the gateway sends the decode after every rank's READY).
+            decode_waits: std::env::var("BATON_PROXY_BENCH_DECODE_WAITS").as_deref() != Ok("0"),
             ..DemoConfig::default()
         };
         let notify: Option<SocketAddr> = std::env::var(NOTIFY_ENV).ok().map(|a| a.parse().unwrap());

@@ -1937,7 +1937,7 @@ async fn a_decoder_that_waits_for_the_kv_gets_the_decode_with_the_prefill() {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,
             decode_waits: waits,
-            gateway: GatewaySetup { limits: limits.clone(), ..GatewaySetup::default() },
+            gateway: GatewaySetup { limits, ..GatewaySetup::default() },
             ..DemoConfig::default()
         })
         .await
@@ -1977,7 +1977,11 @@ async fn a_decoder_that_waits_for_the_kv_gets_the_decode_with_the_prefill() {
     let (_, got) = http(d.decode_addrs()[0], "/sim/received", None).await;
     assert_eq!(got_len(&got), 1, "the decode went out with the prefill");
     wait_free(&d).await;
-    assert!(t.elapsed() < Duration::from_secs(15), "the decoder's wait ended with the cancel: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "the decoder's wait ended with the cancel: {:?}",
+        t.elapsed()
+    );
     d.shutdown().await;
 }
 

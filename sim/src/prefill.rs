@@ -263,8 +263,11 @@ impl PrefillEngine {
                 first_token: u32::try_from(first).unwrap_or(u32::MAX),
                 tokens: u32::try_from(count).unwrap_or(0),
             };
-            self.device.gather(&rank.cache, &span, &cl, &staging, 0).map_err(SimError::internal)?;
-            self.device.read_page(&staging, 0, 0, &mut page).map_err(SimError::internal)?;
+            // Neutral engines move zero pages: no KV was computed to gather.
+            if !super::kv::neutral() {
+                self.device.gather(&rank.cache, &span, &cl, &staging, 0).map_err(SimError::internal)?;
+                self.device.read_page(&staging, 0, 0, &mut page).map_err(SimError::internal)?;
+            }
             // Pipelined: the rank's answers are read once every chunk is sent.
             producer.send_chunk(key, chunk, PageAddr { page: p, generation }, &page).await.map_err(|e| {
                 SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))

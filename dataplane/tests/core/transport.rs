@@ -387,7 +387,7 @@ async fn pipelined_chunks_and_their_fence_land_in_one_pass() {
         prod.send_chunk(k, *c, *a, &content(u64::from(*c), 0, page)).await.unwrap();
     }
     assert_eq!(prod.finish(None).await.unwrap(), chunks);
-    let ready = srv.take(k).unwrap().try_ready().ok().expect("every chunk is in");
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else { panic!("every chunk is in") };
     let consuming = ready.consume().unwrap();
     let mut got = vec![0u8; page];
     for (c, _) in &addrs {

@@ -230,7 +230,12 @@ impl Native {
     }
 
     /// [`Native::expired`], waiting up to `wait` for a rank's status to arrive.
-    async fn expired_within(&self, dec: &Decoder, life: &mut Lifecycle, wait: Duration) -> Option<GatewayError> {
+    async fn expired_within(
+        &self,
+        dec: &Decoder,
+        life: &mut Lifecycle,
+        wait: Duration,
+    ) -> Option<GatewayError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let event = match tokio::time::timeout_at(deadline, life.rx.as_mut()?.recv()).await {
@@ -248,7 +253,10 @@ impl Native {
         match event {
             RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Expired => {
                 self.shared.metrics.lease_expired(&dec.name);
-                Some(GatewayError::KvTransfer(KvFailure::RankFailed { rank: s.rank, state: s.state.as_str() }))
+                Some(GatewayError::KvTransfer(KvFailure::RankFailed {
+                    rank: s.rank,
+                    state: s.state.as_str(),
+                }))
             }
             RankEvent::Released(_) => {
                 life.released += 1;
@@ -484,12 +492,14 @@ impl Native {
                 Err(match e {
                     // The decoder's own word on the KV it waited for (409, 410, 504): a transfer
                     // failure, not a refusal of the client's request.
-                    crate::handoff::legs::LegError::Refused { status: status @ (409 | 410 | 504), body, .. } => {
-                        GatewayError::KvTransfer(KvFailure::DecoderWait {
-                            status,
-                            message: crate::handoff::legs::short_body(&body),
-                        })
-                    }
+                    crate::handoff::legs::LegError::Refused {
+                        status: status @ (409 | 410 | 504),
+                        body,
+                        ..
+                    } => GatewayError::KvTransfer(KvFailure::DecoderWait {
+                        status,
+                        message: crate::handoff::legs::short_body(&body),
+                    }),
                     other => other.into(),
                 })
             }
