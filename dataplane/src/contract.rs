@@ -7,6 +7,9 @@
 //!   write the prompt's KV chunks into those decoder ranks' reserved pages;
 //! - to a decode engine: `{"request_id": ..., "epoch": N, "prompt_token_ids": [...]}`: the KV is in
 //!   this engine's PD buffer under that request; consume it and generate;
+//! - to a decode engine whose ranks said they wait for the KV (`RankServer::set_decode_waits`),
+//!   `"kv_wait_ms": N` added: sent alongside the prefill, so the KV may still be arriving; take it
+//!   with `RankServer::take_ready` within `N` ms and answer nothing before it is in;
 //! - to a decode engine, `"local_prefill": true` added: no KV comes (nothing was reserved, no
 //!   prefill ran): compute the prompt from the engine's own prefix cache, as a plain request, and
 //!   generate. The gateway sends this only to a decoder whose KV events say it holds nearly all of

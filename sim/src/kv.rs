@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use baton_dataplane::device::{CacheLayout, Device, DeviceError};
 use baton_dataplane::geometry::KvGeometry;
 
-/// Neutral engines (`baton-sim --neutral`; the proxy benchmark's): no KV is derived or checked,
+/// Neutral engines (`baton-sim --neutral`; the proxy benchmark's): no KV is derived, gathered,
+/// checked or scattered into the engines' caches,
 /// pages move as zeros. Process-wide, so set it only in a process of its own.
 static NEUTRAL: AtomicBool = AtomicBool::new(false);
 

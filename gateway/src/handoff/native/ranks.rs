@@ -304,8 +304,9 @@ impl Ranks {
         }
     }
 
-    /// Reserves on every rank or none. `Ok(None)`: some rank has no room right now (another gateway
-    /// replica holds pages); the caller retries.
+    /// Reserves on every rank or none, asking them all at once (one round trip whatever the TP).
+    /// `Ok(None)`: some rank has no room right now (another gateway replica holds pages); the
+    /// caller retries.
     pub async fn reserve(
         &self,
         key: RequestKey,
@@ -313,27 +314,47 @@ impl Ranks {
         lease: Duration,
         prefixes: &[PrefixKey],
     ) -> Result<Option<Vec<(SocketAddr, Vec<(u32, PageAddr)>)>>, TransportError> {
-        let mut got = Vec::with_capacity(self.links.addrs.len());
-        for r in 0..self.links.addrs.len() {
-            match self.call(r, Op::Reserve { key, chunks, lease, prefixes }).await {
-                Ok(OpOut::Reserved(peer, addrs)) => got.push((peer, addrs)),
+        let ranks = self.links.addrs.len();
+        let answers = futures_util::future::join_all(
+            (0..ranks).map(|r| self.call(r, Op::Reserve { key, chunks, lease, prefixes })),
+        )
+        .await;
+        let mut got = Vec::with_capacity(ranks);
+        let mut busy = false;
+        let mut failed = None;
+        // Ranks that may hold pages of this key: those that reserved, and those whose call broke
+        // (the Reserve may have landed before it did). A rank that refused holds nothing, and
+        // cancelling a key it never reserved would make it refuse that key from then on.
+        let mut holding = Vec::with_capacity(ranks);
+        for (r, answer) in answers.into_iter().enumerate() {
+            match answer {
+                Ok(OpOut::Reserved(peer, addrs)) => {
+                    holding.push(r);
+                    got.push((peer, addrs));
+                }
                 Ok(_) => {
-                    return Err(TransportError::Unexpected("reserve answered with something else".into()));
+                    holding.push(r);
+                    failed.get_or_insert(TransportError::Unexpected(
+                        "reserve answered with something else".into(),
+                    ));
                 }
-                Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
-                    // All or none: what the ranks before gave goes back at once. Only those: a rank
-                    // that cancels a key it never reserved refuses that key from then on, and the
-                    // caller retries with this one. Rank `r` said no, so it holds nothing.
-                    self.cancel_ranks(key, true, 0..r).await;
-                    return Ok(None);
-                }
+                Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => busy = true,
+                Err(e @ TransportError::Refused { .. }) => failed = Some(e),
                 Err(e) => {
-                    // Rank `r` may have reserved before the call broke: cancel there too (the key
-                    // is not retried).
-                    self.cancel_ranks(key, true, 0..=r).await;
-                    return Err(e);
+                    holding.push(r);
+                    failed.get_or_insert(e);
                 }
             }
+        }
+        if let Some(e) = failed {
+            // All or none: what the others gave goes back at once (the key is not retried).
+            self.cancel_ranks(key, true, holding).await;
+            return Err(e);
+        }
+        if busy {
+            // The caller retries with a new epoch of the key.
+            self.cancel_ranks(key, true, holding).await;
+            return Ok(None);
         }
         Ok(Some(got))
     }
@@ -344,10 +365,10 @@ impl Ranks {
         self.cancel_ranks(key, unsent, 0..self.links.addrs.len()).await;
     }
 
+    /// Cancels on `ranks`, all at once.
     async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
-        for r in ranks {
-            let _ = self.call(r, Op::Cancel { key, unsent }).await;
-        }
+        futures_util::future::join_all(ranks.into_iter().map(|r| self.call(r, Op::Cancel { key, unsent })))
+            .await;
     }
 
     /// Routes the events of `key` to the returned receiver until [`DecoderHandle::forget`].
