@@ -143,8 +143,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
     /// Sends every queued frame.
     pub async fn flush(&mut self) -> Result<(), TransportError> {
         if !self.queued.is_empty() {
-            self.stream.write_all(&self.queued).await?;
-            self.queued.clear();
+            // Taken out first: a write cut off half-way (its future dropped) leaves nothing queued
+            // to be sent again after its first bytes.
+            let mut out = std::mem::take(&mut self.queued);
+            self.stream.write_all(&out).await?;
+            out.clear();
+            self.queued = out;
         }
         Ok(())
     }

@@ -74,8 +74,39 @@ pub struct RankServer<D: Device> {
     /// Said in every Welcome: the embedding engine waits for a request's KV itself.
     decode_waits: std::sync::atomic::AtomicBool,
     /// Requests [`RankServer::take_ready`] waits on, woken by their status.
-    waiting: Mutex<FxHashMap<RequestKey, Arc<Notify>>>,
+    waiting: Mutex<FxHashMap<RequestKey, Arc<Waiting>>>,
 }
+
+/// What [`RankServer::take_ready`] waits on for one request: a wake-up, and the terminal status
+/// that caused it (the janitor forgets a closed reservation before it wakes the waiters, so the
+/// reason would be lost with it).
+#[derive(Debug, Default)]
+struct Waiting {
+    notify: Notify,
+    ended: Mutex<Option<TerminalState>>,
+}
+
+/// Removes a [`RankServer::take_ready`] waiter's entry however the wait ends, its future dropped
+/// included.
+struct WaitEntry<'a, D: Device> {
+    server: &'a RankServer<D>,
+    key: RequestKey,
+    waiting: Arc<Waiting>,
+}
+
+impl<D: Device> Drop for WaitEntry<'_, D> {
+    fn drop(&mut self) {
+        let mut waiting = self.server.lock_waiting();
+        // The last waiter of the key (the map holds one reference, this one another) takes it away.
+        if Arc::strong_count(&self.waiting) == 2 {
+            waiting.remove(&self.key);
+        }
+    }
+}
+
+/// The longest a [`RankServer::take_ready`] waits between looks at the request's state, whatever
+/// its events say (one missed cannot hold it to its deadline).
+const WAIT_RECHECK: Duration = Duration::from_millis(50);
 
 /// Why [`RankServer::take_ready`] gave no ready request.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -84,7 +115,7 @@ pub enum WaitError {
     /// already taken.
     #[error("no reservation for {0} on this rank (never reserved, cancelled, expired or already taken)")]
     NotReserved(RequestKey),
-    /// The request ended while it waited.
+    /// The request ended (cancelled, expired, failed) before or while it waited.
     #[error("{0}: {1}")]
     Closed(RequestKey, LeaseError),
     /// Its KV was not all in within the time given.
@@ -224,8 +255,8 @@ impl<D: Device> RankServer<D> {
     /// Says in every Welcome from now on that the embedding engine waits for a request's KV itself
     /// when its decode request carries `kv_wait_ms` (with [`RankServer::take_ready`]): the gateway
     /// then sends the decode request while the prefill runs, instead of after every rank's READY.
-    /// A gateway older than this flag refuses the Welcome that carries it: upgrade the gateways
-    /// first.
+    /// Said to control connections only (the gateway's); a gateway older than this flag refuses
+    /// the Welcome that carries it: upgrade the gateways first.
     pub fn set_decode_waits(&self, on: bool) {
         self.decode_waits.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -237,9 +268,10 @@ impl<D: Device> RankServer<D> {
     /// ([`RankServer::start`]).
     pub async fn take_ready(&self, key: RequestKey, within: Duration) -> Result<Ready<D>, WaitError> {
         let deadline = tokio::time::Instant::now() + within;
-        let notify = Arc::clone(self.lock_waiting().entry(key).or_default());
-        let outcome = loop {
-            let woken = notify.notified();
+        let waiting = Arc::clone(self.lock_waiting().entry(key).or_default());
+        let entry = WaitEntry { server: self, key, waiting };
+        loop {
+            let woken = entry.waiting.notify.notified();
             tokio::pin!(woken);
             // Registered before the state is read: a status emitted in between still wakes it.
             woken.as_mut().enable();
@@ -248,10 +280,21 @@ impl<D: Device> RankServer<D> {
                 held.get(&key).map(Reservation::is_ready)
             };
             match ready {
-                None => break Err(WaitError::NotReserved(key)),
-                Some(Err(e)) => break Err(WaitError::Closed(key, e)),
+                None => {
+                    // Gone: closed (the janitor forgets closed reservations; their status says
+                    // why), taken, or never here.
+                    let ended = *entry.waiting.ended.lock().unwrap_or_else(|e| e.into_inner());
+                    return Err(match ended {
+                        Some(TerminalState::Expired) => WaitError::Closed(key, LeaseError::Expired),
+                        Some(state @ (TerminalState::Cancelled | TerminalState::Failed)) => {
+                            WaitError::Closed(key, LeaseError::Closed(state))
+                        }
+                        _ => WaitError::NotReserved(key),
+                    });
+                }
+                Some(Err(e)) => return Err(WaitError::Closed(key, e)),
                 Some(Ok(true)) => {
-                    break match self.take(key).map(Reservation::try_ready) {
+                    return match self.take(key).map(Reservation::try_ready) {
                         Some(Ok(r)) => Ok(r),
                         Some(Err(NotReady::Closed(e))) => Err(WaitError::Closed(key, e)),
                         // Ready stays ready; put back, a reservation the server would lose.
@@ -264,33 +307,29 @@ impl<D: Device> RankServer<D> {
                 }
                 Some(Ok(false)) => {}
             }
-            if tokio::time::timeout_at(deadline, woken).await.is_err() {
-                break Err(WaitError::TimedOut(key, within));
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(WaitError::TimedOut(key, within));
             }
-        };
-        let mut waiting = self.lock_waiting();
-        // The last waiter of the key takes its entry away.
-        if Arc::strong_count(&notify) == 2 {
-            waiting.remove(&key);
+            let _ = tokio::time::timeout_at(deadline.min(now + WAIT_RECHECK), woken).await;
         }
-        outcome
     }
 
-    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, FxHashMap<RequestKey, Arc<Notify>>> {
+    fn lock_waiting(&self) -> std::sync::MutexGuard<'_, FxHashMap<RequestKey, Arc<Waiting>>> {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Wakes whoever waits on `key` (every key: `None`).
-    fn wake(&self, key: Option<RequestKey>) {
-        let waiting = self.lock_waiting();
-        match key {
-            Some(k) => {
-                if let Some(n) = waiting.get(&k) {
-                    n.notify_waiters();
-                }
-            }
-            None => waiting.values().for_each(|n| n.notify_waiters()),
+    /// Wakes whoever waits on `key` for its terminal `state`.
+    fn ended(&self, key: RequestKey, state: TerminalState) {
+        if let Some(w) = self.lock_waiting().get(&key) {
+            *w.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(state);
+            w.notify.notify_waiters();
         }
+    }
+
+    /// Wakes every waiter, to look again (events were missed).
+    fn wake_all(&self) {
+        self.lock_waiting().values().for_each(|w| w.notify.notify_waiters());
     }
 
     /// Connections refused at the TLS handshake (no certificate, one from another CA, plain TCP).
@@ -416,10 +455,12 @@ impl<D: Device> RankServer<D> {
         loop {
             match rx.recv().await {
                 Ok(RankEvent::Status(s)) => {
+                    // The waiters learn why before the reservation is forgotten: one that looks
+                    // after that still knows.
+                    self.ended(s.key(), s.state);
                     if s.state != TerminalState::Ready {
                         self.forget_if_closed(s.key());
                     }
-                    self.wake(Some(s.key()));
                 }
                 Ok(RankEvent::Released(r)) => self.forget_if_closed(r.key),
                 Err(broadcast::error::RecvError::Lagged(_)) => {
@@ -429,7 +470,7 @@ impl<D: Device> RankServer<D> {
                     for k in keys {
                         self.forget_if_closed(k);
                     }
-                    self.wake(None);
+                    self.wake_all();
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             }
@@ -475,7 +516,10 @@ impl<D: Device> RankServer<D> {
             page_bytes: self.buf.page_bytes() as u64,
             geometry: self.buf.geometry().fingerprint(),
             export: self.buf.export().unwrap_or_default(),
-            decode_waits: self.decode_waits.load(std::sync::atomic::Ordering::Relaxed),
+            // Said to the gateway's control connections only: a producer does not need it, and an
+            // older one would refuse the flag.
+            decode_waits: hello.role == Role::Control
+                && self.decode_waits.load(std::sync::atomic::Ordering::Relaxed),
         };
         if io.write(&welcome).await.is_err() {
             return;

@@ -475,7 +475,6 @@ pub fn encode_chunk_head(h: &ChunkHead, out: &mut Vec<u8>) {
     }
 }
 
-/// Checks the 8-byte header: returns (frame length after the `len` field, kind).
 /// Welcome's flag: the engine embedding the rank waits for a request's KV itself.
 pub const WELCOME_DECODE_WAITS: u16 = 1;
 
@@ -484,6 +483,7 @@ fn known_flags(kind: u8) -> u16 {
     if kind == kind::WELCOME { WELCOME_DECODE_WAITS } else { 0 }
 }
 
+/// Checks the 8-byte header: returns (frame length after the `len` field, kind, flags).
 fn check_header(buf: &[u8]) -> Result<(usize, u8, u16), FrameError> {
     let mut r = R { buf, pos: 0 };
     let len = r.u32("len")? as usize;

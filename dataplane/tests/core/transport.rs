@@ -410,14 +410,17 @@ async fn pipelined_chunks_and_their_fence_land_in_one_pass() {
     assert!(matches!(err, TransportError::Refused { code: RefusalCode::Stale, .. }), "{err:?}");
 }
 
-/// A rank whose engine waits for the KV says so in its Welcome; one that does not, does not.
+/// A rank whose engine waits for the KV says so in its Welcome to the gateway's control
+/// connections (a producer is not told: an older one would refuse the flag); one that does not,
+/// does not.
 #[tokio::test]
 async fn the_welcome_says_whether_the_engine_waits_for_the_kv() {
     let (srv, h) = server(4).await;
     assert!(!ControlClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
     srv.set_decode_waits(true);
     assert!(ControlClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
-    assert!(ProducerClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
+    assert!(!ProducerClient::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
+    assert!(!EventStream::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
 }
 
 /// `take_ready` waits for the last chunk and hands the ready request over; it fails at once for a
@@ -460,7 +463,7 @@ async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_live
     let t = std::time::Instant::now();
     ctl.cancel_unsent(k).await.unwrap();
     let out = tokio::time::timeout(WAIT, waiter).await.unwrap().unwrap();
-    assert!(matches!(out, Err(WaitError::NotReserved(_) | WaitError::Closed(..))), "{out:?}");
+    assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Closed(TerminalState::Cancelled))));
     assert!(t.elapsed() < Duration::from_secs(2), "woken by the cancel: {:?}", t.elapsed());
 
     // Never complete: the deadline.
@@ -470,4 +473,10 @@ async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_live
     assert_eq!(out, Err(WaitError::TimedOut(k, Duration::from_millis(100))));
     assert!(srv.take(k).is_some(), "a wait that timed out leaves the reservation where it was");
     assert_eq!(ctl.info().await.unwrap().pages_free, 6);
+
+    // Its lease runs out while it waits: said as an expiry.
+    let k = key(54);
+    ctl.reserve(k, 2, Duration::from_millis(150), &[]).await.unwrap();
+    let out = srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key());
+    assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Expired)));
 }

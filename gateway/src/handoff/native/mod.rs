@@ -20,14 +20,15 @@ use std::time::{Duration, Instant};
 use baton_dataplane::contract::{self, BatonParams, DecoderTarget};
 use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
 use baton_dataplane::{KvGeometry, RankEvent, RequestKey};
+use http_body_util::BodyExt;
 use hyper::Response;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Patched, RespBody, Retrying, boxed};
-use super::shared::{Backoff, Shared};
+use super::legs::{LegError, Patched, RespBody, Retrying, boxed};
+use super::shared::{Backoff, Engine, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::{SlotGuard, SlotQueue};
@@ -43,6 +44,9 @@ const RESERVE_BACKOFF_MAX: Duration = Duration::from_millis(50);
 /// How long a decoder's "the request's pages are gone" waits for the rank's own status on the
 /// event feed, to say whether the lease expired.
 const STATUS_AFTER_ANSWER: Duration = Duration::from_millis(200);
+/// How long a decoder's answer waits for the prefill's, which is due once the decoder holds the
+/// KV (read so the prefiller's connection is reused; past it, dropped and logged).
+const PREFILL_AFTER_DECODE: Duration = Duration::from_secs(1);
 
 /// `handoff = "native"` (the default): the decoder's data-plane ranks.
 #[derive(Debug, Deserialize)]
@@ -266,6 +270,22 @@ impl Native {
         }
     }
 
+    /// The ranks whose READY for this request is on its feed now (the rest of the feed's events
+    /// are taken as [`Native::expired`] would).
+    fn ready_seen(&self, life: &mut Lifecycle) -> u32 {
+        let mut ready = 0;
+        while let Some(event) = life.rx.as_mut().and_then(|rx| rx.try_recv().ok()) {
+            match event {
+                RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Ready => {
+                    ready += 1
+                }
+                RankEvent::Released(_) => life.released += 1,
+                RankEvent::Status(_) => {}
+            }
+        }
+        ready
+    }
+
     /// Waits until every rank holds the whole KV (or one fails, or the deadline passes).
     async fn wait_ready(&self, dec: &Decoder, life: &mut Lifecycle) -> Result<(), GatewayError> {
         let ready_timeout = self.shared.limits.ready_timeout;
@@ -411,16 +431,23 @@ impl Native {
         retried: &Arc<std::sync::atomic::AtomicU32>,
     ) -> Result<Response<RespBody>, GatewayError> {
         let shared = &*self.shared;
-        let within = shared.limits.ready_timeout;
+        let ready_timeout = shared.limits.ready_timeout;
+        // The decoder's own bound, a backstop for a gateway that vanished: the prefill's time and
+        // then the readiness deadline, which the gateway itself holds the decoder to once the
+        // prefill has answered.
+        let backstop = shared.limits.upstream_timeout + ready_timeout;
         let mut p = params(life.key, Vec::new(), ids);
-        p.kv_wait_ms = Some(u32::try_from(within.as_millis()).unwrap_or(u32::MAX).max(1));
+        p.kv_wait_ms = Some(u32::try_from(backstop.as_millis()).unwrap_or(u32::MAX).max(1));
         let decode_body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
         let path = req.endpoint.path();
         enum Ended {
             Decoded(Response<hyper::body::Incoming>),
             PrefillFailed(GatewayError),
-            DecodeFailed(crate::handoff::legs::LegError),
+            DecodeFailed(LegError),
+            /// The prefill answered and the decoder did not within the readiness deadline.
+            Late,
         }
+        let mut work = work;
         let ended = {
             let sent = &mut life.sent;
             let prefill = async {
@@ -436,14 +463,35 @@ impl Native {
                     Err(e) => Err(e),
                 }
             };
-            let decode = shared.call("decode", dec, path, &decode_body);
+            let decode = async {
+                match shared.post_within(dec.peer().http, "decode", path, &decode_body, backstop, false).await
+                {
+                    // The decoder's word on the KV it waited for: the transfer's failure, not the
+                    // decoder's, so it does not count against its health.
+                    Ok(resp) if matches!(resp.status().as_u16(), 409 | 410 | 504) => {
+                        let status = resp.status().as_u16();
+                        let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                        Err(LegError::Refused { leg: "decode", status, body })
+                    }
+                    Ok(resp) => shared.accept("decode", dec, resp).await,
+                    Err(source) => {
+                        shared.failed(dec);
+                        Err(LegError::Unanswered { leg: "decode", source })
+                    }
+                }
+            };
             tokio::pin!(prefill, decode);
+            let late = tokio::time::sleep(backstop);
+            tokio::pin!(late);
             let mut prefilled = false;
             loop {
                 tokio::select! {
                     r = &mut prefill, if !prefilled => match r {
                         Ok(()) => {
                             prefilled = true;
+                            // Its pending tokens leave the prefiller's load as it answers.
+                            drop(work.take());
+                            late.as_mut().reset(tokio::time::Instant::now() + ready_timeout);
                             timing.mark(Phase::Prefill);
                             timing.enter(Phase::KvReady);
                         }
@@ -453,9 +501,12 @@ impl Native {
                         Ok(resp) => {
                             if !prefilled {
                                 // The decoder holds the KV, so the prefill wrote all of it: its
-                                // answer is due now, and read so its connection is reused.
-                                if let Err(e) = prefill.await {
-                                    tracing::debug!(error = %e, "the prefill failed after the decoder took its kv");
+                                // answer is due now, and read (within a bound) so its connection
+                                // is reused.
+                                match tokio::time::timeout(PREFILL_AFTER_DECODE, prefill).await {
+                                    Ok(Ok(())) => {}
+                                    Ok(Err(e)) => tracing::warn!(error = %e, "the prefill failed after the decoder took its kv"),
+                                    Err(_) => tracing::warn!("the prefill did not answer within {PREFILL_AFTER_DECODE:?} of the decoder taking its kv"),
                                 }
                                 timing.mark(Phase::Prefill);
                             }
@@ -467,6 +518,7 @@ impl Native {
                         }
                         Err(e) => break Ended::DecodeFailed(e),
                     },
+                    () = &mut late => break Ended::Late,
                 }
             }
         };
@@ -481,10 +533,21 @@ impl Native {
             // A prefill that failed because a rank's lease ran out is that expiry. Dropping the
             // lifecycle cancels the pages, which ends the decoder's wait.
             Ended::PrefillFailed(e) => Err(self.expired(dec, &mut life).unwrap_or(e)),
+            Ended::Late => {
+                // Dropping the lifecycle cancels the pages, which ends the decoder's wait.
+                if let Some(expired) = self.expired(dec, &mut life) {
+                    return Err(expired);
+                }
+                let ready = self.ready_seen(&mut life);
+                Err(GatewayError::KvTransfer(KvFailure::RanksLate {
+                    missing: self.ranks.rank_count().saturating_sub(ready),
+                    within: ready_timeout,
+                }))
+            }
             Ended::DecodeFailed(e) => {
                 // A decoder that gave up on a request its rank expired: the expiry, as the rank
                 // reported it on the feed (which may come a moment after the decoder's answer).
-                let closed = matches!(e, crate::handoff::legs::LegError::Refused { status: 410, .. });
+                let closed = matches!(e, LegError::Refused { status: 410, .. });
                 let wait = if closed { STATUS_AFTER_ANSWER } else { Duration::ZERO };
                 if let Some(expired) = self.expired_within(dec, &mut life, wait).await {
                     return Err(expired);
@@ -492,14 +555,12 @@ impl Native {
                 Err(match e {
                     // The decoder's own word on the KV it waited for (409, 410, 504): a transfer
                     // failure, not a refusal of the client's request.
-                    crate::handoff::legs::LegError::Refused {
-                        status: status @ (409 | 410 | 504),
-                        body,
-                        ..
-                    } => GatewayError::KvTransfer(KvFailure::DecoderWait {
-                        status,
-                        message: crate::handoff::legs::short_body(&body),
-                    }),
+                    LegError::Refused { status: status @ (409 | 410 | 504), body, .. } => {
+                        GatewayError::KvTransfer(KvFailure::DecoderWait {
+                            status,
+                            message: crate::handoff::legs::short_body(&body),
+                        })
+                    }
                     other => other.into(),
                 })
             }
