@@ -367,28 +367,7 @@ impl Native {
         if self.ranks.decode_waits() {
             return self.overlapped(dec, prefills, req, ids, body, life, timing, work, retried).await;
         }
-        // The first prefiller, then the fallbacks while a prefiller cannot be connected to; one that
-        // never saw the addresses leaves the pages free at once (no quarantine).
-        let prefilled = match shared
-            .prefill(
-                prefills,
-                req.endpoint.path(),
-                &body,
-                &mut life.sent,
-                false,
-                Retrying { answered: false, retried },
-            )
-            .await
-        {
-            // The prefill's own answer (one token) is not used; it is read so the connection is
-            // reused.
-            Ok((prefill, resp, in_flight)) => {
-                let answered = shared.answer("prefill", prefill, resp).await;
-                drop(in_flight);
-                answered.map(drop).map_err(GatewayError::from)
-            }
-            Err(e) => Err(e),
-        };
+        let prefilled = self.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, retried).await;
         drop(work);
         if let Err(e) = prefilled {
             // A prefill that failed because a rank's lease ran out (its writes refused as stale)
@@ -409,6 +388,26 @@ impl Native {
         drop(life);
         timing.mark(Phase::Decode);
         Ok(resp.map(boxed))
+    }
+
+    /// The prefill leg: the first prefiller, then the fallbacks while a prefiller cannot be
+    /// connected to (one that never saw the addresses leaves the pages free at once, no
+    /// quarantine). Its own answer (one token) is not used; it is read so the connection is
+    /// reused. `sent`: the addresses may have reached a prefiller.
+    async fn prefill(
+        &self,
+        prefills: &[&crate::handoff::shared::Prefiller],
+        path: &str,
+        body: &Patched<'_>,
+        sent: &mut bool,
+        retried: &Arc<std::sync::atomic::AtomicU32>,
+    ) -> Result<(), GatewayError> {
+        let shared = &*self.shared;
+        let (prefill, resp, in_flight) =
+            shared.prefill(prefills, path, body, sent, false, Retrying { answered: false, retried }).await?;
+        let answered = shared.answer("prefill", prefill, resp).await;
+        drop(in_flight);
+        answered.map(drop).map_err(GatewayError::from)
     }
 
     /// The prefill and the decode at once, for a decoder whose engine waits for the KV itself: the
@@ -450,19 +449,7 @@ impl Native {
         let mut work = work;
         let ended = {
             let sent = &mut life.sent;
-            let prefill = async {
-                match shared
-                    .prefill(prefills, path, &body, sent, false, Retrying { answered: false, retried })
-                    .await
-                {
-                    Ok((prefill, resp, in_flight)) => {
-                        let answered = shared.answer("prefill", prefill, resp).await;
-                        drop(in_flight);
-                        answered.map(drop).map_err(GatewayError::from)
-                    }
-                    Err(e) => Err(e),
-                }
-            };
+            let prefill = self.prefill(prefills, path, &body, sent, retried);
             let decode = async {
                 match shared.post_within(dec.peer().http, "decode", path, &decode_body, backstop, false).await
                 {
