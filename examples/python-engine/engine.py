@@ -9,11 +9,14 @@ each rank's data-plane address (what goes in the gateway's ``dataplane = [...]``
 
 - prefill: computes the prompt's KV into its own paged cache (one NHD numpy array per layer and
   rank), gathers each chunk out of it and writes it into the decoder ranks' reserved pages named in
-  the request's ``baton.decoders`` (over TCP, or the rank's shared-memory export with
-  ``--shared-memory``), fences every rank it was told about, and answers with one token;
+  the request's ``baton.decoders`` (over TCP, all of a rank's chunks and its fence in one round
+  trip, or the rank's shared-memory export with ``--shared-memory``), fences every rank it was
+  told about, and answers with one token;
 - decode: one data-plane server per rank (``RankServer``); for a request it takes each rank's
   reservation, consumes it (scattering every chunk into its HND paged cache), checks every byte
-  against the model, and generates.
+  against the model, and generates. Its ranks tell the gateway it waits for the KV itself
+  (``--no-decode-waits`` to not): a decode request then comes with the prefill, carrying
+  ``baton.kv_wait_ms``, and waits on ``RankServer.take_ready``.
 
 The HTTP side is the standard library's threaded server: one thread per connection, the data-plane
 calls release the GIL. ``GET /engine/stats`` shows the buffers and the cache blocks held.
@@ -117,12 +120,15 @@ class Engine:
                         geometry, pages=args.pages, rank=r, host=args.dp_host, port=port,
                         quarantine_ms=args.quarantine_ms, tls_cert=args.dp_tls_cert,
                         tls_key=args.dp_tls_key, tls_client_ca=args.dp_tls_ca,
+                        decode_waits=args.decode_waits,
                     )
                 )
         self.producers = {}
         self.producers_lock = threading.Lock()
-        # Prefill: chunks written, by path.
+        # Prefill: chunks written, by path. Decode: requests taken once every rank was ready, and
+        # those that came with the prefill and waited for the KV (``kv_wait_ms``).
         self.written = {"shared_memory": 0, "socket": 0}
+        self.decodes = {"ready": 0, "waited": 0}
 
     # ---- the model's KV in a rank's cache ----
 
@@ -214,54 +220,82 @@ class Engine:
                     raise EngineError(503, "engine_busy", f"prefill rank {r} has no room for {need} cache blocks")
                 held.append(blocks)
                 self.compute_kv(r, blocks, hashes)
+            fenced = 0
             for t in targets:
                 self.send_rank(rid, epoch, t, held[t["rank"]], len(ids))
+                fenced += 1
         finally:
-            # Whatever happened, the decoders learn that nothing more will come for this request.
-            for t in targets:
+            # Whatever happened, the decoders learn that nothing more will come for this request
+            # (a rank written to whole was fenced with its chunks).
+            for t in targets[fenced:]:
                 self.fence(t["addr"], t["rank"], rid, epoch)
             for r, blocks in enumerate(held):
                 self.ranks[r].pool.release(blocks)
 
     def send_rank(self, rid, epoch, t, blocks, tokens):
+        """Writes the request's chunks to one decoder rank and fences it, in one round trip
+        (``Producer.write_chunks``: the chunks are not waited for one by one)."""
         rank, addr = t["rank"], t["addr"]
         ct = self.g.chunk_tokens
+        chunks = []
+        for chunk, page, generation in t.get("chunks", []):
+            first = chunk * ct
+            count = max(0, min(ct, tokens - first))
+            chunks.append((chunk, page, generation, self.ranks[rank].cache.gather(self.g, blocks, first, count)))
         p = self.producer(addr, rank)
         try:
-            for chunk, page, generation in t.get("chunks", []):
-                first = chunk * ct
-                count = max(0, min(ct, tokens - first))
-                data = self.ranks[rank].cache.gather(self.g, blocks, first, count)
-                p.write_chunk(rid, chunk, page, generation, data, epoch=epoch)
-                with self.lock:
-                    self.written["shared_memory" if p.shared_memory else "socket"] += 1
+            p.write_chunks(rid, chunks, epoch=epoch, fence=True)
         except bd.DataPlaneError as e:
             raise EngineError(502, "kv_transfer_failed", f"writing to decoder rank {rank}: {e}") from e
+        with self.lock:
+            self.written["shared_memory" if p.shared_memory else "socket"] += len(chunks)
         self.give_back(addr, rank, p)
 
     # ---- decode ----
 
-    def consume(self, rid, epoch, ids):
-        """Takes the request's KV from every rank into the cache; returns ``[(rank, blocks)]`` held."""
+    def take_ready(self, r, server, rid, epoch, chunks, deadline):
+        """Rank ``r``'s ready KV of the request. With a ``deadline`` (the decode came with the
+        prefill, ``baton.kv_wait_ms``) it waits for the last chunk; without one the KV must be in."""
+        if deadline is not None:
+            left = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                ready = server.take_ready(rid, epoch=epoch, timeout_ms=left)
+            except bd.LeaseError as e:
+                raise EngineError(410, "kv_gone", f"kv of {rid:032x} on rank {r}: {e}") from e
+            except bd.WaitTimeout as e:
+                raise EngineError(504, "kv_transfer_timeout", f"rank {r}: {e}") from e
+            if ready is None:
+                raise EngineError(409, "kv_not_ready", f"no reservation for {rid:032x} on rank {r}")
+            if ready.chunks != chunks:
+                ready.close()
+                raise bad(f"reservation has {ready.chunks} chunks, the prompt needs {chunks}")
+            return ready
+        res = server.take(rid, epoch=epoch)
+        if res is None:
+            raise EngineError(409, "kv_not_ready", f"no reservation for {rid:032x} on rank {r}")
+        # Leaving this block in any way other than consuming cancels the reservation.
+        with res:
+            if res.chunks != chunks:
+                raise bad(f"reservation has {res.chunks} chunks, the prompt needs {chunks}")
+            try:
+                ready = res.try_ready()
+            except bd.LeaseError as e:
+                raise EngineError(410, "kv_gone", f"kv of {rid:032x} on rank {r}: {e}") from e
+            if ready is None:
+                raise EngineError(409, "kv_not_ready", f"kv of {rid:032x} is not ready on rank {r}")
+        return ready
+
+    def consume(self, rid, epoch, ids, wait_ms=None):
+        """Takes the request's KV from every rank into the cache; returns ``[(rank, blocks)]`` held.
+        ``wait_ms``: the gateway sent the decode with the prefill; wait that long for the KV."""
         ct = self.g.chunk_tokens
         chunks = -(-len(ids) // ct)
         hashes = prefix_hashes(ids)
+        deadline = None if wait_ms is None else time.monotonic() + wait_ms / 1000
         held = []
         try:
             for r, server in enumerate(self.servers):
-                res = server.take(rid, epoch=epoch)
-                if res is None:
-                    raise EngineError(409, "kv_not_ready", f"no reservation for {rid:032x} on rank {r}")
-                # Leaving this block in any way other than consuming cancels the reservation.
-                with res:
-                    if res.chunks != chunks:
-                        raise bad(f"reservation has {res.chunks} chunks, the prompt needs {chunks}")
-                    try:
-                        ready = res.try_ready()
-                    except bd.LeaseError as e:
-                        raise EngineError(410, "kv_gone", f"kv of {rid:032x} on rank {r}: {e}") from e
-                    if ready is None:
-                        raise EngineError(409, "kv_not_ready", f"kv of {rid:032x} is not ready on rank {r}")
+                ready = self.take_ready(r, server, rid, epoch, chunks, deadline)
                 rank = self.ranks[r]
                 need = -(-len(ids) // self.args.block_size)
                 with ready:
@@ -330,7 +364,12 @@ class Engine:
                 # request; the gateway sends this only to a decoder that holds nearly all of it.
                 pass
             elif self.role == "decode":
-                held = self.consume(rid, epoch, ids)
+                wait_ms = baton.get("kv_wait_ms")
+                if wait_ms is not None and (not isinstance(wait_ms, int) or wait_ms < 1):
+                    raise bad("baton.kv_wait_ms must be a positive integer")
+                held = self.consume(rid, epoch, ids, wait_ms)
+                with self.lock:
+                    self.decodes["ready" if wait_ms is None else "waited"] += 1
         else:
             rid = None
         with self.lock:
@@ -349,6 +388,7 @@ class Engine:
         if self.role == "prefill":
             out["chunks_written"] = dict(self.written)
         if self.servers:
+            out["decodes"] = dict(self.decodes)
             out["ranks"] = []
             for server in self.servers:
                 s = server.stats()
@@ -373,6 +413,9 @@ def usage(prompt, completion):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine = None  # set by main
+    # TCP_NODELAY: an answer's headers and body are written apart, and with Nagle's algorithm the
+    # body waits for the peer's delayed ACK of the headers: 40 ms on every request on Linux.
+    disable_nagle_algorithm = True
 
     def log_message(self, *a):
         pass
@@ -494,6 +537,9 @@ def parse(argv):
     a.add_argument("--dp-host", default="127.0.0.1", help="decode: where the ranks' data plane listens")
     a.add_argument("--dp-port", type=int, default=0, help="decode: rank r listens on BASE + r (0: ephemeral)")
     a.add_argument("--quarantine-ms", type=int, default=None)
+    a.add_argument("--decode-waits", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode: wait for a request's KV itself, so the gateway sends the decode with the "
+                        "prefill (--no-decode-waits: only once every rank is ready)")
     a.add_argument("--shared-memory", action="store_true",
                    help="prefill: write chunks into a same-host rank's shared-memory export")
     a.add_argument("--dp-tls-cert", help="data-plane TLS: this engine's certificate chain (PEM)")

@@ -49,6 +49,12 @@ create_exception!(baton_dataplane, DeviceError, DataPlaneError, "The device coul
 create_exception!(baton_dataplane, GuardClosed, DataPlaneError, "The guard was already used or closed.");
 create_exception!(
     baton_dataplane,
+    WaitTimeout,
+    DataPlaneError,
+    "A request's KV was not all in within the time given."
+);
+create_exception!(
+    baton_dataplane,
     TransportError,
     DataPlaneError,
     "A data-plane connection failed: refused at the handshake, closed, or timed out."
@@ -333,13 +339,20 @@ impl Reservation {
 
 /// Every chunk of the request is in the buffer. Closing it frees the pages unconsumed.
 #[pyclass(module = "baton_dataplane", frozen)]
-struct Ready {
-    inner: Mutex<Option<DpReady<Device>>>,
-    layout: dp::geometry::ChunkLayout,
+pub(crate) struct Ready {
+    pub(crate) inner: Mutex<Option<DpReady<Device>>>,
+    pub(crate) layout: dp::geometry::ChunkLayout,
 }
 
 #[pymethods]
 impl Ready {
+    /// Chunks (pages) the request holds.
+    #[getter]
+    fn chunks(&self) -> PyResult<u32> {
+        let slot = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(slot.as_ref().ok_or_else(|| GuardClosed::new_err("guard already used or closed"))?.chunks())
+    }
+
     /// Starts moving the pages into the engine's cache (this guard is then used up); `LeaseError`
     /// if the lease passed while the request waited.
     fn consume(&self) -> PyResult<Consuming> {
@@ -446,5 +459,6 @@ fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("GuardClosed", py.get_type::<GuardClosed>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("WaitTimeout", py.get_type::<WaitTimeout>())?;
     Ok(())
 }

@@ -20,8 +20,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::{
-    DataPlaneError, Device, GuardClosed, RankBuffer, Reservation, ReserveError, TransportError, WriteError,
-    key, make_buffer, stats_dict,
+    DataPlaneError, Device, GuardClosed, LeaseError, RankBuffer, Ready, Reservation, ReserveError,
+    TransportError, WaitTimeout, WriteError, key, make_buffer, stats_dict,
 };
 
 /// The process's runtime for the data plane's sockets.
@@ -108,10 +108,13 @@ impl RankServer {
     /// at the handshake, before a frame is read (counted in `stats()["handshakes_refused"]`).
     /// Without them the port is plain TCP: anyone who reaches it can reserve, cancel and write KV,
     /// so keep it on loopback or a network nobody else reaches (`docs/dataplane.md`).
+    /// `decode_waits=True` tells the gateway (in the handshake) that this engine waits for a
+    /// request's KV itself ([`RankServer::take_ready`]), so it sends the decode request with the
+    /// prefill, `baton.kv_wait_ms` set; an engine that says so must honour that field.
     #[new]
     #[pyo3(signature = (
         geometry, *, pages, rank = 0, host = "127.0.0.1", port = 0, quarantine_ms = None,
-        tls_cert = None, tls_key = None, tls_client_ca = None
+        tls_cert = None, tls_key = None, tls_client_ca = None, decode_waits = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -125,6 +128,7 @@ impl RankServer {
         tls_cert: Option<PathBuf>,
         tls_key: Option<PathBuf>,
         tls_client_ca: Option<PathBuf>,
+        decode_waits: bool,
     ) -> PyResult<Self> {
         let tls = match (&tls_cert, &tls_key, &tls_client_ca) {
             (Some(c), Some(k), ca) => Some(
@@ -140,6 +144,7 @@ impl RankServer {
         let (sink, tx) = dp::transport::RankServer::<Device>::sink();
         let buf = make_buffer(geometry.inner, rank, pages, quarantine_ms, sink)?;
         let server = dp::transport::RankServer::new(buf, geometry.inner.tp_size, tx);
+        server.set_decode_waits(decode_waits);
         let at =
             parse_addr(&format!("{host}:{port}")).or_else(|_| parse_addr(&format!("[{host}]:{port}")))?;
         let rt = runtime()?;
@@ -175,6 +180,41 @@ impl RankServer {
     fn take(&self, request_id: u128, epoch: u32) -> Option<Reservation> {
         let layout = self.server.buffer().chunk_layout();
         self.server.take(key(request_id, epoch)).map(|r| Reservation { inner: Mutex::new(Some(r)), layout })
+    }
+
+    /// Whether the rank tells the gateway this engine waits for the KV itself (`decode_waits`).
+    #[getter]
+    fn decode_waits(&self) -> bool {
+        self.server.decode_waits()
+    }
+
+    /// The request's KV once every chunk of it is in on this rank, waiting up to `timeout_ms` (the
+    /// GIL released): what a decode request that came with the prefill (`baton.kv_wait_ms`) does.
+    /// `None` when the rank holds no reservation of it (never reserved, or already taken);
+    /// `LeaseError` as soon as the request is cancelled or its lease expires, while it waits or
+    /// before; `WaitTimeout` when the KV is not all in by then (the reservation stays, for the
+    /// gateway to cancel). The request is taken from the rank only when it is ready.
+    #[pyo3(signature = (request_id, *, timeout_ms, epoch = 0))]
+    fn take_ready(
+        &self,
+        py: Python<'_>,
+        request_id: u128,
+        timeout_ms: u64,
+        epoch: u32,
+    ) -> PyResult<Option<Ready>> {
+        use dp::transport::WaitError;
+        let rt = runtime()?;
+        let (k, within) = (key(request_id, epoch), Duration::from_millis(timeout_ms));
+        let server = Arc::clone(&self.server);
+        match py.detach(|| rt.block_on(async move { server.take_ready(k, within).await })) {
+            Ok(ready) => Ok(Some(Ready {
+                inner: Mutex::new(Some(ready)),
+                layout: self.server.buffer().chunk_layout(),
+            })),
+            Err(WaitError::NotReserved(_)) => Ok(None),
+            Err(e @ WaitError::Closed(..)) => Err(LeaseError::new_err(e.to_string())),
+            Err(e @ WaitError::TimedOut(..)) => Err(WaitTimeout::new_err(e.to_string())),
+        }
     }
 
     /// A subscription to the rank's events from now on: one terminal status per request
@@ -414,6 +454,43 @@ impl Producer {
             let r = c.write_chunk(k, chunk, addr, data).await;
             (c, r)
         })
+    }
+
+    /// Writes every chunk of `chunks` (`[(chunk, page, generation, data)]`) without waiting for the
+    /// rank between them (at most 16 unanswered), then reads every answer; with `fence=True` the
+    /// request is fenced in the same round trip, after its chunks. One round trip for a request's
+    /// chunks where `write_chunk` takes one each. Returns how many the rank already had (retries).
+    /// A refusal of any chunk is a `WriteError` and closes the connection (its answers are then
+    /// out of step); chunks before it may be in. Through shared memory each chunk still waits.
+    #[pyo3(signature = (request_id, chunks, *, epoch = 0, fence = false))]
+    fn write_chunks(
+        &self,
+        py: Python<'_>,
+        request_id: u128,
+        chunks: Vec<(u32, u32, u32, Vec<u8>)>,
+        epoch: u32,
+        fence: bool,
+    ) -> PyResult<u32> {
+        let k = key(request_id, epoch);
+        let r = call(py, &self.inner, self.timeout, WriteError::new_err, move |mut c| async move {
+            let mut sent = Ok(());
+            for (chunk, page, generation, data) in &chunks {
+                sent = c.send_chunk(k, *chunk, PageAddr { page: *page, generation: *generation }, data).await;
+                if sent.is_err() {
+                    break;
+                }
+            }
+            let r = match sent {
+                Ok(()) => c.finish(fence.then_some(k)).await,
+                Err(e) => Err(e),
+            };
+            (c, r)
+        });
+        if r.is_err() {
+            // Unanswered chunks may be left on it: never reused.
+            self.inner.lock().unwrap_or_else(PoisonError::into_inner).take();
+        }
+        r
     }
 
     /// Nothing more will be written for the request: pages its cancel quarantined come back now.

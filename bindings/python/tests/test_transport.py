@@ -183,3 +183,70 @@ def test_a_killed_ranks_shared_memory_is_reclaimed_by_the_next_buffer():
     assert os.path.exists(export), "a killed process cannot remove its own file"
     bd.RankBuffer(G, pages=1)
     assert not os.path.exists(export), "the next buffer reclaims it"
+
+
+def test_write_chunks_pipelines_a_request_and_take_ready_waits_for_it():
+    import threading
+    import time
+
+    with bd.RankServer(G, pages=8, rank=0, decode_waits=True) as server:
+        assert server.decode_waits
+        gateway = bd.Control(server.address, G, rank=0)
+        a = gateway.reserve(40, 3, 60_000)
+        got = {}
+
+        def decode():
+            t = time.monotonic()
+            got["ready"] = server.take_ready(40, timeout_ms=10_000)
+            got["waited"] = time.monotonic() - t
+
+        waiter = threading.Thread(target=decode)
+        waiter.start()
+        time.sleep(0.2)
+        assert "ready" not in got, "it waits while chunks are missing"
+        with bd.Producer(server.address, G, rank=0) as p:
+            assert p.write_chunks(40, [(c, pg, gen, page(40, c, G.page_bytes)) for c, pg, gen in a], fence=True) == 0
+            # The connection is reused after a whole request.
+            b = gateway.reserve(41, 1, 60_000)
+            assert p.write_chunks(41, [(c, pg, gen, page(41, c, G.page_bytes)) for c, pg, gen in b]) == 0
+            # The same chunk again: the rank already had it.
+            assert p.write_chunks(41, [(c, pg, gen, page(41, c, G.page_bytes)) for c, pg, gen in b], fence=True) == 1
+        waiter.join(10)
+        ready = got["ready"]
+        assert ready is not None and ready.chunks == 3 and 0.15 < got["waited"] < 10
+        with ready.consume() as c:
+            for chunk in range(3):
+                assert c.read_chunk(chunk) == page(40, chunk, G.page_bytes)
+        assert server.take_ready(40, timeout_ms=100) is None, "taken once"
+        assert server.take_ready(41, timeout_ms=1_000).chunks == 1
+        gateway.close()
+
+
+def test_take_ready_ends_at_a_cancel_and_at_its_timeout():
+    import threading
+    import time
+
+    with bd.RankServer(G, pages=8, rank=0) as server:
+        assert not server.decode_waits
+        gateway = bd.Control(server.address, G, rank=0)
+        assert server.take_ready(50, timeout_ms=100) is None, "never reserved"
+        gateway.reserve(50, 2, 60_000)
+        t = time.monotonic()
+        with pytest.raises(bd.WaitTimeout):
+            server.take_ready(50, timeout_ms=150)
+        assert 0.1 < time.monotonic() - t < 5
+        # Still reserved after a timeout: the gateway's to cancel, which ends a wait at once.
+        threading.Timer(0.2, lambda: gateway.cancel(50, unsent=True)).start()
+        t = time.monotonic()
+        with pytest.raises(bd.LeaseError, match="cancel"):
+            server.take_ready(50, timeout_ms=30_000)
+        assert time.monotonic() - t < 5
+        # A refused chunk is a WriteError and the connection is closed (its answers are out of step).
+        a = gateway.reserve(51, 2, 60_000)
+        p = bd.Producer(server.address, G, rank=0)
+        (c0, pg0, gen0), (c1, pg1, gen1) = a
+        with pytest.raises(bd.WriteError):
+            p.write_chunks(51, [(c0, pg0, gen0 + 1, page(51, c0, G.page_bytes)), (c1, pg1, gen1, page(51, c1, G.page_bytes))])
+        assert p.closed
+        assert server.stats()["accounting_errors"] == 0
+        gateway.close()

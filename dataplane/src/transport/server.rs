@@ -261,6 +261,11 @@ impl<D: Device> RankServer<D> {
         self.decode_waits.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Whether the Welcome says the engine waits for the KV ([`RankServer::set_decode_waits`]).
+    pub fn decode_waits(&self) -> bool {
+        self.decode_waits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Takes the reservation of `key` once every chunk of it is in, waiting up to `within` for the
     /// last one: what a decode request that arrived with the prefill does. Fails at once when the
     /// rank holds no reservation of it, and as soon as the request ends (cancelled, expired). Its

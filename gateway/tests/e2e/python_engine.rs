@@ -188,6 +188,11 @@ async fn python_engines_serve_every_shape_and_the_deadlock_scenario() {
     let written = &serde_json::from_slice::<Value>(&body).unwrap()["chunks_written"];
     assert_eq!(written["socket"], 0, "{written}");
     assert!(written["shared_memory"].as_u64().unwrap() > 300, "{written}");
+    // Its ranks said the decoder waits for the KV: every decode came with its prefill.
+    let (_, body) = http(decode.addr(), "/engine/stats", None).await;
+    let decodes = &serde_json::from_slice::<Value>(&body).unwrap()["decodes"];
+    assert_eq!(decodes["ready"], 0, "{decodes}");
+    assert!(decodes["waited"].as_u64().unwrap() >= 300, "{decodes}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -218,12 +223,18 @@ async fn python_and_simulated_engines_pair_either_way() {
     let g = tiny_geometry(2).unwrap();
     let dir = std::env::temp_dir().join(format!("baton-pyengine-mixed-{}", std::process::id()));
 
-    let py_decode = PyEngine::start(&py, &["--role", "decode", "--pages", "64"]);
+    // A decoder that does not wait for the KV: the gateway sends each decode once every rank is
+    // ready (the other tests here take the overlapped path).
+    let py_decode = PyEngine::start(&py, &["--role", "decode", "--pages", "64", "--no-decode-waits"]);
     let sim_prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
     let (gw, public, admin) = serve(&dir.join("a"), sim_prefill.addr, py_decode.addr(), &py_decode.ranks());
     four_shapes(public, 200, 6, "baton-sim prefill, Python decode").await;
     assert_clean_at(admin).await;
     assert_engine_clean(py_decode.addr()).await;
+    let (_, body) = http(py_decode.addr(), "/engine/stats", None).await;
+    let decodes = &serde_json::from_slice::<Value>(&body).unwrap()["decodes"];
+    assert_eq!(decodes["waited"], 0, "{decodes}");
+    assert!(decodes["ready"].as_u64().unwrap() > 0, "{decodes}");
     drop(gw);
 
     let py_prefill = PyEngine::start(&py, &["--role", "prefill"]);

@@ -31,6 +31,7 @@ from ._native import (
     Reservation,
     ReserveError,
     TransportError,
+    WaitTimeout,
     WriteError,
 )
 
@@ -51,5 +52,6 @@ __all__ = [
     "Reservation",
     "ReserveError",
     "TransportError",
+    "WaitTimeout",
     "WriteError",
 ]
