@@ -136,7 +136,8 @@ impl PrefillEngine {
         ids: &[u32],
         targets: &[DecoderTarget],
     ) -> Result<PrefillReport, SimError> {
-        let hashes = Arc::new(prefix_hashes(ids));
+        // Neutral engines derive no KV, so they need no prefix hashes either.
+        let hashes = if super::kv::neutral() { Vec::new() } else { prefix_hashes(ids) };
         let bs = self.ranks.first().map_or(1, |r| r.layout.block_size as usize);
         let need = ids.len().div_ceil(bs);
         let mut held = Vec::with_capacity(self.ranks.len());
@@ -182,9 +183,9 @@ impl PrefillEngine {
         let mut tasks = JoinSet::new();
         for t in targets.iter().cloned() {
             let this = Arc::clone(self);
-            let hashes = Arc::clone(&hashes);
             let blocks: Vec<u32> = held.get(t.rank as usize).map(|b| b.ids().to_vec()).unwrap_or_default();
-            tasks.spawn(async move { this.send_rank(key, &t, &blocks, hashes.len()).await });
+            let tokens = ids.len();
+            tasks.spawn(async move { this.send_rank(key, &t, &blocks, tokens).await });
         }
         let outcome = tokio::time::timeout(self.hold_ttl, async {
             let mut report = PrefillReport { chunks: 0, bytes: 0 };
