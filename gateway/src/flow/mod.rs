@@ -907,7 +907,18 @@ impl FlowControl {
         let Some(fleet) = self.fleet.get() else { return Ok(None) };
         let Some(rule) = self.cfg.rule(&id.tenant).budget else { return Ok(None) };
         let (hold, need) = rule.hold(ask.tokens as u64, ask.max_tokens.map_or(0, u64::from));
-        match fleet.reserve(&id.tenant, rule, hold, need).await {
+        // The store's answer is awaited in a task of its own: a request dropped while the call is
+        // out (its client gone) would leave a hold the store took and nobody gives back; the
+        // task gives it back when nobody is left to take the answer.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (f, tenant) = (Arc::clone(fleet), Arc::clone(&id.tenant));
+        tokio::spawn(async move {
+            let answer = f.reserve(&tenant, rule, hold, need).await;
+            if let Err(Some(Ok(()))) = tx.send(answer) {
+                f.give_back(&tenant, rule, hold);
+            }
+        });
+        match rx.await.unwrap_or(None) {
             Some(Ok(())) => Ok(Some(hold)),
             Some(Err(refill_s)) => {
                 let mut s = self.lock();

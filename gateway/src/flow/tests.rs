@@ -369,18 +369,26 @@ struct FakeFleet {
     level: Mutex<Option<f64>>,
     replicas: u32,
     given_back: Mutex<Vec<f64>>,
+    /// How long the store's answer takes to come back (it takes the hold at once, as a script
+    /// run by the store does once the call is sent).
+    delay: Duration,
 }
 
 impl Fleet for FakeFleet {
     fn reserve<'a>(&'a self, _: &'a str, _: BudgetRule, hold: f64, need: f64) -> Reserve<'a> {
         Box::pin(async move {
-            let mut l = self.level.lock().unwrap();
-            let level = l.as_mut()?;
-            if *level < need {
-                return Some(Err(7));
-            }
-            *level -= hold;
-            Some(Ok(()))
+            let answer = {
+                let mut l = self.level.lock().unwrap();
+                let level = l.as_mut()?;
+                if *level < need {
+                    Err(7)
+                } else {
+                    *level -= hold;
+                    Ok(())
+                }
+            };
+            tokio::time::sleep(self.delay).await;
+            Some(answer)
         })
     }
 
@@ -467,4 +475,31 @@ async fn the_other_replicas_service_counts_in_a_tenants_turn() {
     let v = f.view();
     let t = v["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "served-elsewhere").unwrap();
     assert_eq!(t["other_replicas_counter"], 1000.0, "{v}");
+}
+
+/// A request dropped while the store's answer to its hold is still out (its client left) leaves
+/// nothing taken: the hold the store took is given back once the answer comes.
+#[tokio::test(start_paused = true)]
+async fn a_request_dropped_while_the_store_answers_leaves_no_hold_behind() {
+    let mut c = FlowConfig::fair(Duration::from_secs(30));
+    let rule = BudgetRule { tokens_per_minute: 600, counts: Counts::Input };
+    c.tenants.insert("metered".into(), TenantRule { budget: Some(rule), ..TenantRule::default() });
+    let f = FlowControl::new(c);
+    let fleet = Arc::new(FakeFleet {
+        level: Mutex::new(Some(250.0)),
+        replicas: 1,
+        delay: Duration::from_millis(100),
+        ..FakeFleet::default()
+    });
+    f.share_with(Arc::clone(&fleet) as Arc<dyn Fleet>);
+    let ask = Ask { tokens: 200, bytes: 1, plugin_wait: None, max_tokens: None };
+    let metered = id(&f, "metered", &[]);
+    let gone = tokio::time::timeout(Duration::from_millis(20), f.enter(&metered, ask, |_| true, |_| {})).await;
+    assert!(gone.is_err(), "the client left before the store answered");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(*fleet.given_back.lock().unwrap(), [200.0]);
+    assert_eq!(*fleet.level.lock().unwrap(), Some(250.0));
+    // The store still has the whole budget for the next request.
+    let ask = Ask { tokens: 200, bytes: 1, plugin_wait: None, max_tokens: None };
+    f.enter(&id(&f, "metered", &[]), ask, |_| true, |_| {}).await.unwrap().charge.finish(0);
 }
