@@ -213,6 +213,8 @@ class Engine:
         hashes = prefix_hashes(ids)
         need = -(-len(ids) // self.args.block_size)
         held = []
+        # Targets written to whole (and fenced with their chunks), in order.
+        fenced = 0
         try:
             for r, rank in enumerate(self.ranks):
                 blocks = rank.pool.alloc(need)
@@ -220,7 +222,6 @@ class Engine:
                     raise EngineError(503, "engine_busy", f"prefill rank {r} has no room for {need} cache blocks")
                 held.append(blocks)
                 self.compute_kv(r, blocks, hashes)
-            fenced = 0
             for t in targets:
                 self.send_rank(rid, epoch, t, held[t["rank"]], len(ids))
                 fenced += 1

@@ -190,10 +190,11 @@ impl RankServer {
 
     /// The request's KV once every chunk of it is in on this rank, waiting up to `timeout_ms` (the
     /// GIL released): what a decode request that came with the prefill (`baton.kv_wait_ms`) does.
-    /// `None` when the rank holds no reservation of it (never reserved, or already taken);
-    /// `LeaseError` as soon as the request is cancelled or its lease expires, while it waits or
-    /// before; `WaitTimeout` when the KV is not all in by then (the reservation stays, for the
-    /// gateway to cancel). The request is taken from the rank only when it is ready.
+    /// `None` when the rank holds no reservation of it (never reserved, already taken, or ended
+    /// and forgotten before the call); `LeaseError` as soon as the request is cancelled or its
+    /// lease expires while it waits (or before, while the rank still holds it); `WaitTimeout` when
+    /// the KV is not all in by then (the reservation stays, for the gateway to cancel). The
+    /// request is taken from the rank only when it is ready.
     #[pyo3(signature = (request_id, *, timeout_ms, epoch = 0))]
     fn take_ready(
         &self,
@@ -358,6 +359,22 @@ fn call<C: Send, T: Send, F>(
 where
     F: std::future::Future<Output = (C, Result<T, DpTransportError>)> + Send,
 {
+    call_keeping(py, slot, limit, refused, true, f)
+}
+
+/// [`call`]; `keep_refused: false` closes the connection on a refusal too (a pipelined call's
+/// answers are then out of step), before the slot's lock is let go.
+fn call_keeping<C: Send, T: Send, F>(
+    py: Python<'_>,
+    slot: &Mutex<Option<C>>,
+    limit: Duration,
+    refused: fn(String) -> PyErr,
+    keep_refused: bool,
+    f: impl FnOnce(C) -> F + Send,
+) -> PyResult<T>
+where
+    F: std::future::Future<Output = (C, Result<T, DpTransportError>)> + Send,
+{
     let rt = runtime()?;
     py.detach(|| {
         let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
@@ -365,7 +382,7 @@ where
         let r = rt.block_on(async { tokio::time::timeout(limit, f(c)).await });
         match r {
             Ok((c, r)) => {
-                if matches!(r, Ok(_) | Err(DpTransportError::Refused { .. })) {
+                if r.is_ok() || (keep_refused && matches!(r, Err(DpTransportError::Refused { .. }))) {
                     *slot = Some(c);
                 }
                 r.map_err(Some)
@@ -461,7 +478,8 @@ impl Producer {
     /// request is fenced in the same round trip, after its chunks. One round trip for a request's
     /// chunks where `write_chunk` takes one each. Returns how many the rank already had (retries).
     /// A refusal of any chunk is a `WriteError` and closes the connection (its answers are then
-    /// out of step); chunks before it may be in. Through shared memory each chunk still waits.
+    /// out of step); any chunk but the refused one may be in. The connection's `timeout_ms`
+    /// applies per chunk, as for `write_chunk`. Through shared memory each chunk still waits.
     #[pyo3(signature = (request_id, chunks, *, epoch = 0, fence = false))]
     fn write_chunks(
         &self,
@@ -472,7 +490,8 @@ impl Producer {
         fence: bool,
     ) -> PyResult<u32> {
         let k = key(request_id, epoch);
-        let r = call(py, &self.inner, self.timeout, WriteError::new_err, move |mut c| async move {
+        let limit = self.timeout.saturating_mul(u32::try_from(chunks.len().max(1)).unwrap_or(u32::MAX));
+        call_keeping(py, &self.inner, limit, WriteError::new_err, false, move |mut c| async move {
             let mut sent = Ok(());
             for (chunk, page, generation, data) in &chunks {
                 sent = c.send_chunk(k, *chunk, PageAddr { page: *page, generation: *generation }, data).await;
@@ -485,12 +504,7 @@ impl Producer {
                 Err(e) => Err(e),
             };
             (c, r)
-        });
-        if r.is_err() {
-            // Unanswered chunks may be left on it: never reused.
-            self.inner.lock().unwrap_or_else(PoisonError::into_inner).take();
-        }
-        r
+        })
     }
 
     /// Nothing more will be written for the request: pages its cancel quarantined come back now.

@@ -235,12 +235,20 @@ def test_take_ready_ends_at_a_cancel_and_at_its_timeout():
         with pytest.raises(bd.WaitTimeout):
             server.take_ready(50, timeout_ms=150)
         assert 0.1 < time.monotonic() - t < 5
-        # Still reserved after a timeout: the gateway's to cancel, which ends a wait at once.
+        # Still reserved after a timeout: the gateway's to cancel, which ends a wait at once (a
+        # wait as long as a u64 of milliseconds holds too).
         threading.Timer(0.2, lambda: gateway.cancel(50, unsent=True)).start()
         t = time.monotonic()
         with pytest.raises(bd.LeaseError, match="cancel"):
-            server.take_ready(50, timeout_ms=30_000)
+            server.take_ready(50, timeout_ms=2**64 - 1)
         assert time.monotonic() - t < 5
+        # fence=True fences: a cancelled request's quarantined pages come back with it.
+        gateway.reserve(52, 2, 60_000)
+        gateway.cancel(52)
+        assert server.stats()["quarantined"] == 2
+        with bd.Producer(server.address, G, rank=0) as p:
+            assert p.write_chunks(52, [], fence=True) == 0
+        assert server.stats()["quarantined"] == 0
         # A refused chunk is a WriteError and the connection is closed (its answers are out of step).
         a = gateway.reserve(51, 2, 60_000)
         p = bd.Producer(server.address, G, rank=0)

@@ -272,7 +272,9 @@ impl<D: Device> RankServer<D> {
     /// wake-up is the request's status event, so the server must be started
     /// ([`RankServer::start`]).
     pub async fn take_ready(&self, key: RequestKey, within: Duration) -> Result<Ready<D>, WaitError> {
-        let deadline = tokio::time::Instant::now() + within;
+        // A `within` past what an instant can hold (say `Duration::MAX`) waits as good as forever.
+        let now = tokio::time::Instant::now();
+        let deadline = now.checked_add(within).unwrap_or_else(|| now + Duration::from_secs(1 << 32));
         let waiting = Arc::clone(self.lock_waiting().entry(key).or_default());
         let entry = WaitEntry { server: self, key, waiting };
         loop {

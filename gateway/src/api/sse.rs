@@ -70,9 +70,17 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
-/// One event carrying `payload`.
+/// One event carrying `payload` (a payload of several lines as that many `data:` lines, which a
+/// reader joins back with `\n`).
 pub fn event(payload: &str) -> bytes::Bytes {
-    bytes::Bytes::from(format!("data: {payload}\n\n"))
+    let mut out = String::with_capacity(payload.len() + 8);
+    for line in payload.split('\n') {
+        out.push_str("data: ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out.push('\n');
+    bytes::Bytes::from(out)
 }
 
 #[cfg(test)]
@@ -118,6 +126,12 @@ mod tests {
                 assert_eq!(out, expect, "line ending {eol:?}, cut at {cut}");
             }
         }
+        // What `event` writes reads back as it was.
+        let mut out = Vec::new();
+        SseSplitter::default().push(&event("a\nb"), &mut out);
+        SseSplitter::default().push(&event("{}"), &mut out);
+        assert_eq!(out, ["a\nb", "{}"]);
+        assert_eq!(&event("{}")[..], b"data: {}\n\n");
         // An event not yet ended by an empty line is not given out.
         let (mut s, mut out) = (SseSplitter::default(), Vec::new());
         s.push(b"data: {}\r\n", &mut out);

@@ -150,6 +150,26 @@ impl BudgetRule {
 /// [`Fleet::reserve`]'s answer, to come.
 pub type Reserve<'a> = Pin<Box<dyn Future<Output = Option<Result<(), u64>>> + Send + 'a>>;
 
+/// The store's answer to a request's hold, awaited by the request. Dropped first (the request
+/// gone), it closes the channel: an answer already sent and a hold taken are given back here,
+/// and one sent later fails, so the task that took it gives it back. Exactly one side does.
+struct StoreAnswer {
+    rx: tokio::sync::oneshot::Receiver<Option<Result<(), u64>>>,
+    fleet: Arc<dyn Fleet>,
+    tenant: Arc<str>,
+    rule: BudgetRule,
+    hold: f64,
+}
+
+impl Drop for StoreAnswer {
+    fn drop(&mut self) {
+        self.rx.close();
+        if let Ok(Some(Ok(()))) = self.rx.try_recv() {
+            self.fleet.give_back(&self.tenant, self.rule, self.hold);
+        }
+    }
+}
+
 /// The other gateway replicas, through `[cluster]`'s store.
 pub trait Fleet: Send + Sync + std::fmt::Debug {
     /// Takes `hold` of `tenant`'s fleet-wide bucket if `need` is there: `Some(Ok(()))` taken,
@@ -918,7 +938,9 @@ impl FlowControl {
                 f.give_back(&tenant, rule, hold);
             }
         });
-        match rx.await.unwrap_or(None) {
+        let mut answer =
+            StoreAnswer { rx, fleet: Arc::clone(fleet), tenant: Arc::clone(&id.tenant), rule, hold };
+        match (&mut answer.rx).await.unwrap_or(None) {
             Some(Ok(())) => Ok(Some(hold)),
             Some(Err(refill_s)) => {
                 let mut s = self.lock();

@@ -494,7 +494,8 @@ async fn a_request_dropped_while_the_store_answers_leaves_no_hold_behind() {
     f.share_with(Arc::clone(&fleet) as Arc<dyn Fleet>);
     let ask = Ask { tokens: 200, bytes: 1, plugin_wait: None, max_tokens: None };
     let metered = id(&f, "metered", &[]);
-    let gone = tokio::time::timeout(Duration::from_millis(20), f.enter(&metered, ask, |_| true, |_| {})).await;
+    let gone =
+        tokio::time::timeout(Duration::from_millis(20), f.enter(&metered, ask, |_| true, |_| {})).await;
     assert!(gone.is_err(), "the client left before the store answered");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(*fleet.given_back.lock().unwrap(), [200.0]);

@@ -366,3 +366,41 @@ async fn a_python_decoder_computes_a_local_prefill_itself() {
     assert_ne!(status, 200);
     assert_engine_clean(decode.addr()).await;
 }
+
+/// A Python prefiller without the cache blocks a prompt needs refuses it (503 `engine_busy`)
+/// and holds nothing after: its blocks are freed, the decoder's pages come back (the ranks it
+/// was told about are fenced, and the gateway cancels), and the gateway serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_prefiller_out_of_cache_blocks_refuses_and_holds_nothing() {
+    let Some(py) = python() else { return };
+    let g = tiny_geometry(2).unwrap();
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-busy-{}", std::process::id()));
+    // 4 blocks of 16 tokens a rank: 64 tokens fit, 200 do not.
+    let py_prefill = PyEngine::start(&py, &["--role", "prefill", "--cache-blocks", "4"]);
+    let mut d = SimConfig::new(SimRole::Decode, g);
+    d.pages = 64;
+    let sim_decode = launch(d).await.unwrap();
+    let (_gw, public, admin) = serve(&dir, py_prefill.addr(), sim_decode.addr, &sim_ranks(&sim_decode));
+    let body = serde_json::json!({"prompt": "x".repeat(200), "max_tokens": 2});
+    let (status, answer) = http(public, "/v1/completions", Some(&body)).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert!(status >= 500, "{status}: {text}");
+    assert!(text.contains("cache blocks"), "the prefiller's own refusal: {status} {text}");
+    assert_clean_at(admin).await;
+    assert_engine_clean(py_prefill.addr()).await;
+    let start = Instant::now();
+    while sim_decode.engine.stats()["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["pages_free"] != r["pages_total"])
+    {
+        assert!(start.elapsed() < Duration::from_secs(5), "{}", sim_decode.engine.stats());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let body = serde_json::json!({"prompt": "x".repeat(40), "max_tokens": 2});
+    let (status, answer) = http(public, "/v1/completions", Some(&body)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    assert_engine_clean(py_prefill.addr()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
