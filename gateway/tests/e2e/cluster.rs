@@ -352,7 +352,13 @@ async fn three_sglang_replicas_never_over_commit_a_decoder_and_survive_a_kill_an
 async fn three_native_replicas_never_over_commit_and_a_killed_ones_pages_come_back_within_the_lease() {
     let Some(redis) = Redis::start() else { return };
     let g = tiny_geometry(2).unwrap();
-    let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+    // Each chunk to rank 0 takes 20 ms, so a request holds its pages for about 80 ms: the load
+    // fills the buffer whichever path the decode takes (with the decode sent alongside the
+    // prefill, pages are otherwise held only for the transfer's microseconds).
+    let mut pc = SimConfig::new(SimRole::Prefill, g);
+    pc.faults.slow_rank = Some(0);
+    pc.faults.slow_ms = 20;
+    let prefill = launch(pc).await.unwrap();
     let mut dc = SimConfig::new(SimRole::Decode, g);
     dc.pages = 16;
     dc.token_delay = Duration::from_millis(30);
