@@ -37,6 +37,9 @@ from model import DeterministicModel, prefix_hashes, render_chat, tokenize
 
 MAX_BODY = 32 << 20
 DEFAULT_MAX_TOKENS = 16
+# Chunks per ``Producer.write_chunks`` call: the rank's pipeline window, so a call is one round
+# trip and holds at most this many gathered pages.
+WRITE_BATCH = 16
 DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -234,22 +237,25 @@ class Engine:
                 self.ranks[r].pool.release(blocks)
 
     def send_rank(self, rid, epoch, t, blocks, tokens):
-        """Writes the request's chunks to one decoder rank and fences it, in one round trip
-        (``Producer.write_chunks``: the chunks are not waited for one by one)."""
+        """Writes the request's chunks to one decoder rank and fences it with the last of them
+        (``Producer.write_chunks``: one round trip per ``WRITE_BATCH`` chunks, not one each). At
+        most a batch of gathered pages is held at once, whatever the prompt's length."""
         rank, addr = t["rank"], t["addr"]
         ct = self.g.chunk_tokens
-        chunks = []
-        for chunk, page, generation in t.get("chunks", []):
-            first = chunk * ct
-            count = max(0, min(ct, tokens - first))
-            chunks.append((chunk, page, generation, self.ranks[rank].cache.gather(self.g, blocks, first, count)))
+        addrs = t.get("chunks", [])
         p = self.producer(addr, rank)
         try:
-            p.write_chunks(rid, chunks, epoch=epoch, fence=True)
+            for at in range(0, max(len(addrs), 1), WRITE_BATCH):
+                batch = []
+                for chunk, page, generation in addrs[at:at + WRITE_BATCH]:
+                    first = chunk * ct
+                    count = max(0, min(ct, tokens - first))
+                    batch.append((chunk, page, generation, self.ranks[rank].cache.gather(self.g, blocks, first, count)))
+                p.write_chunks(rid, batch, epoch=epoch, fence=at + WRITE_BATCH >= len(addrs))
         except bd.DataPlaneError as e:
             raise EngineError(502, "kv_transfer_failed", f"writing to decoder rank {rank}: {e}") from e
         with self.lock:
-            self.written["shared_memory" if p.shared_memory else "socket"] += len(chunks)
+            self.written["shared_memory" if p.shared_memory else "socket"] += len(addrs)
         self.give_back(addr, rank, p)
 
     # ---- decode ----
