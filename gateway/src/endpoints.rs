@@ -42,8 +42,6 @@ pub const DEFAULT_REFRESH: Duration = Duration::from_secs(5);
 const FAILURE_LOOKUP_SPACING: Duration = Duration::from_millis(200);
 /// How long one lookup may take (per attempt; two attempts).
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
-/// Idle keep-alive connections to the engines are closed after this long.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A host as configured: an IP literal or a DNS name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -890,22 +888,24 @@ pub struct EngineClient {
     /// made with the new certificates; requests under way keep theirs.
     http: Arc<RwLock<Client<Connector, Full<Bytes>>>>,
     names: Names,
+    /// An idle connection is not used again after this long ([`crate::handoff::DEFAULT_ENGINE_IDLE`]).
+    idle: Duration,
     /// `[engine_tls]`'s files, watched.
     tls: Option<Arc<(EngineTlsFiles, CertFiles)>>,
 }
 
 impl EngineClient {
-    pub fn new(names: Names, tls: Option<EngineTls>) -> Self {
+    pub fn new(names: Names, tls: Option<EngineTls>, idle: Duration) -> Self {
         let reloading = tls.as_ref().and_then(|t| t.1.clone()).map(|files| {
             let watch = CertFiles::new(files.paths());
             Arc::new((files, watch))
         });
         // No [engine_tls]: the system's roots.
         let config = tls.map_or_else(EngineTls::system, |t| (*t.0).clone());
-        Self { http: Arc::new(RwLock::new(Self::pool(&names, config))), names, tls: reloading }
+        Self { http: Arc::new(RwLock::new(Self::pool(&names, config, idle))), names, idle, tls: reloading }
     }
 
-    fn pool(names: &Names, config: rustls::ClientConfig) -> Client<Connector, Full<Bytes>> {
+    fn pool(names: &Names, config: rustls::ClientConfig, idle: Duration) -> Client<Connector, Full<Bytes>> {
         let mut connector = HttpConnector::new_with_resolver(names.clone());
         connector.set_nodelay(true);
         // https:// URIs need the TLS layer to see them.
@@ -915,7 +915,7 @@ impl EngineClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
-        Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(connector)
+        Client::builder(TokioExecutor::new()).pool_idle_timeout(idle).build(connector)
     }
 
     /// Reads `[engine_tls]`'s files again when any changed since last read (always with
@@ -925,7 +925,7 @@ impl EngineClient {
         let (files, watch) = &**self.tls.as_ref()?;
         Some(watch.reload(force, || files.load())?.map(|t| {
             *self.http.write().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                Self::pool(&self.names, (*t.0).clone());
+                Self::pool(&self.names, (*t.0).clone(), self.idle);
         }))
     }
 
@@ -1033,6 +1033,78 @@ mod tests {
             let e = EngineUrl::parse(bad).err().map(|e| e.to_string());
             assert_eq!(e.as_deref(), Some(message), "{bad}");
         }
+    }
+
+    /// An engine that closes a connection idle for `closes_after` the way uvicorn does, with a
+    /// request already on its way: that request is read by nobody and gets no answer. Counts the
+    /// connections it accepted.
+    async fn closing_engine(closes_after: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| unreachable(e));
+        let at = l.local_addr().unwrap_or_else(|e| unreachable(e));
+        let conns = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&conns);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut answered: Option<Instant> = None;
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        let Ok(n) = s.read(&mut chunk).await else { return };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            continue;
+                        }
+                        buf.clear();
+                        if answered.is_some_and(|t| t.elapsed() >= closes_after) {
+                            return; // closed while the request crossed
+                        }
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(answer).await.is_err() {
+                            return;
+                        }
+                        answered = Some(Instant::now());
+                    }
+                });
+            }
+        });
+        (at, conns)
+    }
+
+    async fn get(client: &EngineClient, at: SocketAddr) -> Result<u16, String> {
+        let to = EngineUrl::from(at);
+        let req = Request::get(format!("{}/x", to.0.base))
+            .body(Full::new(Bytes::new()))
+            .unwrap_or_else(|e| unreachable(e));
+        let resp = client.send(&to, req).await.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        http_body_util::BodyExt::collect(resp.into_body()).await.map_err(|e| e.to_string())?;
+        Ok(status)
+    }
+
+    /// A connection idle longer than `engine_idle` is not used again: an engine that closes idle
+    /// connections after 300 ms loses the request sent on one idle 400 ms when the gateway keeps
+    /// them 4 s, and answers it on a new connection when the gateway keeps them 200 ms.
+    #[tokio::test]
+    async fn an_idle_connection_is_not_reused_past_engine_idle() {
+        let (at, conns) = closing_engine(Duration::from_millis(300)).await;
+        let keeps = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        assert_eq!(get(&keeps, at).await, Ok(200));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(get(&keeps, at).await.is_err(), "the stale connection was not reused");
+        assert_eq!(conns.load(Ordering::SeqCst), 1);
+
+        let (at, conns) = closing_engine(Duration::from_millis(300)).await;
+        let drops = EngineClient::new(Names::default(), None, Duration::from_millis(200));
+        assert_eq!(get(&drops, at).await, Ok(200));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(get(&drops, at).await, Ok(200));
+        assert_eq!(conns.load(Ordering::SeqCst), 2);
     }
 
     #[allow(clippy::panic)]

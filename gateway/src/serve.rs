@@ -101,7 +101,7 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
         }
     }
     let metrics = Metrics::new(c.tenant_series, c.records).map_err(StartError::Metrics)?;
-    let client = EngineClient::new(names, c.engine_tls.clone());
+    let client = EngineClient::new(names, c.engine_tls.clone(), c.limits.engine_idle);
     let tracing = match &c.trace {
         Some(t) => {
             let started =

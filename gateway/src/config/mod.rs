@@ -296,6 +296,9 @@ pub struct Admission {
     /// A `vllm-nixl` or `sglang` decoder's slot held this much longer after its request was
     /// abandoned while the engine ran it, ms (default [`crate::handoff::DEFAULT_CANCEL_GRACE`]).
     pub cancel_grace_ms: u64,
+    /// An idle keep-alive connection to an engine is not used again after this long, ms (default
+    /// [`crate::handoff::DEFAULT_ENGINE_IDLE`]); keep it under the engines' own keep-alive timeout.
+    pub engine_idle_timeout_ms: u64,
     /// API key → tenant name, for policy plugins (a key not listed is its own tenant).
     pub tenants: std::collections::BTreeMap<String, String>,
 }
@@ -450,6 +453,7 @@ impl Default for Admission {
             ready_timeout_ms: ms(DEFAULT_READY_TIMEOUT),
             upstream_timeout_ms: ms(DEFAULT_UPSTREAM_TIMEOUT),
             cancel_grace_ms: ms(crate::handoff::DEFAULT_CANCEL_GRACE),
+            engine_idle_timeout_ms: ms(crate::handoff::DEFAULT_ENGINE_IDLE),
             tenants: std::collections::BTreeMap::new(),
         }
     }
@@ -906,6 +910,7 @@ impl Admission {
             ("admission.lease_ms", self.lease_ms),
             ("admission.ready_timeout_ms", self.ready_timeout_ms),
             ("admission.upstream_timeout_ms", self.upstream_timeout_ms),
+            ("admission.engine_idle_timeout_ms", self.engine_idle_timeout_ms),
         ] {
             if v == 0 {
                 return Err(err(field, "must be greater than 0"));
@@ -939,6 +944,7 @@ impl Admission {
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             cancel_grace: Duration::from_millis(self.cancel_grace_ms),
+            engine_idle: Duration::from_millis(self.engine_idle_timeout_ms),
         })
     }
 }

@@ -110,8 +110,9 @@ pub enum PostError {
     /// The request could not be built (its URI): nothing was sent.
     #[error("request: {0}")]
     Request(#[source] hyper::http::Error),
-    /// The connection or the exchange failed.
-    #[error("{0}")]
+    /// The connection or the exchange failed (its causes named: hyper's own text is only "client
+    /// error (SendRequest)").
+    #[error("{}", causes(.0))]
     Send(#[source] hyper_util::client::legacy::Error),
     /// No answer within this limit.
     #[error("no answer within {0:?}")]
@@ -119,6 +120,20 @@ pub enum PostError {
     /// The task that ran a detached call ended without its answer.
     #[error("upstream call task: {0}")]
     Task(#[source] tokio::task::JoinError),
+}
+
+/// `e` and each of its sources, `: `-separated.
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let part = s.to_string();
+        if !text.ends_with(&part) {
+            text = format!("{text}: {part}");
+        }
+        next = s.source();
+    }
+    text
 }
 
 impl PostError {

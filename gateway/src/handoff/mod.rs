@@ -26,7 +26,7 @@ pub mod sglang;
 pub use decoder::{BoxFuture, Decoder, Handoff, Leg, Unstarted};
 pub use legs::{BoxError, Drains, RespBody};
 pub use shared::{
-    DEFAULT_CANCEL_GRACE, DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT,
+    DEFAULT_CANCEL_GRACE, DEFAULT_ENGINE_IDLE, DEFAULT_LEASE, DEFAULT_READY_TIMEOUT, DEFAULT_RELEASE_TIMEOUT,
     DEFAULT_UPSTREAM_TIMEOUT, Engine, KeyGen, Limits, Prefiller, Shared,
 };
 

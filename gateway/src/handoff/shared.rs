@@ -27,6 +27,12 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest an upstream leg may take to answer (headers, for a streamed decode).
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
+/// Idle keep-alive connections to the engines are not used again after this long: under the 5 s
+/// after which uvicorn (vLLM's and SGLang's HTTP server) closes an idle connection. A request
+/// written to a connection the engine is closing at that moment is lost unanswered, and the
+/// gateway cannot know whether the engine read it (a decode whose KV then waits out the producer's
+/// timeout).
+pub const DEFAULT_ENGINE_IDLE: Duration = Duration::from_secs(4);
 /// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
 /// free before they are returned anyway: the decoder's lease and quarantine end them by then.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -45,6 +51,8 @@ pub struct Limits {
     pub release_timeout: Duration,
     /// [`DEFAULT_CANCEL_GRACE`].
     pub cancel_grace: Duration,
+    /// [`DEFAULT_ENGINE_IDLE`].
+    pub engine_idle: Duration,
 }
 
 impl Default for Limits {
@@ -56,6 +64,7 @@ impl Default for Limits {
             upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             cancel_grace: DEFAULT_CANCEL_GRACE,
+            engine_idle: DEFAULT_ENGINE_IDLE,
         }
     }
 }
@@ -81,7 +90,7 @@ impl Shared {
     /// Engines by IP, or by name with the system's resolver, `https://` checked against the
     /// system's roots.
     pub fn new(limits: Limits, health: HealthConfig) -> prometheus::Result<Arc<Self>> {
-        let client = EngineClient::new(crate::endpoints::Names::default(), None);
+        let client = EngineClient::new(crate::endpoints::Names::default(), None, limits.engine_idle);
         let metrics = Metrics::new(
             crate::telemetry::metrics::DEFAULT_TENANT_SERIES,
             crate::telemetry::metrics::DEFAULT_RECORDS,
