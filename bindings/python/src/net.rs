@@ -492,17 +492,15 @@ impl Producer {
         let k = key(request_id, epoch);
         let limit = self.timeout.saturating_mul(u32::try_from(chunks.len().max(1)).unwrap_or(u32::MAX));
         call_keeping(py, &self.inner, limit, WriteError::new_err, false, move |mut c| async move {
-            let mut sent = Ok(());
-            for (chunk, page, generation, data) in &chunks {
-                sent = c.send_chunk(k, *chunk, PageAddr { page: *page, generation: *generation }, data).await;
-                if sent.is_err() {
-                    break;
-                }
-            }
-            let r = match sent {
-                Ok(()) => c.finish(fence.then_some(k)).await,
-                Err(e) => Err(e),
-            };
+            // Small chunks share writes, the fence with them.
+            let pages: Vec<(u32, PageAddr, &[u8])> = chunks
+                .iter()
+                .map(|(chunk, page, generation, data)| {
+                    (*chunk, PageAddr { page: *page, generation: *generation }, data.as_slice())
+                })
+                .collect();
+            let r = c.write_chunks(k, &pages, fence).await;
+            drop(pages);
             (c, r)
         })
     }

@@ -282,6 +282,36 @@ impl ProducerClient {
         addr: PageAddr,
         bytes: &[u8],
     ) -> Result<(), TransportError> {
+        self.queue_chunk(key, chunk, addr, bytes).await?;
+        self.io.flush().await
+    }
+
+    /// Writes `chunks` of `key` pipelined, then (with `fence`) its fence, and waits for every
+    /// answer: the number of chunks already there. Small chunks (a model with little KV per
+    /// chunk) share writes, the fence with them: a request's whole transfer can be one write and
+    /// one answer. For chunks a producer has at hand together; one computed after another goes
+    /// with [`ProducerClient::send_chunk`], which sends it at once. A refusal is the call's error,
+    /// and the connection must then be dropped, as after [`ProducerClient::send_chunk`].
+    pub async fn write_chunks(
+        &mut self,
+        key: RequestKey,
+        chunks: &[(u32, PageAddr, &[u8])],
+        fence: bool,
+    ) -> Result<u32, TransportError> {
+        for &(chunk, addr, bytes) in chunks {
+            self.queue_chunk(key, chunk, addr, bytes).await?;
+        }
+        self.finish(fence.then_some(key)).await
+    }
+
+    /// A chunk's frames queued to leave with the next write ([`FrameIo::queue_chunk`]).
+    async fn queue_chunk(
+        &mut self,
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+        bytes: &[u8],
+    ) -> Result<(), TransportError> {
         if bytes.len() as u64 != self.welcome.page_bytes {
             return Err(TransportError::Refused {
                 code: RefusalCode::BadRequest,
@@ -302,7 +332,7 @@ impl ProducerClient {
         let mut offset = 0usize;
         for seg in bytes.chunks(self.segment) {
             let head = ChunkHead { key, chunk, addr, offset: offset as u64, len: seg.len() };
-            self.io.write_chunk(&head, seg).await?;
+            self.io.queue_chunk(&head, seg).await?;
             offset += seg.len();
         }
         self.unanswered.push_back((key, chunk));
@@ -312,6 +342,8 @@ impl ProducerClient {
     /// The oldest unanswered chunk's answer.
     async fn read_ack(&mut self) -> Result<(), TransportError> {
         let Some((key, chunk)) = self.unanswered.pop_front() else { return Ok(()) };
+        // What it waits for may still be queued.
+        self.io.flush().await?;
         match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
             Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => {
                 self.duplicates += u32::from(duplicate);

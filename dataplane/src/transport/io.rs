@@ -162,10 +162,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
     /// one copied behind the head, so the frame leaves in one write and, without Nagle, one
     /// segment).
     pub async fn write_chunk(&mut self, head: &ChunkHead, payload: &[u8]) -> Result<(), TransportError> {
+        self.queue_chunk(head, payload).await?;
+        self.flush().await
+    }
+
+    /// A chunk frame to leave with the next [`FrameIo::flush`] or [`FrameIo::write`]: a small
+    /// payload is copied behind its head and waits with the frames queued before it (sent as soon
+    /// as they reach `COALESCE_PAYLOAD` bytes), so several small chunks leave in one write; a large
+    /// one leaves at once, after what was queued, straight from the caller's memory.
+    pub async fn queue_chunk(&mut self, head: &ChunkHead, payload: &[u8]) -> Result<(), TransportError> {
         encode_chunk_head(&ChunkHead { len: payload.len(), ..*head }, &mut self.queued);
         if payload.len() <= COALESCE_PAYLOAD {
             self.queued.extend_from_slice(payload);
-            self.flush().await
+            if self.queued.len() >= COALESCE_PAYLOAD {
+                self.flush().await?;
+            }
+            Ok(())
         } else {
             self.flush().await?;
             self.stream.write_all(payload).await?;
@@ -175,5 +187,97 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
 
     pub fn into_inner(self) -> S {
         self.stream
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{PageAddr, RequestId, RequestKey};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A stream that counts the writes made on it.
+    struct Counted {
+        inner: tokio::io::DuplexStream,
+        writes: Arc<AtomicUsize>,
+    }
+
+    impl AsyncRead for Counted {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Counted {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.writes.fetch_add(1, Ordering::SeqCst);
+            std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+        }
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    /// Queued small chunks leave with the frame written after them, in one write, and are read
+    /// back as they were; each `write_chunk` is a write of its own; a queue past
+    /// `COALESCE_PAYLOAD` bytes leaves without waiting for the next write.
+    #[tokio::test]
+    async fn queued_small_chunks_leave_in_one_write_with_the_next_frame() {
+        let (a, b) = tokio::io::duplex(1 << 22);
+        let writes = Arc::new(AtomicUsize::new(0));
+        let mut io = FrameIo::new(Counted { inner: a, writes: Arc::clone(&writes) });
+        let mut peer = FrameIo::new(b);
+        let key = RequestKey::new(RequestId(7), 0);
+        let head = |chunk: u32| ChunkHead {
+            key,
+            chunk,
+            addr: PageAddr { page: chunk, generation: 1 },
+            offset: 0,
+            len: 0,
+        };
+        for c in 0..4u8 {
+            io.queue_chunk(&head(u32::from(c)), &[c; 2048]).await.expect("queued");
+        }
+        assert_eq!(writes.load(Ordering::SeqCst), 0, "nothing left before the next write");
+        io.write(&Frame::Fence { key }).await.expect("written");
+        assert_eq!(writes.load(Ordering::SeqCst), 1);
+        for c in 0..4u8 {
+            match peer.read().await.expect("a frame") {
+                Some(Frame::Chunk { chunk, bytes, .. }) => {
+                    assert_eq!(chunk, u32::from(c));
+                    assert_eq!(bytes, vec![c; 2048]);
+                }
+                other => panic!("chunk {c}: {other:?}"),
+            }
+        }
+        assert!(matches!(peer.read().await.expect("a frame"), Some(Frame::Fence { .. })));
+
+        for c in 0..2 {
+            io.write_chunk(&head(c), &[1; 2048]).await.expect("written");
+        }
+        assert_eq!(writes.load(Ordering::SeqCst), 3);
+        // Past COALESCE_PAYLOAD queued bytes, the queue leaves by itself.
+        for c in 0..=u32::try_from(COALESCE_PAYLOAD / 2048).expect("small") {
+            io.queue_chunk(&head(c), &[2; 2048]).await.expect("queued");
+        }
+        assert_eq!(writes.load(Ordering::SeqCst), 4);
     }
 }

@@ -410,6 +410,42 @@ async fn pipelined_chunks_and_their_fence_land_in_one_pass() {
     assert!(matches!(err, TransportError::Refused { code: RefusalCode::Stale, .. }), "{err:?}");
 }
 
+/// Chunks at hand together (`write_chunks`): more than a window of them and the fence in one
+/// call land whole and make the request ready; the same again counts every one a duplicate; a
+/// stale address among them is the call's refusal.
+#[tokio::test]
+async fn chunks_written_together_land_with_their_fence() {
+    use baton_dataplane::transport::PIPELINE_WINDOW;
+    let chunks = u32::try_from(PIPELINE_WINDOW).unwrap() + 5;
+    let (srv, h) = server(chunks + 2).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
+    let k = key(42);
+    let addrs = ctl.reserve(k, chunks, Duration::from_secs(30), &[]).await.unwrap();
+    let pages: Vec<Vec<u8>> = addrs.iter().map(|(c, _)| content(u64::from(*c), 0, page)).collect();
+    let batch: Vec<(u32, PageAddr, &[u8])> =
+        addrs.iter().zip(&pages).map(|((c, a), p)| (*c, *a, p.as_slice())).collect();
+    assert_eq!(prod.write_chunks(k, &batch, true).await.unwrap(), 0);
+    assert_eq!(prod.write_chunks(k, &batch, false).await.unwrap(), chunks);
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else { panic!("every chunk is in") };
+    let consuming = ready.consume().unwrap();
+    let mut got = vec![0u8; page];
+    for ((c, _), want) in addrs.iter().zip(&pages) {
+        consuming.read_chunk(*c, &mut got).unwrap();
+        assert_eq!(&got, want, "chunk {c}");
+    }
+    drop(consuming);
+
+    let k2 = key(43);
+    let addrs = ctl.reserve(k2, 2, Duration::from_secs(30), &[]).await.unwrap();
+    let stale = PageAddr { generation: addrs[1].1.generation + 7, ..addrs[1].1 };
+    let (one, two) = (vec![1; page], vec![2; page]);
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let err = prod.write_chunks(k2, &[(addrs[0].0, addrs[0].1, &one), (addrs[1].0, stale, &two)], true).await;
+    assert!(matches!(err, Err(TransportError::Refused { code: RefusalCode::Stale, .. })), "{err:?}");
+}
+
 /// A rank whose engine waits for the KV says so in its Welcome to the gateway's control
 /// connections (a producer is not told: an older one would refuse the flag); one that does not,
 /// does not.
