@@ -22,7 +22,7 @@ use baton_dataplane::device::any::{AnyDevice, AnyTensor};
 use baton_dataplane::device::{CacheLayout, Device, KvSpan};
 use baton_dataplane::geometry::KvGeometry;
 use baton_dataplane::ids::{PageAddr, RequestKey};
-use baton_dataplane::transport::{PIPELINE_WINDOW, ProducerClient};
+use baton_dataplane::transport::{ProducerClient, TransportError};
 
 /// How long a prefiller holds a request's KV blocks waiting for the decoder to take them. Past it the
 /// transfer is abandoned and the blocks freed: a dead decoder or gateway cannot strand them.
@@ -245,25 +245,23 @@ impl PrefillEngine {
             .ok_or_else(|| SimError::bad(format!("no prefill rank {}", t.rank)))?;
         let cl = self.geometry.chunk_layout();
         let staging = self.device.alloc_buffer(1, cl.page_bytes()).map_err(SimError::internal)?;
-        // Neutral engines move zero pages: no KV was computed to gather.
-        let neutral = super::kv::neutral();
+        let mut page = vec![0u8; cl.page_bytes()];
         let mut producer = self.producer(t.addr, t.rank).await?;
         let mut report = PrefillReport { chunks: 0, bytes: 0 };
-        // Chunks gathered and not yet written: written together (small ones share a write, the
-        // last batch with the fence), at most a pipeline window at a time, and before any fault's
-        // pause so the chunks before it are at the rank while it lasts.
-        let mut batch: Vec<(u32, PageAddr, Vec<u8>)> = Vec::new();
-        let last = t.chunks.len().saturating_sub(1);
-        for (i, &(chunk, p, generation)) in t.chunks.iter().enumerate() {
+        let failed = |chunk: u32, e: TransportError| {
+            SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
+        };
+        for &(chunk, p, generation) in &t.chunks {
             let f = self.faults.get();
-            let pause = [
+            let pauses = [
                 (f.stall_chunk == Some(chunk)).then_some(f.stall_ms),
                 (f.slow_rank == Some(t.rank)).then_some(f.slow_ms),
             ];
-            if pause.iter().any(Option::is_some) {
-                self.write_batch(&mut producer, key, t.rank, &mut batch, false).await?;
+            if pauses.iter().any(Option::is_some) {
+                // The chunks before a pause are at the rank while it lasts.
+                producer.flush().await.map_err(|e| failed(chunk, e))?;
             }
-            for ms in pause.into_iter().flatten() {
+            for ms in pauses.into_iter().flatten() {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
             let first = chunk as usize * cl.chunk_tokens as usize;
@@ -274,49 +272,26 @@ impl PrefillEngine {
                 first_token: u32::try_from(first).unwrap_or(u32::MAX),
                 tokens: u32::try_from(count).unwrap_or(0),
             };
-            let mut page = Vec::new();
-            if !neutral {
-                page.resize(cl.page_bytes(), 0);
+            // Neutral engines move zero pages: no KV was computed to gather.
+            if !super::kv::neutral() {
                 self.device.gather(&rank.cache, &span, &cl, &staging, 0).map_err(SimError::internal)?;
                 self.device.read_page(&staging, 0, 0, &mut page).map_err(SimError::internal)?;
             }
-            batch.push((chunk, PageAddr { page: p, generation }, page));
+            // Pipelined, small chunks sharing writes (the gathered ones are computed together
+            // here): the rank's answers are read once the window is full or every chunk is sent.
+            producer
+                .queue_chunk(key, chunk, PageAddr { page: p, generation }, &page)
+                .await
+                .map_err(|e| failed(chunk, e))?;
             report.chunks += 1;
-            report.bytes += cl.page_bytes() as u64;
-            if batch.len() >= PIPELINE_WINDOW && i != last {
-                self.write_batch(&mut producer, key, t.rank, &mut batch, false).await?;
-            }
+            report.bytes += page.len() as u64;
         }
         // The fence rides with the last chunks: one round trip for a small transfer.
-        self.write_batch(&mut producer, key, t.rank, &mut batch, true).await?;
+        producer.finish(Some(key)).await.map_err(|e| {
+            SimError::upstream(format!("writing {key}'s chunks to decoder rank {}: {e}", t.rank))
+        })?;
         self.give_back(t.addr, t.rank, producer);
         Ok(report)
-    }
-
-    /// Writes the gathered chunks in `batch` (a neutral engine's, gathered as nothing, as zero
-    /// pages) and empties it.
-    async fn write_batch(
-        &self,
-        producer: &mut ProducerClient,
-        key: RequestKey,
-        rank: u32,
-        batch: &mut Vec<(u32, PageAddr, Vec<u8>)>,
-        fence: bool,
-    ) -> Result<(), SimError> {
-        if batch.is_empty() && !fence {
-            return Ok(());
-        }
-        let zeros = vec![0u8; self.geometry.chunk_layout().page_bytes()];
-        let chunks: Vec<(u32, PageAddr, &[u8])> = batch
-            .iter()
-            .map(|(c, a, page)| (*c, *a, if page.is_empty() { zeros.as_slice() } else { page.as_slice() }))
-            .collect();
-        producer
-            .write_chunks(key, &chunks, fence)
-            .await
-            .map_err(|e| SimError::upstream(format!("writing {key}'s chunks to decoder rank {rank}: {e}")))?;
-        batch.clear();
-        Ok(())
     }
 
     async fn fence(&self, addr: SocketAddr, rank: u32, key: RequestKey) {

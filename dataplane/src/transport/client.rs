@@ -288,46 +288,64 @@ impl ProducerClient {
 
     /// Writes `chunks` of `key` pipelined, then (with `fence`) its fence, and waits for every
     /// answer: the number of chunks already there. Small chunks (a model with little KV per
-    /// chunk) share writes, the fence with them: a request's whole transfer can be one write and
-    /// one answer. For chunks a producer has at hand together; one computed after another goes
-    /// with [`ProducerClient::send_chunk`], which sends it at once. A refusal is the call's error,
-    /// and the connection must then be dropped, as after [`ProducerClient::send_chunk`].
+    /// chunk) share writes, the fence with them: a small request's whole transfer is one write
+    /// each way. For chunks a producer has at hand together; one computed after another goes with
+    /// [`ProducerClient::send_chunk`] (sent at once) or [`ProducerClient::queue_chunk`]. Every
+    /// chunk's size is checked before any is sent. A refusal is the call's error, and the
+    /// connection must then be dropped, as after [`ProducerClient::send_chunk`] (and as after
+    /// this call's future is dropped before it ended).
     pub async fn write_chunks(
         &mut self,
         key: RequestKey,
         chunks: &[(u32, PageAddr, &[u8])],
         fence: bool,
     ) -> Result<u32, TransportError> {
+        for &(_, _, bytes) in chunks {
+            self.check_size(bytes)?;
+        }
         for &(chunk, addr, bytes) in chunks {
             self.queue_chunk(key, chunk, addr, bytes).await?;
         }
         self.finish(fence.then_some(key)).await
     }
 
-    /// A chunk's frames queued to leave with the next write ([`FrameIo::queue_chunk`]).
-    async fn queue_chunk(
+    fn check_size(&self, bytes: &[u8]) -> Result<(), TransportError> {
+        if bytes.len() as u64 == self.welcome.page_bytes {
+            return Ok(());
+        }
+        Err(TransportError::Refused {
+            code: RefusalCode::BadRequest,
+            need: 0,
+            have: 0,
+            message: format!("chunk of {} bytes, pages are {}", bytes.len(), self.welcome.page_bytes),
+        })
+    }
+
+    /// A chunk that leaves with the next one sent, with [`ProducerClient::flush`] or
+    /// [`ProducerClient::finish`], or as soon as 64 KiB are queued (a large chunk leaves at once):
+    /// small chunks computed one after another share writes. Nothing queued leaves by itself: a
+    /// producer that waits between chunks (for its next layer, say) flushes first.
+    pub async fn queue_chunk(
         &mut self,
         key: RequestKey,
         chunk: u32,
         addr: PageAddr,
         bytes: &[u8],
     ) -> Result<(), TransportError> {
-        if bytes.len() as u64 != self.welcome.page_bytes {
-            return Err(TransportError::Refused {
-                code: RefusalCode::BadRequest,
-                need: 0,
-                have: 0,
-                message: format!("chunk of {} bytes, pages are {}", bytes.len(), self.welcome.page_bytes),
-            });
-        }
+        self.check_size(bytes)?;
         if self.shm.is_some() {
             // Granted, copied, then committed: each step waits for the rank, so nothing pipelines.
             let duplicate = self.write_chunk_shm(key, chunk, addr, bytes).await?;
             self.duplicates += u32::from(duplicate);
             return Ok(());
         }
-        while self.unanswered.len() >= PIPELINE_WINDOW {
+        if self.unanswered.len() >= PIPELINE_WINDOW {
+            // The window is full: what is queued leaves, then the answers already here are read
+            // (at least the oldest), so the next chunks are queued together again.
             self.read_ack().await?;
+            while self.io.has_input() && !self.unanswered.is_empty() {
+                self.read_ack().await?;
+            }
         }
         let mut offset = 0usize;
         for seg in bytes.chunks(self.segment) {
@@ -337,6 +355,11 @@ impl ProducerClient {
         }
         self.unanswered.push_back((key, chunk));
         Ok(())
+    }
+
+    /// Sends every chunk [`ProducerClient::queue_chunk`] left queued.
+    pub async fn flush(&mut self) -> Result<(), TransportError> {
+        self.io.flush().await
     }
 
     /// The oldest unanswered chunk's answer.

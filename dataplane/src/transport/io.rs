@@ -149,6 +149,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
             self.stream.write_all(&out).await?;
             out.clear();
             self.queued = out;
+            // A TLS stream may hold written bytes until flushed (rustls takes the plaintext and
+            // leaves what the socket would not take yet): what an answer is awaited for must
+            // leave. A no-op on TCP.
+            self.stream.flush().await?;
         }
         Ok(())
     }
@@ -181,6 +185,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FrameIo<S> {
         } else {
             self.flush().await?;
             self.stream.write_all(payload).await?;
+            self.stream.flush().await?;
             Ok(())
         }
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use baton_dataplane::device::cpu::CpuDevice;
 use baton_dataplane::transport::{
-    ControlClient, EventStream, ProducerClient, RankServer, ServerHandle, TransportError,
+    ControlClient, EventStream, ProducerClient, RankServer, ServerHandle, TransportError, WaitError,
 };
 use baton_dataplane::wire::{Decoded, Frame, Hello, RefusalCode, Role, decode, encode};
 use baton_dataplane::{
@@ -444,6 +444,30 @@ async fn chunks_written_together_land_with_their_fence() {
     let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
     let err = prod.write_chunks(k2, &[(addrs[0].0, addrs[0].1, &one), (addrs[1].0, stale, &two)], true).await;
     assert!(matches!(err, Err(TransportError::Refused { code: RefusalCode::Stale, .. })), "{err:?}");
+}
+
+/// `send_chunk` sends at once (a chunk computed after another is not held back for it): with no
+/// `finish`, the rank holds the chunk and the one-chunk request is ready. `queue_chunk` holds its
+/// chunk until `flush`.
+#[tokio::test]
+async fn a_sent_chunk_leaves_at_once_and_a_queued_one_with_the_flush() {
+    let (srv, h) = server(4).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
+    let ready_within = |k, ms| srv.take_ready(k, Duration::from_millis(ms));
+    let k = key(44);
+    let addrs = ctl.reserve(k, 1, Duration::from_secs(30), &[]).await.unwrap();
+    prod.send_chunk(k, addrs[0].0, addrs[0].1, &vec![5; page]).await.unwrap();
+    ready_within(k, 2_000).await.expect("the sent chunk reached the rank");
+
+    let k = key(45);
+    let addrs = ctl.reserve(k, 1, Duration::from_secs(30), &[]).await.unwrap();
+    prod.queue_chunk(k, addrs[0].0, addrs[0].1, &vec![6; page]).await.unwrap();
+    let early = ready_within(k, 200).await;
+    assert!(matches!(early, Err(WaitError::TimedOut(..))), "a queued chunk left before the flush: {early:?}");
+    prod.flush().await.unwrap();
+    ready_within(k, 2_000).await.expect("the flushed chunk reached the rank");
 }
 
 /// A rank whose engine waits for the KV says so in its Welcome to the gateway's control

@@ -280,6 +280,9 @@ impl PrefillPool {
     }
 }
 
+/// uvicorn's default keep-alive timeout (vLLM's and SGLang's HTTP server), ms.
+const UVICORN_KEEP_ALIVE_MS: u64 = 5_000;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Admission {
@@ -656,6 +659,14 @@ impl Config {
             warnings.push(format!(
                 "model.tokenizer: a prompt beyond model.context_length is refused only after it is tokenized ({why}); \
                  large prompts are bounded by the tokenizer pool alone"
+            ));
+        }
+        if self.admission.engine_idle_timeout_ms >= UVICORN_KEEP_ALIVE_MS {
+            warnings.push(format!(
+                "admission.engine_idle_timeout_ms: {} is not under the {UVICORN_KEEP_ALIVE_MS} ms after which uvicorn \
+                 (vLLM's and SGLang's HTTP server; vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes an idle connection: \
+                 a request sent as an engine closes one is lost unanswered, unless the engines keep theirs longer",
+                self.admission.engine_idle_timeout_ms
             ));
         }
         let resolver = self.check_resolver()?;

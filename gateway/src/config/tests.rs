@@ -82,6 +82,20 @@ fn a_good_file_checks_with_defaults() {
     assert_eq!(c.limits.lease, DEFAULT_LEASE);
     assert_eq!(c.max_queue, DEFAULT_MAX_QUEUE);
     assert_eq!(c.trace, None, "no tracing unless an endpoint is given");
+    assert_eq!(c.limits.engine_idle, crate::handoff::DEFAULT_ENGINE_IDLE);
+    assert!(c.warnings.iter().all(|w| !w.contains("engine_idle_timeout_ms")), "{:?}", c.warnings);
+    // Read as given; at uvicorn's keep-alive or beyond, warned about.
+    for (ms, warned) in [(1_500, false), (5_000, true)] {
+        let text = format!("{GOOD}\n[admission]\nengine_idle_timeout_ms = {ms}\n");
+        let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap();
+        assert_eq!(c.limits.engine_idle, std::time::Duration::from_millis(ms));
+        assert_eq!(
+            c.warnings.iter().any(|w| w.contains("engine_idle_timeout_ms")),
+            warned,
+            "{:?}",
+            c.warnings
+        );
+    }
     let text = format!("{GOOD}\n[telemetry]\notlp_endpoint = \"http://otel.local:4318\"\n");
     let c = Config::parse(&text).unwrap().check(Path::new(".")).unwrap();
     let t = c.trace.unwrap();
@@ -200,6 +214,11 @@ fn bad_files_name_the_field() {
             "zero context",
             GOOD.replace("context_length = 32768", "context_length = 0"),
             "model.context_length",
+        ),
+        (
+            "engine connections never idle",
+            format!("{GOOD}\n[admission]\nengine_idle_timeout_ms = 0\n"),
+            "admission.engine_idle_timeout_ms",
         ),
         (
             "lease shorter than ready wait",

@@ -110,10 +110,11 @@ pub enum PostError {
     /// The request could not be built (its URI): nothing was sent.
     #[error("request: {0}")]
     Request(#[source] hyper::http::Error),
-    /// The connection or the exchange failed (its causes named: hyper's own text is only "client
-    /// error (SendRequest)").
+    /// The connection or the exchange failed. Its text names the causes (hyper's own is only
+    /// "client error (SendRequest)"), so it is not also given as the source: a logger walking the
+    /// chain would print them twice.
     #[error("{}", causes(.0))]
-    Send(#[source] hyper_util::client::legacy::Error),
+    Send(hyper_util::client::legacy::Error),
     /// No answer within this limit.
     #[error("no answer within {0:?}")]
     Timeout(Duration),

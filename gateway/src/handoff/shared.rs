@@ -27,12 +27,13 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(120);
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest an upstream leg may take to answer (headers, for a streamed decode).
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(300);
-/// Idle keep-alive connections to the engines are not used again after this long: under the 5 s
-/// after which uvicorn (vLLM's and SGLang's HTTP server) closes an idle connection. A request
-/// written to a connection the engine is closing at that moment is lost unanswered, and the
-/// gateway cannot know whether the engine read it (a decode whose KV then waits out the producer's
-/// timeout).
-pub const DEFAULT_ENGINE_IDLE: Duration = Duration::from_secs(4);
+/// Idle keep-alive connections to the engines are not used again after this long: well under the
+/// 5 s after which uvicorn (vLLM's and SGLang's HTTP server) closes an idle connection, counted from
+/// when it finished writing its answer, which a slow client reading a stream can leave unread for
+/// a while. A request written to a connection the engine is closing at that moment is lost
+/// unanswered, and the gateway cannot know whether the engine read it (a decode whose KV then
+/// waits out the producer's timeout).
+pub const DEFAULT_ENGINE_IDLE: Duration = Duration::from_secs(3);
 /// Longest the slots of a finished or abandoned request wait for the decoder to report its pages
 /// free before they are returned anyway: the decoder's lease and quarantine end them by then.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
