@@ -206,14 +206,19 @@ impl<D: Device> RankBuffer<D> {
 
     /// Starts writing one chunk at `addr`. Refused, with nothing changed, for a stale generation, a
     /// page of another request, a closed request or a page already being written. A chunk already
-    /// present is reported as a duplicate (idempotent).
+    /// present is reported as a duplicate (idempotent). [`PageAddr::BY_CHUNK`] writes to the page
+    /// the request's reservation holds for `chunk` ([`PageWriter::addr`] says which).
     pub fn begin_write(
         &self,
         key: RequestKey,
         chunk: u32,
         addr: PageAddr,
     ) -> Result<BeginWrite<D>, WriteError> {
-        match self.shared.with(|t, now, out| t.begin_write(key, chunk, addr, now, out))? {
+        let (begin, addr) = self.shared.with(|t, now, out| {
+            let addr = t.resolve(key, chunk, addr)?;
+            t.begin_write(key, chunk, addr, now, out).map(|b| (b, addr))
+        })?;
+        match begin {
             Begin::Duplicate => Ok(BeginWrite::Duplicate),
             Begin::Write => Ok(BeginWrite::Write(PageWriter {
                 shared: Arc::clone(&self.shared),
@@ -480,6 +485,11 @@ impl<D: Device> fmt::Debug for PageWriter<D> {
 }
 
 impl<D: Device> PageWriter<D> {
+    /// The page written (resolved when the write named [`PageAddr::BY_CHUNK`]).
+    pub fn addr(&self) -> PageAddr {
+        self.addr
+    }
+
     /// Appends bytes to the page.
     pub fn write(&mut self, bytes: &[u8]) -> Result<(), WriteError> {
         let page_bytes = self.shared.page_bytes;

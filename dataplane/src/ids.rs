@@ -53,3 +53,11 @@ pub struct PageAddr {
     pub page: u32,
     pub generation: u32,
 }
+
+impl PageAddr {
+    /// Not a page: "the page the request's reservation holds for this chunk", resolved by the rank
+    /// when the write begins. A producer that reserves for itself on the connection it writes on
+    /// sends its chunks right behind the Reserve, before the addresses could come back. No buffer
+    /// has `u32::MAX` pages, so no real address is this one.
+    pub const BY_CHUNK: PageAddr = PageAddr { page: u32::MAX, generation: u32::MAX };
+}

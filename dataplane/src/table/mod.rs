@@ -82,6 +82,13 @@ pub enum WriteError {
     /// The device failed the copy.
     #[error("device: {0}")]
     Device(String),
+    /// A write by chunk ([`PageAddr::BY_CHUNK`]) for a request this rank holds no reservation of
+    /// (never reserved here, its Reserve refused, or already closed and forgotten).
+    #[error("no reservation of request {key} on this rank")]
+    Unreserved { key: RequestKey },
+    /// A write by chunk for a chunk the reservation does not hold a page of its own for.
+    #[error("request {key} has no page of its own for chunk {chunk}")]
+    NoChunk { chunk: u32, key: RequestKey },
 }
 
 /// Why a lifecycle call on a reservation failed.
@@ -635,6 +642,27 @@ impl Table {
     }
 
     // ----- writes -----
+
+    /// `addr`, or for [`PageAddr::BY_CHUNK`] the address of the page `key`'s reservation holds for
+    /// `chunk`. A query.
+    pub(crate) fn resolve(
+        &self,
+        key: RequestKey,
+        chunk: u32,
+        addr: PageAddr,
+    ) -> Result<PageAddr, WriteError> {
+        if addr != PageAddr::BY_CHUNK {
+            return Ok(addr);
+        }
+        let &h = self.by_key.get(&key).ok_or(WriteError::Unreserved { key })?;
+        match self.entry(h).and_then(|e| e.chunks.get(chunk as usize)) {
+            Some(Chunk::Own { page, .. }) => {
+                let generation = self.pages.get(*page as usize).map_or(0, |p| p.generation);
+                Ok(PageAddr { page: *page, generation })
+            }
+            _ => Err(WriteError::NoChunk { chunk, key }),
+        }
+    }
 
     pub(crate) fn begin_write(
         &mut self,

@@ -144,13 +144,26 @@ impl ControlClient {
     /// Cancels a reservation (idempotent). Pages a producer may still be writing stay quarantined
     /// until it fences or the quarantine deadline passes.
     pub async fn cancel(&mut self, key: RequestKey) -> Result<(), TransportError> {
-        self.done(&Frame::Cancel { key, unsent: false }, key).await
+        self.done(&Frame::Cancel { key, unsent: false, report: false }, key).await
     }
 
     /// Cancels a reservation whose write addresses were never given to any producer: its pages come
     /// back at once.
     pub async fn cancel_unsent(&mut self, key: RequestKey) -> Result<(), TransportError> {
-        self.done(&Frame::Cancel { key, unsent: true }, key).await
+        self.done(&Frame::Cancel { key, unsent: true, report: false }, key).await
+    }
+
+    /// Cancels `key` and says whether this rank held a reservation of it (a release of its pages
+    /// follows on the event feed) or not (nothing follows; the key is refused from now on). For a
+    /// producer that reserves for itself ([`ProducerClient::queue_reserve`]), which may never have
+    /// reached this rank. `unsent`: as [`ControlClient::cancel_unsent`].
+    pub async fn cancel_held(&mut self, key: RequestKey, unsent: bool) -> Result<bool, TransportError> {
+        match self.call(&Frame::Cancel { key, unsent, report: true }).await {
+            Ok(Frame::Done { key: k }) if k == key => Ok(true),
+            Err(TransportError::Refused { code: RefusalCode::Closed, .. }) => Ok(false),
+            Ok(other) => Err(TransportError::Unexpected(format!("{other:?}"))),
+            Err(e) => Err(e),
+        }
     }
 
     async fn done(&mut self, f: &Frame, key: RequestKey) -> Result<(), TransportError> {
@@ -171,6 +184,13 @@ pub const PIPELINE_WINDOW: usize = 16;
 /// Chunks may be pipelined ([`ProducerClient::send_chunk`], then [`ProducerClient::finish`]): the
 /// rank answers each in order, and a request's chunks and its fence cost one round trip instead of
 /// one each.
+/// A frame sent on a producer connection whose answer is still to be read.
+#[derive(Clone, Copy, Debug)]
+enum Pending {
+    Chunk(RequestKey, u32),
+    Reserve(RequestKey),
+}
+
 #[derive(Debug)]
 pub struct ProducerClient {
     io: FrameIo<BoxConn>,
@@ -179,7 +199,7 @@ pub struct ProducerClient {
     /// The rank's export, mapped: chunks are copied into it instead of sent over the socket.
     shm: Option<crate::device::shm::ShmWriter>,
     /// Chunks sent whose answers are not read yet, oldest first.
-    unanswered: VecDeque<(RequestKey, u32)>,
+    unanswered: VecDeque<Pending>,
     /// Of the chunks answered since the last [`ProducerClient::finish`], those already there.
     duplicates: u32,
 }
@@ -334,7 +354,11 @@ impl ProducerClient {
     ) -> Result<(), TransportError> {
         self.check_size(bytes)?;
         if self.shm.is_some() {
-            // Granted, copied, then committed: each step waits for the rank, so nothing pipelines.
+            // Granted, copied, then committed: each step waits for the rank, so nothing pipelines
+            // (a Reserve still unanswered is answered first).
+            while !self.unanswered.is_empty() {
+                self.read_ack().await?;
+            }
             let duplicate = self.write_chunk_shm(key, chunk, addr, bytes).await?;
             self.duplicates += u32::from(duplicate);
             return Ok(());
@@ -353,8 +377,21 @@ impl ProducerClient {
             self.io.queue_chunk(&head, seg).await?;
             offset += seg.len();
         }
-        self.unanswered.push_back((key, chunk));
+        self.unanswered.push_back(Pending::Chunk(key, chunk));
         Ok(())
+    }
+
+    /// Reserves `chunks` pages for `key` on this rank (all or nothing, leased for `lease`), for a
+    /// producer that reserves for itself instead of being given the addresses: the Reserve
+    /// leaves with the chunks queued after it, which name their page by chunk
+    /// ([`PageAddr::BY_CHUNK`]), so reserving and writing take one round trip. Its answer is read
+    /// with theirs; a refusal (`Busy`: no room now; `Closed`: the key was cancelled) is the error
+    /// of the call that reads it ([`ProducerClient::finish`] or a later `queue_chunk`), after
+    /// which the connection is not used again (the chunks behind it are refused too).
+    pub fn queue_reserve(&mut self, key: RequestKey, chunks: u32, lease: Duration) {
+        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        self.io.queue(&Frame::Reserve { key, chunks, lease_ms, prefixes: Vec::new() });
+        self.unanswered.push_back(Pending::Reserve(key));
     }
 
     /// Sends every chunk [`ProducerClient::queue_chunk`] left queued.
@@ -362,17 +399,25 @@ impl ProducerClient {
         self.io.flush().await
     }
 
-    /// The oldest unanswered chunk's answer.
+    /// The oldest unanswered chunk's (or Reserve's) answer.
     async fn read_ack(&mut self) -> Result<(), TransportError> {
-        let Some((key, chunk)) = self.unanswered.pop_front() else { return Ok(()) };
+        let Some(pending) = self.unanswered.pop_front() else { return Ok(()) };
         // What it waits for may still be queued.
         self.io.flush().await?;
-        match answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await? {
-            Frame::ChunkAck { key: k, chunk: c, duplicate } if k == key && c == chunk => {
+        match (pending, answer(&mut self.io, DEFAULT_REQUEST_TIMEOUT).await?) {
+            (Pending::Chunk(key, chunk), Frame::ChunkAck { key: k, chunk: c, duplicate })
+                if k == key && c == chunk =>
+            {
                 self.duplicates += u32::from(duplicate);
                 Ok(())
             }
-            other => Err(TransportError::Unexpected(format!("{other:?} instead of chunk {chunk}'s answer"))),
+            (Pending::Reserve(key), Frame::Reserved { key: k, .. }) if k == key => Ok(()),
+            (Pending::Chunk(_, chunk), other) => {
+                Err(TransportError::Unexpected(format!("{other:?} instead of chunk {chunk}'s answer")))
+            }
+            (Pending::Reserve(key), other) => {
+                Err(TransportError::Unexpected(format!("{other:?} instead of {key}'s reservation")))
+            }
         }
     }
 

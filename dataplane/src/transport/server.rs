@@ -207,7 +207,8 @@ fn write_refusal(key: RequestKey, e: &WriteError) -> Frame {
         WriteError::Stale { .. } => RefusalCode::Stale,
         WriteError::NotOwner { .. } | WriteError::WrongChunk { .. } => RefusalCode::NotOwner,
         WriteError::Expired { .. } => RefusalCode::Expired,
-        WriteError::Cancelled { .. } => RefusalCode::Closed,
+        WriteError::Cancelled { .. } | WriteError::Unreserved { .. } => RefusalCode::Closed,
+        WriteError::NoChunk { .. } => RefusalCode::NotOwner,
         WriteError::NoSuchPage { .. }
         | WriteError::InProgress { .. }
         | WriteError::Overrun { .. }
@@ -267,16 +268,20 @@ impl<D: Device> RankServer<D> {
     }
 
     /// Takes the reservation of `key` once every chunk of it is in, waiting up to `within` for the
-    /// last one: what a decode request that arrived with the prefill does. Fails at once when the
-    /// rank holds no reservation of it, and as soon as the request ends (cancelled, expired). Its
-    /// wake-up is the request's status event, so the server must be started
-    /// ([`RankServer::start`]).
+    /// last one: what a decode request that arrived with the prefill does. A reservation not here
+    /// yet is waited for too (a producer that reserves for itself sends its Reserve with the
+    /// chunks, maybe after the decode request came): `NotReserved` when none came within
+    /// `within`, or when the one that was here is gone (taken). Fails as soon as the request
+    /// ends (cancelled, before its reservation came included; expired). Its wake-up is the
+    /// request's status event, so the server must be started ([`RankServer::start`]).
     pub async fn take_ready(&self, key: RequestKey, within: Duration) -> Result<Ready<D>, WaitError> {
         // A `within` past what an instant can hold (say `Duration::MAX`) waits as good as forever.
         let now = tokio::time::Instant::now();
         let deadline = now.checked_add(within).unwrap_or_else(|| now + Duration::from_secs(1 << 32));
         let waiting = Arc::clone(self.lock_waiting().entry(key).or_default());
         let entry = WaitEntry { server: self, key, waiting };
+        // Whether this rank has held the reservation while it waited.
+        let mut seen = false;
         loop {
             let woken = entry.waiting.notify.notified();
             tokio::pin!(woken);
@@ -289,18 +294,29 @@ impl<D: Device> RankServer<D> {
             match ready {
                 None => {
                     // Gone: closed (the janitor forgets closed reservations; their status says
-                    // why), taken, or never here.
+                    // why), cancelled before it came, or taken; or not here yet: a producer that
+                    // reserves for itself sends the Reserve with its chunks, which may come after
+                    // the decode request.
                     let ended = *entry.waiting.ended.lock().unwrap_or_else(|e| e.into_inner());
-                    return Err(match ended {
-                        Some(TerminalState::Expired) => WaitError::Closed(key, LeaseError::Expired),
-                        Some(state @ (TerminalState::Cancelled | TerminalState::Failed)) => {
-                            WaitError::Closed(key, LeaseError::Closed(state))
+                    match ended {
+                        Some(TerminalState::Expired) => {
+                            return Err(WaitError::Closed(key, LeaseError::Expired));
                         }
-                        _ => WaitError::NotReserved(key),
-                    });
+                        Some(state @ (TerminalState::Cancelled | TerminalState::Failed)) => {
+                            return Err(WaitError::Closed(key, LeaseError::Closed(state)));
+                        }
+                        _ => {}
+                    }
+                    if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+                        return Err(WaitError::Closed(key, LeaseError::Closed(TerminalState::Cancelled)));
+                    }
+                    if seen {
+                        return Err(WaitError::NotReserved(key));
+                    }
                 }
                 Some(Err(e)) => return Err(WaitError::Closed(key, e)),
                 Some(Ok(true)) => {
+                    seen = true;
                     return match self.take(key).map(Reservation::try_ready) {
                         Some(Ok(r)) => Ok(r),
                         Some(Err(NotReady::Closed(e))) => Err(WaitError::Closed(key, e)),
@@ -312,11 +328,15 @@ impl<D: Device> RankServer<D> {
                         None => Err(WaitError::NotReserved(key)),
                     };
                 }
-                Some(Ok(false)) => {}
+                Some(Ok(false)) => seen = true,
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                return Err(WaitError::TimedOut(key, within));
+                return Err(if seen {
+                    WaitError::TimedOut(key, within)
+                } else {
+                    WaitError::NotReserved(key)
+                });
             }
             let _ = tokio::time::timeout_at(deadline.min(now + WAIT_RECHECK), woken).await;
         }
@@ -552,6 +572,36 @@ impl<D: Device> RankServer<D> {
         Ok(())
     }
 
+    /// Reserves `key`'s pages (all or nothing) and answers with their write addresses, or refuses:
+    /// a key already cancelled here is refused, never reserved.
+    fn reserve(
+        &self,
+        key: RequestKey,
+        chunks: u32,
+        lease_ms: u32,
+        prefixes: &[crate::ids::PrefixKey],
+    ) -> Frame {
+        let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+            return refusal(key, RefusalCode::Closed, 0, 0, format!("{key} was cancelled"));
+        }
+        match self.buf.reserve(ReserveRequest { key, chunks, prefixes, lease }) {
+            Ok(mut r) => {
+                let addrs = r.publish();
+                held.insert(key, r);
+                drop(held);
+                // A decode request that came before its reservation (the producer reserves for
+                // itself) looks again.
+                if let Some(w) = self.lock_waiting().get(&key) {
+                    w.notify.notify_waiters();
+                }
+                Frame::Reserved { key, addrs }
+            }
+            Err(e) => reserve_refusal(key, &e),
+        }
+    }
+
     async fn control(&self, io: &mut FrameIo<BoxConn>) -> Result<(), TransportError> {
         while let Some(frame) = io.read().await? {
             let reply = match frame {
@@ -567,20 +617,7 @@ impl<D: Device> RankServer<D> {
                     }
                 }
                 Frame::Reserve { key, chunks, lease_ms, prefixes } => {
-                    let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
-                    let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-                    if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-                        refusal(key, RefusalCode::Closed, 0, 0, format!("{key} was cancelled"))
-                    } else {
-                        match self.buf.reserve(ReserveRequest { key, chunks, prefixes: &prefixes, lease }) {
-                            Ok(mut r) => {
-                                let addrs = r.publish();
-                                held.insert(key, r);
-                                Frame::Reserved { key, addrs }
-                            }
-                            Err(e) => reserve_refusal(key, &e),
-                        }
-                    }
+                    self.reserve(key, chunks, lease_ms, &prefixes)
                 }
                 Frame::Renew { key, lease_ms } => {
                     let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
@@ -591,7 +628,7 @@ impl<D: Device> RankServer<D> {
                         None => refusal(key, RefusalCode::Closed, 0, 0, format!("no reservation for {key}")),
                     }
                 }
-                Frame::Cancel { key, unsent } => {
+                Frame::Cancel { key, unsent, report } => {
                     // Dropped outside the lock: the drop emits events.
                     let r = {
                         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
@@ -601,12 +638,22 @@ impl<D: Device> RankServer<D> {
                         }
                         r
                     };
+                    let was_held = r.is_some();
                     drop(r);
+                    if !was_held {
+                        // A decode request waiting for a reservation still on its way (a producer
+                        // reserving for itself) learns at once that none will come.
+                        self.ended(key, TerminalState::Cancelled);
+                    }
                     if unsent {
                         // No producer ever had the addresses: nothing to wait for.
                         self.buf.fence(key);
                     }
-                    Frame::Done { key }
+                    if report && !was_held {
+                        refusal(key, RefusalCode::Closed, 0, 0, format!("no reservation of {key} here"))
+                    } else {
+                        Frame::Done { key }
+                    }
                 }
                 other => {
                     return Err(TransportError::Unexpected(format!("{other:?} on a control connection")));
@@ -659,6 +706,14 @@ impl<D: Device> RankServer<D> {
                         io.flush().await?;
                     }
                 }
+                Incoming::Frame(Frame::Reserve { key, chunks, lease_ms, prefixes }) => {
+                    // A producer reserving for itself, its chunks (by chunk, `PageAddr::BY_CHUNK`)
+                    // right behind: the answer waits to leave with theirs.
+                    io.queue(&self.reserve(key, chunks, lease_ms, &prefixes));
+                    if !io.has_input() {
+                        io.flush().await?;
+                    }
+                }
                 Incoming::Frame(Frame::Fence { key }) => {
                     current = None;
                     self.buf.fence(key);
@@ -696,8 +751,9 @@ impl<D: Device> RankServer<D> {
         drop(granted.remove(&(key, chunk)));
         match self.buf.begin_write(key, chunk, addr) {
             Ok(BeginWrite::Write(w)) => {
+                let page = w.addr().page;
                 granted.insert((key, chunk), w);
-                Frame::Granted { key, chunk, offset: u64::from(addr.page) * self.buf.page_bytes() as u64 }
+                Frame::Granted { key, chunk, offset: u64::from(page) * self.buf.page_bytes() as u64 }
             }
             Ok(BeginWrite::Duplicate) => Frame::ChunkAck { key, chunk, duplicate: true },
             Err(e) => write_refusal(key, &e),

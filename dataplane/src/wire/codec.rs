@@ -155,10 +155,14 @@ pub enum Frame {
         lease_ms: u32,
     },
     /// Cancels a reservation. `unsent`: the write addresses never reached any producer, so no write
-    /// can be in flight and the pages need no quarantine.
+    /// can be in flight and the pages need no quarantine. `report` (the header's
+    /// [`CANCEL_REPORT`] flag): answer `Refused` (`Closed`) instead of `Done` when the rank held no
+    /// reservation of the key, so the caller knows whether a release will follow (a producer
+    /// that reserves for itself may never have reached this rank).
     Cancel {
         key: RequestKey,
         unsent: bool,
+        report: bool,
     },
     /// A positive answer to renew, cancel or fence.
     Done {
@@ -381,7 +385,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 w.u32(*lease_ms);
                 kind::RENEW
             }
-            Frame::Cancel { key, unsent } => {
+            Frame::Cancel { key, unsent, .. } => {
                 w.key(key);
                 w.u8(u8::from(*unsent));
                 kind::CANCEL
@@ -442,6 +446,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
     let len = u32::try_from(out.len() - start - 4).unwrap_or(u32::MAX);
     let flags = match frame {
         Frame::Welcome { decode_waits: true, .. } => WELCOME_DECODE_WAITS,
+        Frame::Cancel { report: true, .. } => CANCEL_REPORT,
         _ => 0,
     };
     if let Some(h) = out.get_mut(start..start + HEADER_LEN) {
@@ -478,9 +483,16 @@ pub fn encode_chunk_head(h: &ChunkHead, out: &mut Vec<u8>) {
 /// Welcome's flag: the engine embedding the rank waits for a request's KV itself.
 pub const WELCOME_DECODE_WAITS: u16 = 1;
 
+/// Cancel's flag: say whether the rank held a reservation of the key (`Refused` when it did not).
+pub const CANCEL_REPORT: u16 = 1;
+
 /// The flags each kind may carry (every other bit is refused).
 fn known_flags(kind: u8) -> u16 {
-    if kind == kind::WELCOME { WELCOME_DECODE_WAITS } else { 0 }
+    match kind {
+        kind::WELCOME => WELCOME_DECODE_WAITS,
+        kind::CANCEL => CANCEL_REPORT,
+        _ => 0,
+    }
 }
 
 /// Checks the 8-byte header: returns (frame length after the `len` field, kind, flags).
@@ -613,7 +625,7 @@ pub fn decode(buf: &[u8]) -> Result<Decoded, FrameError> {
                     return Err(FrameError::Value { field: "unsent", value: u64::from(v) });
                 }
             };
-            Frame::Cancel { key, unsent }
+            Frame::Cancel { key, unsent, report: flags & CANCEL_REPORT != 0 }
         }
         kind::DONE => Frame::Done { key: r.key()? },
         kind::REFUSED => {
@@ -825,7 +837,8 @@ mod tests {
                 ],
             },
             Frame::Renew { key: k, lease_ms: 5 },
-            Frame::Cancel { key: k, unsent: true },
+            Frame::Cancel { key: k, unsent: true, report: false },
+            Frame::Cancel { key: k, unsent: false, report: true },
             Frame::Done { key: k },
             Frame::Refused {
                 key: k,
@@ -1000,7 +1013,7 @@ mod tests {
     #[test]
     fn hostile_frames_are_refused() {
         let mut good = Vec::new();
-        encode(&Frame::Cancel { key: key(), unsent: false }, &mut good);
+        encode(&Frame::Cancel { key: key(), unsent: false, report: false }, &mut good);
         let with = |f: &dyn Fn(&mut Vec<u8>)| {
             let mut b = good.clone();
             f(&mut b);
@@ -1010,7 +1023,7 @@ mod tests {
         let cases: Vec<(&str, Vec<u8>, FrameError)> = vec![
             ("unknown version", with(&|b| b[4] = 9), FrameError::Version { got: 9 }),
             ("unknown kind", with(&|b| b[5] = 200), FrameError::Kind(200)),
-            ("flags set", with(&|b| b[6] = 1), FrameError::Flags(1)),
+            ("flags set", with(&|b| b[6] = 2), FrameError::Flags(2)),
             (
                 "declared length below header",
                 with(&|b| b[..4].copy_from_slice(&2u32.to_le_bytes())),

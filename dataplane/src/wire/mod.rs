@@ -14,7 +14,7 @@
 mod codec;
 
 pub use codec::{
-    CHUNK_HEAD_LEN, ChunkHead, Decoded, DecodedHead, Frame, FrameError, HEADER_LEN, Hello, MAX_CONTROL_FRAME,
-    MAX_DATA_FRAME, PROTOCOL_VERSION, RefusalCode, Role, WELCOME_DECODE_WAITS, decode, decode_head, encode,
-    encode_chunk_head,
+    CANCEL_REPORT, CHUNK_HEAD_LEN, ChunkHead, Decoded, DecodedHead, Frame, FrameError, HEADER_LEN, Hello,
+    MAX_CONTROL_FRAME, MAX_DATA_FRAME, PROTOCOL_VERSION, RefusalCode, Role, WELCOME_DECODE_WAITS, decode,
+    decode_head, encode, encode_chunk_head,
 };

@@ -227,7 +227,7 @@ async fn hostile_peers_cannot_touch_the_buffer() {
         bytes: vec![0; page],
     }));
     let mut wrong_role_frame = hello(Role::Producer, fp(), 0);
-    wrong_role_frame.extend(frame(&Frame::Cancel { key: victim, unsent: true }));
+    wrong_role_frame.extend(frame(&Frame::Cancel { key: victim, unsent: true, report: false }));
 
     // (name, bytes, what the first answer after the welcome must be)
     type Case = (&'static str, Vec<u8>, fn(&Frame) -> bool);
@@ -483,8 +483,8 @@ async fn the_welcome_says_whether_the_engine_waits_for_the_kv() {
     assert!(!EventStream::connect(h.addr, fp(), 0).await.unwrap().welcome.decode_waits);
 }
 
-/// `take_ready` waits for the last chunk and hands the ready request over; it fails at once for a
-/// request the rank does not hold, as soon as its request is cancelled while it waits, and at its
+/// `take_ready` waits for the last chunk and hands the ready request over; it fails at its deadline
+/// for a request the rank never held, as soon as its request is cancelled while it waits, and at its
 /// deadline when the KV never completes.
 #[tokio::test]
 async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_lives() {
@@ -494,7 +494,11 @@ async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_live
     let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
     let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
 
-    assert!(matches!(srv.take_ready(key(50), WAIT).await, Err(WaitError::NotReserved(_))));
+    // Never reserved: waited for (it may come with its producer) until the deadline.
+    let t = std::time::Instant::now();
+    let out = srv.take_ready(key(50), Duration::from_millis(100)).await.map(|r| r.key());
+    assert_eq!(out, Err(WaitError::NotReserved(key(50))));
+    assert!(t.elapsed() >= Duration::from_millis(100), "{:?}", t.elapsed());
 
     // Ready after the wait began.
     let k = key(51);
@@ -539,4 +543,88 @@ async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_live
     ctl.reserve(k, 2, Duration::from_millis(150), &[]).await.unwrap();
     let out = srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key());
     assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Expired)));
+}
+
+/// A producer that reserves for itself: the Reserve and its chunks, named by chunk, leave in one
+/// write and are answered in one; the pages are the reservation's own, and the decode side
+/// waiting before the reservation came takes it once the KV is in.
+#[tokio::test]
+async fn a_producer_reserves_for_itself_and_writes_by_chunk_in_one_round_trip() {
+    let (srv, h) = server(8).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(prod.welcome.page_bytes).unwrap();
+    let k = key(60);
+    let waiter = {
+        let srv = Arc::clone(&srv);
+        tokio::spawn(async move { srv.take_ready(k, WAIT).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiter.is_finished(), "it waits for a reservation that is not here yet");
+    prod.queue_reserve(k, 3, Duration::from_secs(30));
+    for c in 0..3 {
+        prod.queue_chunk(k, c, PageAddr::BY_CHUNK, &content(u64::from(c), 0, page)).await.unwrap();
+    }
+    assert_eq!(prod.finish(Some(k)).await.unwrap(), 0);
+    let ready = tokio::time::timeout(WAIT, waiter).await.unwrap().unwrap().unwrap();
+    assert_eq!(ready.key(), k);
+    assert_eq!(ctl.info().await.unwrap().pages_free, 5, "the three pages are the reservation's");
+    drop(ready);
+
+    // A chunk named by chunk for a key this rank does not hold is refused, and writes nothing.
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    let err = prod.write_chunk(key(61), 0, PageAddr::BY_CHUNK, &vec![1; page]).await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { code: RefusalCode::Closed, .. }), "{err}");
+    // One past the reservation's chunks: refused as not its page.
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    prod.queue_reserve(key(62), 1, Duration::from_secs(30));
+    prod.queue_chunk(key(62), 1, PageAddr::BY_CHUNK, &vec![1; page]).await.unwrap();
+    let err = prod.finish(None).await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { code: RefusalCode::NotOwner, .. }), "{err}");
+}
+
+/// A producer's Reserve that does not fit is refused as `Busy` with the numbers, before any of its
+/// chunks is written; a key cancelled before its producer reserved is refused, and the decode side
+/// waiting for it learns at once; `cancel_held` says whether the rank held the key.
+#[tokio::test]
+async fn a_producer_reservation_refused_or_cancelled_first_holds_nothing() {
+    let (srv, h) = server(4).await;
+    let mut ctl = ControlClient::connect(h.addr, fp(), 0).await.unwrap();
+    let page = usize::try_from(ctl.welcome.page_bytes).unwrap();
+    ctl.reserve(key(70), 3, Duration::from_secs(30), &[]).await.unwrap();
+
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    prod.queue_reserve(key(71), 2, Duration::from_secs(30));
+    for c in 0..2 {
+        prod.queue_chunk(key(71), c, PageAddr::BY_CHUNK, &vec![1; page]).await.unwrap();
+    }
+    match prod.finish(Some(key(71))).await.unwrap_err() {
+        TransportError::Refused { code: RefusalCode::Busy, need, have, .. } => {
+            assert_eq!((need, have), (2, 1))
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(ctl.info().await.unwrap().pages_free, 1);
+
+    // Cancelled (by the gateway, say) before the producer's Reserve came: the waiting decode ends
+    // at once, the rank says it held nothing, and the Reserve that follows is refused.
+    let k = key(72);
+    let waiter = {
+        let srv = Arc::clone(&srv);
+        tokio::spawn(async move { srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key()) })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = std::time::Instant::now();
+    assert!(!ctl.cancel_held(k, false).await.unwrap(), "nothing of it was held");
+    let out = tokio::time::timeout(WAIT, waiter).await.unwrap().unwrap();
+    assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Closed(TerminalState::Cancelled))));
+    assert!(t.elapsed() < Duration::from_secs(2), "woken by the cancel: {:?}", t.elapsed());
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    prod.queue_reserve(k, 1, Duration::from_secs(30));
+    let err = prod.finish(None).await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { code: RefusalCode::Closed, .. }), "{err}");
+
+    // A held key: said so, and its pages come back.
+    assert!(ctl.cancel_held(key(70), true).await.unwrap());
+    assert_eq!(ctl.info().await.unwrap().pages_free, 4);
 }
