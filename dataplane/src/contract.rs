@@ -5,6 +5,10 @@
 //! - to a prefill engine: `{"request_id": "<32 hex>", "epoch": N, "decoders": [{"rank": r, "addr":
 //!   "host:port", "chunks": [[chunk, page, generation], ...]}, ...], "prompt_token_ids": [...]}`:
 //!   write the prompt's KV chunks into those decoder ranks' reserved pages;
+//! - to a prefill engine whose gateway leaves the reservation to it (`reserve = "prefiller"` on the
+//!   decode pool): the same, each decoder's `chunks` empty and `"reserve": {"chunks": N,
+//!   "lease_ms": L}` added: reserve `N` pages on each of those ranks on the connection that writes
+//!   them, write them by chunk, and answer HTTP 507 ([`KV_BUSY_STATUS`]) when a rank has no room;
 //! - to a decode engine: `{"request_id": ..., "epoch": N, "prompt_token_ids": [...]}`: the KV is in
 //!   this engine's PD buffer under that request; consume it and generate;
 //! - to a decode engine whose ranks said they wait for the KV (`RankServer::set_decode_waits`),
@@ -146,7 +150,28 @@ pub struct BatonParams {
     /// is in. Sent only to ranks whose Welcome said they wait (`RankServer::set_decode_waits`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_wait_ms: Option<u32>,
+    /// Prefill only: the gateway reserved nothing; reserve the pages on every rank of `decoders`
+    /// (whose `chunks` are then empty) on the connection that writes them
+    /// (`ProducerClient::queue_reserve`), and write each chunk by chunk (`PageAddr::BY_CHUNK`).
+    /// A rank that refuses for room (`Busy`) is answered with HTTP [`KV_BUSY_STATUS`], so the
+    /// gateway retries the request later instead of failing it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<ReserveOrder>,
 }
+
+/// What a prefiller that reserves for itself reserves on each decoder rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReserveOrder {
+    /// Pages (chunks) of the request on each rank.
+    pub chunks: u32,
+    /// The reservation's lease, from when the rank takes it.
+    pub lease_ms: u32,
+}
+
+/// The HTTP status a prefiller answers when a decoder rank refused the reservation it made for
+/// itself for lack of room (`Busy`): 507 Insufficient Storage, which no engine answers otherwise.
+/// The gateway cancels the attempt everywhere and retries it as a new epoch.
+pub const KV_BUSY_STATUS: u16 = 507;
 
 impl BatonParams {
     /// The fields for `key`.
@@ -158,6 +183,7 @@ impl BatonParams {
             prompt_token_ids,
             local_prefill: false,
             kv_wait_ms: None,
+            reserve: None,
         }
     }
 
@@ -210,6 +236,12 @@ mod tests {
         let v = serde_json::to_value(&local).unwrap();
         assert_eq!(v["local_prefill"], true);
         assert_eq!(serde_json::from_value::<BatonParams>(v).unwrap(), local);
+        let mut own = BatonParams::new(key, vec![DecoderTarget { rank: 0, addr, chunks: Vec::new() }], None);
+        own.reserve = Some(ReserveOrder { chunks: 4, lease_ms: 30_000 });
+        let v = serde_json::to_value(&own).unwrap();
+        assert_eq!(v["reserve"], serde_json::json!({"chunks": 4, "lease_ms": 30_000}));
+        assert_eq!(v["decoders"][0]["chunks"], serde_json::json!([]));
+        assert_eq!(serde_json::from_value::<BatonParams>(v).unwrap(), own);
     }
 
     #[test]
@@ -229,6 +261,7 @@ mod tests {
             prompt_token_ids: None,
             local_prefill: false,
             kv_wait_ms: None,
+            reserve: None,
         }
         .key()
         .unwrap_err();

@@ -91,6 +91,9 @@ pub struct GatewaySetup {
     pub tool_call_parser: Option<crate::handoff::lmcache::tools::ToolParser>,
     /// `vllm-nixl` and `sglang` modes: the decoders' admission settings.
     pub nixl: LoadTarget,
+    /// `native` mode: the gateway reserves the decoders' pages before the prefill (`reserve =
+    /// "gateway"`) instead of the simulated prefillers with their writes (the demo's default).
+    pub gateway_reserves: bool,
     /// The admin listener (`/metrics`, `/admin/*`): loopback on an ephemeral port unless set.
     pub admin_listen: Option<SocketAddr>,
     /// The admin listener's bearer token, as its SHA-256.
@@ -328,7 +331,12 @@ pub async fn start_gateway_with(
     };
     let mut decoders = Vec::new();
     for (name, http, stats) in &e.decoders {
-        let d = DemoDecoder { stats, geometry: e.geometry, load: &setup.nixl };
+        let d = DemoDecoder {
+            stats,
+            geometry: e.geometry,
+            load: &setup.nixl,
+            gateway_reserves: setup.gateway_reserves,
+        };
         let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
         decoders.push(start(checked, &ctx).await.map_err(StartError::from)?);
     }

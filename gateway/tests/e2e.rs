@@ -402,15 +402,26 @@ async fn bad_requests_get_precise_errors() {
 }
 
 /// 200 clients that disconnect at random points (queued, during the prefill, waiting for the KV,
-/// mid-stream): afterwards no slot is held and every page is free.
+/// mid-stream): afterwards no slot is held and every page is free; with the prefillers reserving
+/// the pages (the demo's default) and with the gateway reserving them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_disconnects_leave_nothing_held() {
+    random_disconnects(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_disconnects_leave_nothing_held_when_the_gateway_reserves() {
+    random_disconnects(true).await;
+}
+
+async fn random_disconnects(gateway_reserves: bool) {
     // A small buffer and slow tokens, so requests queue and streams last.
     let d = start(DemoConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tp: 2,
         pages: 16,
         token_delay: Duration::from_millis(3),
+        gateway: baton_gateway::demo::GatewaySetup { gateway_reserves, ..Default::default() },
         ..DemoConfig::default()
     })
     .await
@@ -433,9 +444,18 @@ fn sample_or_zero(text: &str, line: &str) -> f64 {
 /// A prefill slower than the decoder's lease: the ranks reclaim the pages at the lease deadline
 /// and report them expired, the prefill's late writes are refused; the client gets 502
 /// `kv_transfer_failed` naming the expiry (not the prefill's stale write), the gateway counts
-/// `baton_lease_expirations_total`, and the decoder ends clean.
+/// `baton_lease_expirations_total`, and the decoder ends clean; whoever reserved the pages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_that_expires_before_the_kv_is_counted() {
+    lease_expires(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_expires_before_the_kv_is_counted_when_the_gateway_reserves() {
+    lease_expires(true).await;
+}
+
+async fn lease_expires(gateway_reserves: bool) {
     use baton_gateway::demo::GatewaySetup;
     use baton_gateway::handoff::shared::Limits;
     let d = start(DemoConfig {
@@ -448,6 +468,7 @@ async fn a_lease_that_expires_before_the_kv_is_counted() {
         },
         gateway: GatewaySetup {
             limits: Limits { lease: Duration::from_millis(300), ..Limits::default() },
+            gateway_reserves,
             ..GatewaySetup::default()
         },
         ..DemoConfig::default()
@@ -477,15 +498,26 @@ fn ranks_clean(v: &Value) -> bool {
 
 /// Two gateway replicas in front of one decoder: neither knows the other's slots, the decoder's
 /// all-or-nothing reservations keep its buffer from being over-committed, everything completes and
-/// the buffer ends clean.
+/// the buffer ends clean. The demo's prefillers reserve: a rank without room makes the prefiller
+/// answer 507, and the gateway cancels and retries as it does a refusal of its own reservation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_one_decoder() {
+    two_replicas(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_one_decoder_when_the_gateways_reserve() {
+    two_replicas(true).await;
+}
+
+async fn two_replicas(gateway_reserves: bool) {
     use baton_gateway::demo::{GatewaySetup, start_engines, start_gateway};
     let c = DemoConfig { tp: 2, pages: 24, ..DemoConfig::default() };
     let engines = start_engines(&c).await.unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let ra = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
-    let rb = start_gateway(&engines, any, GatewaySetup::default()).await.unwrap();
+    let setup = || GatewaySetup { gateway_reserves, ..GatewaySetup::default() };
+    let ra = start_gateway(&engines, any, setup()).await.unwrap();
+    let rb = start_gateway(&engines, any, setup()).await.unwrap();
     let (a, ga, b, gb) = (ra.addr, &ra.gateway, rb.addr, &rb.gateway);
     let decode_http = engines.decoders[0].1;
     let watch = tokio::spawn(async move {
@@ -847,6 +879,36 @@ mod configs {
         serving.shutdown().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// `reserve = "prefiller"` in the file: the prefill goes out with no reservation round trip
+    /// first (no reserve phase) and the answer is the engines' own; a value that is neither who is
+    /// refused, naming both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_config_file_leaves_the_reservation_to_the_prefillers() {
+        let g = tiny_geometry(2).unwrap();
+        let prefill = launch(SimConfig::new(SimRole::Prefill, g)).await.unwrap();
+        let decode = launch(SimConfig::new(SimRole::Decode, g)).await.unwrap();
+        let dir = tempdir("serve-prefiller");
+        let file = dir.join("baton.toml");
+        std::fs::write(&file, super::serve_toml(&prefill, &decode, "reserve = \"decoder\"", "")).unwrap();
+        let e = baton_gateway::config::load(&file).unwrap_err().to_string();
+        assert!(e.contains("gateway") && e.contains("prefiller"), "{e}");
+        std::fs::write(&file, super::serve_toml(&prefill, &decode, "reserve = \"prefiller\"", "")).unwrap();
+        let serving = baton_gateway::serve::start(baton_gateway::config::load(&file).unwrap()).await.unwrap();
+        let text = super::prompt(100, 3);
+        let ids: Vec<u32> = text.bytes().map(u32::from).collect();
+        let (s, body) =
+            super::http(serving.addrs[0], "/v1/completions", Some(&json!({"prompt": text, "max_tokens": 3})))
+                .await;
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(super::answer_text(&body, false, false).0, super::output_text(&ids, 3));
+        let (_, m) = super::http(serving.admin_addr, "/metrics", None).await;
+        let m = String::from_utf8_lossy(&m);
+        assert_eq!(super::sample_or_zero(&m, "baton_phase_seconds_count{phase=\"reserve\"} "), 0.0, "{m}");
+        assert_eq!(super::sample_or_zero(&m, "baton_phase_seconds_count{phase=\"prefill\"} "), 1.0, "{m}");
+        serving.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// `/metrics` after traffic: outcomes by status, every phase observed, the decoder's slot gauges.
@@ -873,9 +935,11 @@ async fn metrics_count_requests_phases_and_slots() {
     };
     assert_eq!(value("baton_requests_total{status=\"200\"}"), 3.0);
     assert_eq!(value("baton_requests_total{status=\"413\"}"), 1.0);
-    for phase in ["queue", "reserve", "prefill", "kv_ready", "decode"] {
+    // The demo's prefillers reserve the pages with their writes: no reserve phase in the gateway.
+    for phase in ["queue", "prefill", "kv_ready", "decode"] {
         assert_eq!(value(&format!("baton_phase_seconds_count{{phase=\"{phase}\"}}")), 3.0, "{phase}");
     }
+    assert_eq!(value("baton_phase_seconds_count{phase=\"reserve\"}"), 0.0);
     assert_eq!(value("baton_phase_seconds_count{phase=\"total\"}"), 4.0);
     assert_eq!(value("baton_decoder_slots_capacity{decoder=\"decode-0\"}"), 32.0);
     d.shutdown().await;
@@ -1730,19 +1794,32 @@ async fn every_mode_records_every_phase_it_passes_through() {
     use baton_gateway::handoff::Mode;
     use baton_gateway::telemetry::Phase;
 
-    // (mode, the phases it passes through; the others must stay at 0 samples)
+    // (mode, whether the gateway reserves native pages, the phases it passes through; the others
+    // must stay at 0 samples). A prefiller that reserves leaves no reserve phase to the gateway.
     let modes = [
-        (Mode::Native, vec![Phase::Queue, Phase::Reserve, Phase::Prefill, Phase::KvReady, Phase::Decode]),
-        (Mode::Lmcache, vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode, Phase::FirstToken]),
-        (Mode::VllmNixl, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
-        (Mode::Sglang, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+        (
+            Mode::Native,
+            true,
+            vec![Phase::Queue, Phase::Reserve, Phase::Prefill, Phase::KvReady, Phase::Decode],
+        ),
+        (Mode::Native, false, vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode]),
+        (
+            Mode::Lmcache,
+            false,
+            vec![Phase::Queue, Phase::Prefill, Phase::KvReady, Phase::Decode, Phase::FirstToken],
+        ),
+        (Mode::VllmNixl, false, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
+        (Mode::Sglang, false, vec![Phase::Queue, Phase::Prefill, Phase::Decode]),
     ];
-    for (handoff, mut phases) in modes {
+    for (handoff, gateway_reserves, mut phases) in modes {
         phases.extend([Phase::Route, Phase::Total, Phase::Stream]);
+        let mut gateway = baton_gateway::demo::GatewaySetup::default();
+        gateway.gateway_reserves = gateway_reserves;
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,
             handoff,
+            gateway,
             ..DemoConfig::default()
         })
         .await

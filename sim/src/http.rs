@@ -606,7 +606,7 @@ impl SimEngine {
         match (&self.role, &req.baton) {
             (Role::Prefill(p), Some(b)) if !b.decoders.is_empty() => {
                 let key = b.key().map_err(SimError::bad)?;
-                p.prefill(key, &ids, &b.decoders).await?;
+                p.prefill(key, &ids, &b.decoders, b.reserve).await?;
                 // Like a vLLM prefiller in a PD pair: the prompt is processed, one token comes back.
                 n = 1;
             }

@@ -338,6 +338,11 @@ impl SimError {
     pub fn busy(m: impl fmt::Display) -> Self {
         Self::new(503, "engine_busy", m)
     }
+    /// A decoder rank refused the reservation this prefiller made for itself for lack of room:
+    /// the contract's status, which the gateway retries.
+    pub fn kv_busy(m: impl fmt::Display) -> Self {
+        Self::new(baton_dataplane::contract::KV_BUSY_STATUS, "kv_busy", m)
+    }
     pub fn upstream(m: impl fmt::Display) -> Self {
         Self::new(502, "kv_transfer_failed", m)
     }

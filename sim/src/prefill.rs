@@ -18,11 +18,13 @@ use super::api::DecoderTarget;
 use super::blocks::BlockPool;
 use super::faults::Faults;
 use super::kv::{prefix_hashes, write_kv};
+use baton_dataplane::contract::ReserveOrder;
 use baton_dataplane::device::any::{AnyDevice, AnyTensor};
 use baton_dataplane::device::{CacheLayout, Device, KvSpan};
 use baton_dataplane::geometry::KvGeometry;
 use baton_dataplane::ids::{PageAddr, RequestKey};
 use baton_dataplane::transport::{ProducerClient, TransportError};
+use baton_dataplane::wire::RefusalCode;
 
 /// How long a prefiller holds a request's KV blocks waiting for the decoder to take them. Past it the
 /// transfer is abandoned and the blocks freed: a dead decoder or gateway cannot strand them.
@@ -129,12 +131,14 @@ impl PrefillEngine {
         self.ranks.iter().map(|r| r.pool.held()).sum()
     }
 
-    /// Prefills `ids` and writes the chunks to `targets`.
+    /// Prefills `ids` and writes the chunks to `targets`: to the pages they name, or, with
+    /// `reserve`, to pages this prefiller reserves on each of them itself, in the same write.
     pub async fn prefill(
         self: &Arc<Self>,
         key: RequestKey,
         ids: &[u32],
         targets: &[DecoderTarget],
+        reserve: Option<ReserveOrder>,
     ) -> Result<PrefillReport, SimError> {
         // Neutral engines derive no KV, so they need no prefix hashes either.
         let hashes = if super::kv::neutral() { Vec::new() } else { prefix_hashes(ids) };
@@ -174,6 +178,17 @@ impl PrefillEngine {
                     t.chunks.len()
                 )));
             }
+            if reserve.is_some() && !t.chunks.is_empty() {
+                return Err(SimError::bad("chunk addresses and a reservation to make: one or the other"));
+            }
+        }
+        if let Some(r) = reserve
+            && r.chunks != chunks_needed
+        {
+            return Err(SimError::bad(format!(
+                "a reservation of {} chunks for a prompt of {chunks_needed} chunks",
+                r.chunks
+            )));
         }
 
         // If this future is dropped (the caller gave up), the decoders still learn at once that no
@@ -185,7 +200,7 @@ impl PrefillEngine {
             let this = Arc::clone(self);
             let blocks: Vec<u32> = held.get(t.rank as usize).map(|b| b.ids().to_vec()).unwrap_or_default();
             let tokens = ids.len();
-            tasks.spawn(async move { this.send_rank(key, &t, &blocks, tokens).await });
+            tasks.spawn(async move { this.send_rank(key, &t, &blocks, tokens, reserve).await });
         }
         let outcome = tokio::time::timeout(self.hold_ttl, async {
             let mut report = PrefillReport { chunks: 0, bytes: 0 };
@@ -238,6 +253,7 @@ impl PrefillEngine {
         t: &DecoderTarget,
         blocks: &[u32],
         tokens: usize,
+        reserve: Option<ReserveOrder>,
     ) -> Result<PrefillReport, SimError> {
         let rank = self
             .ranks
@@ -248,10 +264,19 @@ impl PrefillEngine {
         let mut page = vec![0u8; cl.page_bytes()];
         let mut producer = self.producer(t.addr, t.rank).await?;
         let mut report = PrefillReport { chunks: 0, bytes: 0 };
-        let failed = |chunk: u32, e: TransportError| {
-            SimError::upstream(format!("writing chunk {chunk} to decoder rank {}: {e}", t.rank))
+        let failed = |chunk: u32, e: TransportError| transfer_error(t.rank, &format!("chunk {chunk}"), &e);
+        // Given the pages, or reserving them: the Reserve leaves with the chunks, which name
+        // their page by chunk.
+        let pages: Vec<(u32, PageAddr)> = match reserve {
+            Some(r) => {
+                producer.queue_reserve(key, r.chunks, Duration::from_millis(u64::from(r.lease_ms)));
+                (0..r.chunks).map(|c| (c, PageAddr::BY_CHUNK)).collect()
+            }
+            None => {
+                t.chunks.iter().map(|&(c, page, generation)| (c, PageAddr { page, generation })).collect()
+            }
         };
-        for &(chunk, p, generation) in &t.chunks {
+        for (chunk, addr) in pages {
             let f = self.faults.get();
             let pauses = [
                 (f.stall_chunk == Some(chunk)).then_some(f.stall_ms),
@@ -279,17 +304,15 @@ impl PrefillEngine {
             }
             // Pipelined, small chunks sharing writes (the gathered ones are computed together
             // here): the rank's answers are read once the window is full or every chunk is sent.
-            producer
-                .queue_chunk(key, chunk, PageAddr { page: p, generation }, &page)
-                .await
-                .map_err(|e| failed(chunk, e))?;
+            producer.queue_chunk(key, chunk, addr, &page).await.map_err(|e| failed(chunk, e))?;
             report.chunks += 1;
             report.bytes += page.len() as u64;
         }
         // The fence rides with the last chunks: one round trip for a small transfer.
-        producer.finish(Some(key)).await.map_err(|e| {
-            SimError::upstream(format!("writing {key}'s chunks to decoder rank {}: {e}", t.rank))
-        })?;
+        producer
+            .finish(Some(key))
+            .await
+            .map_err(|e| transfer_error(t.rank, &format!("{key}'s chunks"), &e))?;
         self.give_back(t.addr, t.rank, producer);
         Ok(report)
     }
@@ -301,5 +324,15 @@ impl PrefillEngine {
         {
             self.give_back(addr, rank, p);
         }
+    }
+}
+
+/// A failed write to decoder rank `rank`: the contract's busy answer when the rank refused the
+/// reservation this prefiller made for lack of room, else a transfer failure.
+fn transfer_error(rank: u32, what: &str, e: &TransportError) -> SimError {
+    let m = format!("writing {what} to decoder rank {rank}: {e}");
+    match e {
+        TransportError::Refused { code: RefusalCode::Busy, .. } => SimError::kv_busy(m),
+        _ => SimError::upstream(m),
     }
 }

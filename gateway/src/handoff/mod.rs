@@ -174,6 +174,8 @@ pub struct DemoDecoder<'a> {
     pub geometry: baton_dataplane::KvGeometry,
     /// Admission settings for the modes that admit from the decoder's metrics.
     pub load: &'a scrape::LoadTarget,
+    /// `native`: the gateway reserves the pages (`reserve = "gateway"`), not the prefillers.
+    pub gateway_reserves: bool,
 }
 
 /// A pool's keys beside `name`, `url` and `handoff`, as written.

@@ -348,9 +348,13 @@ async fn the_record_of_a_request_queued_then_admitted() {
     assert!(r["queue"]["wait_ms"].as_f64().unwrap() >= 100.0, "waited for the first: {r}");
     assert_eq!(r["reservation"]["pages_per_rank"], 10, "{r}");
     assert_eq!(r["reservation"]["ranks"], 2, "{r}");
+    // The demo's prefillers reserve with their writes: no reserve phase in the gateway.
+    assert_eq!(r["reservation"]["by"], "prefiller", "{r}");
+    assert_eq!(r["reservation"]["refusals"], 0, "{r}");
+    assert!(r["phases_ms"]["reserve"].is_null(), "{r}");
     assert_eq!(r["route"]["decode"], "decode-0", "{r}");
     assert_eq!(r["prompt_tokens"], 150, "{r}");
-    for phase in ["route", "queue", "reserve", "prefill", "kv_ready", "decode"] {
+    for phase in ["route", "queue", "prefill", "kv_ready", "decode"] {
         assert!(r["phases_ms"][phase].is_number(), "{phase}: {r}");
     }
     assert_eq!(r["outcome"]["end"], "ok", "{r}");

@@ -256,9 +256,8 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             if matches!(handoff, Mode::Native | Mode::Lmcache) {
                 assert!(names.contains("kv_ready"), "{mode}: {names:?}");
             }
-            if handoff == Mode::Native {
-                assert!(names.contains("reserve"), "{mode}: {names:?}");
-            }
+            // The demo's prefillers reserve native pages with their writes: no reserve span.
+            assert!(!names.contains("reserve"), "{mode}: {names:?}");
             if op == "chat" {
                 assert!(names.contains("first_token"), "{mode}: {names:?}");
             }

@@ -63,6 +63,38 @@ pub struct Keys {
     /// it, and without TLS, the configuration is refused.
     #[serde(default)]
     pub dataplane_plaintext: bool,
+    /// Who reserves a request's pages on the ranks: the gateway before the prefill (the default,
+    /// any native prefiller), or the prefiller with its writes (one round trip less; prefillers
+    /// that read the contract's `reserve`).
+    #[serde(default)]
+    pub reserve: ReserveBy,
+}
+
+/// Who reserves a native request's pages on the decoder's ranks (`reserve` on the pool).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReserveBy {
+    /// The gateway, on every rank before it sends the prefill the write addresses.
+    #[default]
+    Gateway,
+    /// The prefiller, on the connection it writes on, its chunks right behind: the prefill goes
+    /// out at once (the contract's `reserve`; a prefiller built on an older data plane would
+    /// write nothing, so this is the operator's choice).
+    Prefiller,
+}
+
+/// How one attempt of a native request's legs ended, short of an error.
+enum Attempt {
+    Answered(Response<RespBody>),
+    /// The prefiller's reservation found a rank without room: retried as a new epoch.
+    Busy,
+}
+
+/// The prefill leg's outcome, short of an error.
+enum Prefilled {
+    Done,
+    /// `reserve = "prefiller"`: a decoder rank had no room (the prefiller's 507).
+    Busy,
 }
 
 /// A native pool, checked.
@@ -74,6 +106,7 @@ pub struct Checked {
     pub max_slots: Option<u32>,
     /// The pool's own data-plane TLS (`None`: the global one, if any).
     pub tls: Option<crate::endpoints::DataplaneCerts>,
+    pub reserve: ReserveBy,
 }
 
 /// A native decoder.
@@ -83,6 +116,7 @@ pub struct Native {
     pub ranks: Arc<Ranks>,
     /// The data-plane TLS its rank links use, reloaded by the gateway's certificate watcher.
     certs: Option<crate::endpoints::DataplaneCerts>,
+    reserve: ReserveBy,
 }
 
 impl PoolKeys for Keys {
@@ -117,7 +151,13 @@ impl PoolKeys for Keys {
                 ),
             ));
         }
-        Ok(Checked { ranks: self.dataplane.clone(), geometry, max_slots: cx.max_slots(self.max_slots)?, tls })
+        Ok(Checked {
+            ranks: self.dataplane.clone(),
+            geometry,
+            max_slots: cx.max_slots(self.max_slots)?,
+            tls,
+            reserve: self.reserve,
+        })
     }
 }
 
@@ -128,11 +168,12 @@ impl ModeSpec for Native {
 
     fn describe(c: &Checked) -> String {
         format!(
-            "TP {}, {} KV bytes per token, page {} bytes per rank{}",
+            "TP {}, {} KV bytes per token, page {} bytes per rank{}{}",
             c.ranks.len(),
             c.geometry.kv_bytes_per_token(),
             c.geometry.page_bytes_per_rank(),
-            c.max_slots.map_or(String::new(), |m| format!(", at most {m} slots"))
+            c.max_slots.map_or(String::new(), |m| format!(", at most {m} slots")),
+            if c.reserve == ReserveBy::Prefiller { ", pages reserved by the prefillers" } else { "" }
         )
     }
 
@@ -156,6 +197,7 @@ impl ModeSpec for Native {
             geometry: d.geometry,
             max_slots: None,
             tls: None,
+            reserve: if d.gateway_reserves { ReserveBy::Gateway } else { ReserveBy::Prefiller },
         }
     }
 }
@@ -177,7 +219,7 @@ impl Native {
             names: ctx.shared.client.names().clone(),
         };
         let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
-        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks), certs })
+        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks), certs, reserve: c.reserve })
     }
 
     /// Reserves the request's pages on every rank; a refusal for room (another replica's pages)
@@ -330,6 +372,7 @@ impl Native {
             return self.alone(dec, req, ids, slots, timing).await;
         }
         let chunks = self.ranks.slots_for(ids.len());
+        let by_prefiller = self.reserve == ReserveBy::Prefiller;
         let mut life = Lifecycle {
             shared: Arc::clone(&self.shared),
             ranks: Arc::clone(&self.ranks),
@@ -337,11 +380,19 @@ impl Native {
             slots,
             rx: None,
             reserved: false,
+            by_prefiller,
             sent: false,
             decoded: false,
             released: 0,
             release_timeout: shared.limits.release_timeout,
         };
+        let ids = raw_json(&ids)?;
+        let mut work = work;
+        if by_prefiller {
+            return self
+                .reserved_by_prefiller(dec, prefills, req, &ids, chunks, life, timing, work, retried)
+                .await;
+        }
         timing.enter(Phase::Reserve);
         let mut refusals = 0;
         let reserved = self.reserve(dec, &mut life, chunks, &mut refusals).await;
@@ -362,40 +413,134 @@ impl Native {
             // not where these pages are.
             .filter_map(|(r, (addr, a))| Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a)))
             .collect();
-        let ids = raw_json(&ids)?;
         let body = Patched::new(&req.raw, &["stream_options"])
             .set("stream", &false)
             .set(contract::FIELD, &params(life.key, &targets, &ids));
+        match self.attempt(dec, prefills, req, &ids, body, &mut life, timing, &mut work, retried).await? {
+            Attempt::Answered(resp) => Ok(resp),
+            // Never: only a prefiller asked to reserve is heard saying it could not.
+            Attempt::Busy => Err(GatewayError::Upstream {
+                leg: "prefill",
+                message: "a decoder rank without room for pages the gateway had reserved".into(),
+            }),
+        }
+    }
+
+    /// `reserve = "prefiller"`: no round trip to the ranks before the prefill. The prefill carries
+    /// the order to reserve (the contract's `reserve`), and the prefiller's Reserve leaves with its
+    /// chunks on each rank. A rank without room makes the prefiller answer 507: the attempt is
+    /// cancelled on every rank and retried as a new epoch (as a refused gateway reservation is),
+    /// until the queue timeout. The lifecycle cancels on every path; its release wait counts only
+    /// the ranks that say they held the request.
+    #[allow(clippy::too_many_arguments)]
+    async fn reserved_by_prefiller(
+        &self,
+        dec: &Decoder,
+        prefills: &[&crate::handoff::shared::Prefiller],
+        req: &GenRequest,
+        ids: &RawValue,
+        chunks: u32,
+        mut life: Lifecycle,
+        timing: &mut Timing,
+        mut work: Option<crate::routing::Work>,
+        retried: &Arc<std::sync::atomic::AtomicU32>,
+    ) -> Result<Response<RespBody>, GatewayError> {
+        let limits = &self.shared.limits;
+        let give_up = Instant::now() + limits.queue_timeout;
+        let mut backoff = Backoff::new(RESERVE_BACKOFF, RESERVE_BACKOFF_MAX);
+        let order = contract::ReserveOrder {
+            chunks,
+            lease_ms: u32::try_from(limits.lease.as_millis()).unwrap_or(u32::MAX).max(1),
+        };
+        let mut refusals = 0u32;
+        // From here a prefill may reserve: whatever ends the request cancels (cancel is idempotent).
+        life.reserved = true;
+        timing.enter(Phase::Prefill);
+        let outcome = loop {
+            life.rx = Some(self.ranks.listen(life.key));
+            let targets = self.ranks.targets();
+            let mut p = params(life.key, &targets, ids);
+            p.reserve = Some(order);
+            let body =
+                Patched::new(&req.raw, &["stream_options"]).set("stream", &false).set(contract::FIELD, &p);
+            match self.attempt(dec, prefills, req, ids, body, &mut life, timing, &mut work, retried).await {
+                Ok(Attempt::Busy) => {
+                    refusals += 1;
+                    let retry = Instant::now() < give_up;
+                    self.shared.metrics.reservation_refused(&dec.name, retry);
+                    if !retry {
+                        // The lifecycle cancels this attempt as it drops.
+                        break Err(GatewayError::QueueTimeout(Waited::Pages { decoder: dec.name.clone() }));
+                    }
+                    // What the ranks with room reserved goes back (quarantined until the
+                    // prefiller fences, as it does after a failure); the next attempt is a new
+                    // epoch, so nothing said of this one can reach it.
+                    self.ranks.cancel_held(life.key, false).await;
+                    self.ranks.forget(life.key);
+                    life.key = RequestKey::new(life.key.request, life.key.epoch.wrapping_add(1));
+                    (life.sent, life.released) = (false, 0);
+                    backoff.wait().await;
+                }
+                Ok(Attempt::Answered(resp)) => break Ok(resp),
+                Err(e) => break Err(e),
+            }
+        };
+        let ranks = self.ranks.rank_count();
+        let ok = outcome.is_ok();
+        timing.note("reservation", move || {
+            json!({"by": "prefiller", "pages_per_rank": chunks, "ranks": ranks, "refusals": refusals, "reserved": ok})
+        });
+        drop(life);
+        outcome
+    }
+
+    /// One attempt of the legs once the prefill's body is written: the prefill and the decode at
+    /// once for decoders that wait for the KV themselves, else prefill, every rank's READY, then
+    /// decode. `life` is left to the caller to drop (it cancels unless the decoder took the KV).
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt(
+        &self,
+        dec: &Decoder,
+        prefills: &[&crate::handoff::shared::Prefiller],
+        req: &GenRequest,
+        ids: &RawValue,
+        body: Patched<'_>,
+        life: &mut Lifecycle,
+        timing: &mut Timing,
+        work: &mut Option<crate::routing::Work>,
+        retried: &Arc<std::sync::atomic::AtomicU32>,
+    ) -> Result<Attempt, GatewayError> {
         if self.ranks.decode_waits() {
-            return self.overlapped(dec, prefills, req, &ids, body, life, timing, work, retried).await;
+            return self.overlapped(dec, prefills, req, ids, body, life, timing, work, retried).await;
         }
         let prefilled = self.prefill(prefills, req.endpoint.path(), &body, &mut life.sent, retried).await;
-        drop(work);
-        if let Err(e) = prefilled {
+        match prefilled {
+            Ok(Prefilled::Busy) => return Ok(Attempt::Busy),
+            Ok(Prefilled::Done) => drop(work.take()),
             // A prefill that failed because a rank's lease ran out (its writes refused as stale)
             // is that expiry: said as the rank said it, and counted.
-            return Err(self.expired(dec, &mut life).unwrap_or(e));
+            Err(e) => return Err(self.expired(dec, life).unwrap_or(e)),
         }
         timing.mark(Phase::Prefill);
         timing.enter(Phase::KvReady);
 
-        self.wait_ready(dec, &mut life).await?;
+        self.wait_ready(dec, life).await?;
         timing.mark(Phase::KvReady);
         timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.
-        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &params(life.key, &[], &ids));
-        let resp = shared.call("decode", &**dec, req.endpoint.path(), &body).await?;
+        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &params(life.key, &[], ids));
+        let resp = self.shared.call("decode", dec, req.endpoint.path(), &body).await?;
         life.decoded = true;
-        drop(life);
         timing.mark(Phase::Decode);
-        Ok(resp.map(boxed))
+        Ok(Attempt::Answered(resp.map(boxed)))
     }
 
     /// The prefill leg: the first prefiller, then the fallbacks while a prefiller cannot be
     /// connected to (one that never saw the addresses leaves the pages free at once, no
     /// quarantine). Its own answer (one token) is not used; it is read so the connection is
-    /// reused. `sent`: the addresses may have reached a prefiller.
+    /// reused. `sent`: the addresses may have reached a prefiller. With `reserve = "prefiller"`,
+    /// its 507 is a decoder rank without room ([`Prefilled::Busy`]), not the prefiller's failure.
     async fn prefill(
         &self,
         prefills: &[&crate::handoff::shared::Prefiller],
@@ -403,21 +548,28 @@ impl Native {
         body: &Patched<'_>,
         sent: &mut bool,
         retried: &Arc<std::sync::atomic::AtomicU32>,
-    ) -> Result<(), GatewayError> {
+    ) -> Result<Prefilled, GatewayError> {
         let shared = &*self.shared;
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, path, body, sent, false, Retrying { answered: false, retried }).await?;
+        if self.reserve == ReserveBy::Prefiller && resp.status().as_u16() == contract::KV_BUSY_STATUS {
+            // Read so the connection is reused; neither a success nor a failure of the prefiller.
+            let _ = resp.into_body().collect().await;
+            drop(in_flight);
+            return Ok(Prefilled::Busy);
+        }
         let answered = shared.answer("prefill", prefill, resp).await;
         drop(in_flight);
-        answered.map(drop).map_err(GatewayError::from)
+        answered.map(|_| Prefilled::Done).map_err(GatewayError::from)
     }
 
     /// The prefill and the decode at once, for a decoder whose engine waits for the KV itself: the
     /// decode request (with `kv_wait_ms`) goes out with the prefill, and the decoder answers once
     /// its ranks hold the whole KV, with no READY round trip through the gateway and no decode
-    /// request after it. Every guard stays: the pages are reserved first, a failed prefill
-    /// cancels them (which ends the decoder's wait at once), the decoder's wait has the
-    /// gateway's readiness deadline, and the slots go back only when every rank has released.
+    /// request after it. Every guard stays: the pages are reserved first (or by the prefiller, with
+    /// its writes), a failed prefill cancels them (which ends the decoder's wait at once), the
+    /// decoder's wait has the gateway's readiness deadline, and the slots go back only when every
+    /// rank has released.
     #[allow(clippy::too_many_arguments)]
     async fn overlapped(
         &self,
@@ -426,11 +578,11 @@ impl Native {
         req: &GenRequest,
         ids: &RawValue,
         body: Patched<'_>,
-        mut life: Lifecycle,
+        life: &mut Lifecycle,
         timing: &mut Timing,
-        work: Option<crate::routing::Work>,
+        work: &mut Option<crate::routing::Work>,
         retried: &Arc<std::sync::atomic::AtomicU32>,
-    ) -> Result<Response<RespBody>, GatewayError> {
+    ) -> Result<Attempt, GatewayError> {
         let shared = &*self.shared;
         let ready_timeout = shared.limits.ready_timeout;
         // The decoder's own bound, a backstop for a gateway that vanished: the prefill's time and
@@ -445,10 +597,11 @@ impl Native {
             Decoded(Response<hyper::body::Incoming>),
             PrefillFailed(GatewayError),
             DecodeFailed(LegError),
+            /// The prefiller's reservation found no room on a rank.
+            Busy,
             /// The prefill answered and the decoder did not within the readiness deadline.
             Late,
         }
-        let mut work = work;
         let ended = {
             let sent = &mut life.sent;
             let prefill = self.prefill(prefills, path, &body, sent, retried);
@@ -476,7 +629,7 @@ impl Native {
             loop {
                 tokio::select! {
                     r = &mut prefill, if !prefilled => match r {
-                        Ok(()) => {
+                        Ok(Prefilled::Done) => {
                             prefilled = true;
                             // Its pending tokens leave the prefiller's load as it answers.
                             drop(work.take());
@@ -484,6 +637,9 @@ impl Native {
                             timing.mark(Phase::Prefill);
                             timing.enter(Phase::KvReady);
                         }
+                        // The decode request is dropped with this attempt; the cancel that
+                        // follows would end its wait anyway.
+                        Ok(Prefilled::Busy) => break Ended::Busy,
                         Err(e) => break Ended::PrefillFailed(e),
                     },
                     r = &mut decode => match r {
@@ -493,7 +649,7 @@ impl Native {
                                 // answer is due now, and read (within a bound) so its connection
                                 // is reused.
                                 match tokio::time::timeout(PREFILL_AFTER_DECODE, prefill).await {
-                                    Ok(Ok(())) => {}
+                                    Ok(Ok(_)) => {}
                                     Ok(Err(e)) => tracing::warn!(error = %e, "the prefill failed after the decoder took its kv"),
                                     Err(_) => tracing::warn!("the prefill did not answer within {PREFILL_AFTER_DECODE:?} of the decoder taking its kv"),
                                 }
@@ -511,23 +667,23 @@ impl Native {
                 }
             }
         };
-        drop(work);
         match ended {
             Ended::Decoded(resp) => {
+                drop(work.take());
                 life.decoded = true;
-                drop(life);
                 timing.mark(Phase::Decode);
-                Ok(resp.map(boxed))
+                Ok(Attempt::Answered(resp.map(boxed)))
             }
+            Ended::Busy => Ok(Attempt::Busy),
             // A prefill that failed because a rank's lease ran out is that expiry. Dropping the
             // lifecycle cancels the pages, which ends the decoder's wait.
-            Ended::PrefillFailed(e) => Err(self.expired(dec, &mut life).unwrap_or(e)),
+            Ended::PrefillFailed(e) => Err(self.expired(dec, life).unwrap_or(e)),
             Ended::Late => {
                 // Dropping the lifecycle cancels the pages, which ends the decoder's wait.
-                if let Some(expired) = self.expired(dec, &mut life) {
+                if let Some(expired) = self.expired(dec, life) {
                     return Err(expired);
                 }
-                let ready = self.ready_seen(&mut life);
+                let ready = self.ready_seen(life);
                 Err(GatewayError::KvTransfer(KvFailure::RanksLate {
                     missing: self.ranks.rank_count().saturating_sub(ready),
                     within: ready_timeout,
@@ -538,7 +694,7 @@ impl Native {
                 // reported it on the feed (which may come a moment after the decoder's answer).
                 let closed = matches!(e, LegError::Refused { status: 410, .. });
                 let wait = if closed { STATUS_AFTER_ANSWER } else { Duration::ZERO };
-                if let Some(expired) = self.expired_within(dec, &mut life, wait).await {
+                if let Some(expired) = self.expired_within(dec, life, wait).await {
                     return Err(expired);
                 }
                 Err(match e {
@@ -556,7 +712,6 @@ impl Native {
         }
     }
 }
-
 impl Native {
     /// The decoder holds nearly all of the prompt: no reservation, no prefill; the decode request
     /// says `local_prefill`, and the engine computes what it lacks from its own cache. Native slots
@@ -595,6 +750,8 @@ struct Params<'a> {
     local_prefill: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_wait_ms: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reserve: Option<contract::ReserveOrder>,
 }
 
 /// [`Params`] for `key`, its ids (`ids`: a JSON array of them).
@@ -606,6 +763,7 @@ fn params<'a>(key: RequestKey, decoders: &'a [DecoderTarget], ids: &'a RawValue)
         prompt_token_ids: ids,
         local_prefill: false,
         kv_wait_ms: None,
+        reserve: None,
     }
 }
 
@@ -650,6 +808,8 @@ struct Lifecycle {
     slots: Option<SlotGuard>,
     rx: Option<mpsc::UnboundedReceiver<RankEvent>>,
     reserved: bool,
+    /// The prefiller reserves (`reserve = "prefiller"`): a rank may hold nothing of the request.
+    by_prefiller: bool,
     sent: bool,
     /// Set once the decoder took the request: no cancel, only wait for the release.
     decoded: bool,
@@ -661,20 +821,28 @@ impl Drop for Lifecycle {
     fn drop(&mut self) {
         let dec = Arc::clone(&self.ranks);
         let (key, slots, rx) = (self.key, self.slots.take(), self.rx.take());
-        let (reserved, sent, decoded, seen, bound) =
-            (self.reserved, self.sent, self.decoded, self.released, self.release_timeout);
+        let (reserved, by_prefiller, sent, decoded, seen, bound) =
+            (self.reserved, self.by_prefiller, self.sent, self.decoded, self.released, self.release_timeout);
         self.shared.spawn_from_drop(async move {
+            // The ranks whose release is due: every one once the decoder took the KV.
+            let mut holding = dec.rank_count();
             if reserved && !decoded {
-                dec.cancel(key, !sent).await;
+                if by_prefiller {
+                    // Only the ranks the prefiller's Reserve reached hold anything.
+                    holding = dec.cancel_held(key, !sent).await;
+                } else {
+                    dec.cancel(key, !sent).await;
+                    // Never sent: the rank freed the pages before answering the cancel, so
+                    // there is nothing to wait for.
+                    if !sent {
+                        holding = 0;
+                    }
+                }
             }
-            // Never sent: the rank freed the pages before answering the cancel (and a reservation
-            // that was never made sends no release), so there is nothing to wait for.
-            let wait = !(reserved && !decoded && !sent);
-            if let Some(mut rx) = rx.filter(|_| wait) {
-                let ranks = dec.rank_count();
+            if let Some(mut rx) = rx.filter(|_| holding > 0) {
                 let mut released = seen;
                 let deadline = tokio::time::Instant::now() + bound;
-                while released < ranks {
+                while released < holding {
                     match tokio::time::timeout_at(deadline, rx.recv()).await {
                         Ok(Some(RankEvent::Released(_))) => released += 1,
                         Ok(Some(_)) => {}
@@ -712,7 +880,7 @@ mod tests {
         let contract = |p: &BatonParams| serde_json::to_value(p).unwrap_or_else(|e| panic_any(e));
 
         let targets = [target.clone()];
-        let mut want = BatonParams::new(key, vec![target], Some(ids.to_vec()));
+        let mut want = BatonParams::new(key, vec![target.clone()], Some(ids.to_vec()));
         // A field added to the contract breaks this until `Params` writes it too.
         let BatonParams {
             request_id: _,
@@ -721,8 +889,18 @@ mod tests {
             prompt_token_ids: _,
             local_prefill: _,
             kv_wait_ms: _,
+            reserve: _,
         } = &want;
         assert_eq!(written(&params(key, &targets, &raw)), contract(&want));
+
+        // A prefill whose prefiller reserves: its decoders without pages, and the order.
+        let order = contract::ReserveOrder { chunks: 2, lease_ms: 30_000 };
+        let bare = [DecoderTarget { rank: 1, addr: target.addr, chunks: Vec::new() }];
+        let mut own = BatonParams::new(key, bare.to_vec(), Some(ids.to_vec()));
+        own.reserve = Some(order);
+        let mut p = params(key, &bare, &raw);
+        p.reserve = Some(order);
+        assert_eq!(written(&p), contract(&own));
 
         want.decoders.clear();
         want.kv_wait_ms = Some(330_000);

@@ -83,6 +83,9 @@ pub struct Ranks {
     pub chunk_tokens: u32,
     links: RankLinks,
     controls: Vec<tokio::sync::Mutex<Vec<ControlClient>>>,
+    /// Each rank's address as its newest control connection reached it: where a prefiller that
+    /// reserves for itself is sent.
+    peers: Vec<Mutex<SocketAddr>>,
     waiters: Waiters,
     /// Whether each rank's engine waits for a request's KV itself (its last Welcome).
     waits: Arc<Vec<std::sync::atomic::AtomicBool>>,
@@ -186,8 +189,21 @@ impl RankFeed {
 /// A control call.
 #[derive(Clone, Copy)]
 enum Op<'a> {
-    Reserve { key: RequestKey, chunks: u32, lease: Duration, prefixes: &'a [PrefixKey] },
-    Cancel { key: RequestKey, unsent: bool },
+    Reserve {
+        key: RequestKey,
+        chunks: u32,
+        lease: Duration,
+        prefixes: &'a [PrefixKey],
+    },
+    Cancel {
+        key: RequestKey,
+        unsent: bool,
+    },
+    /// A cancel that asks whether the rank held the key.
+    CancelHeld {
+        key: RequestKey,
+        unsent: bool,
+    },
     Info,
 }
 
@@ -195,6 +211,7 @@ enum OpOut {
     /// The rank's address the pages were reserved at, and their write addresses.
     Reserved(SocketAddr, Vec<(u32, PageAddr)>),
     Done,
+    Held(bool),
     Info(baton_dataplane::transport::RankInfo),
 }
 
@@ -219,6 +236,7 @@ impl Ranks {
         let ranks = links.addrs.clone();
         let waiters: Waiters = Arc::default();
         let mut controls = Vec::new();
+        let mut peers = Vec::new();
         let mut feeds = Vec::new();
         let caps: Arc<Vec<AtomicU32>> = Arc::new(ranks.iter().map(|_| AtomicU32::new(0)).collect());
         let waits: Arc<Vec<std::sync::atomic::AtomicBool>> =
@@ -232,6 +250,7 @@ impl Ranks {
             if let Some(w) = waits.get(r) {
                 w.store(c.welcome.decode_waits, Ordering::Relaxed);
             }
+            peers.push(Mutex::new(c.peer));
             controls.push(tokio::sync::Mutex::new(vec![c]));
             feeds.push(links.events(addr, r32).await?);
         }
@@ -252,7 +271,7 @@ impl Ranks {
             };
             routers.spawn(rank.run(feed));
         }
-        Ok(Self { name, chunk_tokens, links, controls, waiters, waits, _routers: routers })
+        Ok(Self { name, chunk_tokens, links, controls, peers, waiters, waits, _routers: routers })
     }
 
     /// A control connection for `rank`, and whether it came from the pool (and so may be stale).
@@ -265,7 +284,11 @@ impl Ranks {
             Some(c) => Ok((c, true)),
             None => {
                 let addr = self.links.addrs.get(rank).ok_or(TransportError::Closed)?;
-                Ok((self.links.control(addr, u32::try_from(rank).unwrap_or(u32::MAX)).await?, false))
+                let c = self.links.control(addr, u32::try_from(rank).unwrap_or(u32::MAX)).await?;
+                if let Some(p) = self.peers.get(rank) {
+                    *p.lock().unwrap_or_else(|e| e.into_inner()) = c.peer;
+                }
+                Ok((c, false))
             }
         }
     }
@@ -291,6 +314,7 @@ impl Ranks {
                     if unsent { c.cancel_unsent(key).await } else { c.cancel(key).await }
                         .map(|()| OpOut::Done)
                 }
+                Op::CancelHeld { key, unsent } => c.cancel_held(key, unsent).await.map(OpOut::Held),
                 Op::Info => c.info().await.map(OpOut::Info),
             };
             match res {
@@ -369,6 +393,31 @@ impl Ranks {
     async fn cancel_ranks(&self, key: RequestKey, unsent: bool, ranks: impl IntoIterator<Item = usize>) {
         futures_util::future::join_all(ranks.into_iter().map(|r| self.call(r, Op::Cancel { key, unsent })))
             .await;
+    }
+
+    /// Cancels on every rank, all at once, and counts the ranks that may hold pages of `key` (a
+    /// release follows from each): those that said they did, and those that could not be asked.
+    pub async fn cancel_held(&self, key: RequestKey, unsent: bool) -> u32 {
+        let answers = futures_util::future::join_all(
+            (0..self.links.addrs.len()).map(|r| self.call(r, Op::CancelHeld { key, unsent })),
+        )
+        .await;
+        let holding = answers.iter().filter(|a| !matches!(a, Ok(OpOut::Held(false)))).count();
+        u32::try_from(holding).unwrap_or(u32::MAX)
+    }
+
+    /// Every rank as a prefiller that reserves for itself is told of it: its rank and address,
+    /// no pages.
+    pub fn targets(&self) -> Vec<baton_dataplane::contract::DecoderTarget> {
+        self.peers
+            .iter()
+            .enumerate()
+            .map(|(r, p)| baton_dataplane::contract::DecoderTarget {
+                rank: u32::try_from(r).unwrap_or(u32::MAX),
+                addr: *p.lock().unwrap_or_else(|e| e.into_inner()),
+                chunks: Vec::new(),
+            })
+            .collect()
     }
 
     /// Routes the events of `key` to the returned receiver until [`DecoderHandle::forget`].
