@@ -11,7 +11,10 @@ each rank's data-plane address (what goes in the gateway's ``dataplane = [...]``
   rank), gathers each chunk out of it and writes it into the decoder ranks' reserved pages named in
   the request's ``baton.decoders`` (over TCP, all of a rank's chunks and its fence in one round
   trip, or the rank's shared-memory export with ``--shared-memory``), fences every rank it was
-  told about, and answers with one token;
+  told about, and answers with one token. When the gateway leaves the reservation to it
+  (``reserve = "prefiller"``: ``baton.reserve`` and no chunk addresses) it reserves on each rank
+  with its first chunks, in the same round trip, and answers 507 ``kv_busy`` when a rank has no
+  room;
 - decode: one data-plane server per rank (``RankServer``); for a request it takes each rank's
   reservation, consumes it (scattering every chunk into its HND paged cache), checks every byte
   against the model, and generates. Its ranks tell the gateway it waits for the KV itself
@@ -203,9 +206,16 @@ class Engine:
         except (EngineError, bd.DataPlaneError):
             pass
 
-    def prefill(self, rid, epoch, ids, targets):
+    def prefill(self, rid, epoch, ids, targets, reserve=None):
         ct = self.g.chunk_tokens
         chunks_needed = -(-len(ids) // ct)
+        if reserve is not None:
+            # The gateway left the reservation to this prefiller (``reserve = "prefiller"``).
+            if (not isinstance(reserve, dict) or reserve.get("chunks") != chunks_needed
+                    or not isinstance(reserve.get("lease_ms"), int) or reserve["lease_ms"] <= 0):
+                raise bad(f"baton.reserve must be {{chunks: {chunks_needed}, lease_ms: > 0}} for this prompt")
+            if any(t.get("chunks") for t in targets if isinstance(t, dict)):
+                raise bad("baton.decoders with chunk addresses and baton.reserve: one or the other")
         for t in targets:
             if not isinstance(t, dict) or not isinstance(t.get("rank"), int) or not isinstance(t.get("addr"), str):
                 raise bad("baton.decoders: each needs rank and addr")
@@ -226,7 +236,7 @@ class Engine:
                 held.append(blocks)
                 self.compute_kv(r, blocks, hashes)
             for t in targets:
-                self.send_rank(rid, epoch, t, held[t["rank"]], len(ids))
+                self.send_rank(rid, epoch, t, held[t["rank"]], len(ids), reserve)
                 fenced += 1
         finally:
             # Whatever happened, the decoders learn that nothing more will come for this request
@@ -236,13 +246,18 @@ class Engine:
             for r, blocks in enumerate(held):
                 self.ranks[r].pool.release(blocks)
 
-    def send_rank(self, rid, epoch, t, blocks, tokens):
+    def send_rank(self, rid, epoch, t, blocks, tokens, reserve=None):
         """Writes the request's chunks to one decoder rank and fences it with the last of them
         (``Producer.write_chunks``: one round trip per ``WRITE_BATCH`` chunks, not one each). At
-        most a batch of gathered pages is held at once, whatever the prompt's length."""
+        most a batch of gathered pages is held at once, whatever the prompt's length. With
+        ``reserve`` this prefiller reserves the pages itself, the Reserve leaving with the first
+        batch and every chunk written to the page the reservation holds for it."""
         rank, addr = t["rank"], t["addr"]
         ct = self.g.chunk_tokens
-        addrs = t.get("chunks", [])
+        if reserve is None:
+            addrs = t.get("chunks", [])
+        else:
+            addrs = [(chunk, None, None) for chunk in range(reserve["chunks"])]
         p = self.producer(addr, rank)
         try:
             for at in range(0, max(len(addrs), 1), WRITE_BATCH):
@@ -251,7 +266,11 @@ class Engine:
                     first = chunk * ct
                     count = max(0, min(ct, tokens - first))
                     batch.append((chunk, page, generation, self.ranks[rank].cache.gather(self.g, blocks, first, count)))
-                p.write_chunks(rid, batch, epoch=epoch, fence=at + WRITE_BATCH >= len(addrs))
+                order = (reserve["chunks"], reserve["lease_ms"]) if reserve is not None and at == 0 else None
+                p.write_chunks(rid, batch, epoch=epoch, fence=at + WRITE_BATCH >= len(addrs), reserve=order)
+        except bd.ReserveError as e:
+            # The contract's answer for a rank without room: the gateway retries later.
+            raise EngineError(507, "kv_busy", f"reserving on decoder rank {rank}: {e}") from e
         except bd.DataPlaneError as e:
             raise EngineError(502, "kv_transfer_failed", f"writing to decoder rank {rank}: {e}") from e
         with self.lock:
@@ -363,7 +382,7 @@ class Engine:
                 raise bad("baton.request_id must be up to 32 hex digits") from None
             epoch = int(baton.get("epoch", 0))
             if self.role == "prefill" and baton.get("decoders"):
-                self.prefill(rid, epoch, ids, baton["decoders"])
+                self.prefill(rid, epoch, ids, baton["decoders"], baton.get("reserve"))
                 # Like a vLLM prefiller in a PD pair: the prompt is processed, one token comes back.
                 n = 1
             elif self.role == "decode" and baton.get("local_prefill"):

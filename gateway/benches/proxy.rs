@@ -30,6 +30,8 @@
 //! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
 //! wherever baton is.
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
+//! `native` pools say `reserve = "prefiller"` (the prefillers reserve the pages with their writes)
+//! unless `BATON_PROXY_BENCH_RESERVE=gateway`.
 //! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
 //! empty unless `BATON_REQUIRE_NGINX=1`.
 
@@ -285,6 +287,10 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
                 .map(|r| format!("{:?}", r["addr"].as_str().unwrap()))
                 .collect();
             decode_table.push_str(&format!("dataplane = [{}]\n", ranks.join(", ")));
+            // `BATON_PROXY_BENCH_RESERVE=gateway`: the gateway reserves the pages before the
+            // prefill; by default the simulated prefillers reserve them with their writes.
+            let by = std::env::var("BATON_PROXY_BENCH_RESERVE").unwrap_or_else(|_| "prefiller".into());
+            decode_table.push_str(&format!("reserve = {by:?}\n"));
         }
         "lmcache" => {
             // Each rank of the decoder's PD backend: its ports and its capacity in chunks.

@@ -1813,8 +1813,7 @@ async fn every_mode_records_every_phase_it_passes_through() {
     ];
     for (handoff, gateway_reserves, mut phases) in modes {
         phases.extend([Phase::Route, Phase::Total, Phase::Stream]);
-        let mut gateway = baton_gateway::demo::GatewaySetup::default();
-        gateway.gateway_reserves = gateway_reserves;
+        let gateway = baton_gateway::demo::GatewaySetup { gateway_reserves, ..Default::default() };
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,

@@ -69,8 +69,16 @@ fn parse_addr(address: &str) -> PyResult<SocketAddr> {
 
 /// A transport error as Python sees it: a refused write is a `WriteError`, a refused reservation a
 /// `ReserveError`, anything else (closed, timed out, a bad peer) a `TransportError`.
+/// One chunk `write_chunks` is given: `(chunk, page, generation, data)`, the page and generation
+/// `None` when the producer reserves for itself.
+type ChunkToWrite = (u32, Option<u32>, Option<u32>, Vec<u8>);
+
 fn transport(e: DpTransportError, refused: fn(String) -> PyErr) -> PyErr {
     match e {
+        // No room is only ever a reservation's refusal (a producer's own, with its chunks).
+        DpTransportError::Refused { code: dp::wire::RefusalCode::Busy, .. } => {
+            ReserveError::new_err(e.to_string())
+        }
         DpTransportError::Refused { .. } => refused(e.to_string()),
         e => TransportError::new_err(e.to_string()),
     }
@@ -480,24 +488,45 @@ impl Producer {
     /// A refusal of any chunk is a `WriteError` and closes the connection (its answers are then
     /// out of step); any chunk but the refused one may be in. The connection's `timeout_ms`
     /// applies per chunk, as for `write_chunk`. Through shared memory each chunk still waits.
-    #[pyo3(signature = (request_id, chunks, *, epoch = 0, fence = false))]
+    ///
+    /// `reserve=(chunks, lease_ms)`: this prefiller reserves the request's pages itself (the
+    /// gateway's `reserve = "prefiller"`, the contract's `baton.reserve`), the Reserve leaving
+    /// with the chunks, whose `page` and `generation` are then `None` (each written to the page
+    /// the reservation holds for it). A rank without room is a `ReserveError` (answer the request
+    /// with HTTP 507), a key the gateway already cancelled a `WriteError`.
+    #[pyo3(signature = (request_id, chunks, *, epoch = 0, fence = false, reserve = None))]
     fn write_chunks(
         &self,
         py: Python<'_>,
         request_id: u128,
-        chunks: Vec<(u32, u32, u32, Vec<u8>)>,
+        chunks: Vec<ChunkToWrite>,
         epoch: u32,
         fence: bool,
+        reserve: Option<(u32, u64)>,
     ) -> PyResult<u32> {
         let k = key(request_id, epoch);
+        // A page named, or none: only with a reservation of its own.
+        let addr = |page: Option<u32>, generation: Option<u32>| match (page, generation, reserve) {
+            (Some(page), Some(generation), None) => Ok(PageAddr { page, generation }),
+            (None, None, Some(_)) => Ok(PageAddr::BY_CHUNK),
+            _ => Err(PyValueError::new_err(
+                "each chunk names its page and generation, or (with reserve=) neither",
+            )),
+        };
+        let pages = chunks
+            .iter()
+            .map(|(chunk, page, generation, _)| addr(*page, *generation).map(|a| (*chunk, a)))
+            .collect::<PyResult<Vec<_>>>()?;
         let limit = self.timeout.saturating_mul(u32::try_from(chunks.len().max(1)).unwrap_or(u32::MAX));
         call_keeping(py, &self.inner, limit, WriteError::new_err, false, move |mut c| async move {
+            if let Some((n, lease_ms)) = reserve {
+                c.queue_reserve(k, n, Duration::from_millis(lease_ms));
+            }
             // Small chunks share writes, the fence with them.
-            let pages: Vec<(u32, PageAddr, &[u8])> = chunks
+            let pages: Vec<(u32, PageAddr, &[u8])> = pages
                 .iter()
-                .map(|(chunk, page, generation, data)| {
-                    (*chunk, PageAddr { page: *page, generation: *generation }, data.as_slice())
-                })
+                .zip(&chunks)
+                .map(|(&(chunk, a), (.., data))| (chunk, a, data.as_slice()))
                 .collect();
             let r = c.write_chunks(k, &pages, fence).await;
             drop(pages);

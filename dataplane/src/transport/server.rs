@@ -19,7 +19,7 @@ use crate::buffer::{
     BeginWrite, NotReady, PageWriter, RankBuffer, Ready, Reservation, ReserveRequest, WriteOutcome,
 };
 use crate::device::Device;
-use crate::events::{EventSink, RankEvent, TerminalState};
+use crate::events::{EventSink, RankEvent, ReleaseReason, TerminalState};
 use crate::ids::{Rank, RequestKey};
 use crate::table::{LeaseError, ReserveError, WriteError};
 use crate::wire::{ChunkHead, Frame, Hello, PROTOCOL_VERSION, RefusalCode, Role};
@@ -123,19 +123,22 @@ pub enum WaitError {
     TimedOut(RequestKey, Duration),
 }
 
-/// How long a cancel that found no reservation is remembered.
+/// How long a key that ended (or was cancelled before it was reserved) is remembered.
 const TOMBSTONE_TTL: Duration = Duration::from_secs(300);
-/// Most cancels remembered at once (the oldest go first).
+/// Most keys remembered at once (the oldest go first).
 const MAX_TOMBSTONES: usize = 1 << 16;
 
-/// Keys cancelled before their reservation existed. A client that gives up while its Reserve is in
+/// Keys cancelled before their reservation existed, and reservations that ended without being
+/// taken (cancelled, expired, failed), with how. A client that gives up while its Reserve is in
 /// flight cancels on another connection, and that cancel can arrive first; the Reserve that follows
-/// is refused instead of holding pages until its lease ends. Keys are never reused, so remembering
-/// one is always safe; the memory is bounded in time and size.
+/// is refused instead of holding pages until its lease ends. A decode request that comes after its
+/// reservation ended (or was cancelled before it came) learns at once, instead of waiting for one
+/// that will never come. Keys are never reused, so remembering one is always safe; the memory is
+/// bounded in time and size.
 #[derive(Debug, Default)]
 struct Tombstones {
     order: std::collections::VecDeque<(std::time::Instant, RequestKey)>,
-    keys: rustc_hash::FxHashSet<RequestKey>,
+    keys: FxHashMap<RequestKey, TerminalState>,
 }
 
 impl Tombstones {
@@ -149,17 +152,18 @@ impl Tombstones {
         }
     }
 
-    fn add(&mut self, key: RequestKey) {
+    fn add(&mut self, key: RequestKey, how: TerminalState) {
         let now = std::time::Instant::now();
-        if self.keys.insert(key) {
+        if self.keys.insert(key, how).is_none() {
             self.order.push_back((now, key));
         }
         self.expire(now);
     }
 
-    fn contains(&mut self, key: &RequestKey) -> bool {
+    /// How `key` ended, if it is remembered.
+    fn get(&mut self, key: &RequestKey) -> Option<TerminalState> {
         self.expire(std::time::Instant::now());
-        self.keys.contains(key)
+        self.keys.get(key).copied()
     }
 }
 
@@ -307,8 +311,12 @@ impl<D: Device> RankServer<D> {
                         }
                         _ => {}
                     }
-                    if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-                        return Err(WaitError::Closed(key, LeaseError::Closed(TerminalState::Cancelled)));
+                    match self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+                        Some(TerminalState::Expired) => {
+                            return Err(WaitError::Closed(key, LeaseError::Expired));
+                        }
+                        Some(state) => return Err(WaitError::Closed(key, LeaseError::Closed(state))),
+                        None => {}
                     }
                     if seen {
                         return Err(WaitError::NotReserved(key));
@@ -486,10 +494,21 @@ impl<D: Device> RankServer<D> {
                     // after that still knows.
                     self.ended(s.key(), s.state);
                     if s.state != TerminalState::Ready {
+                        // Remembered, so a decode request that comes later is told at once.
+                        self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).add(s.key(), s.state);
                         self.forget_if_closed(s.key());
                     }
                 }
-                Ok(RankEvent::Released(r)) => self.forget_if_closed(r.key),
+                Ok(RankEvent::Released(r)) => {
+                    // A ready reservation's lease that ran out says so only here.
+                    if r.reason == ReleaseReason::Expired {
+                        self.cancelled
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .add(r.key, TerminalState::Expired);
+                    }
+                    self.forget_if_closed(r.key);
+                }
                 Err(broadcast::error::RecvError::Lagged(_)) => {
                     // Missed some: sweep everything once.
                     let keys: Vec<RequestKey> =
@@ -583,8 +602,14 @@ impl<D: Device> RankServer<D> {
     ) -> Frame {
         let lease = self.buf.now() + Duration::from_millis(u64::from(lease_ms));
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
-            return refusal(key, RefusalCode::Closed, 0, 0, format!("{key} was cancelled"));
+        if let Some(how) = self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return refusal(
+                key,
+                RefusalCode::Closed,
+                0,
+                0,
+                format!("{key} already ended ({})", how.as_str()),
+            );
         }
         match self.buf.reserve(ReserveRequest { key, chunks, prefixes, lease }) {
             Ok(mut r) => {
@@ -633,18 +658,21 @@ impl<D: Device> RankServer<D> {
                     let r = {
                         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
                         let r = held.remove(&key);
-                        if r.is_none() {
-                            self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).add(key);
-                        }
+                        // Remembered whether held or not: a Reserve that comes later is refused,
+                        // and a decode request that comes later is told at once (a reservation
+                        // cancelled once ready says nothing more on the feed but its release).
+                        self.cancelled
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .add(key, TerminalState::Cancelled);
                         r
                     };
                     let was_held = r.is_some();
                     drop(r);
-                    if !was_held {
-                        // A decode request waiting for a reservation still on its way (a producer
-                        // reserving for itself) learns at once that none will come.
-                        self.ended(key, TerminalState::Cancelled);
-                    }
+                    // A decode request waiting learns at once: for a reservation still on its way
+                    // (a producer reserving for itself), or one already ready (whose cancel says
+                    // nothing more on the feed but its release).
+                    self.ended(key, TerminalState::Cancelled);
                     if unsent {
                         // No producer ever had the addresses: nothing to wait for.
                         self.buf.fence(key);

@@ -543,6 +543,44 @@ async fn take_ready_waits_for_the_last_chunk_and_no_longer_than_the_request_live
     ctl.reserve(k, 2, Duration::from_millis(150), &[]).await.unwrap();
     let out = srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key());
     assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Expired)));
+
+    // Ended before the wait began (a decode request that came late): said at once, not waited
+    // for until the deadline as a reservation still on its way would be.
+    let t = std::time::Instant::now();
+    let out = srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key());
+    assert_eq!(out, Err(WaitError::Closed(k, baton_dataplane::LeaseError::Expired)));
+    let k = key(55);
+    ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    ctl.cancel(k).await.unwrap();
+    let cancelled = baton_dataplane::LeaseError::Closed(TerminalState::Cancelled);
+    let out = tokio::time::timeout(WAIT, async {
+        loop {
+            // The cancel's status reaches the server's own bookkeeping a moment after its answer.
+            match srv.take_ready(k, Duration::from_millis(20)).await.map(|r| r.key()) {
+                Err(WaitError::TimedOut(..)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(out, Err(WaitError::Closed(k, cancelled)));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // Ready, then cancelled (its client left) before the decode request came: a ready
+    // reservation's cancel says nothing more on the feed but its release, and the late wait still
+    // ends at once (a decoder with several ranks takes them in turn, so it can come late to one).
+    let k = key(56);
+    let addrs = ctl.reserve(k, 2, Duration::from_secs(30), &[]).await.unwrap();
+    for (c, a) in &addrs {
+        prod.send_chunk(k, *c, *a, &vec![5; page]).await.unwrap();
+    }
+    prod.finish(Some(k)).await.unwrap();
+    ctl.cancel(k).await.unwrap();
+    let t = std::time::Instant::now();
+    let out = srv.take_ready(k, Duration::from_secs(30)).await.map(|r| r.key());
+    assert_eq!(out, Err(WaitError::Closed(k, cancelled)));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }
 
 /// A producer that reserves for itself: the Reserve and its chunks, named by chunk, leave in one

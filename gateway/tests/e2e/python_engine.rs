@@ -118,9 +118,21 @@ fn serve_with(
     ranks: &[String],
     extra: &str,
 ) -> (Proc, SocketAddr, SocketAddr) {
+    serve_file(dir, prefill, decode, ranks, "", extra)
+}
+
+/// [`serve_with`], with `decode_extra` in the `[[decode]]` table.
+fn serve_file(
+    dir: &std::path::Path,
+    prefill: SocketAddr,
+    decode: SocketAddr,
+    ranks: &[String],
+    decode_extra: &str,
+    extra: &str,
+) -> (Proc, SocketAddr, SocketAddr) {
     let ranks: Vec<String> = ranks.iter().map(|r| format!("{r:?}")).collect();
     let text = format!(
-        "{SERVE_HEAD}\n[[prefill]]\nname = \"p\"\nurl = \"http://{prefill}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{decode}\"\ndataplane = [{}]\n\n[admission]\nmax_queue = 1000\n{extra}",
+        "{SERVE_HEAD}\n[[prefill]]\nname = \"p\"\nurl = \"http://{prefill}\"\n\n[[decode]]\nname = \"d\"\nurl = \"http://{decode}\"\ndataplane = [{}]\n{decode_extra}\n\n[admission]\nmax_queue = 1000\n{extra}",
         ranks.join(", ")
     );
     std::fs::create_dir_all(dir).unwrap();
@@ -402,5 +414,62 @@ async fn a_python_prefiller_out_of_cache_blocks_refuses_and_holds_nothing() {
     let (status, answer) = http(public, "/v1/completions", Some(&body)).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
     assert_engine_clean(py_prefill.addr()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `reserve = "prefiller"` in front of Python engines, two gateway replicas sharing one decoder of
+/// 16 pages a rank: the Python prefiller reserves each request's pages with its first chunks; a
+/// rank without room (the other replica holds pages) is its 507, which the gateway retries as a
+/// new epoch. Every request gets the model's text, the refusals were all retried, and nothing is
+/// held anywhere after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_prefillers_reserve_for_themselves_and_a_full_rank_is_retried() {
+    let Some(py) = python() else { return };
+    let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "16"]);
+    let prefill = PyEngine::start(&py, &["--role", "prefill"]);
+    let dir = std::env::temp_dir().join(format!("baton-pyengine-reserve-{}", std::process::id()));
+    let replica = |name: &str| {
+        serve_file(
+            &dir.join(name),
+            prefill.addr(),
+            decode.addr(),
+            &decode.ranks(),
+            "reserve = \"prefiller\"",
+            "",
+        )
+    };
+    let (_ga, a, admin_a) = replica("a");
+    let (_gb, b, admin_b) = replica("b");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..60usize {
+        let addr = if i % 2 == 0 { a } else { b };
+        let pages = 1 + (i * 7) % 12;
+        tasks.spawn(async move {
+            let text = super::prompt(pages * 16 - 1, i);
+            let ids: Vec<u32> = text.bytes().map(u32::from).collect();
+            let body = serde_json::json!({"prompt": text, "max_tokens": 3});
+            let (s, answer) = http(addr, "/v1/completions", Some(&body)).await;
+            assert_eq!(s, 200, "{}", String::from_utf8_lossy(&answer));
+            assert_eq!(super::answer_text(&answer, false, false).0, baton_sim::kv::output_text(&ids, 3));
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    let (mut refused, mut retried, mut reserved_by_gateway) = (0.0, 0.0, 0.0);
+    for admin in [admin_a, admin_b] {
+        let (_, m) = http(admin, "/metrics", None).await;
+        let m = String::from_utf8_lossy(&m);
+        refused += super::sample_or_zero(&m, "baton_reservation_refusals_total{decoder=\"d\"} ");
+        retried += super::sample_or_zero(&m, "baton_reservation_retries_total{decoder=\"d\"} ");
+        reserved_by_gateway += super::sample_or_zero(&m, "baton_phase_seconds_count{phase=\"reserve\"} ");
+    }
+    assert!(refused > 0.0, "no rank was ever full: the test did not over-commit the replicas");
+    assert_eq!(retried, refused, "every refusal was retried");
+    assert_eq!(reserved_by_gateway, 0.0, "the gateways reserved nothing themselves");
+    assert_clean_at(admin_a).await;
+    assert_clean_at(admin_b).await;
+    assert_engine_clean(decode.addr()).await;
+    assert_engine_clean(prefill.addr()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -185,7 +185,13 @@ class Producer:
         self, request_id: int, chunk: int, page: int, generation: int, data: bytes, *, epoch: int = 0
     ) -> bool: ...
     def write_chunks(
-        self, request_id: int, chunks: Sequence[tuple[int, int, int, bytes]], *, epoch: int = 0, fence: bool = False
+        self,
+        request_id: int,
+        chunks: Sequence[tuple[int, Optional[int], Optional[int], bytes]],
+        *,
+        epoch: int = 0,
+        fence: bool = False,
+        reserve: Optional[tuple[int, int]] = None,
     ) -> int: ...
     def fence(self, request_id: int, *, epoch: int = 0) -> None: ...
     def close(self) -> None: ...
