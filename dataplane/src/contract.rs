@@ -154,7 +154,8 @@ pub struct BatonParams {
     /// (whose `chunks` are then empty) on the connection that writes them
     /// (`ProducerClient::queue_reserve`), and write each chunk by chunk (`PageAddr::BY_CHUNK`).
     /// A rank that refuses for room (`Busy`) is answered with HTTP [`KV_BUSY_STATUS`], so the
-    /// gateway retries the request later instead of failing it.
+    /// gateway retries the request later instead of failing it, after fencing every rank (the
+    /// pages the other ranks reserved are quarantined until then, outside the gateway's count).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve: Option<ReserveOrder>,
 }

@@ -510,6 +510,63 @@ async fn two_replicas_share_one_decoder_when_the_gateways_reserve() {
     two_replicas(true).await;
 }
 
+/// A decoder whose every page another replica holds past the queue timeout: the prefiller's
+/// reservation is refused on each try (its 507), the gateway retries until `queue_timeout_ms` and
+/// then answers 503 naming the decoder, counts the last refusal as not retried, and holds nothing:
+/// once the pages are free it serves again and ends clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefiller_reservation_refused_past_the_queue_timeout_is_503_and_holds_nothing() {
+    use baton_dataplane::transport::ControlClient;
+    use baton_gateway::demo::GatewaySetup;
+    use baton_gateway::handoff::shared::Limits;
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        pages: 8,
+        gateway: GatewaySetup {
+            limits: Limits { queue_timeout: Duration::from_millis(300), ..Limits::default() },
+            ..GatewaySetup::default()
+        },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
+    // Another replica's reservation of every page, on both ranks.
+    let (_, stats) = http(d.decode_addrs()[0], "/sim/stats", None).await;
+    let stats: Value = serde_json::from_slice(&stats).unwrap();
+    let g = baton_sim::tiny_geometry(2).unwrap();
+    let other = baton_dataplane::RequestKey::new(baton_dataplane::ids::RequestId(0xfeed), 0);
+    let mut controls = Vec::new();
+    for (r, rank) in stats["ranks"].as_array().unwrap().iter().enumerate() {
+        let addr: SocketAddr = rank["addr"].as_str().unwrap().parse().unwrap();
+        let mut c = ControlClient::connect(addr, g.fingerprint(), r as u32).await.unwrap();
+        c.reserve(other, 8, Duration::from_secs(60), &[]).await.unwrap();
+        controls.push(c);
+    }
+    let started = Instant::now();
+    let (s, b) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 5), "max_tokens": 2}))).await;
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(s, 503, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("decode-0"), "{v}");
+    assert!(started.elapsed() >= Duration::from_millis(300), "{:?}", started.elapsed());
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    let m = String::from_utf8_lossy(&m);
+    let refused = sample_or_zero(&m, "baton_reservation_refusals_total{decoder=\"decode-0\"} ");
+    let retried = sample_or_zero(&m, "baton_reservation_retries_total{decoder=\"decode-0\"} ");
+    assert!(refused >= 2.0, "{m}");
+    assert_eq!(retried, refused - 1.0, "the last refusal was not retried: {m}");
+    // Nothing of the request is held: the other replica's pages come back, and the gateway serves.
+    for c in &mut controls {
+        c.cancel_unsent(other).await.unwrap();
+    }
+    let (s, b) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 5), "max_tokens": 2}))).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    assert_clean(&d).await;
+    d.shutdown().await;
+}
+
 async fn two_replicas(gateway_reserves: bool) {
     use baton_gateway::demo::{GatewaySetup, start_engines, start_gateway};
     let c = DemoConfig { tp: 2, pages: 24, ..DemoConfig::default() };

@@ -67,12 +67,13 @@ fn parse_addr(address: &str) -> PyResult<SocketAddr> {
     address.parse().map_err(|_| PyValueError::new_err(format!("not an IP:port address: {address:?}")))
 }
 
-/// A transport error as Python sees it: a refused write is a `WriteError`, a refused reservation a
-/// `ReserveError`, anything else (closed, timed out, a bad peer) a `TransportError`.
 /// One chunk `write_chunks` is given: `(chunk, page, generation, data)`, the page and generation
 /// `None` when the producer reserves for itself.
 type ChunkToWrite = (u32, Option<u32>, Option<u32>, Vec<u8>);
 
+/// A transport error as Python sees it: a refused write is a `WriteError`, a refused reservation a
+/// `ReserveError` (a rank without room, whatever the call), anything else (closed, timed out, a bad
+/// peer) a `TransportError`.
 fn transport(e: DpTransportError, refused: fn(String) -> PyErr) -> PyErr {
     match e {
         // No room is only ever a reservation's refusal (a producer's own, with its chunks).

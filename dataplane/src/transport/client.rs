@@ -179,11 +179,6 @@ impl ControlClient {
 /// while the producer is still writing.
 pub const PIPELINE_WINDOW: usize = 16;
 
-/// A prefiller rank's connection to one decoder rank: writes chunks, fences.
-///
-/// Chunks may be pipelined ([`ProducerClient::send_chunk`], then [`ProducerClient::finish`]): the
-/// rank answers each in order, and a request's chunks and its fence cost one round trip instead of
-/// one each.
 /// A frame sent on a producer connection whose answer is still to be read.
 #[derive(Clone, Copy, Debug)]
 enum Pending {
@@ -191,6 +186,12 @@ enum Pending {
     Reserve(RequestKey),
 }
 
+/// A prefiller rank's connection to one decoder rank: writes chunks, fences, and reserves when the
+/// prefiller reserves for itself ([`ProducerClient::queue_reserve`]).
+///
+/// Chunks may be pipelined ([`ProducerClient::send_chunk`], then [`ProducerClient::finish`]): the
+/// rank answers each in order, and a request's chunks and its fence cost one round trip instead of
+/// one each.
 #[derive(Debug)]
 pub struct ProducerClient {
     io: FrameIo<BoxConn>,
@@ -385,9 +386,11 @@ impl ProducerClient {
     /// producer that reserves for itself instead of being given the addresses: the Reserve
     /// leaves with the chunks queued after it, which name their page by chunk
     /// ([`PageAddr::BY_CHUNK`]), so reserving and writing take one round trip. Its answer is read
-    /// with theirs; a refusal (`Busy`: no room now; `Closed`: the key was cancelled) is the error
-    /// of the call that reads it ([`ProducerClient::finish`] or a later `queue_chunk`), after
-    /// which the connection is not used again (the chunks behind it are refused too).
+    /// with theirs; a refusal (`Busy`: no room now; `Closed`: the key was cancelled, or fenced
+    /// before its Reserve came) is the error of the call that reads it ([`ProducerClient::finish`]
+    /// or a later `queue_chunk`), after which the connection is not used again. The chunks behind
+    /// a refused Reserve find no reservation and are refused too, except after `Duplicate` (the
+    /// key is already reserved here), where they are written into that reservation.
     pub fn queue_reserve(&mut self, key: RequestKey, chunks: u32, lease: Duration) {
         let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
         self.io.queue(&Frame::Reserve { key, chunks, lease_ms, prefixes: Vec::new() });

@@ -744,7 +744,23 @@ impl<D: Device> RankServer<D> {
                 }
                 Incoming::Frame(Frame::Fence { key }) => {
                     current = None;
-                    self.buf.fence(key);
+                    let known = {
+                        let _held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                        let known = self.buf.fence(key);
+                        if !known {
+                            // A producer that gave up before its Reserve came here (it fences on
+                            // another connection, which may overtake the Reserve): the Reserve
+                            // that follows is refused, not held until its lease ends.
+                            self.cancelled
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .add(key, TerminalState::Cancelled);
+                        }
+                        known
+                    };
+                    if !known {
+                        self.ended(key, TerminalState::Cancelled);
+                    }
                     io.write(&Frame::Done { key }).await?;
                 }
                 Incoming::Frame(other) => {

@@ -348,6 +348,28 @@ async fn same_host_producer_writes_through_shared_memory() {
     }
     drop(c);
     assert_eq!(srv.buffer().stats().pages.free, 8);
+
+    // A producer that reserves for itself through the export: the grants name chunks, and land in
+    // the reservation's own pages (the offset the rank resolved). Another reservation holding the
+    // first pages makes the new one's pages differ from its chunk numbers.
+    ctl.reserve(key(2), 2, Duration::from_secs(30), &[]).await.unwrap();
+    let k = key(3);
+    prod.queue_reserve(k, 3, Duration::from_secs(30));
+    for chunk in 0..3 {
+        let bytes = content(u64::from(chunk) + 10, 0, page);
+        prod.queue_chunk(k, chunk, PageAddr::BY_CHUNK, &bytes).await.unwrap();
+    }
+    assert_eq!(prod.finish(Some(k)).await.unwrap(), 0);
+    let Ok(ready) = srv.take(k).unwrap().try_ready() else { panic!("not ready") };
+    let c = ready.consume().unwrap();
+    for chunk in 0..3 {
+        let mut got = vec![0; page];
+        c.read_chunk(chunk, &mut got).unwrap();
+        assert_eq!(got, content(u64::from(chunk) + 10, 0, page), "chunk {chunk}");
+    }
+    drop(c);
+    ctl.cancel_unsent(key(2)).await.unwrap();
+    assert_eq!(srv.buffer().stats().pages.free, 8);
     srv.buffer().check_invariants().unwrap();
     h.shutdown().await;
     drop(srv);
@@ -664,5 +686,16 @@ async fn a_producer_reservation_refused_or_cancelled_first_holds_nothing() {
 
     // A held key: said so, and its pages come back.
     assert!(ctl.cancel_held(key(70), true).await.unwrap());
+    assert_eq!(ctl.info().await.unwrap().pages_free, 4);
+
+    // A producer that gave up fences on another connection, which may overtake its Reserve: the
+    // Reserve that comes after the fence is refused, and holds nothing.
+    let k = key(73);
+    ProducerClient::connect(h.addr, fp(), 0).await.unwrap().fence(k).await.unwrap();
+    let mut prod = ProducerClient::connect(h.addr, fp(), 0).await.unwrap();
+    prod.queue_reserve(k, 1, Duration::from_secs(30));
+    prod.queue_chunk(k, 0, PageAddr::BY_CHUNK, &vec![1; page]).await.unwrap();
+    let err = prod.finish(None).await.unwrap_err();
+    assert!(matches!(err, TransportError::Refused { code: RefusalCode::Closed, .. }), "{err}");
     assert_eq!(ctl.info().await.unwrap().pages_free, 4);
 }

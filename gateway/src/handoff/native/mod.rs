@@ -305,11 +305,14 @@ impl Native {
                     state: s.state.as_str(),
                 }))
             }
-            RankEvent::Released(_) => {
-                life.released += 1;
+            RankEvent::Released(r) => {
+                life.seen.released(r.rank);
                 None
             }
-            RankEvent::Status(_) => None,
+            RankEvent::Status(s) => {
+                life.seen.reported(s.rank);
+                None
+            }
         }
     }
 
@@ -319,11 +322,13 @@ impl Native {
         let mut ready = 0;
         while let Some(event) = life.rx.as_mut().and_then(|rx| rx.try_recv().ok()) {
             match event {
-                RankEvent::Status(s) if s.state == baton_dataplane::events::TerminalState::Ready => {
-                    ready += 1
+                RankEvent::Status(s) => {
+                    life.seen.reported(s.rank);
+                    if s.state == baton_dataplane::events::TerminalState::Ready {
+                        ready += 1;
+                    }
                 }
-                RankEvent::Released(_) => life.released += 1,
-                RankEvent::Status(_) => {}
+                RankEvent::Released(r) => life.seen.released(r.rank),
             }
         }
         ready
@@ -341,11 +346,14 @@ impl Native {
             };
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, rx.recv()).await {
-                Ok(Some(RankEvent::Status(s))) => match agg.observe(&s, Instant::now()) {
-                    Ok(Progress::Done(o)) => break o,
-                    Ok(Progress::Pending { .. }) | Err(_) => {}
-                },
-                Ok(Some(RankEvent::Released(_))) => life.released += 1,
+                Ok(Some(RankEvent::Status(s))) => {
+                    life.seen.reported(s.rank);
+                    match agg.observe(&s, Instant::now()) {
+                        Ok(Progress::Done(o)) => break o,
+                        Ok(Progress::Pending { .. }) | Err(_) => {}
+                    }
+                }
+                Ok(Some(RankEvent::Released(r))) => life.seen.released(r.rank),
                 Ok(None) => return Err(GatewayError::KvTransfer(KvFailure::FeedClosed)),
                 Err(_) => break agg.poll(Instant::now()).unwrap_or(Outcome::TimedOut { missing: 0 }),
             }
@@ -383,7 +391,7 @@ impl Native {
             by_prefiller,
             sent: false,
             decoded: false,
-            released: 0,
+            seen: Seen::new(self.ranks.rank_count()),
             release_timeout: shared.limits.release_timeout,
         };
         let ids = raw_json(&ids)?;
@@ -478,7 +486,7 @@ impl Native {
                     self.ranks.cancel_held(life.key, false).await;
                     self.ranks.forget(life.key);
                     life.key = RequestKey::new(life.key.request, life.key.epoch.wrapping_add(1));
-                    (life.sent, life.released) = (false, 0);
+                    (life.sent, life.seen) = (false, Seen::new(self.ranks.rank_count()));
                     backoff.wait().await;
                 }
                 Ok(Attempt::Answered(resp)) => break Ok(resp),
@@ -661,6 +669,17 @@ impl Native {
                             timing.enter(Phase::Decode);
                             break Ended::Decoded(resp);
                         }
+                        // The decoder's word that the KV will not come, before the prefill's
+                        // answer: that answer says why (a rank without room for the prefiller's
+                        // reservation, whose fence ended the decoder's wait; a failed transfer),
+                        // so it is read first, within a bound.
+                        Err(e @ LegError::Refused { status: 409 | 410 | 504, .. }) if !prefilled => {
+                            match tokio::time::timeout(PREFILL_AFTER_DECODE, &mut prefill).await {
+                                Ok(Ok(Prefilled::Busy)) => break Ended::Busy,
+                                Ok(Err(pe)) => break Ended::PrefillFailed(pe),
+                                Ok(Ok(Prefilled::Done)) | Err(_) => break Ended::DecodeFailed(e),
+                            }
+                        }
                         Err(e) => break Ended::DecodeFailed(e),
                     },
                     () = &mut late => break Ended::Late,
@@ -813,39 +832,84 @@ struct Lifecycle {
     sent: bool,
     /// Set once the decoder took the request: no cancel, only wait for the release.
     decoded: bool,
-    released: u32,
+    /// What the ranks have said of the request on their feeds.
+    seen: Seen,
     release_timeout: Duration,
+}
+
+/// Which ranks have said anything of a request on their feeds, and which have released it.
+#[derive(Clone, Debug)]
+struct Seen {
+    reported: Vec<bool>,
+    released: Vec<bool>,
+}
+
+impl Seen {
+    fn new(ranks: u32) -> Self {
+        Self { reported: vec![false; ranks as usize], released: vec![false; ranks as usize] }
+    }
+
+    fn reported(&mut self, rank: u32) {
+        if let Some(r) = self.reported.get_mut(rank as usize) {
+            *r = true;
+        }
+    }
+
+    fn released(&mut self, rank: u32) {
+        self.reported(rank);
+        if let Some(r) = self.released.get_mut(rank as usize) {
+            *r = true;
+        }
+    }
+
+    fn note(&mut self, event: &RankEvent) {
+        match event {
+            RankEvent::Status(s) => self.reported(s.rank),
+            RankEvent::Released(r) => self.released(r.rank),
+        }
+    }
+
+    /// Whether every rank in `due` (and every rank that reported the request: it held it) has
+    /// released it.
+    fn all_released(&self, due: &[bool]) -> bool {
+        (0..self.released.len()).all(|r| {
+            let owed = due.get(r).copied().unwrap_or(true) || self.reported.get(r).copied().unwrap_or(false);
+            !owed || self.released.get(r).copied().unwrap_or(false)
+        })
+    }
 }
 
 impl Drop for Lifecycle {
     fn drop(&mut self) {
         let dec = Arc::clone(&self.ranks);
         let (key, slots, rx) = (self.key, self.slots.take(), self.rx.take());
-        let (reserved, by_prefiller, sent, decoded, seen, bound) =
-            (self.reserved, self.by_prefiller, self.sent, self.decoded, self.released, self.release_timeout);
+        let (reserved, by_prefiller, sent, decoded, bound) =
+            (self.reserved, self.by_prefiller, self.sent, self.decoded, self.release_timeout);
+        let mut seen = self.seen.clone();
         self.shared.spawn_from_drop(async move {
             // The ranks whose release is due: every one once the decoder took the KV.
-            let mut holding = dec.rank_count();
+            let ranks = dec.rank_count() as usize;
+            let mut due = vec![true; ranks];
             if reserved && !decoded {
                 if by_prefiller {
-                    // Only the ranks the prefiller's Reserve reached hold anything.
-                    holding = dec.cancel_held(key, !sent).await;
+                    // The ranks the prefiller's Reserve reached: those that still hold the
+                    // request, and those that reported it (one the decoder took, say, before it
+                    // gave up on another rank).
+                    due = dec.cancel_held(key, !sent).await;
                 } else {
                     dec.cancel(key, !sent).await;
                     // Never sent: the rank freed the pages before answering the cancel, so
                     // there is nothing to wait for.
                     if !sent {
-                        holding = 0;
+                        due = vec![false; ranks];
                     }
                 }
             }
-            if let Some(mut rx) = rx.filter(|_| holding > 0) {
-                let mut released = seen;
+            if let Some(mut rx) = rx {
                 let deadline = tokio::time::Instant::now() + bound;
-                while released < holding {
+                while !seen.all_released(&due) {
                     match tokio::time::timeout_at(deadline, rx.recv()).await {
-                        Ok(Some(RankEvent::Released(_))) => released += 1,
-                        Ok(Some(_)) => {}
+                        Ok(Some(e)) => seen.note(&e),
                         _ => break,
                     }
                 }
@@ -917,6 +981,45 @@ mod tests {
         let back: BatonParams = serde_json::from_value(v).unwrap_or_else(|e| panic_any(e));
         assert_eq!(back.key().ok(), Some(key));
         assert_eq!(back.prompt_token_ids.as_deref(), Some(&ids[..]));
+    }
+
+    /// The release wait when the prefiller reserved: a rank whose cancel found nothing is still
+    /// owed a release when it reported the request (the decoder took its KV, then failed on another
+    /// rank), and one that never heard of it is not.
+    #[test]
+    fn the_release_wait_counts_every_rank_that_held_the_request() {
+        use baton_dataplane::events::{PagesReleased, RankStatus, ReleaseReason, TerminalState};
+        let key = RequestKey::new(RequestId(7), 0);
+        let ready = |rank| {
+            RankEvent::Status(RankStatus {
+                request: key.request,
+                epoch: key.epoch,
+                rank,
+                state: TerminalState::Ready,
+                chunks: 2,
+                bytes: 0,
+            })
+        };
+        let released = |rank| {
+            RankEvent::Released(PagesReleased { key, rank, pages: 2, reason: ReleaseReason::Consumed })
+        };
+        // Rank 0 was taken by the decoder (its READY seen), rank 1 still held when cancelled.
+        let mut seen = Seen::new(3);
+        seen.note(&ready(0));
+        let due = [false, true, false];
+        assert!(!seen.all_released(&due));
+        seen.note(&released(1));
+        assert!(!seen.all_released(&due), "rank 0 reported the request: its release is owed too");
+        seen.note(&released(0));
+        assert!(seen.all_released(&due), "rank 2 never heard of it");
+        // Nothing held anywhere and nothing reported: nothing to wait for.
+        assert!(Seen::new(2).all_released(&[false, false]));
+        // The gateway reserved (or the decoder took every rank): every rank is owed.
+        let mut seen = Seen::new(2);
+        seen.note(&released(1));
+        assert!(!seen.all_released(&[true, true]));
+        seen.note(&released(0));
+        assert!(seen.all_released(&[true, true]));
     }
 
     #[allow(clippy::panic)]

@@ -395,15 +395,16 @@ impl Ranks {
             .await;
     }
 
-    /// Cancels on every rank, all at once, and counts the ranks that may hold pages of `key` (a
+    /// Cancels on every rank, all at once, and says which ranks may hold pages of `key` (a
     /// release follows from each): those that said they did, and those that could not be asked.
-    pub async fn cancel_held(&self, key: RequestKey, unsent: bool) -> u32 {
-        let answers = futures_util::future::join_all(
+    pub async fn cancel_held(&self, key: RequestKey, unsent: bool) -> Vec<bool> {
+        futures_util::future::join_all(
             (0..self.links.addrs.len()).map(|r| self.call(r, Op::CancelHeld { key, unsent })),
         )
-        .await;
-        let holding = answers.iter().filter(|a| !matches!(a, Ok(OpOut::Held(false)))).count();
-        u32::try_from(holding).unwrap_or(u32::MAX)
+        .await
+        .iter()
+        .map(|a| !matches!(a, Ok(OpOut::Held(false))))
+        .collect()
     }
 
     /// Every rank as a prefiller that reserves for itself is told of it: its rank and address,
