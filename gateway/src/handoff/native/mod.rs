@@ -670,14 +670,15 @@ impl Native {
                             break Ended::Decoded(resp);
                         }
                         // The decoder's word that the KV will not come, before the prefill's
-                        // answer: that answer says why (a rank without room for the prefiller's
-                        // reservation, whose fence ended the decoder's wait; a failed transfer),
-                        // so it is read first, within a bound.
-                        Err(e @ LegError::Refused { status: 409 | 410 | 504, .. }) if !prefilled => {
+                        // answer, when the prefiller reserves: a rank without room ends the
+                        // decoder's wait by the prefiller's fence, and the prefill's 507 says so.
+                        // It is read first, within a bound, so the attempt is retried, not failed.
+                        Err(e @ LegError::Refused { status: 409 | 410 | 504, .. })
+                            if !prefilled && self.reserve == ReserveBy::Prefiller =>
+                        {
                             match tokio::time::timeout(PREFILL_AFTER_DECODE, &mut prefill).await {
                                 Ok(Ok(Prefilled::Busy)) => break Ended::Busy,
-                                Ok(Err(pe)) => break Ended::PrefillFailed(pe),
-                                Ok(Ok(Prefilled::Done)) | Err(_) => break Ended::DecodeFailed(e),
+                                _ => break Ended::DecodeFailed(e),
                             }
                         }
                         Err(e) => break Ended::DecodeFailed(e),
