@@ -301,17 +301,16 @@ impl<D: Device> RankServer<D> {
                     // why), cancelled before it came, or taken; or not here yet: a producer that
                     // reserves for itself sends the Reserve with its chunks, which may come after
                     // the decode request.
-                    let ended = *entry.waiting.ended.lock().unwrap_or_else(|e| e.into_inner());
+                    // How it ended: said to this waiter, or remembered from before it came.
+                    let ended = entry
+                        .waiting
+                        .ended
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .filter(|s| *s != TerminalState::Ready);
+                    let ended =
+                        ended.or_else(|| self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).get(&key));
                     match ended {
-                        Some(TerminalState::Expired) => {
-                            return Err(WaitError::Closed(key, LeaseError::Expired));
-                        }
-                        Some(state @ (TerminalState::Cancelled | TerminalState::Failed)) => {
-                            return Err(WaitError::Closed(key, LeaseError::Closed(state)));
-                        }
-                        _ => {}
-                    }
-                    match self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
                         Some(TerminalState::Expired) => {
                             return Err(WaitError::Closed(key, LeaseError::Expired));
                         }
@@ -324,7 +323,6 @@ impl<D: Device> RankServer<D> {
                 }
                 Some(Err(e)) => return Err(WaitError::Closed(key, e)),
                 Some(Ok(true)) => {
-                    seen = true;
                     return match self.take(key).map(Reservation::try_ready) {
                         Some(Ok(r)) => Ok(r),
                         Some(Err(NotReady::Closed(e))) => Err(WaitError::Closed(key, e)),
