@@ -530,7 +530,11 @@ pub(crate) struct Held<H> {
 }
 
 impl<H: Holds> Held<H> {
-    pub(crate) fn body(inner: Incoming, hold: H) -> RespBody {
+    pub(crate) fn body(inner: Incoming, mut hold: H) -> RespBody {
+        // An empty answer of known length has ended already: hyper never polls it.
+        if inner.is_end_stream() {
+            hold.ended();
+        }
         Self { inner, hold, cut: false }.boxed()
     }
 }
@@ -551,7 +555,15 @@ impl<H: Holds> Body for Held<H> {
             return Poll::Ready(Some(Ok(frame)));
         }
         let next = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = next {
+        // An answer of known length ends with its last frame: hyper's server polls no further
+        // once the body says it has ended, so the end is seen here, not only as `None`. (Missing
+        // it held every such answer's slot for the cancel grace, and aborted its SGLang legs.)
+        let whole = match &next {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            _ => false,
+        };
+        if whole {
             self.hold.ended();
         }
         next.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))

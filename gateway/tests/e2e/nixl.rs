@@ -59,6 +59,10 @@ async fn vllm_nixl_mode_serves_completions_and_chat_streamed_and_not() {
     let prefill = d.engines[0].engine.stats();
     assert_eq!(prefill["nixl"]["read"], 4, "every transfer read by the decoder: {prefill}");
     assert_eq!(drains(&d, "vllm-nixl", "sent").await, 0.0);
+    // Every answer ended whole, so no slot waited out the cancel grace (an answer of known length
+    // ends with its last frame: hyper polls no further).
+    let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
+    assert_eq!(lingered, 0, "slots held on after answers that ended whole");
     d.shutdown().await;
 }
 

@@ -76,7 +76,11 @@ async fn sglang_mode_serves_completions_and_chat_streamed_and_not() {
     for side in [&p, &dec] {
         assert_eq!((side["unpaired"].as_u64(), side["mismatched"].as_u64()), (Some(0), Some(0)), "{side}");
         assert_eq!(side["abandoned"], 0, "{side}");
+        // Every answer ended whole: nothing to abort, and no slot waited out the cancel grace.
+        assert_eq!(side["abort_requests"], 0, "{side}");
     }
+    let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
+    assert_eq!(lingered, 0, "slots held on after answers that ended whole");
     // The bootstrap port came from the prefill's /get_server_info.
     let (_, v) = http(d.admin, "/admin/decoders", None).await;
     let v: Value = serde_json::from_slice(&v).unwrap();
