@@ -106,11 +106,11 @@ impl ModeSpec for Nixl {
 
 /// Sends the decode with `params` and one token, drops the answer: the decoder pulls the blocks
 /// and the producer frees them.
-async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Value) {
+async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
     // The prefill's own fields: a body the engines took once already, so a field of the client's
     // that the prefill left out cannot get the drain refused.
     let body = Patched::new(&to.request, PREFILL_OMIT)
-        .set("kv_transfer_params", &params)
+        .set("kv_transfer_params", &*params)
         .set("stream", &false)
         .set("max_tokens", &1)
         .replace("max_completion_tokens", &1);
@@ -145,7 +145,7 @@ struct Owing {
 struct Owed {
     shared: Arc<Shared>,
     to: Arc<Owing>,
-    params: Option<Value>,
+    params: Option<Box<RawValue>>,
 }
 
 impl Drop for Owed {
@@ -184,8 +184,9 @@ impl Drop for PrefillWait<'_> {
     }
 }
 
-/// The prefill's outcome, delivered to the waiting request (or drained if it has left).
-type PrefillResult = Result<Value, GatewayError>;
+/// The prefill's outcome, delivered to the waiting request (or drained if it has left): the
+/// producer's `kv_transfer_params` as it wrote them (passed on to the decoder unparsed).
+type PrefillResult = Result<Box<RawValue>, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
@@ -259,7 +260,7 @@ impl Nixl {
         timing.mark(Phase::Prefill);
         timing.enter(Phase::Decode);
 
-        let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &params);
+        let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &*params);
         owed.params = Some(params);
         // The slot stays with what is owed while the call runs: a client that leaves mid-call
         // leaves a drain holding it, sent once the decoder had time to drop the abandoned call.
@@ -355,12 +356,14 @@ const PREFILL_OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_
 /// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
 /// keep the KV for a remote decode (as vLLM's toy proxy sends it).
 fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
+    /// The same for every prefill: written once.
+    static REMOTE_DECODE: std::sync::LazyLock<Box<RawValue>> = std::sync::LazyLock::new(|| {
+        serde_json::value::to_raw_value(&json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}))
+        .unwrap_or_default()
+    });
     Patched::new(raw, PREFILL_OMIT)
-        .set(
-            "kv_transfer_params",
-            &json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                    "remote_block_ids": null, "remote_host": null, "remote_port": null}),
-        )
+        .set("kv_transfer_params", &**REMOTE_DECODE)
         .set("stream", &false)
         .set("max_tokens", &1)
         .replace("max_completion_tokens", &1)
@@ -375,10 +378,16 @@ async fn prefill_task(
     body: &RawValue,
     retried: &AtomicU32,
 ) -> PrefillResult {
-    /// The one field of the prefill's answer the decode needs; the rest is skipped unread.
+    /// The one field of the prefill's answer the decode needs, kept as written; the rest is
+    /// skipped unread.
     #[derive(serde::Deserialize)]
     struct PrefillAnswer {
-        kv_transfer_params: Option<Value>,
+        kv_transfer_params: Option<Box<RawValue>>,
+    }
+    /// What the params must say for a remote decode (their other fields are the decoder's).
+    #[derive(serde::Deserialize)]
+    struct Remote {
+        do_remote_prefill: Option<bool>,
     }
     let mut sent = false;
     let retry = Retrying { answered: true, retried };
@@ -389,11 +398,13 @@ async fn prefill_task(
         leg: "prefill",
         message: format!("answer is not a completion object: {e}"),
     })?;
-    a.kv_transfer_params.filter(|p| p.get("do_remote_prefill") == Some(&json!(true))).ok_or_else(|| {
-        GatewayError::Upstream {
-            leg: "prefill",
-            message: "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
+    let remote = |p: &RawValue| {
+        serde_json::from_str::<Remote>(p.get()).is_ok_and(|r| r.do_remote_prefill == Some(true))
+    };
+    a.kv_transfer_params.filter(|p| remote(p)).ok_or_else(|| GatewayError::Upstream {
+        leg: "prefill",
+        message:
+            "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
                 .into(),
-        }
     })
 }
