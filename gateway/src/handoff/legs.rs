@@ -525,17 +525,13 @@ pub(crate) fn engine_has_it(
 pub(crate) struct Held<H> {
     inner: Incoming,
     hold: H,
-    /// Cut short: ended after the frame that cut it.
-    cut: bool,
+    /// Nothing more comes: the answer ended whole, or was cut short after the frame that cut it.
+    over: bool,
 }
 
 impl<H: Holds> Held<H> {
-    pub(crate) fn body(inner: Incoming, mut hold: H) -> RespBody {
-        // An empty answer of known length has ended already: hyper never polls it.
-        if inner.is_end_stream() {
-            hold.ended();
-        }
-        Self { inner, hold, cut: false }.boxed()
+    pub(crate) fn body(inner: Incoming, hold: H) -> RespBody {
+        Self { inner, hold, over: false }.boxed()
     }
 }
 
@@ -547,30 +543,32 @@ impl<H: Holds> Body for Held<H> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.cut {
+        if self.over {
             return Poll::Ready(None);
         }
         if let Some(frame) = self.hold.cut(cx) {
-            self.cut = true;
+            self.over = true;
             return Poll::Ready(Some(Ok(frame)));
         }
         let next = Pin::new(&mut self.inner).poll_frame(cx);
-        // An answer of known length ends with its last frame: hyper's server polls no further
-        // once the body says it has ended, so the end is seen here, not only as `None`. (Missing
-        // it held every such answer's slot for the cancel grace, and aborted its SGLang legs.)
+        // hyper's server polls a body no further once it says it has ended (an answer of known
+        // length, after its last byte) or once it gave its trailers: the end is seen there, not
+        // only as `None`. (Missing it held every non-streamed answer's slot for the cancel grace,
+        // and aborted its SGLang legs after they succeeded.)
         let whole = match &next {
             Poll::Ready(None) => true,
-            Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            Poll::Ready(Some(Ok(f))) => f.is_trailers() || self.inner.is_end_stream(),
             _ => false,
         };
         if whole {
+            self.over = true;
             self.hold.ended();
         }
         next.map(|o| o.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.cut || self.inner.is_end_stream()
+        self.over || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -369,6 +369,18 @@ fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
         .replace("max_completion_tokens", &1)
 }
 
+/// Whether a producer's `kv_transfer_params` are for a remote decode: an object (serde would read
+/// a struct from an array too) whose `do_remote_prefill` is `true`. The other fields are the
+/// decoder's, passed on as written.
+fn for_remote_decode(params: &RawValue) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Remote {
+        do_remote_prefill: Option<bool>,
+    }
+    params.get().trim_start().starts_with('{')
+        && serde_json::from_str::<Remote>(params.get()).is_ok_and(|r| r.do_remote_prefill == Some(true))
+}
+
 /// Posts the prefill (the next prefiller only while one cannot be connected to) and returns the
 /// `kv_transfer_params` it answered with.
 async fn prefill_task(
@@ -384,11 +396,6 @@ async fn prefill_task(
     struct PrefillAnswer {
         kv_transfer_params: Option<Box<RawValue>>,
     }
-    /// What the params must say for a remote decode (their other fields are the decoder's).
-    #[derive(serde::Deserialize)]
-    struct Remote {
-        do_remote_prefill: Option<bool>,
-    }
     let mut sent = false;
     let retry = Retrying { answered: true, retried };
     let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, retry).await?;
@@ -398,13 +405,41 @@ async fn prefill_task(
         leg: "prefill",
         message: format!("answer is not a completion object: {e}"),
     })?;
-    let remote = |p: &RawValue| {
-        serde_json::from_str::<Remote>(p.get()).is_ok_and(|r| r.do_remote_prefill == Some(true))
-    };
-    a.kv_transfer_params.filter(|p| remote(p)).ok_or_else(|| GatewayError::Upstream {
+    a.kv_transfer_params.filter(|p| for_remote_decode(p)).ok_or_else(|| GatewayError::Upstream {
         leg: "prefill",
         message:
             "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
                 .into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).unwrap_or_default()
+    }
+
+    /// Only an object saying `do_remote_prefill: true` is for a remote decode; its other fields
+    /// are not read (the decoder gets them as the producer wrote them).
+    #[test]
+    fn only_params_for_a_remote_decode_pass() {
+        let vllm = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],
+                       "remote_engine_id":"e","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}"#;
+        assert!(for_remote_decode(&raw(vllm)));
+        assert!(for_remote_decode(&raw(r#" {"do_remote_prefill": true}"#)));
+        for no in [
+            r#"{"do_remote_prefill":false}"#,
+            r#"{"do_remote_prefill":"true"}"#,
+            r#"{"do_remote_prefill":null}"#,
+            r#"{"do_remote_decode":true}"#,
+            r#"{}"#,
+            r#"[true]"#,
+            r#"true"#,
+            r#""do_remote_prefill""#,
+        ] {
+            assert!(!for_remote_decode(&raw(no)), "{no}");
+        }
+    }
 }
