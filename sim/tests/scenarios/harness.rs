@@ -112,8 +112,8 @@ impl Decoder {
             self.give_back(r, c).await;
             match res {
                 Ok(addrs) => got.push(addrs),
-                // Only the ranks that granted: a rank that cancels a key it never reserved refuses
-                // that key from then on, and the caller retries with this one.
+                // Only the ranks that granted (the caller retries as a new epoch: a rank refuses a
+                // key it saw cancelled).
                 Err(TransportError::Refused { code: RefusalCode::Busy, .. }) => {
                     self.cancel_ranks(key, true, 0..r).await;
                     return Ok(None);
@@ -247,7 +247,7 @@ impl Default for Limits {
 
 /// Drives one request through reserve → prefill → READY → decode → released.
 pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job, limits: Limits) -> Handoff {
-    let key = new_key();
+    let mut key = new_key();
     let ids = job.ids();
     let chunks = ids.len().div_ceil(g.chunk_tokens as usize) as u32;
     let queued = Instant::now();
@@ -258,6 +258,9 @@ pub async fn handoff(prefill: SocketAddr, d: &Decoder, g: &KvGeometry, job: &Job
             None => {
                 assert!(queued.elapsed() < limits.queue_deadline, "queued past the deadline");
                 tokio::time::sleep(Duration::from_millis(2)).await;
+                // The ranks that granted were cancelled, and a rank refuses a key it saw end:
+                // each try is a new epoch of the request, as the gateway's are.
+                key = RequestKey::new(key.request, key.epoch + 1);
             }
         }
     };
