@@ -229,6 +229,20 @@ async fn assert_engines_clean(fleet: &Fleet, within: Duration) {
     assert!(!log.contains("for unrecognized request"), "the producer saw reads of freed blocks:\n{log}");
 }
 
+/// Every decoder slot of `b` back within `within`; returns how many were held the cancel grace
+/// after their request (`lingered`).
+async fn slots_back(b: &baton_gateway::serve::Serving, within: Duration) -> u64 {
+    let start = Instant::now();
+    loop {
+        let slots: u32 = b.gateway.decoders.iter().map(|d| d.queue.stats().in_use).sum();
+        if slots == 0 {
+            return b.gateway.decoders.iter().map(|d| d.queue.stats().lingered).sum();
+        }
+        assert!(start.elapsed() < within, "{slots} slots still held after {within:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A JSON answer with the fields that differ between any two answers (`id`, `created`) blanked.
 fn comparable(mut v: Value) -> Value {
     if let Some(o) = v.as_object_mut() {

@@ -11,7 +11,7 @@ use super::client::{http, json, send};
 use super::engines::{Fleet, MODEL};
 use super::{
     assert_engines_clean, baton, baton_metrics, block_on, comparable_body, engine_metrics, prompt, relay,
-    sample, shapes,
+    sample, shapes, slots_back,
 };
 
 /// Completions and chat, streamed and not, through baton (prefill on one server, decode on the
@@ -203,16 +203,7 @@ pub fn client_leaving_mid_stream(fleet: &Fleet) -> Result<(), Failed> {
         }
         // The slot of a request abandoned while the decoder ran it is held `cancel_grace_ms`
         // (100) after the client left, for the decoder to drop it: back within that.
-        let start = std::time::Instant::now();
-        loop {
-            let slots: u32 = b.gateway.decoders.iter().map(|d| d.queue.stats().in_use).sum();
-            if slots == 0 {
-                break;
-            }
-            assert!(start.elapsed() < Duration::from_secs(2), "{slots} slots still held");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let lingered: u64 = b.gateway.decoders.iter().map(|d| d.queue.stats().lingered).sum();
+        let lingered = slots_back(&b, Duration::from_secs(2)).await;
         assert_eq!(lingered, 2, "both abandoned requests' slots were held the grace");
         b.shutdown().await;
     })
@@ -291,6 +282,9 @@ pub fn refused_decode(fleet: &Fleet) -> Result<(), Failed> {
         // The drain reached the decoder, which pulled the blocks and so let the producer free them.
         assert_engines_clean(fleet, Duration::from_secs(5)).await;
         assert_eq!(drains(&baton_metrics(&b).await), 1.0);
+        // The drain holds the request's slot while vLLM runs it, and gives it back as its answer
+        // ends, not the cancel grace after.
+        assert_eq!(slots_back(&b, Duration::from_secs(5)).await, 0, "the drain's slot lingered");
 
         let log_from = fleet.prefill.log_len();
         let body = json!({"model": MODEL, "prompt": prompt(150, 601), "max_tokens": 400, "min_tokens": 300});

@@ -402,22 +402,22 @@ impl Shared {
     }
 
     /// Sends a drain decode (one token, for a request that ended between its prefill and its
-    /// decode) and drops its answer.
+    /// decode) and drops its answer. Returns whether the decoder is done with it: it answered in
+    /// full, or never got it. A drain cut off or timed out may still run there.
     pub(crate) async fn drain<B: Serialize + ?Sized>(
         &self,
         decoder: &EngineUrl,
         path: &str,
         body: &B,
         counters: &Drains,
-    ) {
+    ) -> bool {
         counters.sent.fetch_add(1, Ordering::Relaxed);
-        let status = match self.post(decoder, "drain", path, body, false).await {
+        let (status, done) = match self.post(decoder, "drain", path, body, false).await {
             Ok(r) => {
                 let s = r.status().as_u16();
-                let _ = r.into_body().collect().await;
-                s
+                (s, r.into_body().collect().await.is_ok())
             }
-            Err(_) => 0,
+            Err(e) => (0, e.unsent()),
         };
         if status == 410 {
             counters.already_free.fetch_add(1, Ordering::Relaxed);
@@ -425,6 +425,7 @@ impl Shared {
             counters.failed.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(decoder = %decoder, status, "drain decode failed; the engines keep what the request left until their own timeouts");
         }
+        done
     }
 }
 

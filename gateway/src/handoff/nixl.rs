@@ -123,7 +123,11 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
         tokio::time::sleep(shared.limits.cancel_grace).await;
     }
     engine_has_it(&mut slot, Some(shared.limits.cancel_grace));
-    shared.drain(&to.decoder, to.path, &body, &to.counters).await;
+    if shared.drain(&to.decoder, to.path, &body, &to.counters).await {
+        // Answered in full: the decoder holds nothing of it, and the slot goes back now rather
+        // than after the grace.
+        engine_has_it(&mut slot, None);
+    }
     drop(slot);
 }
 

@@ -132,6 +132,8 @@ async fn lmcache_missing_notification_fails_by_its_deadline_and_frees_the_slots(
     assert_lmcache_clean(&d, false).await;
     assert_eq!(drains(&d, "lmcache", "sent").await, 2.0);
     assert_eq!(drains(&d, "lmcache", "failed").await, 0.0);
+    let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
+    assert_eq!(lingered, 0, "a drain answered in full held its slots for the grace");
     d.shutdown().await;
 }
 

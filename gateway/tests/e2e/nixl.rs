@@ -241,6 +241,10 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
         "{nixl_stats}"
     );
     assert_eq!(drains(&d, "vllm-nixl", "failed").await, 0.0);
+    // The drain's slot went back when its answer ended, not the cancel grace after (a real vLLM's
+    // refusal right after a drain found it still held in CI).
+    let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
+    assert_eq!(lingered, 0, "a drain answered in full held its slot for the grace");
     d.shutdown().await;
 }
 
