@@ -263,6 +263,16 @@ impl SlotGuard {
     pub fn engine_done(&mut self) {
         self.linger = None;
     }
+
+    /// Waits `grace` holding the slots, for the engine to drop a call that was cut off before the
+    /// slots are used again (counted as a linger, as a dropped guard's grace is).
+    pub async fn wait_out(&mut self, grace: std::time::Duration) {
+        if grace.is_zero() {
+            return;
+        }
+        lock(&self.state).lingered += 1;
+        tokio::time::sleep(grace).await;
+    }
 }
 
 /// Returns `slots` to the queue and grants who fits.

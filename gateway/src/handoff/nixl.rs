@@ -117,10 +117,12 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
     // The request's slot, if it never reached the decoder: the drain is a request the decoder
     // runs, and holds it while it does.
     let mut slot = to.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if slot.is_some() && to.sent.load(std::sync::atomic::Ordering::Relaxed) {
+    if let Some(s) = slot.as_mut()
+        && to.calling.load(std::sync::atomic::Ordering::Relaxed)
+    {
         // The decode call was cut off (its client left): the decoder may still run it until it
         // notices, in this same slot.
-        tokio::time::sleep(shared.limits.cancel_grace).await;
+        s.wait_out(shared.limits.cancel_grace).await;
     }
     engine_has_it(&mut slot, Some(shared.limits.cancel_grace));
     if shared.drain(&to.decoder, to.path, &body, &to.counters).await {
@@ -141,8 +143,8 @@ struct Owing {
     /// The request's slot of the decoder until its decode is sent: a drain sent instead holds it
     /// (and a request abandoned while its prefill runs keeps it until the prefill ends).
     slot: std::sync::Mutex<Option<SlotGuard>>,
-    /// The decode call was made.
-    sent: std::sync::atomic::AtomicBool,
+    /// The decode call is under way: cut off there, the decoder may still run it.
+    calling: std::sync::atomic::AtomicBool,
 }
 
 /// A drain owed to the producer until the decoder has taken the request; paid in `Drop`.
@@ -243,7 +245,7 @@ impl Nixl {
             request: Arc::clone(&req.raw),
             counters: Arc::clone(&self.drains),
             slot: std::sync::Mutex::new(slots.take()),
-            sent: std::sync::atomic::AtomicBool::new(false),
+            calling: std::sync::atomic::AtomicBool::new(false),
         });
         let mut owed = Owed { shared: Arc::clone(&self.shared), to: Arc::clone(&to), params: None };
         // The prefill runs in its own task: if the client leaves, its answer still arrives and the
@@ -268,8 +270,10 @@ impl Nixl {
         owed.params = Some(params);
         // The slot stays with what is owed while the call runs: a client that leaves mid-call
         // leaves a drain holding it, sent once the decoder had time to drop the abandoned call.
-        owed.to.sent.store(true, std::sync::atomic::Ordering::Relaxed);
+        owed.to.calling.store(true, std::sync::atomic::Ordering::Relaxed);
         let resp = self.shared.call("decode", &**dec, path, &body).await;
+        // Answered, or failed: a drain sent now follows no call the decoder may still run.
+        owed.to.calling.store(false, std::sync::atomic::Ordering::Relaxed);
         slots = owed.to.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         engine_has_it(&mut slots, Some(grace));
         let resp = resp.inspect_err(|e| {
