@@ -20,7 +20,11 @@
 //!   the prompt (conditional disaggregation, `[routing.cache] skip_prefill`).
 //!
 //! `prompt_token_ids` are the gateway's count of the prompt; both legs use them instead of
-//! tokenizing again, so they agree on every token.
+//! tokenizing again, so they agree on every token. They are a JSON array of the ids, or, where the
+//! decode pool says `token_ids = "base64"`, a string: the ids as little-endian `u32`s in standard,
+//! padded base64 (RFC 4648), four bytes an id ([`ids_base64`]). The string is about as long as the
+//! array and several times cheaper to read (`bench/README.md`, "The contract's token ids").
+//! [`BatonParams`] reads either.
 //!
 //! [`Generation`] is the part of an OpenAI completion or chat request both sides read (the rest of
 //! the request passes through untouched).
@@ -140,7 +144,8 @@ pub struct BatonParams {
     /// Prefill only: where to write.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decoders: Vec<DecoderTarget>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Written as a JSON array; read from an array or from the base64 string ([`ids_base64`]).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "read_ids")]
     pub prompt_token_ids: Option<Vec<u32>>,
     /// Decode only: no KV comes through the PD buffer; compute the prompt locally.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -199,6 +204,65 @@ impl BatonParams {
     }
 }
 
+/// `ids` as the contract's compact `prompt_token_ids`: little-endian `u32`s, standard padded base64.
+pub fn ids_base64(ids: &[u32]) -> String {
+    use base64::Engine as _;
+    let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The ids of a compact `prompt_token_ids` ([`ids_base64`]).
+pub fn ids_from_base64(text: &str) -> Result<Vec<u32>, String> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|e| format!("prompt_token_ids is a string but not standard padded base64: {e}"))?;
+    if bytes.len() % 4 != 0 {
+        return Err(format!(
+            "prompt_token_ids decodes to {} bytes, not a whole number of 4-byte ids",
+            bytes.len()
+        ));
+    }
+    Ok(bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+/// `prompt_token_ids` from a JSON array of ids or their base64 string; `null` is none.
+fn read_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>, D::Error> {
+    struct Ids;
+    impl<'de> serde::de::Visitor<'de> for Ids {
+        type Value = Option<Vec<u32>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an array of token ids or their base64 string")
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            ids_from_base64(v).map(Some).map_err(E::custom)
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut ids = Vec::new();
+            while let Some(id) = seq.next_element::<u32>()? {
+                ids.push(id);
+            }
+            Ok(Some(ids))
+        }
+    }
+    d.deserialize_option(Ids)
+}
+
 /// Why the `baton` object of a request is unusable.
 #[derive(Debug, Error, PartialEq, Eq, Clone)]
 #[non_exhaustive]
@@ -243,6 +307,41 @@ mod tests {
         assert_eq!(v["reserve"], serde_json::json!({"chunks": 4, "lease_ms": 30_000}));
         assert_eq!(v["decoders"][0]["chunks"], serde_json::json!([]));
         assert_eq!(serde_json::from_value::<BatonParams>(v).unwrap(), own);
+    }
+
+    #[test]
+    fn prompt_token_ids_are_read_from_an_array_or_their_base64_string() {
+        let ids = [1, 0x0102_0304, u32::MAX, 0];
+        assert_eq!(ids_base64(&ids[..2]), "AQAAAAQDAgE=", "little-endian u32s, standard padded base64");
+        let read = |v: serde_json::Value| {
+            serde_json::from_value::<BatonParams>(
+                serde_json::json!({"request_id": "ab", "epoch": 1, "prompt_token_ids": v}),
+            )
+        };
+        for v in [serde_json::json!(ids), serde_json::json!(ids_base64(&ids))] {
+            assert_eq!(read(v.clone()).unwrap().prompt_token_ids.as_deref(), Some(&ids[..]), "{v}");
+        }
+        assert_eq!(read(serde_json::json!("")).unwrap().prompt_token_ids, Some(Vec::new()));
+        assert_eq!(read(serde_json::Value::Null).unwrap().prompt_token_ids, None);
+        let absent: BatonParams = serde_json::from_str(r#"{"request_id": "ab"}"#).unwrap();
+        assert_eq!(absent.prompt_token_ids, None);
+        // From the text a prefiller or decoder gets: the same ids either way.
+        let text = format!(r#"{{"request_id": "ab", "prompt_token_ids": "{}"}}"#, ids_base64(&ids));
+        assert_eq!(
+            serde_json::from_str::<BatonParams>(&text).unwrap().prompt_token_ids.as_deref(),
+            Some(&ids[..])
+        );
+        for (bad, says) in [
+            (serde_json::json!("AQAAAAQDAgE"), "not standard padded base64"),
+            (serde_json::json!("AQAAAAQDAg=="), "7 bytes, not a whole number of 4-byte ids"),
+            (serde_json::json!("AQAA-AQDAgE="), "not standard padded base64"),
+            (serde_json::json!([1, -2]), "invalid value"),
+            (serde_json::json!(7), "an array of token ids or their base64 string"),
+            (serde_json::json!({"ids": [1]}), "an array of token ids or their base64 string"),
+        ] {
+            let e = read(bad.clone()).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -26,6 +26,8 @@ calls release the GIL. ``GET /engine/stats`` shows the buffers and the cache blo
 """
 
 import argparse
+import base64
+import binascii
 import json
 import signal
 import sys
@@ -56,6 +58,24 @@ class EngineError(Exception):
 
 def bad(m):
     return EngineError(400, "invalid_request", m)
+
+
+def prompt_ids(value):
+    """``baton.prompt_token_ids``: a list of ids, or (a pool with ``token_ids = "base64"``) their
+    little-endian uint32s in standard base64; ``None`` when absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise bad(f"prompt_token_ids is a string but not standard padded base64: {e}") from None
+        if len(raw) % 4:
+            raise bad(f"prompt_token_ids decodes to {len(raw)} bytes, not a whole number of 4-byte ids")
+        return np.frombuffer(raw, dtype="<u4").tolist()
+    if isinstance(value, list) and all(isinstance(i, int) and 0 <= i < 1 << 32 for i in value):
+        return value
+    raise bad("prompt_token_ids must be a list of token ids or their base64 string")
 
 
 class BlockPool:
@@ -354,7 +374,7 @@ class Engine:
         baton = req.get("baton")
         if baton is not None and not isinstance(baton, dict):
             raise bad("baton must be an object")
-        ids = (baton or {}).get("prompt_token_ids")
+        ids = prompt_ids((baton or {}).get("prompt_token_ids"))
         if ids is None:
             if chat:
                 msgs = req.get("messages")

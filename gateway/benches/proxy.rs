@@ -31,7 +31,8 @@
 //! wherever baton is.
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
 //! `native` pools say `reserve = "prefiller"` (the prefillers reserve the pages with their writes)
-//! unless `BATON_PROXY_BENCH_RESERVE=gateway`.
+//! unless `BATON_PROXY_BENCH_RESERVE=gateway`, and `token_ids = "base64"` (the prompt's ids to the
+//! engines as their base64 string) unless `BATON_PROXY_BENCH_TOKEN_IDS=json`.
 //! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
 //! empty unless `BATON_REQUIRE_NGINX=1`.
 
@@ -291,6 +292,8 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
             // prefill; by default the simulated prefillers reserve them with their writes.
             let by = std::env::var("BATON_PROXY_BENCH_RESERVE").unwrap_or_else(|_| "prefiller".into());
             decode_table.push_str(&format!("reserve = {by:?}\n"));
+            let ids = std::env::var("BATON_PROXY_BENCH_TOKEN_IDS").unwrap_or_else(|_| "base64".into());
+            decode_table.push_str(&format!("token_ids = {ids:?}\n"));
         }
         "lmcache" => {
             // Each rank of the decoder's PD backend: its ports and its capacity in chunks.

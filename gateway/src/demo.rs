@@ -94,6 +94,9 @@ pub struct GatewaySetup {
     /// `native` mode: the gateway reserves the decoders' pages before the prefill (`reserve =
     /// "gateway"`) instead of the simulated prefillers with their writes (the demo's default).
     pub gateway_reserves: bool,
+    /// `native` mode: the prompt's ids go to the engines as a JSON array (`token_ids = "json"`)
+    /// instead of in base64 (the demo's default).
+    pub json_token_ids: bool,
     /// The admin listener (`/metrics`, `/admin/*`): loopback on an ephemeral port unless set.
     pub admin_listen: Option<SocketAddr>,
     /// The admin listener's bearer token, as its SHA-256.
@@ -336,6 +339,7 @@ pub async fn start_gateway_with(
             geometry: e.geometry,
             load: &setup.nixl,
             gateway_reserves: setup.gateway_reserves,
+            json_token_ids: setup.json_token_ids,
         };
         let checked = CheckedDecoder { name: name.clone(), http: (*http).into(), mode: e.mode.demo(&d) };
         decoders.push(start(checked, &ctx).await.map_err(StartError::from)?);

@@ -176,6 +176,9 @@ pub struct DemoDecoder<'a> {
     pub load: &'a scrape::LoadTarget,
     /// `native`: the gateway reserves the pages (`reserve = "gateway"`), not the prefillers.
     pub gateway_reserves: bool,
+    /// `native`: the prompt's ids go to the engines as a JSON array (`token_ids = "json"`), not
+    /// in base64 (the demo's default: its engines read both).
+    pub json_token_ids: bool,
 }
 
 /// A pool's keys beside `name`, `url` and `handoff`, as written.

@@ -421,25 +421,27 @@ async fn a_python_prefiller_out_of_cache_blocks_refuses_and_holds_nothing() {
 /// 16 pages a rank: the Python prefiller reserves each request's pages with its first chunks; a
 /// rank without room (the other replica holds pages) is its 507, which the gateway retries as a
 /// new epoch. Every request gets the model's text, the refusals were all retried, and nothing is
-/// held anywhere after.
+/// held anywhere after. Replica `b` sends the prompt's ids in base64 (`token_ids = "base64"`),
+/// `a` as a JSON array: the same engines read both (a misread id would fail the decoder's check of
+/// the KV bytes, or give other text).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_prefillers_reserve_for_themselves_and_a_full_rank_is_retried() {
     let Some(py) = python() else { return };
     let decode = PyEngine::start(&py, &["--role", "decode", "--pages", "16"]);
     let prefill = PyEngine::start(&py, &["--role", "prefill"]);
     let dir = std::env::temp_dir().join(format!("baton-pyengine-reserve-{}", std::process::id()));
-    let replica = |name: &str| {
+    let replica = |name: &str, ids: &str| {
         serve_file(
             &dir.join(name),
             prefill.addr(),
             decode.addr(),
             &decode.ranks(),
-            "reserve = \"prefiller\"",
+            &format!("reserve = \"prefiller\"\ntoken_ids = \"{ids}\""),
             "",
         )
     };
-    let (_ga, a, admin_a) = replica("a");
-    let (_gb, b, admin_b) = replica("b");
+    let (_ga, a, admin_a) = replica("a", "json");
+    let (_gb, b, admin_b) = replica("b", "base64");
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..60usize {
         let addr = if i % 2 == 0 { a } else { b };

@@ -68,6 +68,33 @@ pub struct Keys {
     /// that read the contract's `reserve`).
     #[serde(default)]
     pub reserve: ReserveBy,
+    /// How the contract's `prompt_token_ids` are written to this pool's prefillers and decoder: a
+    /// JSON array (the default, any native engine), or their base64 string (several times cheaper
+    /// for an engine to read; engines on a data plane that reads it).
+    #[serde(default)]
+    pub token_ids: TokenIds,
+}
+
+/// How a native pool's engines are sent the prompt's ids (`token_ids` on the pool).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenIds {
+    /// A JSON array: `[9707, 11, 1879]`.
+    #[default]
+    Json,
+    /// Little-endian `u32`s in standard base64 (`contract::ids_base64`): an engine built on a data
+    /// plane older than this reads it as no ids, or refuses it, so this is the operator's choice.
+    Base64,
+}
+
+impl TokenIds {
+    /// `ids` as this pool's engines read them, written once for both legs.
+    fn write(self, ids: &[u32]) -> Result<Box<RawValue>, GatewayError> {
+        match self {
+            Self::Json => raw_json(&ids),
+            Self::Base64 => raw_json(&contract::ids_base64(ids)),
+        }
+    }
 }
 
 /// Who reserves a native request's pages on the decoder's ranks (`reserve` on the pool).
@@ -107,6 +134,7 @@ pub struct Checked {
     /// The pool's own data-plane TLS (`None`: the global one, if any).
     pub tls: Option<crate::endpoints::DataplaneCerts>,
     pub reserve: ReserveBy,
+    pub token_ids: TokenIds,
 }
 
 /// A native decoder.
@@ -117,6 +145,7 @@ pub struct Native {
     /// The data-plane TLS its rank links use, reloaded by the gateway's certificate watcher.
     certs: Option<crate::endpoints::DataplaneCerts>,
     reserve: ReserveBy,
+    token_ids: TokenIds,
 }
 
 impl PoolKeys for Keys {
@@ -157,6 +186,7 @@ impl PoolKeys for Keys {
             max_slots: cx.max_slots(self.max_slots)?,
             tls,
             reserve: self.reserve,
+            token_ids: self.token_ids,
         })
     }
 }
@@ -168,12 +198,13 @@ impl ModeSpec for Native {
 
     fn describe(c: &Checked) -> String {
         format!(
-            "TP {}, {} KV bytes per token, page {} bytes per rank{}{}",
+            "TP {}, {} KV bytes per token, page {} bytes per rank{}{}{}",
             c.ranks.len(),
             c.geometry.kv_bytes_per_token(),
             c.geometry.page_bytes_per_rank(),
             c.max_slots.map_or(String::new(), |m| format!(", at most {m} slots")),
-            if c.reserve == ReserveBy::Prefiller { ", pages reserved by the prefillers" } else { "" }
+            if c.reserve == ReserveBy::Prefiller { ", pages reserved by the prefillers" } else { "" },
+            if c.token_ids == TokenIds::Base64 { ", token ids in base64" } else { "" }
         )
     }
 
@@ -198,6 +229,7 @@ impl ModeSpec for Native {
             max_slots: None,
             tls: None,
             reserve: if d.gateway_reserves { ReserveBy::Gateway } else { ReserveBy::Prefiller },
+            token_ids: if d.json_token_ids { TokenIds::Json } else { TokenIds::Base64 },
         }
     }
 }
@@ -219,7 +251,13 @@ impl Native {
             names: ctx.shared.client.names().clone(),
         };
         let ranks = Ranks::connect(name, links, c.geometry.chunk_tokens, c.max_slots, queue.clone()).await?;
-        Ok(Self { shared: Arc::clone(&ctx.shared), ranks: Arc::new(ranks), certs, reserve: c.reserve })
+        Ok(Self {
+            shared: Arc::clone(&ctx.shared),
+            ranks: Arc::new(ranks),
+            certs,
+            reserve: c.reserve,
+            token_ids: c.token_ids,
+        })
     }
 
     /// Reserves the request's pages on every rank; a refusal for room (another replica's pages)
@@ -394,7 +432,7 @@ impl Native {
             seen: Seen::new(self.ranks.rank_count()),
             release_timeout: shared.limits.release_timeout,
         };
-        let ids = raw_json(&ids)?;
+        let ids = self.token_ids.write(ids)?;
         let mut work = work;
         if by_prefiller {
             return self
@@ -745,7 +783,7 @@ impl Native {
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         timing.enter(Phase::Decode);
-        let ids = raw_json(&ids)?;
+        let ids = self.token_ids.write(ids)?;
         let mut p = params(self.shared.keys.next(), &[], &ids);
         p.local_prefill = true;
         let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
@@ -982,6 +1020,16 @@ mod tests {
         let back: BatonParams = serde_json::from_value(v).unwrap_or_else(|e| panic_any(e));
         assert_eq!(back.key().ok(), Some(key));
         assert_eq!(back.prompt_token_ids.as_deref(), Some(&ids[..]));
+
+        // `token_ids = "base64"`: the same params, the ids as their string; the contract reads
+        // them back as the same ids.
+        let b64 = TokenIds::Base64.write(&ids).unwrap_or_else(|e| panic_any(e));
+        assert_eq!(TokenIds::Json.write(&ids).unwrap_or_else(|e| panic_any(e)).get(), raw.get());
+        assert_eq!(b64.get(), format!("{:?}", contract::ids_base64(&ids)));
+        let v = written(&params(key, &targets, &b64));
+        assert_eq!(v["prompt_token_ids"], contract::ids_base64(&ids));
+        let back: BatonParams = serde_json::from_value(v).unwrap_or_else(|e| panic_any(e));
+        assert_eq!(back, BatonParams::new(key, vec![target], Some(ids.to_vec())));
     }
 
     /// The release wait when the prefiller reserved: a rank whose cancel found nothing is still
