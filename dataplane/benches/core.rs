@@ -5,6 +5,9 @@
 //! - reserve+release: reserve an 8-page request on a 1024-page buffer and drop the reservation.
 //! - arrive+seal: reserve 8 pages, publish, write 8 chunks (64-byte pages, so bookkeeping dominates),
 //!   become ready, consume, finish.
+//! - the contract's ids: an engine reading the `baton` object of a native request (a 1,000-byte
+//!   prompt, its 1,000 token ids) from the whole body, the ids as a JSON array, then as their
+//!   base64 string (`token_ids = "base64"`).
 //!
 //! Single-threaded, real clock, events discarded. `BATON_BENCH_QUICK=1` runs a few iterations only
 //! (the test script uses it so the benchmark cannot rot).
@@ -15,6 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_dataplane::contract::{BatonParams, ids_base64};
 use baton_dataplane::device::cpu::CpuDevice;
 use baton_dataplane::events::DiscardSink;
 use baton_dataplane::{
@@ -90,7 +94,29 @@ fn main() {
     assert_eq!(buf.stats().pages.free, 1024);
     assert!(buf.check_invariants().is_ok());
 
-    let results = [reserve_release, arrive];
+    // What an engine reads of a native request: the `baton` object, the rest skipped.
+    #[derive(serde::Deserialize)]
+    struct EngineRequest {
+        baton: BatonParams,
+    }
+    let ids: Vec<u32> = (0..1000u32).map(|i| i * 7919 % 151_000).collect();
+    let body = |prompt_token_ids: serde_json::Value| {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "m", "prompt": "x".repeat(1000), "max_tokens": 1,
+            "baton": {"request_id": format!("{:032x}", 0xabc), "epoch": 0, "prompt_token_ids": prompt_token_ids},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let read = |name, body: Vec<u8>| {
+        measure(name, n / 100, |_| {
+            let r: EngineRequest = serde_json::from_slice(&body).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(r.baton.prompt_token_ids.as_deref().map(<[u32]>::len), Some(1000));
+        })
+    };
+    let json_ids = read("contract: 1,000 ids as a JSON array", body(serde_json::json!(ids)));
+    let base64_ids = read("contract: 1,000 ids in base64", body(serde_json::json!(ids_base64(&ids))));
+
+    let results = [reserve_release, arrive, json_ids, base64_ids];
     for r in &results {
         println!(
             "{:<42} {:>12.0} /s  {:>8.1} ns/op  ({} iterations in {:.3} s)",
