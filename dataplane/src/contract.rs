@@ -335,6 +335,7 @@ mod tests {
             (serde_json::json!("AQAAAAQDAgE"), "not standard padded base64"),
             (serde_json::json!("AQAAAAQDAg=="), "7 bytes, not a whole number of 4-byte ids"),
             (serde_json::json!("AQAA-AQDAgE="), "not standard padded base64"),
+            (serde_json::json!("AQAAAAQDAgF="), "not standard padded base64"),
             (serde_json::json!([1, -2]), "invalid value"),
             (serde_json::json!(7), "an array of token ids or their base64 string"),
             (serde_json::json!({"ids": [1]}), "an array of token ids or their base64 string"),

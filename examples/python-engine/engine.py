@@ -70,10 +70,13 @@ def prompt_ids(value):
             raw = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError) as e:
             raise bad(f"prompt_token_ids is a string but not standard padded base64: {e}") from None
+        if base64.b64encode(raw).decode("ascii") != value:
+            # As the Rust contract reads it: the unused bits of the last character must be zero.
+            raise bad("prompt_token_ids is a string but not standard padded base64: trailing bits set")
         if len(raw) % 4:
             raise bad(f"prompt_token_ids decodes to {len(raw)} bytes, not a whole number of 4-byte ids")
         return np.frombuffer(raw, dtype="<u4").tolist()
-    if isinstance(value, list) and all(isinstance(i, int) and 0 <= i < 1 << 32 for i in value):
+    if isinstance(value, list) and all(type(i) is int and 0 <= i < 1 << 32 for i in value):
         return value
     raise bad("prompt_token_ids must be a list of token ids or their base64 string")
 
@@ -134,6 +137,8 @@ class Engine:
         self.next_id = 0
         self.lock = threading.Lock()
         self.running = 0
+        # Requests whose ``baton.prompt_token_ids`` came as a list, and as base64.
+        self.ids_forms = {"json": 0, "base64": 0}
         order = "nhd" if self.role == "prefill" else "hnd"
         # The prefiller's cache is NHD, the decoder's HND, so every transfer crosses layouts.
         self.ranks = [Rank(geometry, args.cache_blocks, args.block_size, order) for _ in range(geometry.tp_size)]
@@ -374,7 +379,11 @@ class Engine:
         baton = req.get("baton")
         if baton is not None and not isinstance(baton, dict):
             raise bad("baton must be an object")
-        ids = prompt_ids((baton or {}).get("prompt_token_ids"))
+        given = (baton or {}).get("prompt_token_ids")
+        ids = prompt_ids(given)
+        if ids is not None:
+            with self.lock:
+                self.ids_forms["base64" if isinstance(given, str) else "json"] += 1
         if ids is None:
             if chat:
                 msgs = req.get("messages")
@@ -429,7 +438,7 @@ class Engine:
             "role": self.role, "model": self.args.model, "tp": self.g.tp_size,
             "geometry_fingerprint": self.g.fingerprint, "chunk_tokens": self.g.chunk_tokens,
             "page_bytes": self.g.page_bytes, "engine_blocks_held": sum(r.pool.held() for r in self.ranks),
-            "running": self.running,
+            "running": self.running, "prompt_ids": dict(self.ids_forms),
         }
         if self.role == "prefill":
             out["chunks_written"] = dict(self.written)

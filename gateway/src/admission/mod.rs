@@ -238,6 +238,8 @@ pub struct SlotGuard {
     /// While an engine runs the request with no way to say it stopped (`engine_has_it`): how
     /// long the slots stay held after the guard is dropped.
     linger: Option<std::time::Duration>,
+    /// Counted in `lingered` already ([`SlotGuard::wait_out`]): a slot is counted once.
+    counted: bool,
 }
 
 impl std::fmt::Debug for SlotGuard {
@@ -270,7 +272,9 @@ impl SlotGuard {
         if grace.is_zero() {
             return;
         }
-        lock(&self.state).lingered += 1;
+        if !std::mem::replace(&mut self.counted, true) {
+            lock(&self.state).lingered += 1;
+        }
         tokio::time::sleep(grace).await;
     }
 }
@@ -313,7 +317,10 @@ fn grant(state: &Arc<Mutex<State>>, s: &mut State) -> Vec<(oneshot::Sender<SlotG
         s.holders += 1;
         s.waiting -= 1;
         s.waiting_slots -= u64::from(w.slots);
-        out.push((w.tx, SlotGuard { state: Arc::clone(state), slots: w.slots, linger: None }));
+        out.push((
+            w.tx,
+            SlotGuard { state: Arc::clone(state), slots: w.slots, linger: None, counted: false },
+        ));
     }
     out
 }
@@ -333,7 +340,9 @@ impl Drop for SlotGuard {
         if let Some(grace) = self.linger
             && let Ok(rt) = tokio::runtime::Handle::try_current()
         {
-            lock(&self.state).lingered += 1;
+            if !self.counted {
+                lock(&self.state).lingered += 1;
+            }
             let (state, slots) = (Arc::clone(&self.state), self.slots);
             rt.spawn(async move {
                 tokio::time::sleep(grace).await;
@@ -409,7 +418,7 @@ impl SlotQueue {
             if s.open && s.waiting == 0 && u64::from(s.in_use) + u64::from(slots) <= u64::from(s.limit()) {
                 s.in_use += slots;
                 s.holders += 1;
-                return Ok(SlotGuard { state: Arc::clone(&self.state), slots, linger: None });
+                return Ok(SlotGuard { state: Arc::clone(&self.state), slots, linger: None, counted: false });
             }
             if s.waiting >= s.config.max_queue {
                 return Err(AdmissionError::QueueFull { limit: s.config.max_queue });

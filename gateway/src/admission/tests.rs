@@ -337,4 +337,14 @@ async fn a_slot_the_engine_may_still_run_is_held_its_grace_after_it_is_dropped()
     drop(b);
     assert_eq!(q.stats().in_use, 0);
     assert_eq!(q.stats().lingered, 1);
+    // Held the grace first (a drain after a cut-off call), then dropped while an engine may run
+    // it again: held both times, counted once.
+    let mut c = q.acquire(2, 0, LONG).await.unwrap();
+    c.wait_out(grace).await;
+    assert_eq!((q.stats().in_use, q.stats().lingered), (2, 2));
+    c.engine_has_it(grace);
+    drop(c);
+    assert_eq!((q.stats().in_use, q.stats().lingered), (2, 2));
+    tokio::time::sleep(grace + Duration::from_millis(1)).await;
+    assert_eq!(q.stats().in_use, 0);
 }

@@ -120,8 +120,8 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
     if let Some(s) = slot.as_mut()
         && to.calling.load(std::sync::atomic::Ordering::Relaxed)
     {
-        // The decode call was cut off (its client left): the decoder may still run it until it
-        // notices, in this same slot.
+        // The decode call was cut off (its client left) or turned away by something in front of
+        // the decoder: the decoder may still run it until it notices, in this same slot.
         s.wait_out(shared.limits.cancel_grace).await;
     }
     engine_has_it(&mut slot, Some(shared.limits.cancel_grace));
@@ -143,7 +143,7 @@ struct Owing {
     /// The request's slot of the decoder until its decode is sent: a drain sent instead holds it
     /// (and a request abandoned while its prefill runs keeps it until the prefill ends).
     slot: std::sync::Mutex<Option<SlotGuard>>,
-    /// The decode call is under way: cut off there, the decoder may still run it.
+    /// The decode call was made and may have reached the decoder, which may still run it.
     calling: std::sync::atomic::AtomicBool,
 }
 
@@ -272,8 +272,11 @@ impl Nixl {
         // leaves a drain holding it, sent once the decoder had time to drop the abandoned call.
         owed.to.calling.store(true, std::sync::atomic::Ordering::Relaxed);
         let resp = self.shared.call("decode", &**dec, path, &body).await;
-        // Answered, or failed: a drain sent now follows no call the decoder may still run.
-        owed.to.calling.store(false, std::sync::atomic::Ordering::Relaxed);
+        // A drain sent now follows no call the decoder may still run only if the call never
+        // reached it: a refusal from a proxy in front of it may come while it runs the request.
+        if resp.as_ref().is_err_and(|e| !e.maybe_sent()) {
+            owed.to.calling.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         slots = owed.to.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         engine_has_it(&mut slots, Some(grace));
         let resp = resp.inspect_err(|e| {

@@ -219,7 +219,21 @@ async fn a_prefiller_that_is_not_a_nixl_producer_is_named_in_the_error() {
 /// Either way the client gets the refusal naming the decode leg. Real vLLM: `tests/vllm.rs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_decode_frees_the_producers_blocks_once() {
-    let d = nixl_demo(Duration::ZERO, fast_scrape()).await;
+    // A long grace, so the slot's time is told apart from the drain's.
+    let grace = Duration::from_secs(1);
+    let d = start(DemoConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tp: 2,
+        handoff: Mode::VllmNixl,
+        gateway: GatewaySetup {
+            nixl: fast_scrape(),
+            limits: baton_gateway::handoff::Limits { cancel_grace: grace, ..Default::default() },
+            ..GatewaySetup::default()
+        },
+        ..DemoConfig::default()
+    })
+    .await
+    .unwrap();
     let decode = d.decode_addrs()[0];
     // (the decoder's own refusal, drains baton sends)
     for (i, (plain, expected)) in [(false, 0.0), (true, 1.0)].into_iter().enumerate() {
@@ -227,10 +241,20 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
         assert_eq!(http(decode, "/sim/faults", Some(&faults)).await.0, 200);
         let body = json!({"prompt": prompt(90, i), "max_tokens": 4, "min_tokens": 2});
         let (s, b) = http(d.addr, "/v1/completions", Some(&body)).await;
+        let refused = Instant::now();
         let text = String::from_utf8_lossy(&b);
         assert_eq!(s, 502, "plain={plain}: {text}");
         assert!(text.contains("503"), "plain={plain}: {text}");
         assert_nixl_clean(&d, Duration::from_secs(5)).await;
+        if plain {
+            // The drain waited the grace (the decoder may have begun the call the proxy
+            // refused), then gave the slot back as its own answer ended, not a grace later.
+            let back = refused.elapsed();
+            assert!(
+                back >= grace && back < grace * 2 - Duration::from_millis(300),
+                "slot back after {back:?}"
+            );
+        }
         let sent = drains(&d, "vllm-nixl", "sent").await;
         assert_eq!(sent, expected, "plain={plain}: drains sent");
     }
@@ -241,10 +265,11 @@ async fn a_refused_decode_frees_the_producers_blocks_once() {
         "{nixl_stats}"
     );
     assert_eq!(drains(&d, "vllm-nixl", "failed").await, 0.0);
-    // The drain's slot went back when its answer ended, not the cancel grace after (a real vLLM's
-    // refusal right after a drain found it still held in CI).
+    // The drain after the proxy's refusal (the decoder may have begun the call) waited the grace
+    // first, once; its slot went back when its own answer ended, not the grace after (a real
+    // vLLM's refusal right after a drain found it still held in CI).
     let lingered: u64 = d.gateway.decoders.iter().map(|x| x.queue.stats().lingered).sum();
-    assert_eq!(lingered, 0, "a drain answered in full held its slot for the grace");
+    assert_eq!(lingered, 1, "the drain's slot held the grace other than once, before the drain");
     d.shutdown().await;
 }
 

@@ -473,5 +473,12 @@ async fn python_prefillers_reserve_for_themselves_and_a_full_rank_is_retried() {
     assert_clean_at(admin_b).await;
     assert_engine_clean(decode.addr()).await;
     assert_engine_clean(prefill.addr()).await;
+    // Both forms reached both engines (each request's legs, retries included).
+    for engine in [prefill.addr(), decode.addr()] {
+        let (_, body) = http(engine, "/engine/stats", None).await;
+        let forms = &serde_json::from_slice::<Value>(&body).unwrap()["prompt_ids"];
+        let (json, base64) = (forms["json"].as_u64().unwrap_or(0), forms["base64"].as_u64().unwrap_or(0));
+        assert!(json >= 30 && base64 >= 30, "{engine}: the ids came as {forms}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -83,7 +83,8 @@ pub enum TokenIds {
     #[default]
     Json,
     /// Little-endian `u32`s in standard base64 (`contract::ids_base64`): an engine built on a data
-    /// plane older than this reads it as no ids, or refuses it, so this is the operator's choice.
+    /// plane older than this refuses it, and one that reads the array itself may misread it, so
+    /// this is the operator's choice.
     Base64,
 }
 
@@ -795,8 +796,9 @@ impl Native {
 }
 
 /// The `baton` field of an engine request, written as [`BatonParams`] is, the prompt's ids given as
-/// JSON written once per request: both legs' bodies copy the text (writing 1,024 ids as JSON for
-/// each leg was 6% of the gateway's CPU on a native request in the proxy benchmark's profile).
+/// JSON (an array or a base64 string, [`TokenIds`]) written once per request: both legs' bodies
+/// copy the text (writing 1,024 ids as JSON for each leg was 6% of the gateway's CPU on a native
+/// request in the proxy benchmark's profile).
 #[derive(Serialize)]
 struct Params<'a> {
     request_id: String,
@@ -812,7 +814,7 @@ struct Params<'a> {
     reserve: Option<contract::ReserveOrder>,
 }
 
-/// [`Params`] for `key`, its ids (`ids`: a JSON array of them).
+/// [`Params`] for `key`, its ids (`ids`: as the pool writes them, [`TokenIds::write`]).
 fn params<'a>(key: RequestKey, decoders: &'a [DecoderTarget], ids: &'a RawValue) -> Params<'a> {
     Params {
         request_id: format!("{:032x}", key.request.0),
