@@ -402,15 +402,18 @@ impl Shared {
     }
 
     /// Sends a drain decode (one token, for a request that ended between its prefill and its
-    /// decode) and drops its answer. Returns whether the decoder is done with it: it answered in
-    /// full, or never got it. A drain cut off or timed out may still run there.
+    /// decode) and drops its answer. `slots`, the request's slots of the decoder, are held while
+    /// it runs: they go back with the guard at once when the decoder answered in full or never got
+    /// the drain, and `cancel_grace` later when it was cut off or timed out (it may still run it).
     pub(crate) async fn drain<B: Serialize + ?Sized>(
         &self,
         decoder: &EngineUrl,
         path: &str,
         body: &B,
         counters: &Drains,
-    ) -> bool {
+        slots: &mut Option<crate::admission::SlotGuard>,
+    ) {
+        engine_has_it(slots, Some(self.limits.cancel_grace));
         counters.sent.fetch_add(1, Ordering::Relaxed);
         let (status, done) = match self.post(decoder, "drain", path, body, false).await {
             Ok(r) => {
@@ -425,7 +428,9 @@ impl Shared {
             counters.failed.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(decoder = %decoder, status, "drain decode failed; the engines keep what the request left until their own timeouts");
         }
-        done
+        if done {
+            engine_has_it(slots, None);
+        }
     }
 }
 

@@ -124,12 +124,7 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
         // the decoder: the decoder may still run it until it notices, in this same slot.
         s.wait_out(shared.limits.cancel_grace).await;
     }
-    engine_has_it(&mut slot, Some(shared.limits.cancel_grace));
-    if shared.drain(&to.decoder, to.path, &body, &to.counters).await {
-        // Answered in full: the decoder holds nothing of it, and the slot goes back now rather
-        // than after the grace.
-        engine_has_it(&mut slot, None);
-    }
+    shared.drain(&to.decoder, to.path, &body, &to.counters, &mut slot).await;
     drop(slot);
 }
 

@@ -35,7 +35,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{BoxError, Drains, LegError, Patched, RespBody, Retrying, engine_has_it, raw_json};
+use super::legs::{BoxError, Drains, LegError, Patched, RespBody, Retrying, raw_json};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -284,14 +284,9 @@ impl Drop for Holding {
                 let _ = e.wait(notify_deadline.unwrap_or_else(|| Instant::now() + longest)).await;
             }
             let body = d.over.body(&d.over.ids, DRAIN_OMIT, true).set("max_tokens", &1).set("stream", &false);
-            // A drain cut off or timed out may still run on the decoder: its slots are held the
-            // grace after, as an abandoned decode's are.
-            let mut slots = slots;
-            engine_has_it(&mut slots, Some(d.shared.limits.cancel_grace));
-            if d.shared.drain(&d.http, "/v1/completions", &body, &d.counters).await {
-                engine_has_it(&mut slots, None);
-            }
             // The slots go back only now: the decoder has retrieved (freed) the chunks.
+            let mut slots = slots;
+            d.shared.drain(&d.http, "/v1/completions", &body, &d.counters, &mut slots).await;
             drop(slots);
         });
     }
