@@ -12,7 +12,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures_util::future::Either;
 use tracing::Instrument;
 
 /// The header's name.
@@ -92,15 +91,14 @@ pub(crate) fn scope_sync<R>(id: RequestId, f: impl FnOnce() -> R) -> R {
 
 /// `fut` made to run as the current request's (its id, its log span and its trace), wherever it is
 /// spawned.
-///
-/// Combinators, not an `async` block, which would hold `fut` once per layer (see
-/// [`super::trace::scope`]).
 pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     let (id, trace) = (current(), super::trace::current());
-    let fut = super::trace::scope(trace, fut);
-    match id {
-        Some(id) => Either::Left(CURRENT.scope(id, fut)),
-        None => Either::Right(fut),
+    async move {
+        let fut = super::trace::scope(trace, fut);
+        match id {
+            Some(id) => CURRENT.scope(id, fut).await,
+            None => fut.await,
+        }
     }
     .instrument(tracing::Span::current())
 }

@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
-use futures_util::future::Either;
 use http_body_util::{BodyExt, Full};
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -530,13 +529,10 @@ pub fn current() -> Option<Arc<RequestTrace>> {
 }
 
 /// Runs `fut` with `trace` as its request's (when there is one).
-///
-/// A combinator, not an `async fn`: an `async fn` would hold `fut` twice (its argument and what it
-/// awaits) and copy it from one to the other, and a request's futures are kilobytes.
-pub fn scope<F: Future>(trace: Option<Arc<RequestTrace>>, fut: F) -> impl Future<Output = F::Output> {
+pub async fn scope<F: Future>(trace: Option<Arc<RequestTrace>>, fut: F) -> F::Output {
     match trace {
-        Some(t) => Either::Left(CURRENT.scope(t, fut)),
-        None => Either::Right(fut),
+        Some(t) => CURRENT.scope(t, fut).await,
+        None => fut.await,
     }
 }
 
