@@ -13,6 +13,10 @@
 //! - **a replica killed**: half-way through, one replica is killed with SIGKILL and started
 //!   again a second later.
 //!
+//! A client told to come back later (`Retry-After`, as on a `503 no_healthy_endpoint` while every
+//! engine of one side is out) waits before its next request, as the OpenAI SDKs do, but at most
+//! `BACKOFF_CAP` (200 ms, an engine's downtime) to keep the pace.
+//!
 //! Checked, and the run fails otherwise:
 //! - **no over-commit at any instant**: the engines' own counts, sampled every 10 ms and read
 //!   (their peaks) before every kill and at the end: the native decoder's ranks never hold more
@@ -25,7 +29,8 @@
 //!   readiness signal or a killed replica can cause, and nothing else;
 //! - **everything free afterwards**: every decoder rank's pages, the engines' cache blocks and
 //!   running requests, the NIXL producers' held blocks, and every replica's decoder slots, within
-//!   a few leases of the load's end.
+//!   a few leases of the load's end;
+//! - **most requests served**: at least half complete (85-92 % do here).
 //!
 //! The figures go to stdout as JSON (and to `BATON_SOAK_OUT` when set). The binaries are the
 //! workspace's own (`baton`, `baton-sim`), built beforehand
@@ -77,6 +82,10 @@ const LEASE_MS: u64 = 3000;
 const DOWN: Duration = Duration::from_millis(200);
 /// One READY in this many is lost.
 const DROP_READY_EVERY: u32 = 200;
+/// The longest a client waits after an answer with `Retry-After` before its next request: it
+/// honours the header, as the OpenAI SDKs do, but no longer than an engine stays down, to keep the
+/// soak's pace (the gateway asks for 1–2 s).
+const BACKOFF_CAP: Duration = DOWN;
 
 /// What a request may end as, besides a completion: the class and why it is expected.
 const EXPECTED: &[(&str, &str)] = &[
@@ -355,8 +364,8 @@ fn draw(i: u64, salt: u64, n: u64) -> u64 {
 enum End {
     Ok,
     Aborted,
-    /// Its class (`EXPECTED`'s first column, or something else).
-    Failed(String),
+    /// Its class (`EXPECTED`'s first column, or something else), and the answer's `Retry-After`.
+    Failed(String, Option<Duration>),
     Hung,
 }
 
@@ -379,17 +388,23 @@ async fn one(addr: SocketAddr, i: u64, limit: Duration, abort_every: u64) -> End
         body["stream"] = json!(true);
     }
     let work = async {
-        let s = tokio::net::TcpStream::connect(addr).await.map_err(|_| "connect".to_owned())?;
-        let (mut send, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(s)).await.map_err(|_| "connect".to_owned())?;
+        let s = tokio::net::TcpStream::connect(addr).await.map_err(|_| ("connect".to_owned(), None))?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+            .await
+            .map_err(|_| ("connect".to_owned(), None))?;
         tokio::spawn(conn);
         let req = hyper::Request::post(path)
             .header("host", addr.to_string())
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
             .unwrap();
-        let res = send.send_request(req).await.map_err(|_| "connect".to_owned())?;
+        let res = send.send_request(req).await.map_err(|_| ("connect".to_owned(), None))?;
         let status = res.status().as_u16();
+        let retry_after = res
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .map(Duration::from_secs);
         let bytes = res.into_body().collect().await.map(|b| b.to_bytes());
         match (status, bytes) {
             (200, Ok(b)) => {
@@ -398,14 +413,14 @@ async fn one(addr: SocketAddr, i: u64, limit: Duration, abort_every: u64) -> End
                 } else {
                     serde_json::from_slice::<Value>(&b).is_ok_and(|v| v["choices"].is_array())
                 };
-                if whole { Ok(()) } else { Err("cut".to_owned()) }
+                if whole { Ok(()) } else { Err(("cut".to_owned(), None)) }
             }
-            (200, Err(_)) => Err("cut".to_owned()),
+            (200, Err(_)) => Err(("cut".to_owned(), None)),
             (s, Ok(b)) => {
                 let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
-                Err(format!("{s} {}", v["error"]["code"].as_str().unwrap_or("(no code)")))
+                Err((format!("{s} {}", v["error"]["code"].as_str().unwrap_or("(no code)")), retry_after))
             }
-            (s, Err(_)) => Err(format!("{s} (body cut)")),
+            (s, Err(_)) => Err((format!("{s} (body cut)"), retry_after)),
         }
     };
     if abort {
@@ -413,13 +428,13 @@ async fn one(addr: SocketAddr, i: u64, limit: Duration, abort_every: u64) -> End
         let after = Duration::from_millis(draw(i, 6, 40));
         return match tokio::time::timeout(after, work).await {
             Ok(Ok(())) => End::Ok,
-            Ok(Err(class)) => End::Failed(class),
+            Ok(Err((class, retry))) => End::Failed(class, retry),
             Err(_) => End::Aborted,
         };
     }
     match tokio::time::timeout(limit * 2, work).await {
         Ok(Ok(())) => End::Ok,
-        Ok(Err(class)) => End::Failed(class),
+        Ok(Err((class, retry))) => End::Failed(class, retry),
         Err(_) => End::Hung,
     }
 }
@@ -590,18 +605,27 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
                 let t = Instant::now();
                 let end = one(addr, i, limit, abort_every).await;
                 let took = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let mut wait = None;
                 let class = match end {
                     End::Ok => {
                         lat.lock().unwrap().push(took);
                         "ok".to_owned()
                     }
                     End::Aborted => "aborted by the client".to_owned(),
-                    End::Failed(c) => c,
+                    End::Failed(c, retry) => {
+                        wait = retry.map(|r| r.min(BACKOFF_CAP));
+                        c
+                    }
                     End::Hung => "hung".to_owned(),
                 };
                 longest.fetch_max(took, Ordering::Relaxed);
                 *classes.lock().unwrap().entry(class).or_default() += 1;
                 done.fetch_add(1, Ordering::Relaxed);
+                // Told to come back later: not before the next request (without it, a moment
+                // with every engine of a side out burns thousands of requests on fast 503s).
+                if let Some(w) = wait {
+                    tokio::time::sleep(w).await;
+                }
             }
         }));
     }
@@ -762,7 +786,9 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
         ));
     }
     let ok = classes.get("ok").copied().unwrap_or(0);
-    if ok < requests / 3 {
+    // Each fault costs some requests (a tenth are aborted by their clients besides); with the
+    // clients honouring `Retry-After`, a run here completes 85-92 % of them.
+    if ok < requests / 2 {
         failures.push(format!("only {ok} of {requests} requests completed"));
     }
     let es = engines.lock().unwrap();

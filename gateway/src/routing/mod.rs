@@ -733,9 +733,28 @@ impl Health {
         self.ejected_until.store(0, Ordering::Relaxed);
     }
 
-    /// The result of an active health check.
+    /// The result of an active health check. A check that passes after one failed saw the engine
+    /// come back (restarted, most often): an open breaker turns half-open at once, its probe
+    /// available now, rather than waiting out a span the failed probes of its downtime may have
+    /// doubled several times. The probe still decides: a restarted engine that fails it is
+    /// ejected again, for twice as long (its ejections are forgotten only when a probe succeeds).
     pub fn checked(&self, ok: bool) {
-        self.check_down.store(!ok, Ordering::Relaxed);
+        let was_down = self.check_down.swap(!ok, Ordering::Relaxed);
+        if ok && was_down {
+            let until = self.ejected_until.load(Ordering::Relaxed);
+            if self.breaker_at(until) == Breaker::Open {
+                // Ended now (never 0, which is a closed breaker); a failure that opened it again
+                // meanwhile stands.
+                let now = self.now_ms().max(1);
+                if self
+                    .ejected_until
+                    .compare_exchange(until, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    self.next_probe.store(0, Ordering::Relaxed);
+                }
+            }
+        }
     }
 }
 
@@ -1061,5 +1080,49 @@ mod tests {
         h.readdressed();
         h.checked(false);
         assert!(!h.routable());
+    }
+
+    /// An engine ejected while it was down (its failed probes doubling the span) and seen back by
+    /// the active check is offered a probe at once; the probe decides, and a failed one ejects it
+    /// for twice as long, past the checks that keep passing.
+    #[test]
+    fn a_check_that_sees_the_engine_back_ends_its_ejection() {
+        let cfg = HealthConfig {
+            eject_after_failures: 1,
+            eject_for: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let h = Health::default();
+        assert!(h.failure(&cfg));
+        h.checked(false);
+        assert!(!h.routable());
+        h.checked(false);
+        assert_eq!(h.breaker(), Breaker::Open, "still down: the ejection stands");
+        h.checked(true);
+        assert_eq!(h.breaker(), Breaker::HalfOpen, "back: half-open now, not in 10 s");
+        assert!(h.routable(), "its probe may go at once");
+        h.chosen(&cfg);
+        assert!(!h.routable(), "one probe");
+        // The probe fails: open again for twice the span; passing checks do not end it.
+        assert!(h.failure(&cfg));
+        assert!(h.open_for_ms() > 10_000, "doubled: {}", h.open_for_ms());
+        h.checked(true);
+        h.checked(true);
+        assert_eq!(h.breaker(), Breaker::Open, "no down-then-up: the probe's verdict stands");
+        // Down and back again: another probe, which succeeds and closes it.
+        h.checked(false);
+        h.checked(true);
+        assert!(h.routable());
+        h.chosen(&cfg);
+        h.success();
+        assert_eq!(h.breaker(), Breaker::Closed);
+        assert!(h.failure(&cfg));
+        assert!(h.open_for_ms() <= 10_000, "a good probe forgot the ejections: {}", h.open_for_ms());
+        // A breaker opened by passive failures alone, with every check passing: the span stands.
+        let h = Health::default();
+        h.checked(true);
+        assert!(h.failure(&cfg));
+        h.checked(true);
+        assert_eq!(h.breaker(), Breaker::Open);
     }
 }
