@@ -30,6 +30,8 @@
 //! - **everything free afterwards**: every decoder rank's pages, the engines' cache blocks and
 //!   running requests, the NIXL producers' held blocks, and every replica's decoder slots, within
 //!   a few leases of the load's end;
+//! - **a restarted engine back in routing**: the two replicas never killed offer it requests
+//!   again (breaker not open, health check passing) within `READMIT_WITHIN` of its restart;
 //! - **most requests served**: at least half complete (85-92 % do here).
 //!
 //! The figures go to stdout as JSON (and to `BATON_SOAK_OUT` when set). The binaries are the
@@ -86,6 +88,9 @@ const DROP_READY_EVERY: u32 = 200;
 /// honours the header, as the OpenAI SDKs do, but no longer than an engine stays down, to keep the
 /// soak's pace (the gateway asks for 1–2 s).
 const BACKOFF_CAP: Duration = DOWN;
+/// A restarted engine is offered requests again (breaker not open, health check passing) by every
+/// replica never killed within this: ten health-check intervals.
+const READMIT_WITHIN: Duration = Duration::from_millis(2000);
 
 /// What a request may end as, besides a completion: the class and why it is expected.
 const EXPECTED: &[(&str, &str)] = &[
@@ -439,6 +444,38 @@ async fn one(addr: SocketAddr, i: u64, limit: Duration, abort_every: u64) -> End
     }
 }
 
+/// How long after its restart engine `i` is offered requests by every replica in `admins` (its
+/// breaker not open, its health check passing): `Some(None)` past `READMIT_WITHIN`, `None` when
+/// it was killed again first.
+async fn readmitted(
+    admins: [SocketAddr; 2],
+    engines: Arc<Mutex<Vec<Engine>>>,
+    i: usize,
+) -> (String, Option<Option<Duration>>) {
+    let t = Instant::now();
+    let (name, crashes) = {
+        let e = &engines.lock().unwrap()[i];
+        (e.name.clone(), e.crashes)
+    };
+    while t.elapsed() < READMIT_WITHIN {
+        if engines.lock().unwrap()[i].crashes != crashes {
+            return (name, None);
+        }
+        let mut all = true;
+        for a in admins {
+            let v = get_json(a, "/admin/engines").await;
+            let e =
+                v.as_ref().and_then(|v| v["engines"].as_array()?.iter().find(|e| e["name"] == name.as_str()));
+            all &= e.is_some_and(|e| e["breaker"] != "open" && e["health_check"] == "passing");
+        }
+        if all {
+            return (name, Some(Some(t.elapsed())));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (name, Some(None))
+}
+
 /// A GET's JSON (or its text), `None` when it fails or takes over 2 s (an engine just killed).
 async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
     tokio::time::timeout(Duration::from_secs(2), get_json_now(addr, path)).await.ok().flatten()
@@ -543,6 +580,8 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
     let file = config(&dir, &[&engines[0], &engines[1]], &engines[2], &engines[3], &store);
     let engines = Arc::new(Mutex::new(engines));
     let mut replicas: Vec<Replica> = (0..3).map(|_| replica(&file)).collect();
+    // The replicas never killed (1 is), whose view of a restarted engine is timed.
+    let steady = [replicas[0].admin, replicas[2].admin];
     let publics: Arc<Mutex<Vec<Option<SocketAddr>>>> =
         Arc::new(Mutex::new(replicas.iter().map(|r| Some(r.public)).collect()));
     let limit = Duration::from_millis(QUEUE_TIMEOUT_MS + UPSTREAM_TIMEOUT_MS + 1000);
@@ -633,6 +672,7 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
     // The faults: an engine crash every `crash_every` requests, in turn; one replica killed
     // half-way and started again a second later.
     let mut crash_no = 0u64;
+    let mut readmits = Vec::new();
     let mut replica_killed = false;
     let mut replica_down_for = Duration::ZERO;
     loop {
@@ -670,6 +710,7 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
             tokio::time::sleep(DOWN).await;
             let es = Arc::clone(&engines);
             tokio::task::spawn_blocking(move || es.lock().unwrap()[i].start()).await.unwrap();
+            readmits.push(tokio::spawn(readmitted(steady, Arc::clone(&engines), i)));
         }
         if !replica_killed && issued >= requests / 2 {
             replica_killed = true;
@@ -688,6 +729,16 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
     for c in clients {
         c.await.unwrap();
     }
+    let mut readmit_ms = Vec::new();
+    let mut not_readmitted = Vec::new();
+    for r in readmits {
+        match r.await.unwrap() {
+            (_, Some(Some(took))) => readmit_ms.push(u64::try_from(took.as_millis()).unwrap_or(u64::MAX)),
+            (name, Some(None)) => not_readmitted.push(name),
+            (_, None) => {} // killed again first
+        }
+    }
+    readmit_ms.sort_unstable();
     let load_took = started.elapsed();
     let load_end = Instant::now();
 
@@ -785,6 +836,11 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
             load_end.elapsed()
         ));
     }
+    if !not_readmitted.is_empty() {
+        failures.push(format!(
+            "restarted engines not offered requests again within {READMIT_WITHIN:?}: {not_readmitted:?}"
+        ));
+    }
     let ok = classes.get("ok").copied().unwrap_or(0);
     // Each fault costs some requests (a tenth are aborted by their clients besides); with the
     // clients honouring `Retry-After`, a run here completes 85-92 % of them.
@@ -831,6 +887,13 @@ async fn soak(requests: u64, crash_every: u64) -> Result<Value, Skip> {
             "violations": violations.len(),
         },
         "everything_free_after_s": free_after.map(|d| d.as_secs_f64()),
+        "restarted_engine_routed_again_ms": {
+            "restarts": readmit_ms.len() + not_readmitted.len(),
+            "p50": readmit_ms.get(readmit_ms.len() / 2),
+            "max": readmit_ms.last(),
+            "not_within_limit": not_readmitted,
+            "limit_ms": u64::try_from(READMIT_WITHIN.as_millis()).unwrap_or(0),
+        },
         "replicas": replica_metrics,
         "failures": failures,
     });
