@@ -1084,8 +1084,8 @@ mod tests {
         assert!(!h.routable());
     }
 
-    /// An engine ejected while it was down (its failed probes doubling the span) and seen back by
-    /// the active check is offered a probe at once; the probe decides, and a failed one ejects it
+    /// An engine ejected for a long span (10 s here) and seen back by the active check after one
+    /// saw it down is offered a probe at once; the probe decides, and a failed one ejects it
     /// for twice as long, past the checks that keep passing.
     #[test]
     fn a_check_that_sees_the_engine_back_ends_its_ejection() {
