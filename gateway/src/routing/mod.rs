@@ -488,8 +488,9 @@ pub enum Breaker {
     /// Ejected after consecutive failures: no request is routed to it until the span ends, or a
     /// health check sees the engine back after one saw it down ([`Health::checked`]).
     Open,
-    /// The span ended (or the engine was seen back): one request at a time probes it (one per [`HealthConfig::probe_every`]); a
-    /// success closes the breaker, a failure opens it again for twice as long.
+    /// The span ended (or the engine was seen back): one request at a time probes it (one per
+    /// [`HealthConfig::probe_every`]); a success closes the breaker, a failure opens it again for
+    /// twice as long.
     HalfOpen,
 }
 
@@ -737,9 +738,9 @@ impl Health {
     /// The result of an active health check. A check that passes after one failed saw the engine
     /// come back (restarted, most often): an open breaker turns half-open at once, its probe
     /// available now, rather than waiting out the rest of its span (which failures of requests
-    /// sent before it died may have doubled). The probe still decides: a restarted engine that fails it is
-    /// ejected again, for twice as long (its ejections are forgotten when a probe succeeds, or when
-    /// its name moves to other addresses).
+    /// sent before it died may have doubled). The probe still decides: a restarted engine that
+    /// fails it is ejected again, for twice as long (its ejections are forgotten when a probe
+    /// succeeds, or when its name moves to other addresses).
     pub fn checked(&self, ok: bool) {
         let was_down = self.check_down.swap(!ok, Ordering::Relaxed);
         if ok && was_down {
