@@ -7,7 +7,7 @@ use std::borrow::Borrow;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
@@ -295,10 +295,11 @@ impl Shared {
         path: &str,
         body: &B,
     ) -> Result<Response<Incoming>, LegError> {
+        let sent = Instant::now();
         match self.post(to.peer().http, leg, path, body, false).await {
-            Ok(resp) => self.accept(leg, to, resp).await,
+            Ok(resp) => self.accept(leg, to, resp, sent).await,
             Err(source) => {
-                self.failed(to);
+                self.failed(to, sent);
                 Err(LegError::Unanswered { leg, source })
             }
         }
@@ -316,22 +317,23 @@ impl Shared {
         Ok(resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default())
     }
 
-    /// An engine's answer: a 200 marks the engine healthy; any other status is its refusal, its
-    /// body read (a 5xx counts against the engine).
+    /// An engine's answer to a call sent at `sent`: a 200 marks the engine healthy; any other
+    /// status is its refusal, its body read (a 5xx counts against the engine).
     pub(crate) async fn accept(
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
         resp: Response<Incoming>,
+        sent: Instant,
     ) -> Result<Response<Incoming>, LegError> {
         if resp.status() == 200 {
-            to.peer().health.success();
+            to.peer().health.success(sent);
             return Ok(resp);
         }
         let status = resp.status().as_u16();
         let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
         if status >= 500 {
-            self.failed(to);
+            self.failed(to, sent);
         }
         Err(LegError::Refused { leg, status, body })
     }
@@ -342,15 +344,17 @@ impl Shared {
         leg: &'static str,
         to: &(impl Engine + ?Sized),
         resp: Response<Incoming>,
+        sent: Instant,
     ) -> Result<Bytes, LegError> {
-        let resp = self.accept(leg, to, resp).await?;
+        let resp = self.accept(leg, to, resp, sent).await?;
         Ok(resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default())
     }
 
-    /// Counts a failure against an engine (passive health).
-    pub(crate) fn failed(&self, to: &(impl Engine + ?Sized)) {
+    /// Counts the failure of a call sent at `sent` against an engine (passive health; a call sent
+    /// before the engine's last ejection or return counts for nothing, [`crate::routing::Health::stale`]).
+    pub(crate) fn failed(&self, to: &(impl Engine + ?Sized), sent: Instant) {
         let peer = to.peer();
-        if peer.health.failure(&self.health) {
+        if peer.health.failure(&self.health, sent) {
             tracing::warn!(endpoint = peer.name, "ejected after consecutive failures");
         }
     }
@@ -386,8 +390,9 @@ impl Shared {
                 Ok(resp) => return Ok((prefill, resp, in_flight)),
                 Err(source) => LegError::Unanswered { leg: "prefill", source },
             };
+            let sent_at = in_flight.since();
             drop(in_flight);
-            self.failed(prefill);
+            self.failed(prefill, sent_at);
             seen |= failure.maybe_sent();
             *sent = seen;
             if attempt + 1 >= prefills.len()

@@ -405,7 +405,7 @@ async fn prefill_task(
     let mut sent = false;
     let retry = Retrying { answered: true, retried };
     let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, retry).await?;
-    let b = shared.answer("prefill", p, resp).await;
+    let b = shared.answer("prefill", p, resp, in_flight.since()).await;
     drop(in_flight);
     let a: PrefillAnswer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
         leg: "prefill",

@@ -187,8 +187,9 @@ impl Sglang {
         let prefill = prefills.first().ok_or(GatewayError::NoEndpoint("prefill"))?;
         // A prefiller whose bootstrap port cannot be learned got no generation request: another
         // may take it.
+        let asked = Instant::now();
         let port = self.bootstrap_port(prefill).await.inspect_err(|_| {
-            shared.failed(*prefill);
+            shared.failed(*prefill, asked);
             let _ = retry.set(Unstarted::Prefill(prefill.name.clone()));
         })?;
         let Bodies { decode: decode_body, prefill: prefill_body, rid } =
@@ -220,6 +221,7 @@ impl Sglang {
         // The decode leg in its own task too, so a failed prefill can abort it while it waits.
         engine_has_it(&mut slots, Some(shared.limits.cancel_grace));
         let decoder = Arc::clone(dec);
+        let decode_sent = Instant::now();
         let mut decode = shared.spawn(async move {
             // Health is counted by the request that waits for this answer, not here: an answer
             // that comes after the request was abandoned says nothing of the decoder.
@@ -265,14 +267,16 @@ impl Sglang {
             }
         };
         let resp = match resp {
-            Ok(Some(Ok(answer))) => shared.accept("decode", &**dec, answer).await.inspect_err(|e| {
-                if !e.may_run_on() {
-                    engine_has_it(&mut slots, None);
-                }
-                replaceable(e);
-            })?,
+            Ok(Some(Ok(answer))) => {
+                shared.accept("decode", &**dec, answer, decode_sent).await.inspect_err(|e| {
+                    if !e.may_run_on() {
+                        engine_has_it(&mut slots, None);
+                    }
+                    replaceable(e);
+                })?
+            }
             Ok(Some(Err(e))) => {
-                shared.failed(&**dec);
+                shared.failed(&**dec, decode_sent);
                 let e = LegError::Unanswered { leg: "decode", source: e };
                 if !e.may_run_on() {
                     engine_has_it(&mut slots, None);
@@ -287,7 +291,7 @@ impl Sglang {
                 });
             }
             Err(e) => {
-                shared.failed(&**dec);
+                shared.failed(&**dec, decode_sent);
                 return Err(GatewayError::Upstream {
                     leg: "decode",
                     message: format!("decode call task: {e}"),

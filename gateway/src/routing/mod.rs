@@ -529,6 +529,10 @@ pub struct Health {
     ejected_until: AtomicU64,
     /// While half-open: milliseconds after `epoch` from which the next probe may go.
     next_probe: AtomicU64,
+    /// Nanoseconds after `epoch` when the engine last began a new life as passive health sees it:
+    /// its breaker opened, a health check saw it back, or its name moved. A request sent before
+    /// then says nothing of it now: its success or failure is not counted ([`Health::stale`]).
+    since_ns: AtomicU64,
     /// The last active check failed.
     check_down: AtomicBool,
     in_flight: AtomicU32,
@@ -548,6 +552,7 @@ impl Default for Health {
             ejections: AtomicU32::new(0),
             ejected_until: AtomicU64::new(0),
             next_probe: AtomicU64::new(0),
+            since_ns: AtomicU64::new(0),
             check_down: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
@@ -563,6 +568,13 @@ impl Default for Health {
 pub struct InFlight<'a> {
     health: &'a Health,
     since: Instant,
+}
+
+impl InFlight<'_> {
+    /// When the request was sent to the endpoint.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
 }
 
 impl Drop for InFlight<'_> {
@@ -681,10 +693,31 @@ impl Health {
         self.latency_us.load(Ordering::Relaxed)
     }
 
-    /// A request succeeded on the endpoint: the failures in a row start over, and a half-open
-    /// breaker closes. While it is open the success is of a request sent before it opened, and
+    /// Nanoseconds after `epoch` at `at`.
+    fn ns(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Marks the start of the engine's new life: results of requests sent before now are stale.
+    fn renewed(&self) {
+        self.since_ns.fetch_max(self.ns(Instant::now()), Ordering::Relaxed);
+    }
+
+    /// A request sent at `sent` was sent before the engine's breaker last opened, before a health
+    /// check last saw it come back, or before its name last moved: its outcome is of the engine's
+    /// earlier life (a request cut off when it died, answered by its old process or address), and
+    /// counts neither for nor against it now.
+    pub fn stale(&self, sent: Instant) -> bool {
+        self.ns(sent) < self.since_ns.load(Ordering::Relaxed)
+    }
+
+    /// A request sent at `sent` succeeded on the endpoint: the failures in a row start over, and a
+    /// half-open breaker closes. A request sent before the breaker opened ([`Health::stale`])
     /// changes nothing: the probe decides.
-    pub fn success(&self) {
+    pub fn success(&self, sent: Instant) {
+        if self.stale(sent) {
+            return;
+        }
         let until = self.ejected_until.load(Ordering::Relaxed);
         match self.breaker_at(until) {
             Breaker::Open => {}
@@ -700,11 +733,16 @@ impl Health {
         }
     }
 
-    /// A request failed because of the endpoint; returns true when this failure opened its
-    /// breaker (ejected it): the `eject_after_failures`th in a row, or any while it is half-open
-    /// (a failed probe). While it is open, a failure is of a request sent before it opened and
-    /// counts for nothing; of failures at the same instant, one opens it.
-    pub fn failure(&self, cfg: &HealthConfig) -> bool {
+    /// A request sent at `sent` failed because of the endpoint; returns true when this failure
+    /// opened its breaker (ejected it): the `eject_after_failures`th in a row, or any while it is
+    /// half-open (a failed probe). A request sent before the breaker last opened, or before a check
+    /// last saw the engine come back ([`Health::stale`]), counts for nothing: its failure is of the
+    /// engine's earlier life, and would otherwise re-eject, for twice as long, an engine that just
+    /// came back. Of failures at the same instant, one opens it.
+    pub fn failure(&self, cfg: &HealthConfig, sent: Instant) -> bool {
+        if self.stale(sent) {
+            return false;
+        }
         let until = self.ejected_until.load(Ordering::Relaxed);
         let state = self.breaker_at(until);
         if state == Breaker::Open {
@@ -721,6 +759,7 @@ impl Health {
         if self.ejected_until.compare_exchange(until, open, Ordering::Relaxed, Ordering::Relaxed).is_err() {
             return false;
         }
+        self.renewed();
         self.failures.store(0, Ordering::Relaxed);
         self.ejections.fetch_add(1, Ordering::Relaxed);
         self.ejected_total.fetch_add(1, Ordering::Relaxed);
@@ -730,6 +769,7 @@ impl Health {
     /// The engine's name now has other addresses: what passive checks held against the old
     /// ones (failures, an ejection) is forgotten; the active check decides.
     pub fn readdressed(&self) {
+        self.renewed();
         self.failures.store(0, Ordering::Relaxed);
         self.ejections.store(0, Ordering::Relaxed);
         self.ejected_until.store(0, Ordering::Relaxed);
@@ -737,13 +777,14 @@ impl Health {
 
     /// The result of an active health check. A check that passes after one failed saw the engine
     /// come back (restarted, most often): an open breaker turns half-open at once, its probe
-    /// available now, rather than waiting out the rest of its span (which failures of requests
-    /// sent before it died may have doubled). The probe still decides: a restarted engine that
-    /// fails it is ejected again, for twice as long (its ejections are forgotten when a probe
-    /// succeeds, or when its name moves to other addresses).
+    /// available now, rather than waiting out the rest of its span. Requests sent before then
+    /// are stale ([`Health::stale`]): their outcomes are of the engine's earlier life. The probe
+    /// decides: a restarted engine that fails it is ejected again, for twice as long (its
+    /// ejections are forgotten when a probe succeeds, or when its name moves to other addresses).
     pub fn checked(&self, ok: bool) {
         let was_down = self.check_down.swap(!ok, Ordering::Relaxed);
         if ok && was_down {
+            self.renewed();
             let until = self.ejected_until.load(Ordering::Relaxed);
             if self.breaker_at(until) == Breaker::Open {
                 // Ended now (never 0, which is a closed breaker); a failure that opened it again
@@ -1004,18 +1045,18 @@ mod tests {
             ..Default::default()
         };
         let h = Health::default();
-        assert!(!h.failure(&cfg));
-        assert!(!h.failure(&cfg));
-        h.success();
-        assert!(!h.failure(&cfg));
-        assert!(!h.failure(&cfg));
+        assert!(!h.failure(&cfg, Instant::now()));
+        assert!(!h.failure(&cfg, Instant::now()));
+        h.success(Instant::now());
+        assert!(!h.failure(&cfg, Instant::now()));
+        assert!(!h.failure(&cfg, Instant::now()));
         assert!(h.healthy());
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         assert!(!h.healthy());
         assert_eq!(h.ejected_total.load(Ordering::Relaxed), 1);
         let short = HealthConfig { eject_after_failures: 1, eject_for: Duration::ZERO, ..cfg };
         let h = Health::default();
-        assert!(h.failure(&short));
+        assert!(h.failure(&short, Instant::now()));
         assert!(h.healthy(), "a zero ejection ends at once");
         h.checked(false);
         assert!(!h.healthy());
@@ -1043,17 +1084,21 @@ mod tests {
         assert_eq!(h.breaker(), Breaker::Closed);
         h.chosen(&cfg);
         assert!(h.routable(), "closed: every request");
-        assert!(!h.failure(&cfg));
-        assert!(h.failure(&cfg));
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(!h.failure(&cfg, Instant::now()));
+        assert!(h.failure(&cfg, Instant::now()));
         assert_eq!(h.breaker(), Breaker::Open);
         assert!(!h.healthy() && !h.routable());
         assert!(h.open_for_ms() > 0 && h.open_for_ms() <= 40);
         // Requests sent before it opened end while it is open: their failures and successes
-        // change nothing (no second ejection, no early close).
-        for _ in 0..5 {
-            assert!(!h.failure(&cfg));
+        // change nothing (no second ejection, no early close); nor do those of any sent while it
+        // is open.
+        for sent in [before, Instant::now()] {
+            assert!(!h.failure(&cfg, sent));
+            assert!(!h.failure(&cfg, sent));
+            h.success(sent);
         }
-        h.success();
         assert_eq!((h.breaker(), h.ejected_total.load(Ordering::Relaxed)), (Breaker::Open, 1));
         std::thread::sleep(Duration::from_millis(45));
         assert_eq!(h.breaker(), Breaker::HalfOpen);
@@ -1062,7 +1107,7 @@ mod tests {
         h.chosen(&cfg);
         assert!(!h.routable(), "one probe per probe_every");
         // The probe fails: open again at once (not after two failures), for twice as long.
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         assert_eq!(h.breaker(), Breaker::Open);
         assert!(h.open_for_ms() > 40, "doubled: {}", h.open_for_ms());
         std::thread::sleep(Duration::from_millis(85));
@@ -1070,13 +1115,13 @@ mod tests {
         std::thread::sleep(Duration::from_millis(45));
         assert!(h.routable(), "a probe again once probe_every has passed");
         h.chosen(&cfg);
-        h.success();
+        h.success(Instant::now());
         assert_eq!(h.breaker(), Breaker::Closed);
         h.chosen(&cfg);
         assert!(h.routable());
         // Closed again, the count starts over and the span is the first one's.
-        assert!(!h.failure(&cfg));
-        assert!(h.failure(&cfg));
+        assert!(!h.failure(&cfg, Instant::now()));
+        assert!(h.failure(&cfg, Instant::now()));
         assert!(h.open_for_ms() <= 40);
         assert_eq!(h.ejected_total.load(Ordering::Relaxed), 3);
         // A failing health check keeps even a closed breaker's engine out.
@@ -1096,7 +1141,7 @@ mod tests {
             ..Default::default()
         };
         let h = Health::default();
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         h.checked(false);
         assert!(!h.routable());
         h.checked(false);
@@ -1107,7 +1152,7 @@ mod tests {
         h.chosen(&cfg);
         assert!(!h.routable(), "one probe");
         // The probe fails: open again for twice the span; passing checks do not end it.
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         assert!(h.open_for_ms() > 10_000, "doubled: {}", h.open_for_ms());
         h.checked(true);
         h.checked(true);
@@ -1117,15 +1162,61 @@ mod tests {
         h.checked(true);
         assert!(h.routable());
         h.chosen(&cfg);
-        h.success();
+        h.success(Instant::now());
         assert_eq!(h.breaker(), Breaker::Closed);
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         assert!(h.open_for_ms() <= 10_000, "a good probe forgot the ejections: {}", h.open_for_ms());
         // A breaker opened by passive failures alone, with every check passing: the span stands.
         let h = Health::default();
         h.checked(true);
-        assert!(h.failure(&cfg));
+        assert!(h.failure(&cfg, Instant::now()));
         h.checked(true);
         assert_eq!(h.breaker(), Breaker::Open);
+    }
+
+    /// A request sent before the engine died fails late (a transfer that timed out, a 504), after
+    /// a health check saw the engine back and while its breaker is half-open: the failure is of
+    /// the engine's earlier life and does not re-eject it; nor does a late success close the
+    /// breaker. The probe, sent after, decides.
+    #[test]
+    fn a_late_answer_from_before_the_engine_came_back_is_not_its_probe() {
+        let cfg = HealthConfig {
+            eject_after_failures: 1,
+            eject_for: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let h = Health::default();
+        let cut_off = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(h.failure(&cfg, Instant::now()));
+        h.checked(false);
+        h.checked(true);
+        assert_eq!(h.breaker(), Breaker::HalfOpen);
+        assert!(h.stale(cut_off) && !h.stale(Instant::now()));
+        assert!(!h.failure(&cfg, cut_off), "a stale failure is not a failed probe");
+        assert_eq!(h.breaker(), Breaker::HalfOpen);
+        h.success(cut_off);
+        assert_eq!(h.breaker(), Breaker::HalfOpen, "a stale success is not a good probe");
+        assert!(h.routable());
+        h.chosen(&cfg);
+        let probe = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(h.failure(&cfg, probe), "the probe's failure re-opens it");
+        assert!(h.open_for_ms() > 10_000, "for twice as long: {}", h.open_for_ms());
+        assert!(h.stale(probe), "sent before the breaker last opened");
+        // A check that sees the engine back makes earlier requests stale even when its breaker
+        // never opened: their failures do not count towards an ejection.
+        let cfg = HealthConfig { eject_after_failures: 2, ..cfg };
+        let h = Health::default();
+        let cut_off = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        h.checked(false);
+        h.checked(true);
+        for _ in 0..3 {
+            assert!(!h.failure(&cfg, cut_off));
+        }
+        assert_eq!((h.breaker(), h.failures()), (Breaker::Closed, 0));
+        assert!(!h.failure(&cfg, Instant::now()));
+        assert!(h.failure(&cfg, Instant::now()), "failures sent since count as before");
     }
 }

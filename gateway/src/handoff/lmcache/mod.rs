@@ -483,7 +483,7 @@ impl Lmcache {
         let (prefill, resp, in_flight) =
             shared.prefill(prefills, "/v1/completions", body, &mut holding.sent, true, retry).await?;
         holding.notify_deadline = Some(Instant::now() + shared.limits.ready_timeout);
-        let bytes = shared.answer("prefill", prefill, resp).await.inspect_err(|e| {
+        let bytes = shared.answer("prefill", prefill, resp, in_flight.since()).await.inspect_err(|e| {
             if let LegError::Refused { status: 400..=499, .. } = e {
                 // vLLM refuses a request (4xx) before scheduling it: nothing was written into the
                 // decoder's buffer, so no drain is owed and the slots come back at once.

@@ -278,6 +278,7 @@ impl Native {
         // cancel it (cancel is idempotent), or the pages would wait out the whole lease.
         life.reserved = true;
         loop {
+            let asked = Instant::now();
             match self.ranks.reserve(life.key, chunks, limits.lease, &[]).await {
                 Ok(Some(a)) => return Ok(a),
                 Ok(None) if Instant::now() < give_up => {
@@ -297,7 +298,7 @@ impl Native {
                     return Err(GatewayError::QueueTimeout(Waited::Pages { decoder: dec.name.clone() }));
                 }
                 Err(e) => {
-                    self.shared.failed(dec);
+                    self.shared.failed(dec, asked);
                     return Err(GatewayError::Upstream { leg: "decoder data plane", message: e.to_string() });
                 }
             }
@@ -605,7 +606,7 @@ impl Native {
             drop(in_flight);
             return Ok(Prefilled::Busy);
         }
-        let answered = shared.answer("prefill", prefill, resp).await;
+        let answered = shared.answer("prefill", prefill, resp, in_flight.since()).await;
         drop(in_flight);
         answered.map(|_| Prefilled::Done).map_err(GatewayError::from)
     }
@@ -653,6 +654,7 @@ impl Native {
             let sent = &mut life.sent;
             let prefill = self.prefill(prefills, path, &body, sent, retried);
             let decode = async {
+                let decode_sent = Instant::now();
                 match shared.post_within(dec.peer().http, "decode", path, &decode_body, backstop, false).await
                 {
                     // The decoder's word on the KV it waited for: the transfer's failure, not the
@@ -662,9 +664,9 @@ impl Native {
                         let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
                         Err(LegError::Refused { leg: "decode", status, body })
                     }
-                    Ok(resp) => shared.accept("decode", dec, resp).await,
+                    Ok(resp) => shared.accept("decode", dec, resp, decode_sent).await,
                     Err(source) => {
-                        shared.failed(dec);
+                        shared.failed(dec, decode_sent);
                         Err(LegError::Unanswered { leg: "decode", source })
                     }
                 }
