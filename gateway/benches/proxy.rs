@@ -28,7 +28,11 @@
 //! c=16 streamed time to the first token (4 tokens) straight, through nginx and through baton; and
 //! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run, and each apart),
 //! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
-//! wherever baton is.
+//! wherever baton is. During each c=16 TTFT run, every process's CPU a request (`cpu_us_per_request`:
+//! the front, the engines, the load): in layout B they share one core, so the TTFT under load
+//! follows their sum, and a mode's engines do their own protocol's work there (`native`'s neutral
+//! engines still move their zero pages through the data plane; the other modes' neutral engines
+//! move no KV at all, `baton_sim::kv::set_neutral`).
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
 //! `native` pools say `reserve = "prefiller"` (the prefillers reserve the pages with their writes)
 //! unless `BATON_PROXY_BENCH_RESERVE=gateway`, and `token_ids = "base64"` (the prompt's ids to the
@@ -236,6 +240,8 @@ struct Setup {
     floor: (SocketAddr, u32),
     baton: SocketAddr,
     baton_pid: u32,
+    /// The engines' process (both engines, one runtime).
+    engines_pid: u32,
 }
 
 fn nginx_binary() -> Option<PathBuf> {
@@ -273,6 +279,7 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let engines_pid = child.id();
     let engines = Proc(child);
     let hello: Value = serde_json::from_str(&line).expect("the engines' addresses");
     let s = |k: &str| hello[k].as_str().unwrap().to_owned();
@@ -393,7 +400,7 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let floor = (line.trim().parse().expect("the floor's address"), child.id());
     procs.push(Proc(child));
-    Setup { _procs: procs, engine, nginx, floor, baton, baton_pid }
+    Setup { _procs: procs, engine, nginx, floor, baton, baton_pid, engines_pid }
 }
 
 async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
@@ -600,12 +607,31 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phas
     let mut base = f64::NAN;
     for (name, addr) in targets.into_iter().filter(|_| phase("ttft")) {
         let Some(addr) = addr else { continue };
+        // Every process's CPU a request while this target streams: in layout B they share one
+        // core, so the TTFT under load follows their sum, the engines' protocol work included.
+        let front = match name {
+            "baton" => Some(s.baton_pid),
+            "nginx" => s.nginx.map(|(_, pid)| pid),
+            "floor" => Some(s.floor.1),
+            _ => None,
+        };
+        let procs = [("front", front), ("engines", Some(s.engines_pid)), ("load", Some(std::process::id()))];
+        let cpu = |p: Option<u32>| p.map_or(0.0, |p| cpu_split(p).0 + cpu_split(p).1);
+        let cpu0 = procs.map(|(_, p)| cpu(p));
         let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
+        let cpu1 = procs.map(|(_, p)| cpu(p));
         let p50 = pct(&mut ttft, 0.5);
         if name == "straight" {
             base = p50;
         }
-        v["c16_stream_ttft"][name] = json!({"n": ttft.len(), "p50_ms": p50, "added_p50_ms": p50 - base});
+        let mut per = json!({});
+        for (i, (k, p)) in procs.iter().enumerate() {
+            if p.is_some() {
+                per[*k] = json!((cpu1[i] - cpu0[i]) / ttft.len() as f64 * 1e6);
+            }
+        }
+        v["c16_stream_ttft"][name] =
+            json!({"n": ttft.len(), "p50_ms": p50, "added_p50_ms": p50 - base, "cpu_us_per_request": per});
     }
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
@@ -673,6 +699,17 @@ fn main() {
                 f(&["c64_floor", "req_per_s"]),
                 f(&["c64_floor", "cpu_us_per_request"]),
                 f(&["c16_stream_ttft", "floor", "added_p50_ms"]),
+            );
+            let cpu = |t: &str| {
+                ["front", "engines", "load"]
+                    .map(|k| format!("{k} {}", f(&["c16_stream_ttft", t, "cpu_us_per_request", k])))
+                    .join(", ")
+            };
+            println!(
+                "    c=16 TTFT, CPU us/req: baton ({}), floor ({}), straight ({})",
+                cpu("baton"),
+                cpu("floor"),
+                cpu("straight")
             );
             println!(
                 "    baton's Server-Timing p50 (ms), back to back: {}; with 20 ms gaps: {}",

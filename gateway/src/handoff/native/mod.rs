@@ -93,7 +93,21 @@ impl TokenIds {
     fn write(self, ids: &[u32]) -> Result<Box<RawValue>, GatewayError> {
         match self {
             Self::Json => raw_json(&ids),
-            Self::Base64 => raw_json(&contract::ids_base64(ids)),
+            Self::Base64 => {
+                // The standard alphabet (`A-Z a-z 0-9 + / =`) needs no escape in JSON: the string is
+                // quoted as it is rather than run through serde's escaping a byte at a time.
+                let b64 = contract::ids_base64(ids);
+                let mut quoted = String::with_capacity(b64.len() + 2);
+                quoted.push('"');
+                quoted.push_str(&b64);
+                quoted.push('"');
+                RawValue::from_string(quoted).map_err(|e| {
+                    GatewayError::Internal(crate::api::Internal::Encode {
+                        what: "the prompt's token ids",
+                        reason: e.to_string(),
+                    })
+                })
+            }
         }
     }
 }
