@@ -206,9 +206,22 @@ impl BatonParams {
 
 /// `ids` as the contract's compact `prompt_token_ids`: little-endian `u32`s, standard padded base64.
 pub fn ids_base64(ids: &[u32]) -> String {
+    let mut out = String::with_capacity(ids_base64_len(ids));
+    ids_base64_into(ids, &mut out);
+    out
+}
+
+/// [`ids_base64`] appended to `out` (a writer that quotes it as a JSON string, which its alphabet
+/// lets go unescaped, writes it once).
+pub fn ids_base64_into(ids: &[u32], out: &mut String) {
     use base64::Engine as _;
     let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-    base64::engine::general_purpose::STANDARD.encode(bytes)
+    base64::engine::general_purpose::STANDARD.encode_string(bytes, out);
+}
+
+/// The length of [`ids_base64`]`(ids)`.
+pub fn ids_base64_len(ids: &[u32]) -> usize {
+    (ids.len() * 4).div_ceil(3) * 4
 }
 
 /// The ids of a compact `prompt_token_ids` ([`ids_base64`]).
@@ -313,6 +326,9 @@ mod tests {
     fn prompt_token_ids_are_read_from_an_array_or_their_base64_string() {
         let ids = [1, 0x0102_0304, u32::MAX, 0];
         assert_eq!(ids_base64(&ids[..2]), "AQAAAAQDAgE=", "little-endian u32s, standard padded base64");
+        for n in 0..=ids.len() {
+            assert_eq!(ids_base64(&ids[..n]).len(), ids_base64_len(&ids[..n]), "{n} ids");
+        }
         let read = |v: serde_json::Value| {
             serde_json::from_value::<BatonParams>(
                 serde_json::json!({"request_id": "ab", "epoch": 1, "prompt_token_ids": v}),

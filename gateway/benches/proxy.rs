@@ -29,8 +29,8 @@
 //! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run, and each apart),
 //! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
 //! wherever baton is. During each c=16 TTFT run, every process's CPU a request (`cpu_us_per_request`:
-//! the front, the engines, the load): in layout B they share one core, so the TTFT under load
-//! follows their sum, and a mode's engines do their own protocol's work there (`native`'s neutral
+//! the front, the engines, the load): in layout B they share one core, so their sum weighs on the
+//! TTFT under load, and a mode's engines do their own protocol's work there (`native`'s neutral
 //! engines still move their zero pages through the data plane; the other modes' neutral engines
 //! move no KV at all, `baton_sim::kv::set_neutral`).
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
@@ -616,7 +616,7 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phas
             _ => None,
         };
         let procs = [("front", front), ("engines", Some(s.engines_pid)), ("load", Some(std::process::id()))];
-        let cpu = |p: Option<u32>| p.map_or(0.0, |p| cpu_split(p).0 + cpu_split(p).1);
+        let cpu = |p: Option<u32>| p.map(cpu_split).map_or(0.0, |(user, system)| user + system);
         let cpu0 = procs.map(|(_, p)| cpu(p));
         let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
         let cpu1 = procs.map(|(_, p)| cpu(p));

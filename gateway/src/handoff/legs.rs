@@ -222,12 +222,14 @@ impl From<LegError> for GatewayError {
 }
 
 /// The smallest and the largest buffer an engine body is first given ([`Shared::post_within`]):
-/// a large body grows its own, and a small one after it costs at most this much unused.
+/// a larger body grows its own, and a small one after large ones leaves at most this much unused
+/// until it is sent.
 const MIN_BODY_BUFFER: usize = 256;
 const MAX_BODY_BUFFER: usize = 32 << 10;
 
 thread_local! {
-    /// The size of the last engine body this thread wrote.
+    /// The size of the large engine bodies this thread wrote lately: the last one, or less by an
+    /// eighth for each smaller one since.
     static BODY_SIZE_HINT: std::cell::Cell<usize> = const { std::cell::Cell::new(MIN_BODY_BUFFER) };
 }
 
@@ -269,12 +271,14 @@ impl Shared {
         };
         // Written straight into the buffer; `to_string` goes through `fmt::Write` a piece at a
         // time, which cost 15% of the gateway's CPU with a 1,024-token `prompt_token_ids` (the
-        // proxy benchmark's profile). The buffer starts at the size of the last body this thread
-        // wrote (bounded), not `to_vec`'s 128 bytes, so a body like the last one is written
+        // proxy benchmark's profile). The buffer starts at the size of the large bodies this thread
+        // wrote lately (bounded), not `to_vec`'s 128 bytes, so a body like them is written
         // without growing it six times over (each a copy and a new allocation).
-        let mut bytes = Vec::with_capacity(BODY_SIZE_HINT.get());
+        let hint = BODY_SIZE_HINT.get();
+        let mut bytes = Vec::with_capacity(hint);
         serde_json::to_writer(&mut bytes, body).map_err(PostError::Body)?;
-        BODY_SIZE_HINT.set(bytes.len().clamp(MIN_BODY_BUFFER, MAX_BODY_BUFFER));
+        // A small body (a drain, an abort) between large ones lowers the hint by an eighth only.
+        BODY_SIZE_HINT.set(bytes.len().max(hint - hint / 8).clamp(MIN_BODY_BUFFER, MAX_BODY_BUFFER));
         let req = req.body(Full::new(Bytes::from(bytes))).map_err(PostError::Request)?;
         let answer = if detach {
             let (client, to) = (self.client.clone(), to.clone());

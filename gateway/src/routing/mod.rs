@@ -529,9 +529,9 @@ pub struct Health {
     ejected_until: AtomicU64,
     /// While half-open: milliseconds after `epoch` from which the next probe may go.
     next_probe: AtomicU64,
-    /// Nanoseconds after `epoch` when the engine last began a new life as passive health sees it:
-    /// its breaker opened, a health check saw it back, or its name moved. A request sent before
-    /// then says nothing of it now: its success or failure is not counted ([`Health::stale`]).
+    /// Nanoseconds after `epoch` when its breaker last opened or its name last moved: a request
+    /// sent before then says nothing of the engine now, and its success or failure is not counted
+    /// ([`Health::stale`]).
     since_ns: AtomicU64,
     /// The last active check failed.
     check_down: AtomicBool,
@@ -698,15 +698,17 @@ impl Health {
         u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// Marks the start of the engine's new life: results of requests sent before now are stale.
+    /// Results of requests sent before now are stale.
     fn renewed(&self) {
         self.since_ns.fetch_max(self.ns(Instant::now()), Ordering::Relaxed);
     }
 
-    /// A request sent at `sent` was sent before the engine's breaker last opened, before a health
-    /// check last saw it come back, or before its name last moved: its outcome is of the engine's
-    /// earlier life (a request cut off when it died, answered by its old process or address), and
-    /// counts neither for nor against it now.
+    /// A request sent at `sent` was sent before the engine's breaker last opened or before its name
+    /// last moved: its outcome is of what made the breaker open (a request cut off when the engine
+    /// died, failing only after it came back) or of the old addresses, and counts neither for nor
+    /// against the engine now. (A check that sees the engine back does not make earlier requests
+    /// stale: an engine whose `/health` flaps under load would then never be ejected by failures
+    /// that span a flap.)
     pub fn stale(&self, sent: Instant) -> bool {
         self.ns(sent) < self.since_ns.load(Ordering::Relaxed)
     }
@@ -715,10 +717,12 @@ impl Health {
     /// half-open breaker closes. A request sent before the breaker opened ([`Health::stale`])
     /// changes nothing: the probe decides.
     pub fn success(&self, sent: Instant) {
+        // The state first, then the staleness: a breaker that opened in between has renewed by
+        // the time it is seen open.
+        let until = self.ejected_until.load(Ordering::Acquire);
         if self.stale(sent) {
             return;
         }
-        let until = self.ejected_until.load(Ordering::Relaxed);
         match self.breaker_at(until) {
             Breaker::Open => {}
             Breaker::Closed => self.failures.store(0, Ordering::Relaxed),
@@ -735,15 +739,15 @@ impl Health {
 
     /// A request sent at `sent` failed because of the endpoint; returns true when this failure
     /// opened its breaker (ejected it): the `eject_after_failures`th in a row, or any while it is
-    /// half-open (a failed probe). A request sent before the breaker last opened, or before a check
-    /// last saw the engine come back ([`Health::stale`]), counts for nothing: its failure is of the
-    /// engine's earlier life, and would otherwise re-eject, for twice as long, an engine that just
-    /// came back. Of failures at the same instant, one opens it.
+    /// half-open (a failed probe). A request sent before the breaker last opened
+    /// ([`Health::stale`]) counts for nothing: its failure is of what opened it, and would
+    /// otherwise re-eject, for twice as long, an engine that just came back. Of failures at the
+    /// same instant, one opens it.
     pub fn failure(&self, cfg: &HealthConfig, sent: Instant) -> bool {
+        let until = self.ejected_until.load(Ordering::Acquire);
         if self.stale(sent) {
             return false;
         }
-        let until = self.ejected_until.load(Ordering::Relaxed);
         let state = self.breaker_at(until);
         if state == Breaker::Open {
             return false;
@@ -756,10 +760,12 @@ impl Health {
         let span = cfg.eject_for.saturating_mul(1 << k).min(MAX_EJECT_FOR.max(cfg.eject_for));
         // Never 0, which is a closed breaker.
         let open = self.now_ms().saturating_add(u64::try_from(span.as_millis()).unwrap_or(u64::MAX)).max(1);
-        if self.ejected_until.compare_exchange(until, open, Ordering::Relaxed, Ordering::Relaxed).is_err() {
+        // Renewed first, so a thread that sees the breaker open sees what it made stale (a
+        // renewal by a failure that then loses the race only makes a few more outcomes stale).
+        self.renewed();
+        if self.ejected_until.compare_exchange(until, open, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return false;
         }
-        self.renewed();
         self.failures.store(0, Ordering::Relaxed);
         self.ejections.fetch_add(1, Ordering::Relaxed);
         self.ejected_total.fetch_add(1, Ordering::Relaxed);
@@ -777,14 +783,12 @@ impl Health {
 
     /// The result of an active health check. A check that passes after one failed saw the engine
     /// come back (restarted, most often): an open breaker turns half-open at once, its probe
-    /// available now, rather than waiting out the rest of its span. Requests sent before then
-    /// are stale ([`Health::stale`]): their outcomes are of the engine's earlier life. The probe
-    /// decides: a restarted engine that fails it is ejected again, for twice as long (its
+    /// available now, rather than waiting out the rest of its span (requests sent before it
+    /// opened stay stale, [`Health::stale`]). The probe decides: a restarted engine that fails it is ejected again, for twice as long (its
     /// ejections are forgotten when a probe succeeds, or when its name moves to other addresses).
     pub fn checked(&self, ok: bool) {
         let was_down = self.check_down.swap(!ok, Ordering::Relaxed);
         if ok && was_down {
-            self.renewed();
             let until = self.ejected_until.load(Ordering::Relaxed);
             if self.breaker_at(until) == Breaker::Open {
                 // Ended now (never 0, which is a closed breaker); a failure that opened it again
@@ -1204,16 +1208,24 @@ mod tests {
         assert!(h.failure(&cfg, probe), "the probe's failure re-opens it");
         assert!(h.open_for_ms() > 10_000, "for twice as long: {}", h.open_for_ms());
         assert!(h.stale(probe), "sent before the breaker last opened");
-        // A check that sees the engine back makes earlier requests stale even when its breaker
-        // never opened: their failures do not count towards an ejection.
+        // A check that sees the engine back with its breaker closed makes nothing stale: failures
+        // of requests that span a flapping `/health` still count towards an ejection.
         let cfg = HealthConfig { eject_after_failures: 2, ..cfg };
         let h = Health::default();
-        let cut_off = Instant::now();
+        let before_flap = Instant::now();
         std::thread::sleep(Duration::from_millis(1));
         h.checked(false);
         h.checked(true);
+        assert!(!h.stale(before_flap));
+        assert!(!h.failure(&cfg, before_flap));
+        assert!(h.failure(&cfg, before_flap), "the second in a row ejects it");
+        // Its name moving to other addresses does: what the old ones answer counts for nothing.
+        let h = Health::default();
+        let old_address = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        h.readdressed();
         for _ in 0..3 {
-            assert!(!h.failure(&cfg, cut_off));
+            assert!(!h.failure(&cfg, old_address));
         }
         assert_eq!((h.breaker(), h.failures()), (Breaker::Closed, 0));
         assert!(!h.failure(&cfg, Instant::now()));

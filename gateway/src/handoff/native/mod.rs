@@ -95,11 +95,11 @@ impl TokenIds {
             Self::Json => raw_json(&ids),
             Self::Base64 => {
                 // The standard alphabet (`A-Z a-z 0-9 + / =`) needs no escape in JSON: the string is
-                // quoted as it is rather than run through serde's escaping a byte at a time.
-                let b64 = contract::ids_base64(ids);
-                let mut quoted = String::with_capacity(b64.len() + 2);
+                // encoded between its quotes rather than run through serde's escaping a byte at a
+                // time (`from_string` still checks it, at the speed of a string scan).
+                let mut quoted = String::with_capacity(contract::ids_base64_len(ids) + 2);
                 quoted.push('"');
-                quoted.push_str(&b64);
+                contract::ids_base64_into(ids, &mut quoted);
                 quoted.push('"');
                 RawValue::from_string(quoted).map_err(|e| {
                     GatewayError::Internal(crate::api::Internal::Encode {
