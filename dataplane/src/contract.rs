@@ -219,9 +219,9 @@ pub fn ids_base64_into(ids: &[u32], out: &mut String) {
     base64::engine::general_purpose::STANDARD.encode_string(bytes, out);
 }
 
-/// The length of [`ids_base64`]`(ids)`.
+/// The length of [`ids_base64`]`(ids)` (0 past `usize`, which no prompt reaches).
 pub fn ids_base64_len(ids: &[u32]) -> usize {
-    (ids.len() * 4).div_ceil(3) * 4
+    base64::encoded_len(ids.len().saturating_mul(4), true).unwrap_or(0)
 }
 
 /// The ids of a compact `prompt_token_ids` ([`ids_base64`]).
