@@ -2,8 +2,11 @@
 //! stable `code` and retry advice. One function ([`GatewayError::status`] with
 //! [`GatewayError::body`]) maps every error to its HTTP response.
 
+pub mod object;
 pub mod sse;
 pub mod validate;
+
+pub use object::Object;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -388,7 +391,7 @@ pub struct GenRequest {
     pub fields: GenFields,
     /// The original JSON object, shared: a leg that outlives the request (a NIXL drain) keeps it
     /// without a copy.
-    pub raw: std::sync::Arc<serde_json::Map<String, Value>>,
+    pub raw: std::sync::Arc<Object>,
     /// The tenant of the request's API key, when `[auth]` is on.
     pub tenant: Option<std::sync::Arc<str>>,
     /// The request body's size in bytes (its share, for one prompt of a list): what it holds of
@@ -396,32 +399,21 @@ pub struct GenRequest {
     pub bytes: u64,
 }
 
-/// A request body as a JSON object.
-pub fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, GatewayError> {
-    match serde_json::from_slice(body).map_err(|e| GatewayError::BadJson(e.to_string()))? {
-        Value::Object(raw) => Ok(raw),
-        _ => Err(GatewayError::BadJson("the body must be a JSON object".into())),
-    }
-}
-
 impl GenRequest {
     /// Parses and validates a request body.
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, GatewayError> {
-        Self::from_map(endpoint, object(body)?)
+        Self::from_map(endpoint, Object::parse(body)?)
     }
 
     /// Validates a request already parsed as a JSON object.
-    pub fn from_map(endpoint: Endpoint, raw: serde_json::Map<String, Value>) -> Result<Self, GatewayError> {
+    pub fn from_map(endpoint: Endpoint, raw: Object) -> Result<Self, GatewayError> {
         validate::check(endpoint, &raw)?;
         Self::from_checked(endpoint, raw)
     }
 
     /// A request [`validate::check`] has passed: its typed fields read from the object in place.
-    pub fn from_checked(
-        endpoint: Endpoint,
-        raw: serde_json::Map<String, Value>,
-    ) -> Result<Self, GatewayError> {
-        let fields = GenFields::deserialize(&raw).map_err(|e| GatewayError::BadJson(e.to_string()))?;
+    pub fn from_checked(endpoint: Endpoint, raw: Object) -> Result<Self, GatewayError> {
+        let fields = GenFields::deserialize(raw.map()).map_err(|e| GatewayError::BadJson(e.to_string()))?;
         Ok(Self { endpoint, fields, raw: std::sync::Arc::new(raw), tenant: None, bytes: 0 })
     }
 

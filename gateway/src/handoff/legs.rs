@@ -16,11 +16,11 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::{Request, Response};
 use serde::Serialize;
 use serde::ser::SerializeMap;
+use serde_json::Value;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
 
 use super::shared::{Engine, Prefiller, Shared};
-use crate::api::GatewayError;
+use crate::api::{GatewayError, Object};
 use crate::endpoints::EngineUrl;
 use crate::routing::InFlight;
 use crate::telemetry::Scrape;
@@ -33,7 +33,7 @@ pub type RespBody = BoxBody<Bytes, BoxError>;
 /// (In the proxy benchmark's profile the NIXL exchange, mostly copying the request's map three
 /// times and building the legs' values, was 14.7% of the gateway's CPU samples.)
 pub(crate) struct Patched<'a> {
-    base: &'a Map<String, Value>,
+    base: &'a Object,
     set: smallvec::SmallVec<[(&'static str, Box<RawValue>); 8]>,
     omit: &'a [&'a str],
     /// A second list left out (a mode's own beside the request kind's).
@@ -42,7 +42,7 @@ pub(crate) struct Patched<'a> {
 
 impl<'a> Patched<'a> {
     /// `base` as it is, less the fields in `omit`.
-    pub(crate) fn new(base: &'a Map<String, Value>, omit: &'a [&'a str]) -> Self {
+    pub(crate) fn new(base: &'a Object, omit: &'a [&'a str]) -> Self {
         Self { base, set: smallvec::SmallVec::new(), omit, also: &[] }
     }
 
@@ -83,13 +83,17 @@ impl<'a> Patched<'a> {
 impl Serialize for Patched<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut m = s.serialize_map(None)?;
-        for (k, v) in self.base {
+        for (i, (k, v)) in self.base.iter().enumerate() {
             if self.omitted(k) {
                 continue;
             }
             match self.set.iter().find(|(f, _)| *f == k) {
                 Some((_, new)) => m.serialize_entry(k, new)?,
-                None => m.serialize_entry(k, v)?,
+                // A large field as the client wrote it (`api::object`): copied, not escaped again.
+                None => match self.base.text_at(i) {
+                    Some(text) => m.serialize_entry(k, text)?,
+                    None => m.serialize_entry(k, v)?,
+                },
             }
         }
         for (f, v) in &self.set {
@@ -614,14 +618,14 @@ pub(crate) fn raw_json(body: &impl Serialize) -> Result<Box<RawValue>, GatewayEr
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Map, json};
 
     use super::*;
 
-    fn map(v: Value) -> Map<String, Value> {
+    fn map(v: Value) -> Object {
         match v {
-            Value::Object(m) => m,
-            _ => Map::new(),
+            Value::Object(m) => m.into(),
+            _ => Object::default(),
         }
     }
 
@@ -639,7 +643,7 @@ mod tests {
             .set("max_tokens", &1)
             .replace("max_completion_tokens", &1)
             .replace("n", &2);
-        let mut edited = raw.clone();
+        let mut edited = raw.map().clone();
         edited.insert("stream".into(), json!(false));
         edited.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
         edited.insert("max_tokens".into(), json!(1));
@@ -664,5 +668,25 @@ mod tests {
                 .cloned()
                 .collect();
         assert_eq!(keys.last().map(String::as_str), Some("stream"));
+    }
+
+    /// A parsed body's large fields are written as the client wrote them, and the body is the
+    /// same JSON as the edited request's.
+    #[test]
+    fn large_fields_are_written_as_they_came() {
+        let prompt = format!("caf\\u00e9 \\\"{}\\\"\\n", "x".repeat(80));
+        let body = format!(
+            r#"{{"model":"m","prompt":"{prompt}","stop":["{}"],"stream":true,"logit_bias":{{"1": 2}}}}"#,
+            "y".repeat(70)
+        );
+        let raw = Object::parse(body.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        let patched = Patched::new(&raw, &["logit_bias"]).set("stream", &false).set("kv", &json!({"a": 1}));
+        let text = serde_json::to_string(&patched).unwrap_or_default();
+        assert!(text.contains(&format!("\"prompt\":\"{prompt}\"")), "{text}");
+        let mut edited = raw.map().clone();
+        edited.insert("stream".into(), json!(false));
+        edited.insert("kv".into(), json!({"a": 1}));
+        edited.shift_remove("logit_bias");
+        assert_eq!(serde_json::from_str::<Value>(&text).ok(), Some(Value::Object(edited)));
     }
 }

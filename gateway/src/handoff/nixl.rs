@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicU32;
 
 use hyper::Response;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
@@ -35,7 +35,7 @@ use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
-use crate::api::{GatewayError, Internal, Problem};
+use crate::api::{GatewayError, Internal, Object, Problem};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Phase, Scrape};
 
@@ -133,7 +133,7 @@ struct Owing {
     decoder: EngineUrl,
     path: &'static str,
     /// The client's request, shared: a drain body is built from it only when one is sent.
-    request: Arc<Map<String, Value>>,
+    request: Arc<Object>,
     counters: Arc<Drains>,
     /// The request's slot of the decoder until its decode is sent: a drain sent instead holds it
     /// (and a request abandoned while its prefill runs keeps it until the prefill ends).
@@ -361,7 +361,7 @@ const PREFILL_OMIT: &[&str] = &["stream_options", "min_tokens", "min_completion_
 
 /// The prefill leg's body: the client's request with one token, not streamed, asking the producer to
 /// keep the KV for a remote decode (as vLLM's toy proxy sends it).
-fn prefill_body(raw: &Map<String, Value>) -> Patched<'_> {
+fn prefill_body(raw: &Object) -> Patched<'_> {
     /// The same for every prefill: written once.
     static REMOTE_DECODE: std::sync::LazyLock<Box<RawValue>> = std::sync::LazyLock::new(|| {
         serde_json::value::to_raw_value(&json!({"do_remote_decode": true, "do_remote_prefill": false,

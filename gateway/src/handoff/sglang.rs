@@ -32,7 +32,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
@@ -42,7 +42,7 @@ use super::shared::{Backoff, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
-use crate::api::{GatewayError, Internal};
+use crate::api::{GatewayError, Internal, Object};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Later, Phase, Scrape};
 
@@ -318,12 +318,7 @@ struct Bodies {
 /// The client's request to both legs with the bootstrap of the prefill server at `prefill` (its
 /// `port`): `bootstrap_host`, `bootstrap_port` and a `bootstrap_room` drawn from the request's
 /// unique `id`, lists of each with `n > 1`; the prefill leg unstreamed.
-fn bodies(
-    raw: &Map<String, Value>,
-    prefill: &EngineUrl,
-    port: u16,
-    id: u128,
-) -> Result<Bodies, GatewayError> {
+fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodies, GatewayError> {
     // At most validate::MAX_N: the request was validated.
     let choices = raw.get("n").and_then(Value::as_u64).filter(|n| *n > 1);
     // The host as configured, as SGLang's router sends it: a name is resolved by the decoder.
@@ -601,8 +596,8 @@ impl Handoff for Sglang {
 mod tests {
     use super::*;
 
-    fn map(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap_or_default()
+    fn map(v: Value) -> Object {
+        v.as_object().cloned().unwrap_or_default().into()
     }
 
     fn parse(b: &RawValue) -> Value {

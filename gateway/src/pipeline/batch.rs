@@ -72,7 +72,7 @@ impl Gateway {
         let reqs = prompts
             .into_iter()
             .map(|m| {
-                GenRequest::from_checked(Endpoint::Completions, m).map(|mut r| {
+                GenRequest::from_checked(Endpoint::Completions, m.into()).map(|mut r| {
                     r.tenant = tenant.clone();
                     r.bytes = share;
                     r

@@ -499,7 +499,7 @@ impl Gateway {
         headers: &hyper::HeaderMap,
         tenant: Option<Arc<str>>,
     ) -> Result<Response<RespBody>, GatewayError> {
-        let raw = api::object(body)?;
+        let raw = api::Object::parse(body)?;
         validate::check(ep, &raw)?;
         if ep == Endpoint::Completions
             && let Some(prompts) = batch::split(&raw)?

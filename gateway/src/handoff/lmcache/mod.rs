@@ -31,7 +31,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Response;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
@@ -41,7 +41,7 @@ use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
 use crate::api::sse::{ChannelBody, SseSplitter};
-use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure};
+use crate::api::{Endpoint, GatewayError, GenRequest, KvFailure, Object};
 use crate::endpoints::EngineUrl;
 use crate::telemetry::{Later, Phase, Scrape, Timing};
 use keys::check_lmcache;
@@ -215,7 +215,7 @@ const DECODE_OMIT_UNCOUNTED: &[&str] = &["max_completion_tokens", "max_tokens"];
 /// `logprobs: true, top_logprobs: k` as completions' `logprobs: k`; every other field as it came.
 #[derive(Debug)]
 struct OverIds {
-    raw: Arc<Map<String, Value>>,
+    raw: Arc<Object>,
     chat: bool,
     /// Chat's `top_logprobs` when it asked for logprobs.
     logprobs: Option<u64>,

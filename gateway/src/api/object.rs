@@ -1,0 +1,252 @@
+//! A request body's JSON object, with its large fields' text kept as the client wrote it.
+//!
+//! Every engine leg writes the client's object again, less or plus a few fields
+//! (`handoff::legs::Patched`). serde_json writes a string a byte at a time through its escape
+//! table (`format_escaped_str`: 3.4% of the gateway's user time in the proxy benchmark, with a 1 KB
+//! prompt and two legs, behind only memmove and malloc), while reading one it skips a string eight
+//! bytes at a time. So each top-level field of at least [`RAW_MIN_BYTES`] keeps its JSON text as the
+//! client wrote it (a copy, made at the parse: a request holds its large fields twice, as values
+//! and as text), and a leg writes that text as it is; only the small fields are written from their
+//! values.
+//!
+//! Measured (release, the CPU machine, `cargo test --release -p baton-gateway --lib object::timing
+//! -- --ignored --nocapture`): a 1.1 KB completion body parses in 0.76 µs instead of 0.56 and each
+//! leg's body is written in 0.25 µs instead of 0.59–0.75; a 32 KB one parses in 7.4 µs instead of
+//! 4.1 and each leg's body is written in 0.4 µs instead of 9–15. Every mode writes at least two.
+//!
+//! What an engine reads is the same JSON: the same fields in the same order, and values that parse
+//! to what the gateway validated (escapes such as `\u00e9` are left as the client wrote them).
+
+use std::ops::Deref;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use super::GatewayError;
+
+/// Fields whose JSON text is shorter than this are written from their values.
+pub const RAW_MIN_BYTES: usize = 64;
+
+/// A JSON object (see the module's text). It derefs to its [`Map`].
+#[derive(Debug, Default, Clone)]
+pub struct Object {
+    map: Map<String, Value>,
+    /// By the field's index in `map`, each large field's JSON text as the client wrote it.
+    text: Vec<(usize, Box<RawValue>)>,
+}
+
+impl Object {
+    /// Parses a request body, which must be a JSON object.
+    pub fn parse(body: &[u8]) -> Result<Self, GatewayError> {
+        let fields = match serde_json::from_slice::<TopLevel<'_>>(body) {
+            Ok(TopLevel(Some(fields))) => fields,
+            Ok(TopLevel(None)) => return Err(GatewayError::BadJson("the body must be a JSON object".into())),
+            Err(e) => return Err(GatewayError::BadJson(e.to_string())),
+        };
+        let mut map = Map::new();
+        let mut text = Vec::new();
+        for (key, raw) in fields {
+            let value: Value =
+                serde_json::from_str(raw.get()).map_err(|e| GatewayError::BadJson(e.to_string()))?;
+            // A key given twice keeps its first place and its last value, as serde_json's own map.
+            let index = match map.get(&key) {
+                Some(_) => map.keys().position(|k| *k == key).unwrap_or(map.len()),
+                None => map.len(),
+            };
+            text.retain(|(i, _)| *i != index);
+            if raw.get().len() >= RAW_MIN_BYTES {
+                text.push((index, raw.to_owned()));
+            }
+            map.insert(key, value);
+        }
+        Ok(Self { map, text })
+    }
+
+    /// The map. (An `Object` is never changed after it is made: its kept text stays its values'.)
+    pub fn map(&self) -> &Map<String, Value> {
+        &self.map
+    }
+
+    /// The JSON text the client wrote for the field at `index` (in the map's order), if it was
+    /// kept.
+    pub fn text_at(&self, index: usize) -> Option<&RawValue> {
+        self.text.iter().find(|(i, _)| *i == index).map(|(_, t)| &**t)
+    }
+}
+
+impl From<Map<String, Value>> for Object {
+    /// An object made by the gateway, with no text kept.
+    fn from(map: Map<String, Value>) -> Self {
+        Self { map, text: Vec::new() }
+    }
+}
+
+impl Deref for Object {
+    type Target = Map<String, Value>;
+
+    fn deref(&self) -> &Map<String, Value> {
+        &self.map
+    }
+}
+
+/// A body's top level: its fields' keys and JSON text when it is an object, else `None`.
+struct TopLevel<'a>(Option<Vec<(String, &'a RawValue)>>);
+
+impl<'de> serde::Deserialize<'de> for TopLevel<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(TopVisitor)
+    }
+}
+
+struct TopVisitor;
+
+impl<'de> Visitor<'de> for TopVisitor {
+    type Value = TopLevel<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+        let mut fields = Vec::with_capacity(m.size_hint().unwrap_or(8));
+        while let Some(entry) = m.next_entry::<String, &'de RawValue>()? {
+            fields.push(entry);
+        }
+        Ok(TopLevel(Some(fields)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Self::Value, A::Error> {
+        while s.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(TopLevel(None))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(TopLevel(None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn long(c: char) -> String {
+        std::iter::repeat_n(c, RAW_MIN_BYTES).collect()
+    }
+
+    #[test]
+    fn parses_as_serde_json_does_and_keeps_only_large_fields_text() {
+        let prompt = format!("caf\\u00e9 {}", long('x'));
+        let body = format!(r#"{{"model": "m", "prompt": "{prompt}", "n": 1, "stop": ["{}"]}}"#, long('s'));
+        let o = Object::parse(body.as_bytes()).unwrap();
+        let want: Map<String, Value> = serde_json::from_str(&body).unwrap();
+        assert_eq!(*o, want);
+        assert!(o.text_at(0).is_none(), "a short field is written from its value");
+        assert_eq!(o.text_at(1).unwrap().get(), format!("\"{prompt}\""), "as the client wrote it");
+        assert!(o.text_at(2).is_none());
+        assert_eq!(o.text_at(3).unwrap().get(), format!("[\"{}\"]", long('s')));
+    }
+
+    #[test]
+    fn a_key_given_twice_keeps_its_first_place_and_last_value() {
+        let body = format!(r#"{{"prompt": "{}", "n": 2, "prompt": "short"}}"#, long('a'));
+        let o = Object::parse(body.as_bytes()).unwrap();
+        assert_eq!(*o, serde_json::from_str::<Map<String, Value>>(&body).unwrap());
+        assert_eq!(o.keys().collect::<Vec<_>>(), ["prompt", "n"]);
+        assert!(o.text_at(0).is_none(), "the long first value is not the field's");
+        let body = format!(r#"{{"prompt": "short", "n": 2, "prompt": "{}"}}"#, long('b'));
+        let o = Object::parse(body.as_bytes()).unwrap();
+        assert_eq!(o.text_at(0).unwrap().get(), format!("\"{}\"", long('b')));
+        assert_eq!(o["prompt"], json!(long('b')));
+    }
+
+    #[test]
+    fn refuses_what_is_not_an_object_as_before() {
+        for (body, want) in [
+            ("[1, {\"a\": 2}]", "the body must be a JSON object"),
+            ("\"x\"", "the body must be a JSON object"),
+            ("null", "the body must be a JSON object"),
+            ("3.5", "the body must be a JSON object"),
+            ("{\"a\": 1", "EOF"),
+            ("{\"a\": 1} x", "trailing characters"),
+            ("{\"a\": tru}", "expected"),
+        ] {
+            let Err(GatewayError::BadJson(e)) = Object::parse(body.as_bytes()) else {
+                panic!("{body} was taken");
+            };
+            assert!(e.contains(want), "{body}: {e}");
+        }
+    }
+}
+
+/// What the kept text saves (the figures in the module's text): `--ignored --nocapture`, release.
+#[cfg(test)]
+mod timing {
+    use std::hint::black_box;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::handoff::legs::Patched;
+
+    fn per_call(n: u32, mut f: impl FnMut()) -> Duration {
+        let t = Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        t.elapsed() / n
+    }
+
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn parse_and_leg_bodies() {
+        for sentences in [23, 700] {
+            let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(sentences);
+            let body = serde_json::to_vec(
+                &serde_json::json!({"model": "baton-sim", "prompt": prompt, "max_tokens": 1, "temperature": 0}),
+            )
+            .unwrap_or_default();
+            let n = 4_000_000 / u32::try_from(body.len()).unwrap_or(u32::MAX).max(1);
+            let value = per_call(n, || drop(black_box(serde_json::from_slice::<Value>(&body))));
+            let object = per_call(n, || drop(black_box(Object::parse(&body))));
+            let kept = Object::parse(&body).unwrap_or_default();
+            let plain = Object::from(kept.map().clone());
+            let leg = |o: &Object| {
+                per_call(n, || {
+                    let mut out = Vec::with_capacity(body.len() + 64);
+                    let _ =
+                        serde_json::to_writer(&mut out, &Patched::new(o, &[]).set("kv_transfer_params", &1));
+                    black_box(out);
+                })
+            };
+            eprintln!(
+                "body {} B: parsed in {value:?} as a value, {object:?} as an object; a leg's body written in \
+                 {:?} from the values, {:?} from the kept text",
+                body.len(),
+                leg(&plain),
+                leg(&kept)
+            );
+        }
+    }
+}
