@@ -504,7 +504,7 @@ impl Gateway {
         if ep == Endpoint::Completions
             && let Some(prompts) = batch::split(&raw)?
         {
-            return self.generate_list(prompts, headers, tenant, body.len() as u64).await;
+            return Box::pin(self.generate_list(prompts, headers, tenant, body.len() as u64)).await;
         }
         let mut req = GenRequest::from_checked(ep, raw)?;
         req.tenant = tenant;
@@ -604,7 +604,10 @@ impl Gateway {
         let limit = self.model.context_length;
         if Tokenizer::work(&req) <= INLINE_TOKENIZE_BYTES {
             let ids = self.model.tokenizer.token_ids_within(&req, limit)?;
-            return self.dispatch(req, ids, headers, live).await;
+            // Boxed, here and below: `dispatch` is a 4.2 KB future, and each async fn and wrapper
+            // above that held it (the trace's scope, `track`, the id's scope, hyper's box) grew by
+            // about as much again and copied it whole (`track`'s was 17.9 KB, 2.1 with the box).
+            return Box::pin(self.dispatch(req, ids, headers, live)).await;
         }
         // A completion's text too long for the context whatever it says is refused here, before
         // it waits for a tokenizer thread; a chat's is once rendered, on that thread.
@@ -619,7 +622,7 @@ impl Gateway {
                 (req, ids)
             })
             .await?;
-        self.dispatch(req, ids?, headers, live).await
+        Box::pin(self.dispatch(req, ids?, headers, live)).await
     }
 
     /// A counted request: plugin admission, routing, admission on the chosen decoder, its mode's
