@@ -939,8 +939,11 @@ impl EngineClient {
         self.tls.is_some()
     }
 
-    fn http(&self) -> Client<Connector, Full<Bytes>> {
-        self.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    /// `req` on the current client (the one built from the engine TLS files last read). The
+    /// future owns what it needs: the lock is held only while it is made, and the client is not
+    /// cloned here (hyper-util clones it into the future itself).
+    fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
+        self.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).request(req)
     }
 
     pub fn names(&self) -> &Names {
@@ -954,12 +957,11 @@ impl EngineClient {
         to: &EngineUrl,
         mut req: Request<Full<Bytes>>,
     ) -> Result<Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
-        let http = self.http();
         let Host::Name(name) = &to.0.at.host else {
-            return http.request(req).await;
+            return self.request(req).await;
         };
         let conn = capture_connection(&mut req);
-        match http.request(req).await {
+        match self.request(req).await {
             Ok(resp) => {
                 if let Some(info) = resp.extensions().get::<HttpInfo>()
                     && !self.names.current(name, info.remote_addr().ip())

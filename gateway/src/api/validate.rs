@@ -116,9 +116,23 @@ impl Kind {
     }
 }
 
+/// The field `key` of `obj`. A request has a handful of fields and the checks look up some thirty
+/// names: a scan of the fields in order (most names differ in length) is cheaper than hashing each
+/// name with the map's SipHash (2% of the gateway's user time in the proxy benchmark's profile).
+fn get<'a>(obj: &'a Obj, key: &str) -> Option<&'a Value> {
+    if obj.len() <= SCAN_FIELDS {
+        obj.iter().find_map(|(k, v)| (k == key).then_some(v))
+    } else {
+        obj.get(key)
+    }
+}
+
+/// Objects of up to this many fields are scanned rather than hashed into ([`get`]).
+const SCAN_FIELDS: usize = 16;
+
 /// The field `key` of `obj` (at path `base`) when present and not null, checked to be of `kind`.
 fn optional<'a>(obj: &'a Obj, key: &str, base: &str, kind: Kind) -> Result<Option<&'a Value>, GatewayError> {
-    match obj.get(key) {
+    match get(obj, key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) if kind.fits(v) => Ok(Some(v)),
         Some(v) => Err(wrong_type(join(base, key), kind.name(), v)),
@@ -165,7 +179,7 @@ fn sampling(b: &Obj) -> Checked {
     number(b, "frequency_penalty", -2.0, false, 2.0)?;
     number(b, "repetition_penalty", 0.0, true, f64::INFINITY)?;
     let n = integer(b, "n", "", 1, MAX_N)?.unwrap_or(1);
-    if n > 1 && b.get("temperature").and_then(Value::as_f64).is_some_and(|t| t < GREEDY_BELOW) {
+    if n > 1 && get(b, "temperature").and_then(Value::as_f64).is_some_and(|t| t < GREEDY_BELOW) {
         // vLLM: greedy sampling makes every choice the same sequence.
         return Err(bad_value(
             "n".into(),
@@ -236,7 +250,7 @@ fn token_id(v: &Value, param: &str) -> Checked {
 
 /// `stop`: a string or a list of strings, none empty (vLLM refuses an empty stop string).
 fn stop(b: &Obj) -> Checked {
-    match b.get("stop") {
+    match get(b, "stop") {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(s)) if s.is_empty() => Err(bad_value(
             "stop".into(),
@@ -297,7 +311,7 @@ fn streaming(b: &Obj) -> Checked {
         optional(o, "include_usage", "stream_options", Kind::Bool)?;
         optional(o, "continuous_usage_stats", "stream_options", Kind::Bool)?;
     }
-    if let Some(v) = b.get("prompt_logprobs").filter(|v| !v.is_null()) {
+    if let Some(v) = get(b, "prompt_logprobs").filter(|v| !v.is_null()) {
         if stream {
             return Err(GatewayError::invalid("prompt_logprobs", "is not available when stream is true"));
         }
@@ -309,9 +323,9 @@ fn streaming(b: &Obj) -> Checked {
 }
 
 fn completions(b: &Obj) -> Checked {
-    prompt(b.get("prompt").filter(|v| !v.is_null()).ok_or_else(|| missing("prompt".into()))?)?;
+    prompt(get(b, "prompt").filter(|v| !v.is_null()).ok_or_else(|| missing("prompt".into()))?)?;
     // vLLM's completions take -1 for the whole vocabulary, else at most --max-logprobs.
-    if b.get("logprobs").and_then(Value::as_i64) != Some(-1) {
+    if get(b, "logprobs").and_then(Value::as_i64) != Some(-1) {
         integer(b, "logprobs", "", 0, MAX_LOGPROBS)?;
     }
     optional(b, "suffix", "", Kind::Str)?;
@@ -385,7 +399,7 @@ fn chat(b: &Obj) -> Checked {
     }
     optional(b, "chat_template_kwargs", "", Kind::Obj)?;
     optional(b, "documents", "", Kind::Arr)?;
-    if b.get("chat_template").is_some_and(|v| !v.is_null()) {
+    if get(b, "chat_template").is_some_and(|v| !v.is_null()) {
         // vLLM refuses a request's own template unless started with --trust-request-chat-template;
         // the gateway counts tokens with the model's template, so another one would miscount.
         return Err(GatewayError::invalid(
@@ -517,8 +531,8 @@ fn tools(b: &Obj) -> Result<Vec<&str>, GatewayError> {
 
 /// `tool_choice`: `none`, `auto`, `required` or a named function, which `tools` must declare.
 fn tool_choice(b: &Obj, tools: &[&str]) -> Checked {
-    let Some(choice) = b.get("tool_choice").filter(|v| !v.is_null()) else { return Ok(()) };
-    let has_tools = b.get("tools").is_some_and(|t| !t.is_null());
+    let Some(choice) = get(b, "tool_choice").filter(|v| !v.is_null()) else { return Ok(()) };
+    let has_tools = get(b, "tools").is_some_and(|t| !t.is_null());
     match choice {
         Value::String(s) if s == "none" => return Ok(()),
         Value::String(s) if s == "auto" || s == "required" => {}
