@@ -688,5 +688,10 @@ mod tests {
         edited.insert("kv".into(), json!({"a": 1}));
         edited.shift_remove("logit_bias");
         assert_eq!(serde_json::from_str::<Value>(&text).ok(), Some(Value::Object(edited)));
+        // A large field the leg replaces or leaves out is not written from the kept text.
+        let replaced = Patched::new(&raw, &["stop"]).set("prompt", &[1, 2]);
+        let text = serde_json::to_string(&replaced).unwrap_or_default();
+        assert!(!text.contains("caf") && !text.contains("yyy"), "{text}");
+        assert!(text.contains("\"prompt\":[1,2]"), "{text}");
     }
 }
