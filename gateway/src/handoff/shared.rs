@@ -124,17 +124,14 @@ impl Shared {
         &self,
         work: impl Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
-        // Boxed first: the wrappers (the id's and trace's scopes, the span, the tracker, the task
-        // cell) each hold the future and each would copy it (a 2.3 KB prefill task became 7.1 KB
-        // by the time it was spawned).
-        self.tasks.spawn(request_id::carry(Box::pin(work)))
+        self.tasks.spawn(request_id::carry(work))
     }
 
     /// [`Shared::spawn`] from a `Drop`: nothing is spawned once the runtime is gone (the process
     /// is ending, and the engines' own leases end what the request held).
     pub(crate) fn spawn_from_drop(&self, work: impl Future<Output = ()> + Send + 'static) {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            self.tasks.spawn_on(request_id::carry(Box::pin(work)), &rt);
+            self.tasks.spawn_on(request_id::carry(work), &rt);
         }
     }
 

@@ -90,9 +90,11 @@ pub(crate) fn scope_sync<R>(id: RequestId, f: impl FnOnce() -> R) -> R {
 }
 
 /// `fut` made to run as the current request's (its id, its log span and its trace), wherever it is
-/// spawned.
+/// spawned. `fut` is boxed first: each wrapper here, and the task tracker and cell around them,
+/// would otherwise hold and copy it whole (a 2.3 KB NIXL prefill task became 7.1 KB).
 pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     let (id, trace) = (current(), super::trace::current());
+    let fut = Box::pin(fut);
     async move {
         let fut = super::trace::scope(trace, fut);
         match id {
