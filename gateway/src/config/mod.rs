@@ -655,6 +655,12 @@ impl Config {
                 "model.tokenizer: a chat's token ids are not reused across its turns ({why}): every request is tokenized whole"
             ));
         }
+        if let Some(why) = tokenizer.fast_off() {
+            warnings.push(format!(
+                "model.tokenizer: prompts are tokenized through the tokenizers crate's whole pipeline ({why}), \
+                 several times the CPU of the gateway's direct path for byte-level BPEs (docs/gateway.md, Tokenize)"
+            ));
+        }
         if let Some(why) = tokenizer.bound_off() {
             warnings.push(format!(
                 "model.tokenizer: a prompt beyond model.context_length is refused only after it is tokenized ({why}); \

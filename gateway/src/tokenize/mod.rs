@@ -21,8 +21,11 @@ use serde_json::{Map, Value};
 use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
 pub mod bound;
+pub mod fast;
 pub mod pool;
 pub mod reuse;
+#[doc(hidden)]
+pub mod toy;
 
 /// Renders chat messages with the fallback template (`baton_dataplane::contract::fallback_chat`),
 /// for a model configured without its tokenizer. It counts a role marker and a newline per message,
@@ -48,6 +51,8 @@ enum Kind {
     Fallback,
     Hf {
         tok: Box<tokenizers::Tokenizer>,
+        /// The direct path to its ids, or why it takes `tokenizers`' own pipeline.
+        fast: Result<Box<fast::Fast>, fast::Off>,
         chat: Option<Box<ChatTemplate>>,
         /// A rendered chat's pieces reused across requests, or why not.
         reuse: Result<reuse::Reuse, reuse::Off>,
@@ -136,7 +141,8 @@ impl Tokenizer {
         };
         let reuse = reuse::Reuse::new(&tok, reuse::DEFAULT_CAPACITY_TOKENS);
         let bound = bound::Bound::of(&tok);
-        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), chat, reuse, bound } })
+        let fast = fast::Fast::new(&tok);
+        Ok(Self { kind: Kind::Hf { tok: Box::new(tok), fast, chat, reuse, bound } })
     }
 
     /// True when counts come from the model's own tokenizer.
@@ -165,6 +171,15 @@ impl Tokenizer {
         match &self.kind {
             Kind::Fallback => None,
             Kind::Hf { reuse, .. } => reuse.as_ref().err().map(ToString::to_string),
+        }
+    }
+
+    /// Why ids take `tokenizers`' own pipeline rather than the direct path ([`fast`]; `None`: they
+    /// do not).
+    pub fn fast_off(&self) -> Option<String> {
+        match &self.kind {
+            Kind::Fallback => None,
+            Kind::Hf { fast, .. } => fast.as_ref().err().map(ToString::to_string),
         }
     }
 
@@ -201,21 +216,36 @@ impl Tokenizer {
     /// reused when the tokenizer allows ([`reuse`]).
     pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, GatewayError> {
         match &self.kind {
-            Kind::Hf { tok, reuse: Ok(r), .. } => r
-                .encode(tok, text)
-                .map_err(|e| GatewayError::Internal(crate::api::Internal::Tokenizer(e.to_string()))),
+            Kind::Hf { reuse: Ok(r), .. } => {
+                r.encode(text, |piece| self.ids(piece, false)).map_err(tokenizer_error)
+            }
             _ => self.encode(text, false),
         }
     }
 
     /// Token ids of a text.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, GatewayError> {
+        self.ids(text, add_special_tokens).map_err(tokenizer_error)
+    }
+
+    /// Token ids of a text: the direct path when the tokenizer has one.
+    fn ids(&self, text: &str, add_special_tokens: bool) -> tokenizers::Result<Vec<u32>> {
         match &self.kind {
             Kind::Fallback => Ok(text.bytes().map(u32::from).collect()),
+            Kind::Hf { tok, fast: Ok(f), .. } => f.encode(tok, text, add_special_tokens),
+            Kind::Hf { tok, .. } => tok.encode_fast(text, add_special_tokens).map(|e| e.get_ids().to_vec()),
+        }
+    }
+
+    /// Token ids of a text through `tokenizers`' own pipeline, whatever the direct path: what that
+    /// path is checked against (the `tokenize` fuzz target, the bench).
+    pub fn encode_reference(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, GatewayError> {
+        match &self.kind {
+            Kind::Fallback => self.encode(text, add_special_tokens),
             Kind::Hf { tok, .. } => tok
                 .encode_fast(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
-                .map_err(|e| GatewayError::Internal(crate::api::Internal::Tokenizer(e.to_string()))),
+                .map_err(tokenizer_error),
         }
     }
 
@@ -278,6 +308,10 @@ impl Tokenizer {
             _ => 0,
         }
     }
+}
+
+fn tokenizer_error(e: tokenizers::Error) -> GatewayError {
+    GatewayError::Internal(crate::api::Internal::Tokenizer(e.to_string()))
 }
 
 /// The local time now in `format` (strftime directives).

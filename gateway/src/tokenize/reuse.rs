@@ -30,7 +30,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use aho_corasick::AhoCorasick;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 /// The cache's default bound, in token ids (4 bytes each, plus moka's per-entry overhead).
@@ -100,19 +100,14 @@ impl Reuse {
         if tok.get_truncation().is_some() || tok.get_padding().is_some() {
             return Err(Off::TruncationOrPadding);
         }
-        let mut added: Vec<_> =
-            tok.get_added_tokens_decoder().into_values().filter(|t| !t.normalized).collect();
+        let super::fast::Added { trie, tokens: added, .. } =
+            super::fast::Added::of(tok).map_err(Off::Mismatch)?;
         if added.is_empty() {
             return Err(Off::NoAddedTokens);
         }
-        added.sort_by(|a, b| a.content.cmp(&b.content));
         if let Some(t) = added.iter().find(|t| t.rstrip || t.single_word) {
             return Err(Off::Token(t.content.clone()));
         }
-        let trie = AhoCorasickBuilder::new()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(added.iter().map(|t| &t.content))
-            .map_err(|e| Off::Mismatch(e.to_string()))?;
         let cache = moka::sync::Cache::builder()
             .max_capacity(capacity)
             // An entry's ids plus its overhead (key, `Arc`, moka's node: ~100 bytes, as many as
@@ -177,8 +172,9 @@ impl Reuse {
         })
     }
 
-    /// The ids of a rendered chat (`add_special_tokens = false`), piece by piece.
-    pub fn encode(&self, tok: &tokenizers::Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
+    /// The ids of a rendered chat (`add_special_tokens = false`), piece by piece; `encode` gives a
+    /// piece's ids the cache does not hold.
+    pub fn encode<E>(&self, text: &str, encode: impl Fn(&str) -> Result<Vec<u32>, E>) -> Result<Vec<u32>, E> {
         let mut ids = Vec::new();
         let (mut reused, mut encoded) = (0, 0);
         // Every piece is looked up, the short ones too (a role's header, `<|im_start|>`): the
@@ -190,10 +186,10 @@ impl Reuse {
                 ids.extend_from_slice(&hit);
                 continue;
             }
-            let e = tok.encode_fast(piece, false)?;
-            encoded += e.get_ids().len();
-            ids.extend_from_slice(e.get_ids());
-            self.cache.insert(key, Arc::from(e.get_ids()));
+            let e = encode(piece)?;
+            encoded += e.len();
+            ids.extend_from_slice(&e);
+            self.cache.insert(key, Arc::from(e));
         }
         self.reused.fetch_add(reused as u64, Ordering::Relaxed);
         self.encoded.fetch_add(encoded as u64, Ordering::Relaxed);

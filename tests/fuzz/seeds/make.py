@@ -76,3 +76,9 @@ put("request", "chat", b"\x01" + json.dumps({"model": "m", "messages": [{"role":
 # Configuration files: the shipped examples.
 for f in sorted((ROOT / "configs").glob("*.toml")):
     put("config", f.stem, f.read_bytes())
+
+# Text for the tokenizers: whitespace runs, contractions, digits, Unicode that normalizes, added
+# tokens whole and cut (gateway/src/tokenize/fast.rs).
+put("tokenize", "english", "It's the gateway's 1st run:  12345 tokens, 'LL do.\n\n\tNext   line  \r\n")
+put("tokenize", "unicode", "e\u0301te\u0301 \u212bngstr\u00f6m \u65e5\u672c\u8a9e \U0001f389\u200d \u00a0x\u3000y \u017fs")
+put("tokenize", "added", "<|im_start|>user\nhi<|im_end|>\n<|begin_of_text|><|eot_id|><|im_st")

@@ -1,0 +1,744 @@
+//! A byte-level BPE's token ids without `tokenizers`' pipeline: the same ids, a fraction of the CPU.
+//!
+//! `tokenizers::Tokenizer::encode_fast` builds a whole `Encoding`: offsets and alignments through
+//! every step, a `String` per token, split records sized by the input (24 bytes per input byte at
+//! each split), and a word cache that hands out clones. On a 1 KB English prompt that is about 0.1 ms
+//! of the gateway's CPU, and the gateway needs only the ids. Oniguruma adds a malloc and a copy of
+//! its match stack at every search, one search per word.
+//!
+//! For the shapes of Llama 3's and Qwen 2/2.5/3's `tokenizer.json` (a `Split` regex, `Isolated`,
+//! then `ByteLevel` without its own regex) and of GPT-2's (`ByteLevel` with its regex, as the vLLM
+//! tests' tiny model has), with a BPE model and any normalizer, this runs the same steps, with the
+//! tokenizer's own parts where it has them:
+//!
+//! 1. the text is cut at added tokens: leftmost-longest Aho-Corasick over the tokens matched before
+//!    normalizing, the automaton `tokenizers` builds ([`Added`]);
+//! 2. each piece between them goes through the tokenizer's own normalizer (skipped for ASCII under
+//!    NFC, NFD, NFKC or NFKD, which leave ASCII as it is);
+//! 3. it is split by the pattern, matches and the gaps between them each a word: ASCII text with
+//!    the `regex` crate's DFA (below), any other with the tokenizer's own Oniguruma regex (GPT-2's
+//!    compiled here as `ByteLevel` compiles it: its own is private);
+//! 4. each word's bytes are mapped to GPT-2's byte-level alphabet and encoded by the tokenizer's own
+//!    BPE model (its merges, its cache); the ids of short words are kept in a bounded map
+//!    ([`WORD_CACHE_WORDS`]);
+//! 5. the post-processor's special tokens (`<|begin_of_text|>`) go around them: found at load by
+//!    running the post-processor on a one-token encoding.
+//!
+//! The `regex` crate has no look-ahead, and the pattern these tokenizers share ends with
+//! `\s+(?!\S)|\s+`. That tail is matched as `\s+` and corrected as a backtracking engine would
+//! match it: a run of whitespace that the rest of the pattern (`X`) does not match where it starts
+//! is followed by a non-space or the end; at the end it is taken whole, otherwise without its last
+//! character (which then starts the next word: `" word"`), or whole when it is one character. The
+//! regex crate's leftmost-first alternation is a backtracking engine's, so the other alternatives
+//! match as Oniguruma's do. Only ASCII takes this path: the two engines' Unicode tables
+//! (`\p{L}`, case folding) are of different Unicode versions.
+//!
+//! Any other shape keeps `tokenizers`' own pipeline ([`Off`]). A self-check at load compares both on
+//! probes (whitespace runs, contractions, digits, added tokens, Unicode that normalizes) and turns
+//! this path off at the first difference. Tests compare them on random text and the repository's
+//! docs for the real Llama 3.1 and Qwen3 tokenizers and small ones of each shape ([`super::toy`]),
+//! and the `tokenize` fuzz target on anything.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use regex_automata::util::pool::Pool;
+use regex_automata::{Anchored, Input, meta};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::utils::SysRegex;
+use tokenizers::{
+    Model, ModelWrapper, NormalizedString, Normalizer, NormalizerWrapper, PostProcessor, PreTokenizerWrapper,
+    SplitDelimiterBehavior,
+};
+
+/// Distinct words whose ids are kept (each at most [`WORD_CACHE_BYTES`] long): about 6 MB at most.
+/// The map is emptied when full, so words common now are kept rather than the first ones seen.
+pub const WORD_CACHE_WORDS: usize = 50_000;
+/// Words longer than this (bytes) are encoded each time.
+const WORD_CACHE_BYTES: usize = 64;
+
+/// The tail of the pattern the `regex` crate matches without look-ahead.
+const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// The tokenizer's added tokens matched before normalizing, as `tokenizers` matches them.
+#[derive(Debug)]
+pub struct Added {
+    pub trie: AhoCorasick,
+    /// Each pattern's token id.
+    pub ids: Vec<u32>,
+    /// The tokens, by content.
+    pub tokens: Vec<tokenizers::AddedToken>,
+}
+
+impl Added {
+    /// The added tokens `tokenizers` splits on before normalizing (`normalized = false`), in one
+    /// leftmost-longest automaton.
+    pub fn of(tok: &tokenizers::Tokenizer) -> Result<Self, String> {
+        let mut added: Vec<(u32, tokenizers::AddedToken)> =
+            tok.get_added_tokens_decoder().into_iter().filter(|(_, t)| !t.normalized).collect();
+        added.sort_by(|a, b| a.1.content.cmp(&b.1.content));
+        let trie = AhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|(_, t)| &t.content))
+            .map_err(|e| e.to_string())?;
+        let (ids, tokens) = added.into_iter().unzip();
+        Ok(Self { trie, ids, tokens })
+    }
+}
+
+/// Why a tokenizer keeps `tokenizers`' own pipeline.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Off {
+    /// Its steps are not the ones this path runs: which one.
+    Shape(String),
+    /// The self-check found a text encoded differently (`add_special_tokens` with it).
+    Mismatch(String, bool),
+}
+
+impl std::fmt::Display for Off {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Shape(why) => f.write_str(why),
+            Self::Mismatch(t, special) => {
+                write!(f, "the self-check encoded {t:?} (add_special_tokens = {special}) differently")
+            }
+        }
+    }
+}
+
+/// The parts of the tokenizer this path runs, borrowed from it.
+struct Parts<'t> {
+    normalizer: Option<&'t NormalizerWrapper>,
+    regex: &'t SysRegex,
+    bpe: &'t tokenizers::models::bpe::BPE,
+}
+
+/// GPT-2's pattern, which `ByteLevel` splits with when `use_regex` is set (`tokenizers`'
+/// `byte_level.rs`).
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// How the tokenizer splits text into words.
+enum Words<'t> {
+    /// A `Split` pre-tokenizer, then `ByteLevel` without its regex (Llama 3, Qwen 2/2.5/3).
+    Split(&'t Split),
+    /// `ByteLevel` with GPT-2's regex (GPT-2's own tokenizer and those trained like it).
+    Gpt2,
+}
+
+fn words(tok: &tokenizers::Tokenizer) -> Result<Words<'_>, String> {
+    let words = match tok.get_pre_tokenizer() {
+        Some(PreTokenizerWrapper::Sequence(seq)) => match seq.as_ref() {
+            [PreTokenizerWrapper::Split(split), PreTokenizerWrapper::ByteLevel(bl)]
+                if !bl.add_prefix_space && !bl.use_regex =>
+            {
+                Words::Split(split)
+            }
+            _ => return Err("its pre-tokenizer is not a Split then a ByteLevel without its regex".into()),
+        },
+        Some(PreTokenizerWrapper::ByteLevel(bl)) if bl.use_regex && !bl.add_prefix_space => Words::Gpt2,
+        _ => return Err("its pre-tokenizer is not a Split then a ByteLevel, or a ByteLevel alone".into()),
+    };
+    if let Words::Split(split) = words
+        && (split.invert || !matches!(split.behavior, SplitDelimiterBehavior::Isolated))
+    {
+        return Err("its Split pre-tokenizer does not isolate its matches".into());
+    }
+    Ok(words)
+}
+
+/// The `regex` crate's form of the split pattern, for ASCII text.
+struct AsciiSplit {
+    /// `X|\s+`, or the whole pattern when it has no look-ahead tail.
+    all: meta::Regex,
+    /// `X` alone, searched anchored, when the pattern ends with the look-ahead tail.
+    head: Option<meta::Regex>,
+    caches: Pool<Caches, Box<dyn Fn() -> Caches + Send + Sync>>,
+}
+
+/// A search cache for each of [`AsciiSplit`]'s regexes: one per caller at a time, from the pool
+/// once per text rather than at each word.
+type Caches = (meta::Cache, Option<meta::Cache>);
+
+impl AsciiSplit {
+    fn new(pattern: &str) -> Option<Self> {
+        let (all, head) = match pattern.strip_suffix(LOOKAHEAD_TAIL) {
+            Some(head) => (format!(r"(?:{head})|\s+"), Some(head)),
+            None => (pattern.to_owned(), None),
+        };
+        let all = meta::Regex::new(&all).ok()?;
+        let head = match head {
+            Some(h) => Some(meta::Regex::new(h).ok()?),
+            None => None,
+        };
+        let (a, h) = (all.clone(), head.clone());
+        let caches: Pool<_, Box<dyn Fn() -> _ + Send + Sync>> =
+            Pool::new(Box::new(move || (a.create_cache(), h.as_ref().map(meta::Regex::create_cache))));
+        Some(Self { all, head, caches })
+    }
+
+    /// Calls `word` with each word of ASCII `text` in order; false (with some words maybe given)
+    /// when the pattern matched empty, which this path leaves to Oniguruma.
+    fn split(&self, text: &str, mut word: impl FnMut(&str)) -> bool {
+        let mut guard = self.caches.get();
+        let (cache, head_cache) = &mut *guard;
+        let bytes = text.as_bytes();
+        let (mut at, mut prev) = (0, 0);
+        while at < text.len() {
+            let input = Input::new(text).range(at..);
+            let found = self
+                .all
+                .search_with(cache, &input.clone().anchored(Anchored::Yes))
+                .or_else(|| self.all.search_with(cache, &input));
+            let Some(m) = found else { break };
+            let (start, mut end) = (m.start(), m.end());
+            if start == end {
+                return false;
+            }
+            // The look-ahead tail: a whitespace run that `X` does not match at its start.
+            if let (Some(head), Some(head_cache)) = (&self.head, head_cache.as_mut())
+                && end < text.len()
+                && end - start >= 2
+                && bytes[start..end].iter().all(|&b| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
+                && head
+                    .search_with(head_cache, &Input::new(text).range(start..).anchored(Anchored::Yes))
+                    .is_none()
+            {
+                end -= 1;
+            }
+            if prev != start {
+                word(&text[prev..start]);
+            }
+            word(&text[start..end]);
+            (prev, at) = (end, end);
+        }
+        if prev != text.len() {
+            word(&text[prev..]);
+        }
+        true
+    }
+}
+
+/// GPT-2's map of bytes to printable characters (`bytes_to_unicode`), as `ByteLevel` uses.
+pub(crate) fn byte_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        out[usize::from(b)] = if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or('\0');
+            next += 1;
+            c
+        };
+    }
+    out
+}
+
+/// The direct path for one tokenizer (the `tokenizers::Tokenizer` it was made from is passed to
+/// each call: its model and regex are used, not copied).
+pub struct Fast {
+    /// GPT-2's regex compiled as `ByteLevel` compiles it, for that shape (its own is private).
+    gpt2: Option<SysRegex>,
+    added: Added,
+    ascii: Option<AsciiSplit>,
+    /// The normalizer leaves ASCII as it is (a Unicode normal form).
+    ascii_normal: bool,
+    chars: [char; 256],
+    /// Ids the post-processor puts before and after the text's (with `add_special_tokens`).
+    prefix: Vec<u32>,
+    suffix: Vec<u32>,
+    words: RwLock<HashMap<Box<str>, Box<[u32]>, ahash::RandomState>>,
+}
+
+impl std::fmt::Debug for Fast {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fast")
+            .field("added", &self.added.ids.len())
+            .field("ascii_regex", &self.ascii.is_some())
+            .field("prefix", &self.prefix)
+            .field("suffix", &self.suffix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Fast {
+    /// The direct path for `tok`, checked against `tok.encode_fast` on probes.
+    pub fn new(tok: &tokenizers::Tokenizer) -> Result<Box<Self>, Off> {
+        let fast = Box::new(Self::unchecked(tok)?);
+        fast.self_check(tok)?;
+        Ok(fast)
+    }
+
+    fn unchecked(tok: &tokenizers::Tokenizer) -> Result<Self, Off> {
+        if tok.get_encode_special_tokens() {
+            return Err(Off::Shape("it encodes special tokens as text".into()));
+        }
+        if tok.get_truncation().is_some() || tok.get_padding().is_some() {
+            return Err(Off::Shape("tokenizer.json sets truncation or padding".into()));
+        }
+        if let Some((_, t)) = tok.get_added_tokens_decoder().into_iter().find(|(_, t)| t.normalized) {
+            return Err(Off::Shape(format!("the added token {:?} is matched after normalizing", t.content)));
+        }
+        let pattern = match words(tok).map_err(Off::Shape)? {
+            Words::Split(split) => match &split.pattern {
+                SplitPattern::Regex(r) => Some(r.as_str()),
+                SplitPattern::String(_) => None,
+            },
+            Words::Gpt2 => Some(GPT2_PATTERN),
+        };
+        let gpt2 = match words(tok).map_err(Off::Shape)? {
+            Words::Gpt2 => Some(SysRegex::new(GPT2_PATTERN).map_err(|e| Off::Shape(e.to_string()))?),
+            Words::Split(_) => None,
+        };
+        let ModelWrapper::BPE(bpe) = tok.get_model() else {
+            return Err(Off::Shape("its model is not a BPE".into()));
+        };
+        if bpe.dropout.is_some_and(|p| p > 0.0) {
+            return Err(Off::Shape("its BPE has dropout".into()));
+        }
+        let added = Added::of(tok).map_err(Off::Shape)?;
+        if let Some(t) = added.tokens.iter().find(|t| t.lstrip || t.rstrip || t.single_word) {
+            return Err(Off::Shape(format!(
+                "the added token {:?} strips whitespace or must be a word",
+                t.content
+            )));
+        }
+        let ascii = pattern.and_then(AsciiSplit::new);
+        let normalizer = tok.get_normalizer();
+        let ascii_normal = matches!(
+            normalizer,
+            None | Some(
+                NormalizerWrapper::NFC(_)
+                    | NormalizerWrapper::NFD(_)
+                    | NormalizerWrapper::NFKC(_)
+                    | NormalizerWrapper::NFKD(_)
+            )
+        );
+        let (prefix, suffix) = match tok.get_post_processor() {
+            None => (Vec::new(), Vec::new()),
+            Some(pp) => {
+                // One token no vocabulary has: what the post-processor puts around it is what it
+                // puts around any text's ids.
+                let one = tokenizers::Encoding::from_tokens(
+                    vec![tokenizers::Token::new(u32::MAX, String::new(), (0, 0))],
+                    0,
+                );
+                let out = pp
+                    .process(one, None, true)
+                    .map_err(|e| Off::Shape(format!("its post-processor: {e}")))?;
+                let ids = out.get_ids();
+                match ids.iter().position(|&i| i == u32::MAX) {
+                    Some(at) if ids.iter().filter(|&&i| i == u32::MAX).count() == 1 => {
+                        (ids[..at].to_vec(), ids[at + 1..].to_vec())
+                    }
+                    _ => {
+                        return Err(Off::Shape(
+                            "its post-processor does not keep the text's ids whole".into(),
+                        ));
+                    }
+                }
+            }
+        };
+        Ok(Self {
+            gpt2,
+            added,
+            ascii,
+            ascii_normal,
+            chars: byte_chars(),
+            prefix,
+            suffix,
+            words: RwLock::new(HashMap::default()),
+        })
+    }
+
+    /// Compares with `tokenizers` on probes made to find where the paths could part: whitespace
+    /// runs before words, punctuation, digits and line ends, contractions in either case, Unicode
+    /// that normalizes or that only Oniguruma's tables class, and the tokenizer's added tokens.
+    fn self_check(&self, tok: &tokenizers::Tokenizer) -> Result<(), Off> {
+        let mut probes: Vec<String> = [
+            "",
+            " ",
+            "  ",
+            "a",
+            " a",
+            "a ",
+            "a  b",
+            "a   b",
+            "a \tb",
+            "a\t\tb",
+            " \n ",
+            "a\n\n b",
+            "a \r\n\r\n  b",
+            "x\u{b}\u{c} y",
+            "  trailing  ",
+            "It's 'S 'LL they'Re I'd we've 'm",
+            "1 12 123 1234 12345 v1.2.3",
+            "hello, world!!  ...\n\n\tdone;\n",
+            "(a)[b]{c} <d> \"e\" `f` --g ==h",
+            "e\u{301}t\u{e9} \u{212b}ngstr\u{f6}m",
+            "日本語のテキスト、句読点。",
+            "🎉 emoji 🎉🎉\u{200d}",
+            "\u{a0}nbsp\u{2003}em\u{3000}ideo",
+            "\u{17f}s long s, \u{212a}elvin",
+            "مرحبا بالعالم",
+            "Ünïcödé  wörds\r\n",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        for (i, t) in self.added.tokens.iter().take(64).enumerate() {
+            let s = &t.content;
+            probes.push(s.clone());
+            probes.push(format!("a {s} b{s}{s}\n{s}  x"));
+            if i < 8 {
+                let half: String = s.chars().take(s.chars().count() / 2).collect();
+                probes.push(format!("{half}{s}é {half}"));
+            }
+        }
+        for p in &probes {
+            for special in [false, true] {
+                let want = tok.encode_fast(p.as_str(), special).map(|e| e.get_ids().to_vec()).ok();
+                let got = self.encode(tok, p, special).ok();
+                if want.is_none() || want != got {
+                    return Err(Off::Mismatch(p.clone(), special));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The parts of `tok` each call runs (checked at load: an error here means another tokenizer).
+    fn parts<'t>(&'t self, tok: &'t tokenizers::Tokenizer) -> tokenizers::Result<Parts<'t>> {
+        let regex = match (words(tok)?, &self.gpt2) {
+            (Words::Split(split), None) => &split.regex,
+            (Words::Gpt2, Some(gpt2)) => gpt2,
+            _ => return Err("not the tokenizer this direct path was made for".into()),
+        };
+        let ModelWrapper::BPE(bpe) = tok.get_model() else { return Err("its model is not a BPE".into()) };
+        Ok(Parts { normalizer: tok.get_normalizer(), regex, bpe })
+    }
+
+    /// The ids of `text`, as `tok.encode_fast(text, add_special_tokens)` gives them. `tok` is the
+    /// tokenizer this was made from.
+    pub fn encode(
+        &self,
+        tok: &tokenizers::Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> tokenizers::Result<Vec<u32>> {
+        let p = self.parts(tok)?;
+        let mut out = Vec::with_capacity(text.len() / 3 + 4);
+        if add_special_tokens {
+            out.extend_from_slice(&self.prefix);
+        }
+        let mut buf = String::new();
+        let mut prev = 0;
+        for m in self.added.trie.find_iter(text) {
+            if prev != m.start() {
+                self.piece(&p, &text[prev..m.start()], &mut out, &mut buf)?;
+            }
+            out.push(self.added.ids[m.pattern().as_usize()]);
+            prev = m.end();
+        }
+        if prev != text.len() {
+            self.piece(&p, &text[prev..], &mut out, &mut buf)?;
+        }
+        if add_special_tokens {
+            out.extend_from_slice(&self.suffix);
+        }
+        Ok(out)
+    }
+
+    /// A piece between added tokens: normalized, split, each word encoded.
+    fn piece(
+        &self,
+        p: &Parts<'_>,
+        text: &str,
+        out: &mut Vec<u32>,
+        buf: &mut String,
+    ) -> tokenizers::Result<()> {
+        let normalized;
+        let text = match p.normalizer {
+            Some(n) if !(self.ascii_normal && text.is_ascii()) => {
+                let mut s = NormalizedString::from(text);
+                n.normalize(&mut s)?;
+                normalized = s.get().to_owned();
+                normalized.as_str()
+            }
+            _ => text,
+        };
+        let mut failed = None;
+        let mut word = |w: &str, out: &mut Vec<u32>| {
+            if failed.is_none()
+                && let Err(e) = self.word(p, w, out, buf)
+            {
+                failed = Some(e);
+            }
+        };
+        let start = out.len();
+        let split_ascii = match &self.ascii {
+            Some(ascii) if text.is_ascii() => ascii.split(text, |w| word(w, out)),
+            _ => false,
+        };
+        if !split_ascii {
+            out.truncate(start);
+            let mut prev = 0;
+            for (s, e) in p.regex.find_iter(text) {
+                if prev != s {
+                    word(&text[prev..s], out);
+                }
+                if s != e {
+                    word(&text[s..e], out);
+                }
+                prev = e;
+            }
+            if prev != text.len() {
+                word(&text[prev..], out);
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// One word's ids: from the map, or its byte-level form through the BPE model.
+    fn word(&self, p: &Parts<'_>, w: &str, out: &mut Vec<u32>, buf: &mut String) -> tokenizers::Result<()> {
+        if let Ok(words) = self.words.try_read()
+            && let Some(ids) = words.get(w)
+        {
+            out.extend_from_slice(ids);
+            return Ok(());
+        }
+        let start = out.len();
+        buf.clear();
+        buf.extend(w.bytes().map(|b| self.chars[usize::from(b)]));
+        out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
+        if w.len() <= WORD_CACHE_BYTES
+            && let Ok(mut words) = self.words.try_write()
+        {
+            if words.len() >= WORD_CACHE_WORDS {
+                words.clear();
+            }
+            words.insert(w.into(), out[start..].into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn load(name: &str) -> tokenizers::Tokenizer {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.cache/tokenizers")
+            .join(name)
+            .join("tokenizer.json");
+        assert!(path.exists(), "{} is missing: run scripts/fetch-tokenizers", path.display());
+        tokenizers::Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// Llama 3.1's and Qwen3's real tokenizers and a small one of each shape ([`super::super::toy`]),
+    /// each with its direct path (checked at load).
+    fn real() -> &'static [(&'static str, tokenizers::Tokenizer, Box<Fast>)] {
+        use super::super::toy::{Shape, tokenizer};
+        static REAL: OnceLock<Vec<(&str, tokenizers::Tokenizer, Box<Fast>)>> = OnceLock::new();
+        REAL.get_or_init(|| {
+            [
+                ("llama3_1", load("llama3_1")),
+                ("qwen3", load("qwen3")),
+                ("gpt2-shaped", tokenizer(Shape::Gpt2).unwrap()),
+                ("qwen3-shaped", tokenizer(Shape::Qwen3).unwrap()),
+                ("llama3-shaped", tokenizer(Shape::Llama3).unwrap()),
+            ]
+            .into_iter()
+            .map(|(name, tok)| {
+                let fast = Fast::new(&tok).unwrap_or_else(|e| panic!("{name}: {e}"));
+                (name, tok, fast)
+            })
+            .collect()
+        })
+    }
+
+    fn same(text: &str) -> Result<(), TestCaseError> {
+        for (name, tok, fast) in real() {
+            for special in [false, true] {
+                let want = tok.encode_fast(text, special).unwrap().get_ids().to_vec();
+                let got = fast.encode(tok, text, special).unwrap();
+                prop_assert_eq!(got, want, "{} {:?} add_special_tokens = {}", name, text, special);
+            }
+        }
+        Ok(())
+    }
+
+    /// Pieces that part the two paths if anything does: whitespace of every kind and length,
+    /// contractions, digit runs, punctuation, Unicode that normalizes or that Oniguruma classes by
+    /// its own tables, and added tokens whole and cut.
+    const FRAGMENTS: &[&str] = &[
+        "a",
+        "Z",
+        "the",
+        "word",
+        " ",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\r",
+        "\u{b}",
+        "\u{c}",
+        "'",
+        "'s",
+        "'S",
+        "'ll",
+        "'Re",
+        "'d",
+        "'m",
+        "'ve",
+        "'t",
+        "1",
+        "12",
+        "1234",
+        "0.5",
+        ".",
+        "...",
+        "!?",
+        "-",
+        "_",
+        "(",
+        ")",
+        "\"",
+        "`",
+        "#",
+        "@",
+        "/",
+        "\\",
+        "é",
+        "e\u{301}",
+        "\u{212b}",
+        "ß",
+        "İ",
+        "\u{17f}",
+        "\u{212a}",
+        "日本",
+        "。",
+        "🎉",
+        "\u{200d}",
+        "\u{fe0f}",
+        "\u{a0}",
+        "\u{2003}",
+        "\u{3000}",
+        "\u{2028}",
+        "\u{85}",
+        "ع",
+        "٣",
+        "Ⅻ",
+        "<|",
+        "|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<think>",
+        "<|start_header_id|>",
+        "<tool_call>",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+        #[test]
+        fn the_ids_are_tokenizers_own_on_text_made_to_part_them(
+            parts in prop::collection::vec(prop::sample::select(FRAGMENTS), 0..48)
+        ) {
+            same(&parts.concat())?;
+        }
+
+        #[test]
+        fn the_ids_are_tokenizers_own_on_ascii(text in "[ -~\t\n\r\u{b}\u{c}]{0,200}") {
+            same(&text)?;
+        }
+
+        #[test]
+        fn the_ids_are_tokenizers_own_on_any_text(text in any::<String>()) {
+            same(&text)?;
+        }
+    }
+
+    /// English and Markdown at length: the repository's README and docs, whole and line by line.
+    #[test]
+    fn the_ids_are_tokenizers_own_on_the_docs() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "md"))
+            .collect();
+        files.push(root.join("README.md"));
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            same(&text).unwrap();
+            for line in text.lines().take(200) {
+                same(line).unwrap();
+            }
+        }
+    }
+
+    /// The self-check is not vacuous: Qwen3's direct path checked against Llama 3.1's tokenizer
+    /// (another regex, other added tokens) is refused.
+    #[test]
+    fn the_self_check_refuses_a_path_that_differs() {
+        let (qwen, llama) = (load("qwen3"), load("llama3_1"));
+        let fast = Fast::unchecked(&qwen).unwrap();
+        assert!(matches!(fast.self_check(&llama), Err(Off::Mismatch(..))), "{:?}", fast.self_check(&llama));
+        assert_eq!(fast.self_check(&qwen), Ok(()));
+    }
+
+    #[test]
+    fn what_the_post_processors_put_around_the_text() {
+        let [(_, _, llama), (_, _, qwen), (_, gpt2_tok, gpt2), ..] = real() else { panic!() };
+        assert_eq!((llama.prefix.as_slice(), llama.suffix.as_slice()), (&[128_000][..], &[][..]));
+        assert_eq!((qwen.prefix.as_slice(), qwen.suffix.as_slice()), (&[][..], &[][..]));
+        assert_eq!(gpt2.prefix, [gpt2_tok.token_to_id("<|begin_of_text|>").unwrap()]);
+        for f in [llama, qwen, gpt2].map(|f| &**f) {
+            assert!(f.ascii.as_ref().is_some_and(|a| a.head.is_some()), "the look-ahead tail is recognised");
+        }
+        assert!(gpt2.gpt2.is_some() && llama.gpt2.is_none());
+    }
+
+    #[test]
+    fn other_shapes_keep_tokenizers_pipeline() {
+        let word_level = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#;
+        let tok: tokenizers::Tokenizer = word_level.parse().unwrap();
+        assert_eq!(
+            Fast::new(&tok).unwrap_err(),
+            Off::Shape("its pre-tokenizer is not a Split then a ByteLevel, or a ByteLevel alone".into())
+        );
+        let mut qwen = load("qwen3");
+        qwen.with_truncation(Some(tokenizers::TruncationParams::default())).unwrap();
+        assert_eq!(
+            Fast::new(&qwen).unwrap_err(),
+            Off::Shape("tokenizer.json sets truncation or padding".into())
+        );
+    }
+
+    /// The map of words' ids is emptied when full, and ids stay right across it.
+    #[test]
+    fn the_word_map_is_bounded() {
+        let (_, tok, fast) = &real()[1];
+        assert_eq!(real()[1].0, "qwen3");
+        for i in 0..WORD_CACHE_WORDS + 10 {
+            fast.encode(tok, &format!("w{i}x"), false).unwrap();
+        }
+        assert!(fast.words.read().unwrap().len() <= WORD_CACHE_WORDS);
+        same("w1x w2x w50009x").unwrap();
+    }
+}
