@@ -19,7 +19,7 @@
 //!    the `regex` crate's DFA (below), any other with the tokenizer's own Oniguruma regex (GPT-2's
 //!    compiled here as `ByteLevel` compiles it: its own is private);
 //! 4. each word's bytes are mapped to GPT-2's byte-level alphabet and encoded by the tokenizer's own
-//!    BPE model (its merges, its cache); the ids of short words are kept in a bounded map
+//!    BPE model (its merges, its cache); the ids of short words are kept in a bounded, sharded map
 //!    ([`WORD_CACHE_WORDS`]);
 //! 5. the post-processor's special tokens (`<|begin_of_text|>`) go around them: found at load by
 //!    running the post-processor on a one-token encoding.
@@ -31,11 +31,15 @@
 //! character (which then starts the next word: `" word"`), or whole when it is one character. The
 //! regex crate's leftmost-first alternation is a backtracking engine's, so the other alternatives
 //! match as Oniguruma's do. Only ASCII takes this path: the two engines' Unicode tables
-//! (`\p{L}`, case folding) are of different Unicode versions.
+//! (`\p{L}`, case folding) are of different Unicode versions. And only the patterns read for it
+//! ([`AUDITED_PATTERNS`]): Oniguruma's syntax reads some constructs both engines compile
+//! otherwise (`^` and `$` are line anchors, `(?m)` is dot-all, `a{n}?` is optional), so another
+//! pattern is split by Oniguruma whatever its text.
 //!
 //! Any other shape keeps `tokenizers`' own pipeline ([`Off`]). A self-check at load compares both on
-//! probes (whitespace runs, contractions, digits, added tokens, Unicode that normalizes) and turns
-//! this path off at the first difference. Tests compare them on random text and the repository's
+//! probes (whitespace runs, contractions, digits, added tokens, Unicode that normalizes, and every
+//! string of three characters from a small alphabet of each class) and turns this path off at the
+//! first difference. Tests compare them on random text and the repository's
 //! docs for the real Llama 3.1 and Qwen3 tokenizers and small ones of each shape ([`super::toy`]),
 //! and the `tokenize` fuzz target on anything.
 
@@ -52,11 +56,28 @@ use tokenizers::{
     SplitDelimiterBehavior,
 };
 
-/// Distinct words whose ids are kept (each at most [`WORD_CACHE_BYTES`] long): about 6 MB at most.
-/// The map is emptied when full, so words common now are kept rather than the first ones seen.
-pub const WORD_CACHE_WORDS: usize = 50_000;
+/// Distinct words whose ids are kept, each at most [`WORD_CACHE_BYTES`] long: about 12 MB in the
+/// worst case (64-byte words of 64 ids each), some 3 MB of English words. A shard of the map is
+/// emptied when full, so words common now are kept rather than the first ones seen.
+pub const WORD_CACHE_WORDS: usize = 32_768;
 /// Words longer than this (bytes) are encoded each time.
 const WORD_CACHE_BYTES: usize = 64;
+/// The word map's shards, each behind its own lock, chosen by the word's hash: threads tokenizing
+/// at once rarely share a lock's cache line, and a new word finds its shard's lock free to insert.
+const WORD_SHARDS: usize = 16;
+
+/// Llama 3's split pattern (`tokenizer.json`), digits in threes.
+pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2/2.5/3's, digits one by one.
+pub const QWEN_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-2's, which `ByteLevel` splits with when `use_regex` is set (`tokenizers`' `byte_level.rs`).
+pub const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The patterns whose ASCII text the `regex` crate splits: read construct by construct for the
+/// same matches under Oniguruma's syntax and the regex crate's (case-insensitive ASCII letters,
+/// classes of `\p{L}`, `\p{N}` and `\s`, greedy repeats, leftmost-first alternation; the look-ahead
+/// tail emulated). Each is also checked at load, as every pattern is.
+pub const AUDITED_PATTERNS: &[&str] = &[LLAMA3_PATTERN, QWEN_PATTERN, GPT2_PATTERN];
 
 /// The tail of the pattern the `regex` crate matches without look-ahead.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
@@ -114,10 +135,6 @@ struct Parts<'t> {
     bpe: &'t tokenizers::models::bpe::BPE,
 }
 
-/// GPT-2's pattern, which `ByteLevel` splits with when `use_regex` is set (`tokenizers`'
-/// `byte_level.rs`).
-const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
-
 /// How the tokenizer splits text into words.
 enum Words<'t> {
     /// A `Split` pre-tokenizer, then `ByteLevel` without its regex (Llama 3, Qwen 2/2.5/3).
@@ -129,14 +146,18 @@ enum Words<'t> {
 fn words(tok: &tokenizers::Tokenizer) -> Result<Words<'_>, String> {
     let words = match tok.get_pre_tokenizer() {
         Some(PreTokenizerWrapper::Sequence(seq)) => match seq.as_ref() {
-            [PreTokenizerWrapper::Split(split), PreTokenizerWrapper::ByteLevel(bl)]
-                if !bl.add_prefix_space && !bl.use_regex =>
-            {
+            [PreTokenizerWrapper::Split(_), PreTokenizerWrapper::ByteLevel(bl)] if bl.add_prefix_space => {
+                return Err("its ByteLevel pre-tokenizer adds a prefix space".into());
+            }
+            [PreTokenizerWrapper::Split(split), PreTokenizerWrapper::ByteLevel(bl)] if !bl.use_regex => {
                 Words::Split(split)
             }
             _ => return Err("its pre-tokenizer is not a Split then a ByteLevel without its regex".into()),
         },
-        Some(PreTokenizerWrapper::ByteLevel(bl)) if bl.use_regex && !bl.add_prefix_space => Words::Gpt2,
+        Some(PreTokenizerWrapper::ByteLevel(bl)) if bl.add_prefix_space => {
+            return Err("its ByteLevel pre-tokenizer adds a prefix space".into());
+        }
+        Some(PreTokenizerWrapper::ByteLevel(bl)) if bl.use_regex => Words::Gpt2,
         _ => return Err("its pre-tokenizer is not a Split then a ByteLevel, or a ByteLevel alone".into()),
     };
     if let Words::Split(split) = words
@@ -156,12 +177,16 @@ struct AsciiSplit {
     caches: Pool<Caches, Box<dyn Fn() -> Caches + Send + Sync>>,
 }
 
-/// A search cache for each of [`AsciiSplit`]'s regexes: one per caller at a time, from the pool
-/// once per text rather than at each word.
+/// A search cache for each of [`AsciiSplit`]'s regexes: one per caller at a time, taken from the
+/// pool once per piece of text rather than at each word.
 type Caches = (meta::Cache, Option<meta::Cache>);
 
 impl AsciiSplit {
+    /// The split for an audited pattern ([`AUDITED_PATTERNS`]); `None` for any other.
     fn new(pattern: &str) -> Option<Self> {
+        if !AUDITED_PATTERNS.contains(&pattern) {
+            return None;
+        }
         let (all, head) = match pattern.strip_suffix(LOOKAHEAD_TAIL) {
             Some(head) => (format!(r"(?:{head})|\s+"), Some(head)),
             None => (pattern.to_owned(), None),
@@ -177,9 +202,9 @@ impl AsciiSplit {
         Some(Self { all, head, caches })
     }
 
-    /// Calls `word` with each word of ASCII `text` in order; false (with some words maybe given)
-    /// when the pattern matched empty, which this path leaves to Oniguruma.
-    fn split(&self, text: &str, mut word: impl FnMut(&str)) -> bool {
+    /// Each word of ASCII `text` into `spans`, in order; false (with `spans` part filled) when the
+    /// pattern matched empty, which this path leaves to Oniguruma.
+    fn split(&self, text: &str, spans: &mut Vec<(usize, usize)>) -> bool {
         let mut guard = self.caches.get();
         let (cache, head_cache) = &mut *guard;
         let bytes = text.as_bytes();
@@ -195,7 +220,8 @@ impl AsciiSplit {
             if start == end {
                 return false;
             }
-            // The look-ahead tail: a whitespace run that `X` does not match at its start.
+            // The look-ahead tail: a whitespace run that `X` does not match at its start (the byte
+            // test only spares the anchored search where the match is not all whitespace).
             if let (Some(head), Some(head_cache)) = (&self.head, head_cache.as_mut())
                 && end < text.len()
                 && end - start >= 2
@@ -207,13 +233,13 @@ impl AsciiSplit {
                 end -= 1;
             }
             if prev != start {
-                word(&text[prev..start]);
+                spans.push((prev, start));
             }
-            word(&text[start..end]);
+            spans.push((start, end));
             (prev, at) = (end, end);
         }
         if prev != text.len() {
-            word(&text[prev..]);
+            spans.push((prev, text.len()));
         }
         true
     }
@@ -235,6 +261,30 @@ pub(crate) fn byte_chars() -> [char; 256] {
     out
 }
 
+/// A tokenizer's vocabulary and added tokens counted, cheaply (`Tokenizer::get_vocab_size(true)`
+/// copies the whole vocabulary into a map to count it).
+fn sizes(tok: &tokenizers::Tokenizer) -> (usize, usize) {
+    (tok.get_vocab_size(false), tok.get_added_vocabulary().len())
+}
+
+/// Each word of `text` into `spans` as `tokenizers`' `Split` makes them with `Isolated`: the
+/// matches and the gaps between them, empty ones left out.
+fn onig_split(regex: &SysRegex, text: &str, spans: &mut Vec<(usize, usize)>) {
+    let mut prev = 0;
+    for (start, end) in regex.find_iter(text) {
+        if prev != start {
+            spans.push((prev, start));
+        }
+        if start != end {
+            spans.push((start, end));
+        }
+        prev = end;
+    }
+    if prev != text.len() {
+        spans.push((prev, text.len()));
+    }
+}
+
 /// The direct path for one tokenizer (the `tokenizers::Tokenizer` it was made from is passed to
 /// each call: its model and regex are used, not copied).
 pub struct Fast {
@@ -248,8 +298,14 @@ pub struct Fast {
     /// Ids the post-processor puts before and after the text's (with `add_special_tokens`).
     prefix: Vec<u32>,
     suffix: Vec<u32>,
-    words: RwLock<HashMap<Box<str>, Box<[u32]>, ahash::RandomState>>,
+    /// The sizes of the tokenizer's vocabulary and added tokens: a call with another is refused.
+    sizes: (usize, usize),
+    hasher: ahash::RandomState,
+    words: [RwLock<WordMap>; WORD_SHARDS],
 }
+
+/// A shard of the map of words' ids: a word's text to its ids.
+type WordMap = HashMap<Box<str>, Box<[u32]>, ahash::RandomState>;
 
 impl std::fmt::Debug for Fast {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -280,16 +336,15 @@ impl Fast {
         if let Some((_, t)) = tok.get_added_tokens_decoder().into_iter().find(|(_, t)| t.normalized) {
             return Err(Off::Shape(format!("the added token {:?} is matched after normalizing", t.content)));
         }
-        let pattern = match words(tok).map_err(Off::Shape)? {
+        let (pattern, gpt2) = match words(tok).map_err(Off::Shape)? {
             Words::Split(split) => match &split.pattern {
-                SplitPattern::Regex(r) => Some(r.as_str()),
-                SplitPattern::String(_) => None,
+                SplitPattern::Regex(r) => (Some(r.as_str()), None),
+                SplitPattern::String(_) => (None, None),
             },
-            Words::Gpt2 => Some(GPT2_PATTERN),
-        };
-        let gpt2 = match words(tok).map_err(Off::Shape)? {
-            Words::Gpt2 => Some(SysRegex::new(GPT2_PATTERN).map_err(|e| Off::Shape(e.to_string()))?),
-            Words::Split(_) => None,
+            Words::Gpt2 => {
+                let regex = SysRegex::new(GPT2_PATTERN).map_err(|e| Off::Shape(e.to_string()))?;
+                (Some(GPT2_PATTERN), Some(regex))
+            }
         };
         let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return Err(Off::Shape("its model is not a BPE".into()));
@@ -348,7 +403,9 @@ impl Fast {
             chars: byte_chars(),
             prefix,
             suffix,
-            words: RwLock::new(HashMap::default()),
+            sizes: sizes(tok),
+            hasher: ahash::RandomState::new(),
+            words: std::array::from_fn(|_| RwLock::new(HashMap::default())),
         })
     }
 
@@ -396,6 +453,15 @@ impl Fast {
                 probes.push(format!("{half}{s}é {half}"));
             }
         }
+        // Every string of three from a character of each class the pattern tells apart.
+        let alphabet = ['a', 'S', '1', ' ', '\n', '\r', '\t', '\u{b}', '\'', '.', 'é', '\u{a0}'];
+        for a in alphabet {
+            for b in alphabet {
+                for c in alphabet {
+                    probes.push(String::from_iter([a, b, c]));
+                }
+            }
+        }
         for p in &probes {
             for special in [false, true] {
                 let want = tok.encode_fast(p.as_str(), special).map(|e| e.get_ids().to_vec()).ok();
@@ -410,6 +476,9 @@ impl Fast {
 
     /// The parts of `tok` each call runs (checked at load: an error here means another tokenizer).
     fn parts<'t>(&'t self, tok: &'t tokenizers::Tokenizer) -> tokenizers::Result<Parts<'t>> {
+        if sizes(tok) != self.sizes {
+            return Err("not the tokenizer this direct path was made for".into());
+        }
         let regex = match (words(tok)?, &self.gpt2) {
             (Words::Split(split), None) => &split.regex,
             (Words::Gpt2, Some(gpt2)) => gpt2,
@@ -432,17 +501,17 @@ impl Fast {
         if add_special_tokens {
             out.extend_from_slice(&self.prefix);
         }
-        let mut buf = String::new();
+        let (mut buf, mut spans) = (String::new(), Vec::new());
         let mut prev = 0;
         for m in self.added.trie.find_iter(text) {
             if prev != m.start() {
-                self.piece(&p, &text[prev..m.start()], &mut out, &mut buf)?;
+                self.piece(&p, &text[prev..m.start()], &mut out, &mut buf, &mut spans)?;
             }
             out.push(self.added.ids[m.pattern().as_usize()]);
             prev = m.end();
         }
         if prev != text.len() {
-            self.piece(&p, &text[prev..], &mut out, &mut buf)?;
+            self.piece(&p, &text[prev..], &mut out, &mut buf, &mut spans)?;
         }
         if add_special_tokens {
             out.extend_from_slice(&self.suffix);
@@ -457,52 +526,39 @@ impl Fast {
         text: &str,
         out: &mut Vec<u32>,
         buf: &mut String,
+        spans: &mut Vec<(usize, usize)>,
     ) -> tokenizers::Result<()> {
         let normalized;
         let text = match p.normalizer {
             Some(n) if !(self.ascii_normal && text.is_ascii()) => {
                 let mut s = NormalizedString::from(text);
-                n.normalize(&mut s)?;
+                // Its error is not looked at, as `tokenizers` does not look at it: the text is
+                // what the normalizer made of it either way.
+                let _ = n.normalize(&mut s);
                 normalized = s.get().to_owned();
                 normalized.as_str()
             }
             _ => text,
         };
-        let mut failed = None;
-        let mut word = |w: &str, out: &mut Vec<u32>| {
-            if failed.is_none()
-                && let Err(e) = self.word(p, w, out, buf)
-            {
-                failed = Some(e);
-            }
-        };
-        let start = out.len();
-        let split_ascii = match &self.ascii {
-            Some(ascii) if text.is_ascii() => ascii.split(text, |w| word(w, out)),
+        spans.clear();
+        let ascii = match &self.ascii {
+            Some(ascii) if text.is_ascii() => ascii.split(text, spans),
             _ => false,
         };
-        if !split_ascii {
-            out.truncate(start);
-            let mut prev = 0;
-            for (s, e) in p.regex.find_iter(text) {
-                if prev != s {
-                    word(&text[prev..s], out);
-                }
-                if s != e {
-                    word(&text[s..e], out);
-                }
-                prev = e;
-            }
-            if prev != text.len() {
-                word(&text[prev..], out);
-            }
+        if !ascii {
+            spans.clear();
+            onig_split(p.regex, text, spans);
         }
-        failed.map_or(Ok(()), Err)
+        for &(start, end) in spans.iter() {
+            self.word(p, &text[start..end], out, buf)?;
+        }
+        Ok(())
     }
 
     /// One word's ids: from the map, or its byte-level form through the BPE model.
     fn word(&self, p: &Parts<'_>, w: &str, out: &mut Vec<u32>, buf: &mut String) -> tokenizers::Result<()> {
-        if let Ok(words) = self.words.try_read()
+        let shard = &self.words[usize::try_from(self.hasher.hash_one(w)).unwrap_or_default() % WORD_SHARDS];
+        if let Ok(words) = shard.try_read()
             && let Some(ids) = words.get(w)
         {
             out.extend_from_slice(ids);
@@ -513,9 +569,9 @@ impl Fast {
         buf.extend(w.bytes().map(|b| self.chars[usize::from(b)]));
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
         if w.len() <= WORD_CACHE_BYTES
-            && let Ok(mut words) = self.words.try_write()
+            && let Ok(mut words) = shard.try_write()
         {
-            if words.len() >= WORD_CACHE_WORDS {
+            if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
                 words.clear();
             }
             words.insert(w.into(), out[start..].into());
@@ -666,6 +722,11 @@ mod tests {
         }
 
         #[test]
+        fn the_ids_are_tokenizers_own_on_any_ascii(text in "[\x00-\x7f]{0,200}") {
+            same(&text)?;
+        }
+
+        #[test]
         fn the_ids_are_tokenizers_own_on_any_text(text in any::<String>()) {
             same(&text)?;
         }
@@ -690,14 +751,88 @@ mod tests {
         }
     }
 
-    /// The self-check is not vacuous: Qwen3's direct path checked against Llama 3.1's tokenizer
-    /// (another regex, other added tokens) is refused.
+    /// The self-check is not vacuous: Llama 3.1's direct path without the look-ahead correction,
+    /// or splitting its ASCII with Qwen's pattern (digits one by one), is refused; as is another
+    /// tokenizer's.
     #[test]
     fn the_self_check_refuses_a_path_that_differs() {
         let (qwen, llama) = (load("qwen3"), load("llama3_1"));
-        let fast = Fast::unchecked(&qwen).unwrap();
+        let mut fast = Fast::unchecked(&llama).unwrap();
+        assert_eq!(fast.self_check(&llama), Ok(()));
+        fast.ascii.as_mut().unwrap().head = None;
         assert!(matches!(fast.self_check(&llama), Err(Off::Mismatch(..))), "{:?}", fast.self_check(&llama));
-        assert_eq!(fast.self_check(&qwen), Ok(()));
+        fast.ascii = AsciiSplit::new(QWEN_PATTERN);
+        assert!(matches!(fast.self_check(&llama), Err(Off::Mismatch(..))), "{:?}", fast.self_check(&llama));
+        let other = Fast::unchecked(&qwen).unwrap();
+        assert!(matches!(other.self_check(&llama), Err(Off::Mismatch(..))));
+        assert!(other.encode(&llama, "a", false).is_err(), "a call with another tokenizer is refused");
+    }
+
+    /// The regex crate's split of ASCII is used (not left to Oniguruma) and makes Oniguruma's words.
+    #[test]
+    fn ascii_is_split_by_the_dfa_into_onigurumas_words() {
+        let text = "Hello  world\n\n  it's 12345 OK'S  (x)...\r\n\t y   ";
+        for pattern in AUDITED_PATTERNS {
+            let (mut dfa, mut onig) = (Vec::new(), Vec::new());
+            assert!(AsciiSplit::new(pattern).unwrap().split(text, &mut dfa), "{pattern}");
+            onig_split(&SysRegex::new(pattern).unwrap(), text, &mut onig);
+            assert_eq!(dfa, onig, "{pattern}");
+        }
+        let mut words = Vec::new();
+        AsciiSplit::new(LLAMA3_PATTERN).unwrap().split("a  b   ", &mut words);
+        assert_eq!(words, [(0, 1), (1, 2), (2, 4), (4, 7)], "\"a\", \" \", \" b\", \"   \"");
+        assert!(AsciiSplit::new(r"\w+|\s+").is_none(), "a pattern not audited is Oniguruma's");
+    }
+
+    /// Parts of the shapes the real files do not have: a normalizer that changes ASCII, a
+    /// post-processor that puts a token after the text, a `Split` on a string.
+    #[test]
+    fn other_parts_of_the_shapes_match_too() {
+        use super::super::toy::{Shape, tokenizer};
+        use tokenizers::normalizers::{Lowercase, NFC, Sequence};
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::processors::template::TemplateProcessing;
+        let mut lower = tokenizer(Shape::Qwen3).unwrap();
+        lower.with_normalizer(Some(Sequence::new(vec![NFC.into(), Lowercase.into()])));
+        let mut suffix = tokenizer(Shape::Llama3).unwrap();
+        let ids = ["<|begin_of_text|>", "<|eot_id|>"].map(|t| (t, suffix.token_to_id(t).unwrap()));
+        let template = TemplateProcessing::builder()
+            .try_single("<|begin_of_text|> $A <|eot_id|>")
+            .unwrap()
+            .special_tokens(ids.to_vec())
+            .build()
+            .unwrap();
+        suffix.with_post_processor(Some(template));
+        let mut string = tokenizer(Shape::Llama3).unwrap();
+        let split =
+            Split::new(SplitPattern::String(" ".into()), SplitDelimiterBehavior::Isolated, false).unwrap();
+        string.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::sequence::Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, false, false).into(),
+        ])));
+        let texts: Vec<String> = (FRAGMENTS.iter())
+            .flat_map(|a| FRAGMENTS.iter().map(move |b| format!("{a}{b} {b}{a}")))
+            .chain(
+                std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+                    .unwrap()
+                    .lines()
+                    .map(str::to_owned),
+            )
+            .collect();
+        for (name, tok) in [("lowercase", lower), ("suffix", suffix), ("string split", string)] {
+            let fast = Fast::new(&tok).unwrap_or_else(|e| panic!("{name}: {e}"));
+            for text in &texts {
+                for special in [false, true] {
+                    let want = tok.encode_fast(text.as_str(), special).unwrap().get_ids().to_vec();
+                    assert_eq!(fast.encode(&tok, text, special).unwrap(), want, "{name} {text:?} {special}");
+                }
+            }
+            match name {
+                "lowercase" => assert!(!fast.ascii_normal),
+                "suffix" => assert_eq!(fast.suffix.len(), 1),
+                _ => assert!(fast.ascii.is_none()),
+            }
+        }
     }
 
     #[test]
@@ -730,15 +865,33 @@ mod tests {
         );
     }
 
-    /// The map of words' ids is emptied when full, and ids stay right across it.
+    /// A shard of the map of words' ids is emptied when full, and ids stay right across it.
     #[test]
     fn the_word_map_is_bounded() {
-        let (_, tok, fast) = &real()[1];
-        assert_eq!(real()[1].0, "qwen3");
-        for i in 0..WORD_CACHE_WORDS + 10 {
-            fast.encode(tok, &format!("w{i}x"), false).unwrap();
+        let tok = super::super::toy::tokenizer(super::super::toy::Shape::Qwen3).unwrap();
+        let fast = Fast::new(&tok).unwrap();
+        // Words of letters only (Qwen's pattern cuts digits one by one): base 26.
+        let word = |mut i: usize| {
+            let mut w = String::from("q");
+            while i > 0 {
+                w.push(char::from(b'a' + u8::try_from(i % 26).unwrap()));
+                i /= 26;
+            }
+            w
+        };
+        let n = WORD_CACHE_WORDS * 2;
+        for i in 0..n {
+            fast.encode(&tok, &word(i), false).unwrap();
         }
-        assert!(fast.words.read().unwrap().len() <= WORD_CACHE_WORDS);
-        same("w1x w2x w50009x").unwrap();
+        let held: Vec<usize> = fast.words.iter().map(|s| s.read().unwrap().len()).collect();
+        assert!(held.iter().all(|&h| h <= WORD_CACHE_WORDS / WORD_SHARDS), "{held:?}");
+        assert!(held.iter().sum::<usize>() < WORD_CACHE_WORDS, "shards were emptied: {held:?}");
+        for i in [0, 1, 27, n / 2, n - 1] {
+            let w = word(i);
+            assert_eq!(
+                fast.encode(&tok, &w, false).unwrap(),
+                tok.encode_fast(w.as_str(), false).unwrap().get_ids()
+            );
+        }
     }
 }

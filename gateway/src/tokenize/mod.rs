@@ -24,6 +24,7 @@ pub mod bound;
 pub mod fast;
 pub mod pool;
 pub mod reuse;
+#[cfg(any(test, feature = "toy-tokenizers"))]
 #[doc(hidden)]
 pub mod toy;
 
@@ -234,18 +235,6 @@ impl Tokenizer {
             Kind::Fallback => Ok(text.bytes().map(u32::from).collect()),
             Kind::Hf { tok, fast: Ok(f), .. } => f.encode(tok, text, add_special_tokens),
             Kind::Hf { tok, .. } => tok.encode_fast(text, add_special_tokens).map(|e| e.get_ids().to_vec()),
-        }
-    }
-
-    /// Token ids of a text through `tokenizers`' own pipeline, whatever the direct path: what that
-    /// path is checked against (the `tokenize` fuzz target, the bench).
-    pub fn encode_reference(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, GatewayError> {
-        match &self.kind {
-            Kind::Fallback => self.encode(text, add_special_tokens),
-            Kind::Hf { tok, .. } => tok
-                .encode_fast(text, add_special_tokens)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(tokenizer_error),
         }
     }
 

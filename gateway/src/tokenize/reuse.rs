@@ -1,9 +1,10 @@
 //! Token ids reused across requests, one segment of a rendered chat at a time.
 //!
 //! A multi-turn conversation sends its whole history again at every turn, and exact cache-aware
-//! routing needs the token ids of all of it before the request is routed. Tokenizing costs about
-//! 0.7–1.1 µs a token with a BPE (`bench/README.md`, "Tokenization"), so a 32k-token chat would pay
-//! 25–35 ms at each turn for text the gateway has tokenized before.
+//! routing needs the token ids of all of it before the request is routed. Tokenizing costs
+//! 0.06–0.11 µs a token on the direct path ([`super::fast`]; 0.5–0.8 through `tokenizers`'
+//! pipeline; `bench/README.md`, "Tokenization"), so a 32k-token chat would pay 2–4 ms at each turn
+//! for text the gateway has tokenized before.
 //!
 //! Why it is exact: a HuggingFace tokenizer (one without a position-dependent pre-tokenizer, below) first splits its input at its added tokens (`<|eot_id|>`,
 //! `<|im_end|>`, …: one Aho-Corasick pass, leftmost-longest, over the tokens that are not

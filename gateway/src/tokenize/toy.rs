@@ -4,6 +4,7 @@
 //! the real Llama 3.1 and Qwen3 files, and for the `tokenize` fuzz target, which cannot load an
 //! 11 MB `tokenizer.json` under its coverage instrumentation in the time libFuzzer gives an input.
 //! The BPE model is `tokenizers`' own on both paths, so a small vocabulary tests what differs.
+//! Built with the `toy-tokenizers` feature (the fuzz target's) and in tests.
 
 use tokenizers::models::bpe::BPE;
 use tokenizers::normalizers::unicode::NFC;
@@ -13,10 +14,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-/// Llama 3's split pattern (`tokenizer.json`), digits in threes.
-pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// Qwen 2/2.5/3's, digits one by one.
-pub const QWEN_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+use super::fast::{LLAMA3_PATTERN, QWEN_PATTERN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
