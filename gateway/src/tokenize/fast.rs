@@ -56,9 +56,10 @@ use tokenizers::{
     SplitDelimiterBehavior,
 };
 
-/// Distinct words whose ids are kept, each at most [`WORD_CACHE_BYTES`] long: about 12 MB in the
-/// worst case (64-byte words of 64 ids each), some 3 MB of English words. A shard of the map is
-/// emptied when full, so words common now are kept rather than the first ones seen.
+/// Distinct words whose ids are kept, each at most [`WORD_CACHE_BYTES`] long: by arithmetic about
+/// 12 MB in the worst case (64-byte words of 64 ids each, with the map's and allocator's overhead).
+/// A shard of the map is emptied when full, so words common now are kept rather than the first ones
+/// seen.
 pub const WORD_CACHE_WORDS: usize = 32_768;
 /// Words longer than this (bytes) are encoded each time.
 const WORD_CACHE_BYTES: usize = 64;

@@ -3,7 +3,7 @@
 //! A multi-turn conversation sends its whole history again at every turn, and exact cache-aware
 //! routing needs the token ids of all of it before the request is routed. Tokenizing costs
 //! 0.05–0.11 µs a token on the direct path ([`super::fast`]; 0.5–1.0 through `tokenizers`'
-//! pipeline; `bench/README.md`, "Tokenization"), so a 32k-token chat would pay 2–4 ms at each turn
+//! pipeline; `bench/README.md`, "Tokenization"), so a 32k-token chat would pay 1.6–3.6 ms at each turn
 //! for text the gateway has tokenized before.
 //!
 //! Why it is exact: a HuggingFace tokenizer (one without a position-dependent pre-tokenizer, below) first splits its input at its added tokens (`<|eot_id|>`,
