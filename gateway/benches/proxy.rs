@@ -36,7 +36,10 @@
 //! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
 //! `native` pools say `reserve = "prefiller"` (the prefillers reserve the pages with their writes)
 //! unless `BATON_PROXY_BENCH_RESERVE=gateway`, and `token_ids = "base64"` (the prompt's ids to the
-//! engines as their base64 string) unless `BATON_PROXY_BENCH_TOKEN_IDS=json`.
+//! engines as their base64 string) unless `BATON_PROXY_BENCH_TOKEN_IDS=json`. `native` and
+//! `lmcache` send the engines the gateway's token ids, so the model has Qwen3's tokenizer there
+//! (235 ids for the 1 KB prompt); `BATON_PROXY_BENCH_BYTE_IDS=1` gives `native` none, and so the
+//! prompt's 1,000 byte values as its ids (what the bench did before 2026-11-28).
 //! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
 //! empty unless `BATON_REQUIRE_NGINX=1`.
 
@@ -266,6 +269,14 @@ fn nginx_binary() -> Option<PathBuf> {
 }
 
 /// Engines, gateway and nginx for `mode` in `layout`.
+/// `[model]`'s `tokenizer` line for Qwen3's (from scripts/fetch-tokenizers; the neutral engines
+/// take any ids).
+fn qwen3_tokenizer() -> String {
+    let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3/tokenizer.json");
+    assert!(t.exists(), "{} is missing: scripts/fetch-tokenizers", t.display());
+    format!("tokenizer = {:?}\n", t.display().to_string())
+}
+
 fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     let front = if layout == 'A' { 1 } else { 0 };
     std::fs::create_dir_all(dir).unwrap();
@@ -301,6 +312,13 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
             decode_table.push_str(&format!("reserve = {by:?}\n"));
             let ids = std::env::var("BATON_PROXY_BENCH_TOKEN_IDS").unwrap_or_else(|_| "base64".into());
             decode_table.push_str(&format!("token_ids = {ids:?}\n"));
+            // The mode sends the engines the gateway's token ids, which for a real model are its
+            // tokenizer's (235 for the 1 KB prompt with Qwen3's): the model's tokenizer, as for
+            // lmcache, unless `BATON_PROXY_BENCH_BYTE_IDS=1` (the byte values, 1,000 ids, which
+            // only the simulated engines' byte-level model reads as the prompt).
+            if std::env::var_os("BATON_PROXY_BENCH_BYTE_IDS").is_none() {
+                model_extra = qwen3_tokenizer();
+            }
         }
         "lmcache" => {
             // Each rank of the decoder's PD backend: its ports and its capacity in chunks.
@@ -323,11 +341,8 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
             )
             .unwrap();
             decode_table.push_str("handoff = \"lmcache\"\nlmcache = { config = \"decoder.yaml\" }\n");
-            // The mode sends the gateway's token ids, so it needs the model's tokenizer (Qwen3's,
-            // from scripts/fetch-tokenizers; the neutral engines take any ids).
-            let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tokenizers/qwen3/tokenizer.json");
-            assert!(t.exists(), "{} is missing: scripts/fetch-tokenizers", t.display());
-            model_extra = format!("tokenizer = {:?}\n", t.display().to_string());
+            // The mode sends the gateway's token ids, so it needs the model's tokenizer.
+            model_extra = qwen3_tokenizer();
             tail = format!("[lmcache]\nnotify_listen = \"{notify}\"\n");
         }
         other => decode_table.push_str(&format!("handoff = \"{other}\"\n")),
