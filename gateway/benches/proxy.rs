@@ -8,8 +8,9 @@
 //! Processes, each pinned with `taskset`:
 //! - the engines (this binary again, in a role of its own): one prefill and one decode `baton-sim`
 //!   engine (TP 1) in **neutral** mode (no KV derived or checked; pages move as zeros) with a small
-//!   model (1 layer, 1 KV head of 4 one-byte values, 256-token chunks: a 1 KB prompt is 4 pages of 2
-//!   KB), on one current-thread runtime, speaking the mode's protocol;
+//!   model (1 layer, 1 KV head of 4 one-byte values, 256-token chunks: a 1 KB prompt is one page of 2
+//!   KB with Qwen3's tokenizer, four as byte values), on one current-thread runtime, speaking the
+//!   mode's protocol;
 //! - `baton serve` (the real binary) with a TOML for the mode;
 //! - nginx (Debian's, unpacked by `scripts/fetch-nginx` into `.cache/nginx`, or on `PATH`) forwarding
 //!   one leg to the decode engine with upstream keep-alive;
@@ -268,7 +269,6 @@ fn nginx_binary() -> Option<PathBuf> {
     found
 }
 
-/// Engines, gateway and nginx for `mode` in `layout`.
 /// `[model]`'s `tokenizer` line for Qwen3's (from scripts/fetch-tokenizers; the neutral engines
 /// take any ids).
 fn qwen3_tokenizer() -> String {
@@ -277,6 +277,7 @@ fn qwen3_tokenizer() -> String {
     format!("tokenizer = {:?}\n", t.display().to_string())
 }
 
+/// Engines, gateway and nginx for `mode` in `layout`.
 fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     let front = if layout == 'A' { 1 } else { 0 };
     std::fs::create_dir_all(dir).unwrap();

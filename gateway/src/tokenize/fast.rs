@@ -60,10 +60,11 @@ const WORD_CACHE_BYTES: usize = 64;
 /// The word map's shards, each behind its own lock, chosen by the word's hash: threads tokenizing
 /// at once rarely share a lock's cache line, and a new word finds its shard's lock free to insert.
 const WORD_SHARDS: usize = 16;
-/// Words looked up under a shard's read lock before it is let go: a lock taken and given back per
-/// word was a third of a 1 KB prompt's time (two atomic read-modify-writes a word), while a shard
-/// held for a whole piece would keep new words out of the map on long prompts (a word is inserted
-/// only when its shard's write lock is free at once).
+/// Words looked up under a shard's read lock before it is let go (and every shard is let go at a
+/// word not in the map): a lock taken and given back per word was a third of a 1 KB prompt's time
+/// (two atomic read-modify-writes a word), while a shard held for a whole piece would keep other
+/// threads' new words out of the map (a word is inserted only when its shard's write lock is free
+/// at once).
 const HOLD_WORDS: u32 = 64;
 
 /// Llama 3's split pattern (`tokenizer.json`), digits in threes.
@@ -165,9 +166,9 @@ fn words(tok: &tokenizers::Tokenizer) -> Result<Words<'_>, String> {
 
 /// The split of ASCII text for each audited pattern ([`AUDITED_PATTERNS`]), written out as a
 /// backtracking engine takes the pattern's alternatives at each word's start (leftmost-first, greedy
-/// repeats). A general regex engine pays for its generality at every word (setting up a search,
-/// its cache, the DFA's walk over `\p{L}`'s UTF-8 automaton): a table of byte classes does the same
-/// work in a few comparisons a byte. Checked against Oniguruma on every string of up to four
+/// repeats). A general regex engine pays for its generality at every word (setting up a search and
+/// its cache; with the `regex` crate's lazy DFA the proxy bench's prompt took 2.7 times as long): a
+/// table of byte classes does the same work in a few comparisons a byte. Checked against Oniguruma on every string of up to four
 /// characters from an alphabet of each class, on random ASCII, and at load with the rest of the path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AsciiSplit {
@@ -378,7 +379,7 @@ impl std::fmt::Debug for Fast {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fast")
             .field("added", &self.added.ids.len())
-            .field("ascii_regex", &self.ascii.is_some())
+            .field("ascii_split", &self.ascii)
             .field("prefix", &self.prefix)
             .field("suffix", &self.suffix)
             .finish_non_exhaustive()
@@ -643,19 +644,20 @@ impl Fast {
             out.extend_from_slice(ids);
             return Ok(());
         }
+        // A miss lets every shard go: the word's BPE takes far longer than taking the locks again,
+        // and a shard this call holds keeps other threads' new words out of it.
+        *held = Held::new();
         let start = out.len();
         buf.clear();
         buf.extend(w.bytes().map(|b| self.chars[usize::from(b)]));
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
-        if w.len() <= WORD_CACHE_BYTES {
-            // This call's own read lock would keep its write out.
-            *guard = None;
-            if let Ok(mut words) = shard.try_write() {
-                if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
-                    words.clear();
-                }
-                words.insert(w.into(), out[start..].into());
+        if w.len() <= WORD_CACHE_BYTES
+            && let Ok(mut words) = shard.try_write()
+        {
+            if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
+                words.clear();
             }
+            words.insert(w.into(), out[start..].into());
         }
         Ok(())
     }
@@ -868,7 +870,7 @@ mod tests {
     /// Characters of every class the patterns tell apart, and the ones that lead or end their
     /// alternatives: letters of contractions in both cases, digits, each kind of whitespace, the
     /// apostrophe, punctuation and control characters.
-    const SPLIT_ALPHABET: &[u8] = b"asSlLrReEdx01 \t\n\r\x0b\x0c'.!\x00\x1c\x7f";
+    const SPLIT_ALPHABET: &[u8] = b"asStTmMdDlLrRvVeEx01 \t\n\r\x0b\x0c'.!\x00\x1c\x7f";
 
     fn same_split(text: &str) -> Result<(), String> {
         for pattern in AUDITED_PATTERNS {
