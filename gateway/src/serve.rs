@@ -147,6 +147,15 @@ pub async fn start(c: Checked) -> Result<Serving, StartError> {
             "model {} has no tokenizer configured: prompts are counted by the byte-level upper bound, which over-counts slots",
             c.model
         );
+        // LMCache pools are refused this at check time; native pools are not, as baton-sim's
+        // model is byte-level.
+        if let Some(d) = decoders.iter().find(|d| d.mode() == crate::handoff::Mode::Native.name()) {
+            tracing::warn!(
+                decoder = %d.name,
+                "handoff = \"native\" sends the engines the gateway's token ids, which without model.tokenizer are the \
+                 prompt's byte values: right for baton-sim's byte-level model, another prompt for any other model's engine"
+            );
+        }
     }
     let model = ModelInfo { name: c.model, context_length: c.context_length, tokenizer: c.tokenizer };
     let tenants = crate::policy::TenantNames::new(c.tenants.clone());
