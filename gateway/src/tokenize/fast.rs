@@ -168,8 +168,9 @@ fn words(tok: &tokenizers::Tokenizer) -> Result<Words<'_>, String> {
 /// backtracking engine takes the pattern's alternatives at each word's start (leftmost-first, greedy
 /// repeats). A general regex engine pays for its generality at every word (setting up a search and
 /// its cache; with the `regex` crate's lazy DFA the proxy bench's prompt took 2.7 times as long): a
-/// table of byte classes does the same work in a few comparisons a byte. Checked against Oniguruma on every string of up to four
-/// characters from an alphabet of each class, on random ASCII, and at load with the rest of the path.
+/// table of byte classes does the same work in a few comparisons a byte. Checked against Oniguruma
+/// on every string of up to four characters from an alphabet of each class, on random ASCII, and at
+/// load with the rest of the path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AsciiSplit {
     /// Llama 3's: digits in runs of at most three.
