@@ -1040,4 +1040,29 @@ mod tests {
             );
         }
     }
+
+    /// Threads encoding at once, each holding shards' read locks while others insert their new
+    /// words, get `tokenizers`' ids, and the map fills.
+    #[test]
+    fn threads_encoding_at_once_get_the_same_ids() {
+        let [(_, tok, fast), ..] = real() else { panic!() };
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let text = ["README.md", "docs/gateway.md", "docs/routing.md", "docs/dataplane.md"]
+            .map(|f| std::fs::read_to_string(root.join(f)).unwrap())
+            .concat();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let lines = &lines;
+                scope.spawn(move || {
+                    // Each thread its own order, so they meet on new words.
+                    for line in lines.iter().skip(t * 97).chain(lines.iter().take(t * 97)).take(600) {
+                        let want = tok.encode_fast(*line, false).unwrap().get_ids().to_vec();
+                        assert_eq!(fast.encode(tok, line, false).unwrap(), want, "{line:?}");
+                    }
+                });
+            }
+        });
+        assert!(fast.words.iter().any(|s| !s.read().unwrap().is_empty()), "no word was kept");
+    }
 }
