@@ -364,7 +364,7 @@ pub struct Fast {
 type WordMap = HashMap<Box<str>, Box<[u32]>, ahash::RandomState>;
 
 /// The word map's shards one call has read-locked, each taken at its first word and all given
-/// back every [`HOLD_WORDS`] words (and before a write to one).
+/// back every [`HOLD_WORDS`] words and at a word not in the map.
 struct Held<'a> {
     guards: [Option<RwLockReadGuard<'a, WordMap>>; WORD_SHARDS],
     words: u32,
