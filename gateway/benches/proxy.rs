@@ -2,8 +2,8 @@
 //! one leg to the same engine, and the engine called directly.
 //!
 //! `cargo bench -p baton-gateway --bench proxy -- [--secs 10] [--modes vllm-nixl,lmcache,native,sglang]
-//!  [--layouts A,B] [--phases c1,c1_gap20ms,c64,ttft] [--out FILE]` (`--phases`: only those, e.g. to
-//!  profile one)
+//!  [--layouts A,B] [--phases c1,c1_gap20ms,c64,ttft] [--rounds 5] [--out FILE]` (`--phases`: only
+//!  those, e.g. to profile one)
 //!
 //! Processes, each pinned with `taskset`:
 //! - the engines (this binary again, in a role of its own): one prefill and one decode `baton-sim`
@@ -25,9 +25,12 @@
 //! Per mode and layout: c=1 latency p50/p99 of a 1 KB completion of one token straight to the
 //! engine, through nginx (one leg) and through baton (two legs), the added p50/p99 over straight; the
 //! same with a 20 ms pause between requests (a person with curl), with the gateway's own phases
-//! (its `Server-Timing`: the prefill and decode legs as it timed them) for both; c=64 req/s and p99 through baton;
-//! c=16 streamed time to the first token (4 tokens) straight, through nginx and through baton; and
-//! the gateway's CPU time per request (utime + stime from `/proc` over the c=64 run, and each apart),
+//! (its `Server-Timing`: the prefill and decode legs as it timed them) for both; c=64 req/s and p99
+//! through baton (`secs` in all, in `--rounds` rounds with baton, nginx and the floor in turn in
+//! each, and the medians over the rounds: this machine's speed drifts by up to 1.5× within
+//! minutes, and a target measured once took the drift between it and the floor for its own); c=16
+//! streamed time to the first token (4 tokens) straight, through nginx and through baton; and
+//! the gateway's CPU time per request (utime + stime from `/proc` over each c=64 round, and each apart),
 //! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
 //! wherever baton is. During each c=16 TTFT run, every process's CPU a request (`cpu_us_per_request`:
 //! the front, the engines, the load): in layout B they share one core, so their sum weighs on the
@@ -550,8 +553,8 @@ fn cpu_split(pid: u32) -> (f64, f64) {
 
 /// c=64 against `addr` for `secs`: req/s, p50 and p99, and `pid`'s CPU time a request, user and
 /// kernel apart (keys `{key}cpu_us_per_request`, `{key}user_us_per_request`,
-/// `{key}system_us_per_request`).
-async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) -> Value {
+/// `{key}system_us_per_request`), and the latencies.
+async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) -> (Value, Vec<Duration>) {
     let cpu0 = cpu_split(pid);
     let (mut lat, _, rate, _) = run(addr, body, 64, secs, Duration::ZERO).await;
     let cpu1 = cpu_split(pid);
@@ -561,7 +564,55 @@ async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) 
     v[format!("{key}cpu_us_per_request")] = json!(user + system);
     v[format!("{key}user_us_per_request")] = json!(user);
     v[format!("{key}system_us_per_request")] = json!(system);
-    v
+    (v, lat)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => f64::midpoint(v[n / 2 - 1], v[n / 2]),
+    }
+}
+
+/// The c=64 phase: `rounds` rounds of `secs / rounds` each, every target in turn within a round
+/// (baton, nginx, the floor), so a drift of the machine's speed during the phase falls on all
+/// of them alike. Per target: each round's figures (`rounds`), the median of each figure over the
+/// rounds, p50 and p99 over all the rounds' latencies; and `gateway_cpu_vs_floor`, the median
+/// over the rounds of baton's CPU a request over the floor's in the same round.
+async fn loaded_rounds(s: &Setup, body: &Bytes, secs: f64, rounds: usize, v: &mut Value) {
+    let mut targets = vec![("c64_baton", s.baton, s.baton_pid, "gateway_")];
+    if let Some((at, pid)) = s.nginx {
+        targets.push(("c64_nginx", at, pid, ""));
+    }
+    targets.push(("c64_floor", s.floor.0, s.floor.1, ""));
+    let mut per: Vec<(Vec<Value>, Vec<Duration>)> =
+        targets.iter().map(|_| (Vec::new(), Vec::new())).collect();
+    for _ in 0..rounds {
+        for (i, (_, addr, pid, key)) in targets.iter().enumerate() {
+            let (r, lat) = loaded(*addr, *pid, body, secs / rounds as f64, key).await;
+            per[i].0.push(r);
+            per[i].1.extend(lat);
+        }
+    }
+    for ((name, _, _, _), (rs, mut lat)) in targets.iter().zip(per) {
+        let mut t = json!({"n": rs.iter().map(|r| r["n"].as_u64().unwrap()).sum::<u64>(),
+            "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99)});
+        for k in rs[0].as_object().unwrap().keys().filter(|k| k.ends_with("per_request") || *k == "req_per_s")
+        {
+            t[k] = json!(median(rs.iter().map(|r| r[k].as_f64().unwrap()).collect()));
+        }
+        t["rounds"] = json!(rs);
+        v[*name] = t;
+    }
+    let ratios: Vec<f64> = (0..rounds)
+        .map(|i| {
+            let cpu = |t: &str, k: &str| v[t]["rounds"][i][k].as_f64().unwrap();
+            cpu("c64_baton", "gateway_cpu_us_per_request") / cpu("c64_floor", "cpu_us_per_request")
+        })
+        .collect();
+    v["c64_baton"]["gateway_cpu_vs_floor"] = json!({"median": median(ratios.clone()), "rounds": ratios});
 }
 
 fn prompt() -> String {
@@ -571,7 +622,14 @@ fn prompt() -> String {
     s
 }
 
-async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phases: &str) -> Value {
+async fn measure(
+    mode: &str,
+    layout: char,
+    secs: f64,
+    rounds: usize,
+    nginx: Option<&Path>,
+    phases: &str,
+) -> Value {
     let phase = |p: &str| phases == "all" || phases.split(',').any(|x| x == p);
     let dir = std::env::temp_dir().join(format!("baton-proxy-bench-{}-{mode}-{layout}", std::process::id()));
     let s = start(mode, layout, &dir, nginx);
@@ -614,11 +672,7 @@ async fn measure(mode: &str, layout: char, secs: f64, nginx: Option<&Path>, phas
     }
     if phase("c64") {
         // The gateway's CPU a request beside nginx's for one leg and the floor's for two.
-        v["c64_baton"] = loaded(s.baton, s.baton_pid, &plain, secs, "gateway_").await;
-        if let Some((at, pid)) = s.nginx {
-            v["c64_nginx"] = loaded(at, pid, &plain, secs, "").await;
-        }
-        v["c64_floor"] = loaded(s.floor.0, s.floor.1, &plain, secs, "").await;
+        loaded_rounds(&s, &plain, secs, rounds, &mut v).await;
     }
     let mut base = f64::NAN;
     for (name, addr) in targets.into_iter().filter(|_| phase("ttft")) {
@@ -672,6 +726,9 @@ fn main() {
     let layouts = arg("--layouts").unwrap_or_else(|| if quick { "B".into() } else { "A,B".into() });
     // Which phases (c1, c1_gap20ms, c64, ttft), for profiling one of them.
     let phases = arg("--phases").unwrap_or_else(|| "all".into());
+    // c=64 in rounds of `secs / rounds`, the targets in turn (see `loaded_rounds`).
+    let rounds: usize = arg("--rounds").map_or(if quick { 1 } else { 5 }, |s| s.parse().unwrap());
+    assert!(rounds >= 1, "--rounds: at least 1");
     let nginx = nginx_binary();
     // The load generator runs on core 0 in both layouts.
     let me = std::process::id().to_string();
@@ -682,7 +739,7 @@ fn main() {
     let mut results = Vec::new();
     for layout in layouts.split(',').filter_map(|l| l.chars().next()) {
         for mode in modes.split(',') {
-            let v = rt.block_on(measure(mode, layout, secs, nginx.as_deref(), &phases));
+            let v = rt.block_on(measure(mode, layout, secs, rounds, nginx.as_deref(), &phases));
             let f = |path: &[&str]| -> String {
                 let mut x = &v;
                 for p in path {
@@ -692,7 +749,7 @@ fn main() {
             };
             println!(
                 "layout {layout} {mode:>9}: c=1 added p50 baton {} ms (p99 {} ms), nginx {} ms; with 20 ms gaps baton {} ms, nginx {} ms; \
-                 c=64 {} req/s p99 {} ms, gateway CPU {} us/req (user {}, kernel {}; nginx {} us/req); c=16 TTFT added baton {} ms, nginx {} ms (straight {} ms)",
+                 c=64 {} req/s p99 {} ms, gateway CPU {} us/req (user {}, kernel {}; {}x the floor's; nginx {} us/req); c=16 TTFT added baton {} ms, nginx {} ms (straight {} ms)",
                 f(&["c1", "baton", "added_p50_ms"]),
                 f(&["c1", "baton", "p99_ms"]),
                 f(&["c1", "nginx", "added_p50_ms"]),
@@ -703,6 +760,7 @@ fn main() {
                 f(&["c64_baton", "gateway_cpu_us_per_request"]),
                 f(&["c64_baton", "gateway_user_us_per_request"]),
                 f(&["c64_baton", "gateway_system_us_per_request"]),
+                f(&["c64_baton", "gateway_cpu_vs_floor", "median"]),
                 f(&["c64_nginx", "cpu_us_per_request"]),
                 f(&["c16_stream_ttft", "baton", "added_p50_ms"]),
                 f(&["c16_stream_ttft", "nginx", "added_p50_ms"]),
