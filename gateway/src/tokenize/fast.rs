@@ -39,7 +39,6 @@
 //! docs for the real Llama 3.1 and Qwen3 tokenizers and small ones of each shape ([`super::toy`]),
 //! and the `tokenize` fuzz target on anything.
 
-use std::collections::HashMap;
 use std::sync::{RwLock, RwLockReadGuard};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
@@ -360,8 +359,9 @@ pub struct Fast {
     words: [RwLock<WordMap>; WORD_SHARDS],
 }
 
-/// A shard of the map of words' ids: a word's text to its ids.
-type WordMap = HashMap<Box<str>, Box<[u32]>, ahash::RandomState>;
+/// A shard of the map of words' ids: a word's text and its ids, by [`Fast::hasher`]'s hash of the
+/// text (one hash a word, for its shard and its place in the shard).
+type WordMap = hashbrown::HashTable<(Box<str>, Box<[u32]>)>;
 
 /// The word map's shards one call has read-locked, each taken at its first word and all given
 /// back every [`HOLD_WORDS`] words and at a word not in the map.
@@ -474,7 +474,7 @@ impl Fast {
             suffix,
             sizes: sizes(tok),
             hasher: ahash::RandomState::new(),
-            words: std::array::from_fn(|_| RwLock::new(HashMap::default())),
+            words: std::array::from_fn(|_| RwLock::new(WordMap::new())),
         })
     }
 
@@ -630,7 +630,10 @@ impl Fast {
         buf: &mut String,
         held: &mut Held<'s>,
     ) -> tokenizers::Result<()> {
-        let s = usize::try_from(self.hasher.hash_one(w)).unwrap_or_default() % WORD_SHARDS;
+        let hash = self.hasher.hash_one(w);
+        // Bits the shard's table does not use for a place (its low bits) nor for its tags (its
+        // top seven), so each shard's words spread over all of its places.
+        let s = usize::try_from(hash >> 32).unwrap_or_default() % WORD_SHARDS;
         if held.words >= HOLD_WORDS {
             *held = Held::new();
         }
@@ -641,7 +644,7 @@ impl Fast {
         if guard.is_none() {
             *guard = shard.try_read().ok();
         }
-        if let Some(ids) = guard.as_ref().and_then(|words| words.get(w)) {
+        if let Some((_, ids)) = guard.as_ref().and_then(|words| words.find(hash, |(k, _)| **k == *w)) {
             out.extend_from_slice(ids);
             return Ok(());
         }
@@ -658,7 +661,11 @@ impl Fast {
             if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
                 words.clear();
             }
-            words.insert(w.into(), out[start..].into());
+            // Another call may have put it there since this one looked.
+            let rehash = |(k, _): &(Box<str>, Box<[u32]>)| self.hasher.hash_one(&**k);
+            if let hashbrown::hash_table::Entry::Vacant(v) = words.entry(hash, |(k, _)| **k == *w, rehash) {
+                v.insert((w.into(), out[start..].into()));
+            }
         }
         Ok(())
     }

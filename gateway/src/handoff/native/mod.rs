@@ -938,11 +938,27 @@ impl Seen {
 
 impl Drop for Lifecycle {
     fn drop(&mut self) {
-        let dec = Arc::clone(&self.ranks);
-        let (key, slots, rx) = (self.key, self.slots.take(), self.rx.take());
+        let (key, mut rx) = (self.key, self.rx.take());
         let (reserved, by_prefiller, sent, decoded, bound) =
             (self.reserved, self.by_prefiller, self.sent, self.decoded, self.release_timeout);
-        let mut seen = self.seen.clone();
+        if !(reserved && !decoded) {
+            // Nothing to cancel. Every rank's release may be here already (a decoder that took the
+            // KV may free the pages before its answer comes): then it all ends now, with no task
+            // to wait for them. `due` empty: every rank's release is due.
+            if let Some(rx) = rx.as_mut() {
+                while let Ok(e) = rx.try_recv() {
+                    self.seen.note(&e);
+                }
+            }
+            if rx.is_none() || self.seen.all_released(&[]) {
+                self.ranks.forget(key);
+                drop(self.slots.take());
+                return;
+            }
+        }
+        let dec = Arc::clone(&self.ranks);
+        let slots = self.slots.take();
+        let mut seen = std::mem::replace(&mut self.seen, Seen::new(0));
         self.shared.spawn_from_drop(async move {
             // The ranks whose release is due: every one once the decoder took the KV.
             let ranks = dec.rank_count() as usize;
