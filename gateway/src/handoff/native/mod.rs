@@ -941,7 +941,7 @@ impl Drop for Lifecycle {
         let (key, mut rx) = (self.key, self.rx.take());
         let (reserved, by_prefiller, sent, decoded, bound) =
             (self.reserved, self.by_prefiller, self.sent, self.decoded, self.release_timeout);
-        if !(reserved && !decoded) {
+        if !reserved || decoded {
             // Nothing to cancel. Every rank's release may be here already (a decoder that took the
             // KV may free the pages before its answer comes): then it all ends now, with no task
             // to wait for them. `due` empty: every rank's release is due.
