@@ -551,19 +551,42 @@ fn cpu_split(pid: u32) -> (f64, f64) {
     (f[11].parse::<f64>().unwrap() / 100.0, f[12].parse::<f64>().unwrap() / 100.0)
 }
 
+/// `pid`'s context switches over all its threads: (voluntary, involuntary). An involuntary one is
+/// the thread taken off the core while it had work, by another process woken there (in layout B,
+/// an engine or the load its own writes woke), and its caches refilled after.
+fn switches(pid: u32) -> (u64, u64) {
+    let mut sum = (0, 0);
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let Ok(status) = std::fs::read_to_string(t.path().join("status")) else { continue };
+        for line in status.lines() {
+            let n = |l: &str| l.split_whitespace().last().and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+            if line.starts_with("voluntary_ctxt_switches") {
+                sum.0 += n(line);
+            } else if line.starts_with("nonvoluntary_ctxt_switches") {
+                sum.1 += n(line);
+            }
+        }
+    }
+    sum
+}
+
 /// c=64 against `addr` for `secs`: req/s, p50 and p99, and `pid`'s CPU time a request, user and
 /// kernel apart (keys `{key}cpu_us_per_request`, `{key}user_us_per_request`,
-/// `{key}system_us_per_request`), and the latencies.
+/// `{key}system_us_per_request`), its context switches a request (`{key}voluntary_switches_per_request`,
+/// `{key}involuntary_switches_per_request`), and the latencies.
 async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) -> (Value, Vec<Duration>) {
-    let cpu0 = cpu_split(pid);
+    let (cpu0, sw0) = (cpu_split(pid), switches(pid));
     let (mut lat, _, rate, _) = run(addr, body, 64, secs, Duration::ZERO).await;
-    let cpu1 = cpu_split(pid);
-    let per = |s: f64| s / lat.len() as f64 * 1e6;
+    let (cpu1, sw1) = (cpu_split(pid), switches(pid));
+    let n = lat.len() as f64;
+    let per = |s: f64| s / n * 1e6;
     let (user, system) = (per(cpu1.0 - cpu0.0), per(cpu1.1 - cpu0.1));
     let mut v = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99)});
     v[format!("{key}cpu_us_per_request")] = json!(user + system);
     v[format!("{key}user_us_per_request")] = json!(user);
     v[format!("{key}system_us_per_request")] = json!(system);
+    v[format!("{key}voluntary_switches_per_request")] = json!((sw1.0 - sw0.0) as f64 / n);
+    v[format!("{key}involuntary_switches_per_request")] = json!((sw1.1 - sw0.1) as f64 / n);
     (v, lat)
 }
 
