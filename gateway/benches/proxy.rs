@@ -27,9 +27,12 @@
 //! same with a 20 ms pause between requests (a person with curl), with the gateway's own phases
 //! (its `Server-Timing`: the prefill and decode legs as it timed them) for both; c=64 req/s and p99
 //! through baton (`secs` in all, in `--rounds` rounds with baton, nginx and the floor in turn in
-//! each, and the medians over the rounds: this machine's speed drifts by up to 1.5× within
-//! minutes, and a target measured once took the drift between it and the floor for its own); c=16
-//! streamed time to the first token (4 tokens) straight, through nginx and through baton; and
+//! each: this machine's speed drifts by up to 1.5× within minutes, and a target measured once took
+//! the drift between it and the floor for its own; each figure is the median over the rounds, p50
+//! and p99 over all their latencies, `gateway_cpu_vs_floor` the median of the rounds' ratios, and
+//! each round's own figures under `rounds`, with each process's context switches a request,
+//! voluntary and involuntary); c=16 streamed time to the first token (4 tokens) straight, through
+//! nginx and through baton; and
 //! the gateway's CPU time per request (utime + stime from `/proc` over each c=64 round, and each apart),
 //! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
 //! wherever baton is. During each c=16 TTFT run, every process's CPU a request (`cpu_us_per_request`:
@@ -44,7 +47,7 @@
 //! `lmcache` send the engines the gateway's token ids, so the model has Qwen3's tokenizer there
 //! (235 ids for the 1 KB prompt); `BATON_PROXY_BENCH_BYTE_IDS=1` gives `native` none, and so the
 //! prompt's 1,000 byte values as its ids (what the bench did before 2026-11-28).
-//! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s (a smoke run); without nginx its columns are
+//! `BATON_BENCH_QUICK=1` runs each phase for 0.3 s, c=64 in one round (a smoke run); without nginx its columns are
 //! empty unless `BATON_REQUIRE_NGINX=1`.
 
 #![allow(
@@ -585,12 +588,16 @@ async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) 
     v[format!("{key}cpu_us_per_request")] = json!(user + system);
     v[format!("{key}user_us_per_request")] = json!(user);
     v[format!("{key}system_us_per_request")] = json!(system);
-    v[format!("{key}voluntary_switches_per_request")] = json!((sw1.0 - sw0.0) as f64 / n);
-    v[format!("{key}involuntary_switches_per_request")] = json!((sw1.1 - sw0.1) as f64 / n);
+    // Summed over the threads alive at each read: one that ended between them takes its count
+    // away (the figure is then low, never wrapped).
+    v[format!("{key}voluntary_switches_per_request")] = json!(sw1.0.saturating_sub(sw0.0) as f64 / n);
+    v[format!("{key}involuntary_switches_per_request")] = json!(sw1.1.saturating_sub(sw0.1) as f64 / n);
     (v, lat)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of the finite values (a round with no request has none).
+fn median(v: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => f64::NAN,
@@ -624,18 +631,19 @@ async fn loaded_rounds(s: &Setup, body: &Bytes, secs: f64, rounds: usize, v: &mu
             "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99)});
         for k in rs[0].as_object().unwrap().keys().filter(|k| k.ends_with("per_request") || *k == "req_per_s")
         {
-            t[k] = json!(median(rs.iter().map(|r| r[k].as_f64().unwrap()).collect()));
+            t[k] = json!(median(rs.iter().filter_map(|r| r[k].as_f64())));
         }
         t["rounds"] = json!(rs);
         v[*name] = t;
     }
     let ratios: Vec<f64> = (0..rounds)
         .map(|i| {
-            let cpu = |t: &str, k: &str| v[t]["rounds"][i][k].as_f64().unwrap();
+            let cpu = |t: &str, k: &str| v[t]["rounds"][i][k].as_f64().unwrap_or(f64::NAN);
             cpu("c64_baton", "gateway_cpu_us_per_request") / cpu("c64_floor", "cpu_us_per_request")
         })
         .collect();
-    v["c64_baton"]["gateway_cpu_vs_floor"] = json!({"median": median(ratios.clone()), "rounds": ratios});
+    v["c64_baton"]["gateway_cpu_vs_floor"] =
+        json!({"median": median(ratios.iter().copied()), "rounds": ratios});
 }
 
 fn prompt() -> String {

@@ -926,6 +926,17 @@ impl Seen {
         }
     }
 
+    /// Notes the events already queued on `rx` (never waiting for more): whether every rank has
+    /// released the request now. With no feed (`None`), there is nothing to wait for.
+    fn caught_up(&mut self, rx: Option<&mut mpsc::UnboundedReceiver<RankEvent>>) -> bool {
+        let Some(rx) = rx else { return true };
+        while let Ok(e) = rx.try_recv() {
+            self.note(&e);
+        }
+        // `due` empty: every rank's release is due.
+        self.all_released(&[])
+    }
+
     /// Whether every rank in `due` (and every rank that reported the request: it held it) has
     /// released it.
     fn all_released(&self, due: &[bool]) -> bool {
@@ -944,13 +955,8 @@ impl Drop for Lifecycle {
         if !reserved || decoded {
             // Nothing to cancel. Every rank's release may be here already (a decoder that took the
             // KV may free the pages before its answer comes): then it all ends now, with no task
-            // to wait for them. `due` empty: every rank's release is due.
-            if let Some(rx) = rx.as_mut() {
-                while let Ok(e) = rx.try_recv() {
-                    self.seen.note(&e);
-                }
-            }
-            if rx.is_none() || self.seen.all_released(&[]) {
+            // to wait for them.
+            if self.seen.caught_up(rx.as_mut()) {
                 self.ranks.forget(key);
                 drop(self.slots.take());
                 return;
@@ -1103,6 +1109,40 @@ mod tests {
         assert!(!seen.all_released(&[true, true]));
         seen.note(&released(0));
         assert!(seen.all_released(&[true, true]));
+    }
+
+    /// The lifecycle's end without a task: only once every rank's release is queued, read without
+    /// waiting; a READY alone, or one rank of two, leaves the wait to the task.
+    #[test]
+    fn a_lifecycle_ends_at_once_only_when_every_rank_released() {
+        use baton_dataplane::events::{PagesReleased, RankStatus, ReleaseReason, TerminalState};
+        let key = RequestKey::new(RequestId(9), 1);
+        let released = |rank| {
+            RankEvent::Released(PagesReleased { key, rank, pages: 1, reason: ReleaseReason::Consumed })
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut seen = Seen::new(2);
+        assert!(!seen.caught_up(Some(&mut rx)), "nothing heard yet");
+        tx.send(RankEvent::Status(RankStatus {
+            request: key.request,
+            epoch: key.epoch,
+            rank: 0,
+            state: TerminalState::Ready,
+            chunks: 1,
+            bytes: 0,
+        }))
+        .unwrap_or_else(|e| panic_any(e));
+        tx.send(released(1)).unwrap_or_else(|e| panic_any(e));
+        assert!(!seen.caught_up(Some(&mut rx)), "rank 0 is ready, not released");
+        tx.send(released(0)).unwrap_or_else(|e| panic_any(e));
+        assert!(seen.caught_up(Some(&mut rx)));
+        // A feed closed with a rank's release missing: still not all released.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        tx.send(released(0)).unwrap_or_else(|e| panic_any(e));
+        drop(tx);
+        assert!(!Seen::new(2).caught_up(Some(&mut rx)));
+        // No feed: nothing to wait for.
+        assert!(Seen::new(2).caught_up(None));
     }
 
     #[allow(clippy::panic)]
