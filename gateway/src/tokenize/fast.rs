@@ -657,15 +657,15 @@ impl Fast {
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
         if w.len() <= WORD_CACHE_BYTES
             && let Ok(mut words) = shard.try_write()
+            // Another call may have put it there since this one looked: then the shard is left
+            // as it is (not emptied for a word it has).
+            && words.find(hash, |(k, _)| **k == *w).is_none()
         {
             if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
                 words.clear();
             }
-            // Another call may have put it there since this one looked.
             let rehash = |(k, _): &(Box<str>, Box<[u32]>)| self.hasher.hash_one(&**k);
-            if let hashbrown::hash_table::Entry::Vacant(v) = words.entry(hash, |(k, _)| **k == *w, rehash) {
-                v.insert((w.into(), out[start..].into()));
-            }
+            words.insert_unique(hash, (w.into(), out[start..].into()), rehash);
         }
         Ok(())
     }
