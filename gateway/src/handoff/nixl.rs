@@ -110,9 +110,9 @@ async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
     // The prefill's own fields: a body the engines took once already, so a field of the client's
     // that the prefill left out cannot get the drain refused.
     let body = Patched::new(&to.request, PREFILL_OMIT)
-        .set("kv_transfer_params", &*params)
-        .set("stream", &false)
-        .set("max_tokens", &1)
+        .raw("kv_transfer_params", &params)
+        .flag("stream", false)
+        .count("max_tokens", 1)
         .replace("max_completion_tokens", &1);
     // The request's slot, if it never reached the decoder: the drain is a request the decoder
     // runs, and holds it while it does.
@@ -369,9 +369,9 @@ fn prefill_body(raw: &Object) -> Patched<'_> {
         .unwrap_or_default()
     });
     Patched::new(raw, PREFILL_OMIT)
-        .set("kv_transfer_params", &**REMOTE_DECODE)
-        .set("stream", &false)
-        .set("max_tokens", &1)
+        .raw("kv_transfer_params", &REMOTE_DECODE)
+        .flag("stream", false)
+        .count("max_tokens", 1)
         .replace("max_completion_tokens", &1)
 }
 

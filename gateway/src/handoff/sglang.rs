@@ -348,7 +348,7 @@ fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodi
         (Some(_), _) => None,
     };
     let decode = raw_json(&body)?;
-    let prefill = raw_json(&body.set("stream", &false).omit(&["stream_options"]))?;
+    let prefill = raw_json(&body.flag("stream", false).omit(&["stream_options"]))?;
     Ok(Bodies { decode, prefill, rid })
 }
 

@@ -319,7 +319,13 @@ impl LogConfig {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .or_else(|_| tracing_subscriber::EnvFilter::try_new(&self.filter))
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
-        let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+        // Colours only on a terminal, and never with `NO_COLOR` set: stderr into a file, a pipe,
+        // journald or a container's log got escape codes in every line before (and formatting
+        // them was work done for each request's span).
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+            && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+        let b =
+            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
         let _ = match self.format {
             LogFormat::Text => b.try_init(),
             LogFormat::Json => b.json().flatten_event(true).try_init(),

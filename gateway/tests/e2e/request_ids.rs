@@ -143,3 +143,42 @@ fn json_log_lines_carry_the_request_id() {
         assert_eq!(line["message"], message, "{line}");
     }
 }
+
+/// The `baton demo` binary with text logs to a pipe (a file, journald, a container's log): plain
+/// lines, no colour escapes, a request's lines in its span with its id.
+#[test]
+fn text_logs_to_a_pipe_are_plain() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Command, Stdio};
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "baton_gateway=debug")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("the demo printed its address").unwrap();
+        if let Some(rest) = line.split("gateway on http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (s, _, _) =
+            post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}), Some("plain-1")).await;
+        assert_eq!(s, 200);
+    });
+    child.kill().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let _ = child.wait();
+    assert!(!err.contains('\x1b'), "colour escapes in logs to a pipe:\n{err}");
+    assert!(
+        err.lines().any(|l| l.contains("request{id=plain-1}") && l.contains("answered")),
+        "no plain line in request plain-1's span:\n{err}"
+    );
+}

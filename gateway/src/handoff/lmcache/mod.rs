@@ -230,16 +230,33 @@ impl OverIds {
         Self { raw: Arc::clone(&req.raw), chat, logprobs, ids: ids.to_vec() }
     }
 
-    /// The body over `prompt`, less `omit`; `scored`: the client's logprobs asked for.
-    fn body<'a>(&'a self, prompt: &'a [u32], omit: &'a [&'a str], scored: bool) -> Patched<'a> {
+    /// The body over the prompt's ids and `then` after them (the prefiller's first token),
+    /// less `omit`; `scored`: the client's logprobs asked for.
+    fn body<'a>(&'a self, then: Option<u32>, omit: &'a [&'a str], scored: bool) -> Patched<'a> {
         let body = Patched::new(&self.raw, if self.chat { CHAT_ONLY } else { &[] })
             .also_omit(omit)
-            .set("prompt", prompt);
+            .ids("prompt", &self.ids, then);
         match self.logprobs.filter(|_| scored) {
             Some(k) => body.set("logprobs", &k),
             None => body,
         }
     }
+}
+
+/// The prefill leg's `kv_transfer_params`: where the prefiller sends the KV, under which id, and
+/// whether it answers with the first token (written from borrowed fields, not built as a map).
+#[derive(serde::Serialize)]
+struct PrefillParams<'a> {
+    ret_first_tok: bool,
+    disagg_spec: DisaggSpec<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct DisaggSpec<'a> {
+    req_id: &'a str,
+    receiver_host: &'a str,
+    receiver_init_port: &'a [u16],
+    receiver_alloc_port: &'a [u16],
 }
 
 /// What a request holds until its decode is dispatched; released in `Drop` on every path.
@@ -283,7 +300,7 @@ impl Drop for Holding {
                 let longest = limits.upstream_timeout + limits.ready_timeout;
                 let _ = e.wait(notify_deadline.unwrap_or_else(|| Instant::now() + longest)).await;
             }
-            let body = d.over.body(&d.over.ids, DRAIN_OMIT, true).set("max_tokens", &1).set("stream", &false);
+            let body = d.over.body(None, DRAIN_OMIT, true).count("max_tokens", 1).flag("stream", false);
             // The slots go back only now: the decoder has retrieved (freed) the chunks.
             let mut slots = slots;
             d.shared.drain(&d.http, "/v1/completions", &body, &d.counters, &mut slots).await;
@@ -297,6 +314,80 @@ struct PrefillOut {
     first_tok: Option<u32>,
     first_text: String,
     model: Value,
+}
+
+/// What the prefill's answer is read for, its other fields skipped unread. Each is taken apart
+/// on its own, so one of an unexpected shape is only missing (as a `Value`'s lookups had it), and
+/// the answer is not first built as a `Value` (a map, and a string for each key and text in it).
+#[derive(serde::Deserialize, Default)]
+struct PrefillAnswer<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a RawValue>,
+}
+
+impl<'a> PrefillAnswer<'a> {
+    /// The answer's fields; none from JSON that is not an object (serde would read the struct
+    /// from an array too).
+    fn read(answer: &'a [u8]) -> Result<Self, serde_json::Error> {
+        if answer.trim_ascii_start().starts_with(b"{") {
+            serde_json::from_slice(answer)
+        } else {
+            serde_json::from_slice::<serde::de::IgnoredAny>(answer).map(|_| Self::default())
+        }
+    }
+
+    /// `kv_transfer_params.first_tok`, when it is a token id.
+    fn first_tok(&self) -> Option<u32> {
+        #[derive(serde::Deserialize)]
+        struct Params {
+            first_tok: Option<u32>,
+        }
+        object::<Params>(self.kv_transfer_params?)?.first_tok
+    }
+
+    /// `choices[0].text`, or empty.
+    fn first_text(&self) -> String {
+        #[derive(serde::Deserialize)]
+        struct Choice<'a> {
+            #[serde(borrow)]
+            text: Option<std::borrow::Cow<'a, str>>,
+        }
+        let first = |c: &RawValue| {
+            let c = serde_json::from_str::<First<&RawValue>>(c.get()).ok()?.0?;
+            object::<Choice<'_>>(c)?.text.map(std::borrow::Cow::into_owned)
+        };
+        self.choices.and_then(first).unwrap_or_default()
+    }
+}
+
+/// `raw` read as a `T` when it is an object (serde would read a struct from an array too).
+fn object<'a, T: serde::Deserialize<'a>>(raw: &'a RawValue) -> Option<T> {
+    raw.get().starts_with('{').then(|| serde_json::from_str(raw.get()).ok()).flatten()
+}
+
+/// A JSON array's first element, the rest skipped.
+struct First<T>(Option<T>);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for First<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Seq<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for Seq<T> {
+            type Value = First<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<First<T>, A::Error> {
+                let first = a.next_element()?;
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(First(first))
+            }
+        }
+        d.deserialize_seq(Seq(std::marker::PhantomData))
+    }
 }
 
 /// A chat whose tools the model may call (`tools` given, `tool_choice` not `none`).
@@ -331,15 +422,17 @@ impl Lmcache {
         let first_token = self.first_token && first_token_usable(req);
         let over = Arc::new(OverIds::new(req, ids));
         let prefill_body =
-            over.body(&over.ids, PREFILL_OMIT, false).set("max_tokens", &1).set("stream", &false).set(
+            over.body(None, PREFILL_OMIT, false).count("max_tokens", 1).flag("stream", false).set(
                 "kv_transfer_params",
-                &json!({
-                    "ret_first_tok": first_token,
-                    "disagg_spec": {
-                        "req_id": req_id, "receiver_host": target.receiver_host,
-                        "receiver_init_port": target.init_ports, "receiver_alloc_port": target.alloc_ports,
+                &PrefillParams {
+                    ret_first_tok: first_token,
+                    disagg_spec: DisaggSpec {
+                        req_id: &req_id,
+                        receiver_host: &target.receiver_host,
+                        receiver_init_port: &target.init_ports,
+                        receiver_alloc_port: &target.alloc_ports,
                     },
-                }),
+                },
             );
         holding.drain = Some(Drain {
             shared: Arc::clone(&self.shared),
@@ -356,19 +449,15 @@ impl Lmcache {
         // The decode leg: the prompt plus the first token, one token fewer to generate.
         let client_max = req.fields.max_tokens();
         let extra = u32::from(pre.first_tok.is_some());
-        let mut decode_ids = ids.to_vec();
-        if let Some(t) = pre.first_tok {
-            decode_ids.push(t);
-        }
         let remaining = client_max.map(|n| n.saturating_sub(extra));
         let omit = if remaining.is_some() { DECODE_OMIT } else { DECODE_OMIT_UNCOUNTED };
         // With tools the answer is parsed whole (a call is known once its text has ended): the
         // decode is not streamed, and a streamed answer is sent in one piece at its end.
         let parse = self.tool_parser.filter(|_| with_tools(req));
         let stream_decode = req.fields.stream && parse.is_none();
-        let mut decode_body = over.body(&decode_ids, omit, true).set("stream", &stream_decode);
+        let mut decode_body = over.body(pre.first_tok, omit, true).flag("stream", stream_decode);
         if let Some(n) = remaining {
-            decode_body = decode_body.set("max_tokens", &n.max(1));
+            decode_body = decode_body.count("max_tokens", u64::from(n.max(1)));
         }
         if stream_decode {
             decode_body = decode_body.set("stream_options", &json!({"include_usage": true}));
@@ -376,7 +465,7 @@ impl Lmcache {
         // `<tool_call>` is a special token in some models (Hermes 2 Pro): kept in the text so the
         // calls can be found, as vLLM's hermes parser asks of its engine.
         if parse == Some(tools::ToolParser::Hermes) {
-            decode_body = decode_body.set("skip_special_tokens", &false);
+            decode_body = decode_body.flag("skip_special_tokens", false);
         }
         let prefix = if req.endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
         let shaper = Shaper {
@@ -491,15 +580,11 @@ impl Lmcache {
             }
         })?;
         drop(in_flight);
-        let out: Value = serde_json::from_slice(&bytes).map_err(|e| GatewayError::Upstream {
+        let out = PrefillAnswer::read(&bytes).map_err(|e| GatewayError::Upstream {
             leg: "prefill",
             message: format!("answer is not JSON: {e}"),
         })?;
-        let first_tok = out
-            .pointer("/kv_transfer_params/first_tok")
-            .and_then(Value::as_u64)
-            .and_then(|t| u32::try_from(t).ok())
-            .filter(|_| first_token);
+        let first_tok = out.first_tok().filter(|_| first_token);
         if first_token && first_tok.is_none() {
             tracing::warn!(
                 prefill = prefill.name,
@@ -508,8 +593,11 @@ impl Lmcache {
         }
         Ok(PrefillOut {
             first_tok,
-            first_text: out.pointer("/choices/0/text").and_then(Value::as_str).unwrap_or_default().to_owned(),
-            model: out.get("model").cloned().unwrap_or_else(|| json!(req.model())),
+            first_text: out.first_text(),
+            model: out
+                .model
+                .and_then(|m| serde_json::from_str(m.get()).ok())
+                .unwrap_or_else(|| json!(req.model())),
         })
     }
 }
@@ -674,5 +762,47 @@ impl DecodeLeg {
             let _ = tx.send(sse(&shaper.usage_chunk(decoded))).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(answer: &str) -> (Option<u32>, String, Option<String>) {
+        let a = PrefillAnswer::read(answer.as_bytes()).unwrap_or_else(|e| panic!("{answer}: {e}"));
+        (a.first_tok(), a.first_text(), a.model.map(|m| m.get().to_owned()))
+    }
+
+    /// The prefill's answer gives its first token, its text and its model as a `Value`'s lookups
+    /// gave them: a field of an unexpected shape is missing, the rest still read (a `null` model
+    /// is missing too: the answer then names the client's model, not `null`).
+    #[test]
+    fn a_prefill_answer_is_read_field_by_field() {
+        let vllm = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",
+            "choices":[{"index":0,"text":" caf\u00e9","logprobs":null,"finish_reason":"length"},{"text":"no"}],
+            "usage":{"prompt_tokens":3},"kv_transfer_params":{"first_tok":151643,"other":[1]}}"#;
+        assert_eq!(read(vllm), (Some(151_643), " café".into(), Some(r#""m""#.into())));
+        for (answer, want) in [
+            (r#"{}"#, (None, String::new(), None)),
+            (
+                r#"{"kv_transfer_params":{"first_tok":"7"},"choices":[{"text":7}],"model":null}"#,
+                (None, String::new(), None),
+            ),
+            (
+                r#"{"kv_transfer_params":{"first_tok":4294967296},"choices":{"text":"x"}}"#,
+                (None, String::new(), None),
+            ),
+            (r#"{"kv_transfer_params":null,"choices":[]}"#, (None, String::new(), None)),
+            (r#"{"kv_transfer_params":{"first_tok":null},"choices":[{}]}"#, (None, String::new(), None)),
+            (r#"{"kv_transfer_params":{"first_tok":0},"choices":[["x"]]}"#, (Some(0), String::new(), None)),
+        ] {
+            assert_eq!(read(answer), want, "{answer}");
+        }
+        // Not an object: nothing read from it; not JSON: refused.
+        assert_eq!(read(r#" ["m", [{"text": "x"}], {"first_tok": 1}]"#), (None, String::new(), None));
+        assert_eq!(read(r#"{"kv_transfer_params":[5]}"#), (None, String::new(), None));
+        assert!(PrefillAnswer::read(b"{\"model\": ").is_err());
+        assert!(PrefillAnswer::read(b"").is_err());
     }
 }

@@ -476,7 +476,7 @@ impl Native {
             .filter_map(|(r, (addr, a))| Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a)))
             .collect();
         let body = Patched::new(&req.raw, &["stream_options"])
-            .set("stream", &false)
+            .flag("stream", false)
             .set(contract::FIELD, &params(life.key, &targets, &ids));
         match self.attempt(dec, prefills, req, &ids, body, &mut life, timing, &mut work, retried).await? {
             Attempt::Answered(resp) => Ok(resp),
@@ -524,7 +524,7 @@ impl Native {
             let mut p = params(life.key, &targets, ids);
             p.reserve = Some(order);
             let body =
-                Patched::new(&req.raw, &["stream_options"]).set("stream", &false).set(contract::FIELD, &p);
+                Patched::new(&req.raw, &["stream_options"]).flag("stream", false).set(contract::FIELD, &p);
             match self.attempt(dec, prefills, req, ids, body, &mut life, timing, &mut work, retried).await {
                 Ok(Attempt::Busy) => {
                     refusals += 1;
