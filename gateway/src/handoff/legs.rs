@@ -318,7 +318,7 @@ impl Shared {
         let mut req = Request::post(to.uri(path)).header(hyper::header::CONTENT_TYPE, "application/json");
         // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
         if let Some(id) = crate::telemetry::request_id::current() {
-            req = req.header(crate::telemetry::request_id::HEADER, id.as_str());
+            req = req.header(crate::telemetry::request_id::HEADER_NAME, id.header().clone());
         }
         let span = match (crate::telemetry::trace::current(), req.headers_mut()) {
             (Some(t), Some(h)) => Some(t.leg(leg, to, path, h)),

@@ -180,6 +180,10 @@ impl Default for HttpTimeouts {
 /// Response header naming the prefill and decode endpoints a request was routed to (the prefiller
 /// first in line: a fallback may have served the prefill).
 pub const ROUTE_HEADER: &str = "x-baton-route";
+/// [`ROUTE_HEADER`] and `server-timing` as header names, made once (given as text, each was
+/// parsed and copied into an allocation of its own for every answer).
+const ROUTE_NAME: header::HeaderName = header::HeaderName::from_static(ROUTE_HEADER);
+const SERVER_TIMING: header::HeaderName = header::HeaderName::from_static("server-timing");
 
 /// Request header asking for the request's decision record (`1`), when `[telemetry] explain` allows
 /// it: a whole answer gets it in the response header of the same name (JSON, ASCII), a stream as an
@@ -790,10 +794,10 @@ impl Gateway {
             let h = resp.headers_mut();
             let prefill = prefills.first().map_or("none", |p| p.name.as_str());
             if let Ok(v) = header::HeaderValue::from_str(&format!("prefill={prefill}, decode={}", dec.name)) {
-                h.insert(ROUTE_HEADER, v);
+                h.insert(ROUTE_NAME, v);
             }
             if let Ok(v) = header::HeaderValue::from_str(&timing.header()) {
-                h.insert("server-timing", v);
+                h.insert(SERVER_TIMING, v);
             }
             resp
         });

@@ -370,7 +370,7 @@ impl Gateway {
         };
         let started = std::time::Instant::now();
         let id = RequestId::from_header(req.headers().get(request_id::HEADER));
-        let header_value = header::HeaderValue::from_str(id.as_str()).ok();
+        let header_value = id.header().clone();
         let mut r = request_id::scope(id, async {
             // Boxed: the request's pipeline is a future of 5.6 KB (with `dispatch` boxed inside
             // it), and each wrapper above it (this block, the id's scope, its span, hyper's box of
@@ -391,9 +391,7 @@ impl Gateway {
             }
         })
         .await;
-        if let Some(v) = header_value {
-            r.headers_mut().insert(request_id::HEADER, v);
-        }
+        r.headers_mut().insert(request_id::HEADER_NAME, header_value);
         self.answered(started, r.status().as_u16());
         r
     }

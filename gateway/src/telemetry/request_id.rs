@@ -9,31 +9,48 @@
 //! carries the id and the span along.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tracing::Instrument;
 
 /// The header's name.
 pub const HEADER: &str = "x-request-id";
+/// The same as a [`hyper::header::HeaderName`], made once: a name given as text is parsed and,
+/// not being one of the standard headers, copied into an allocation of its own each time.
+pub const HEADER_NAME: hyper::header::HeaderName = hyper::header::HeaderName::from_static(HEADER);
 /// Longest client id kept: ids are log fields and header values, not payloads.
 pub const MAX_LEN: usize = 128;
 
-/// A request's id.
+/// A request's id, kept as the header value it is sent as: the response's header and each engine
+/// call's share its one allocation, where each had made its own.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RequestId(Arc<str>);
+pub struct RequestId(hyper::header::HeaderValue);
 
 impl RequestId {
     pub fn as_str(&self) -> &str {
+        // Always text: a kept client id is of `valid` characters, a new one hex digits.
+        self.0.to_str().unwrap_or_default()
+    }
+
+    /// The id as a header value (a clone shares its bytes).
+    pub fn header(&self) -> &hyper::header::HeaderValue {
         &self.0
     }
 
-    /// The client's id when it is valid, else a new one.
+    /// The client's id when it is valid, else a new one. A kept id is copied: the client's value
+    /// shares the buffer its request was read into, which a decision record would keep alive.
     pub fn from_header(v: Option<&hyper::header::HeaderValue>) -> Self {
         match v.and_then(|v| v.to_str().ok()) {
-            Some(s) if valid(s) => Self(Arc::from(s)),
+            Some(s) if valid(s) => Self::of(s.as_bytes()),
             _ => Self::new(),
         }
+    }
+
+    fn of(text: &[u8]) -> Self {
+        Self(
+            hyper::header::HeaderValue::from_bytes(text)
+                .unwrap_or_else(|_| hyper::header::HeaderValue::from_static("invalid")),
+        )
     }
 
     /// A new id: 32 hex digits, unique across processes (a per-process random half, then a count).
@@ -46,7 +63,15 @@ impl RequestId {
             h.write_u32(std::process::id());
             h.finish()
         });
-        Self(Arc::from(format!("{high:016x}{:016x}", SEQ.fetch_add(1, Ordering::Relaxed))))
+        // Written in place: `format!` grew its string three times, then `Arc` copied it.
+        let mut hex = [0u8; 32];
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        for (i, b) in hex.iter_mut().enumerate() {
+            let word = if i < 16 { high } else { seq };
+            let nibble = (word >> (4 * (15 - i % 16))) & 0xf;
+            *b = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or_default()];
+        }
+        Self::of(&hex)
     }
 }
 
@@ -58,7 +83,7 @@ impl Default for RequestId {
 
 impl std::fmt::Display for RequestId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
@@ -108,6 +133,19 @@ pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A new id is this process's half, then its count: the next id counts one more, as hex.
+    #[test]
+    fn new_ids_count_after_the_process_half() {
+        let (a, b) = (RequestId::new(), RequestId::new());
+        let (a, b) = (a.as_str(), b.as_str());
+        assert!(a.len() == 32 && a.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')), "{a}");
+        assert_eq!(a[..16], b[..16]);
+        let count = |s: &str| u64::from_str_radix(&s[16..], 16).unwrap();
+        // (Other tests make ids too, in between.)
+        assert!(count(b) > count(a), "{a} {b}");
+        assert_eq!(RequestId::new().header().to_str().ok().map(str::len), Some(32));
+    }
 
     #[test]
     fn client_ids_are_kept_only_when_sane() {
