@@ -53,6 +53,21 @@ impl RequestId {
         )
     }
 
+    /// `high` then `seq`, each as 16 hex digits, in one block whose clones share it (a `Vec`'s
+    /// bytes would be copied into a second block at the first clone).
+    fn hex(high: u64, seq: u64) -> Self {
+        let mut hex = [0u8; 32];
+        for (i, b) in hex.iter_mut().enumerate() {
+            let word = if i < 16 { high } else { seq };
+            let nibble = (word >> (4 * (15 - i % 16))) & 0xf;
+            *b = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or_default()];
+        }
+        match hyper::header::HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(hex)) {
+            Ok(v) => Self(v),
+            Err(_) => Self::of(&hex),
+        }
+    }
+
     /// A new id: 32 hex digits, unique across processes (a per-process random half, then a count).
     pub fn new() -> Self {
         static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -64,14 +79,7 @@ impl RequestId {
             h.finish()
         });
         // Written in place: `format!` grew its string three times, then `Arc` copied it.
-        let mut hex = [0u8; 32];
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        for (i, b) in hex.iter_mut().enumerate() {
-            let word = if i < 16 { high } else { seq };
-            let nibble = (word >> (4 * (15 - i % 16))) & 0xf;
-            *b = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or_default()];
-        }
-        Self::of(&hex)
+        Self::hex(high, SEQ.fetch_add(1, Ordering::Relaxed))
     }
 }
 
@@ -145,6 +153,12 @@ mod tests {
         // (Other tests make ids too, in between.)
         assert!(count(b) > count(a), "{a} {b}");
         assert_eq!(RequestId::new().header().to_str().ok().map(str::len), Some(32));
+        for (h, n) in [(0, 0), (0x0123_4567_89ab_cdef, 1), (u64::MAX, 0xfedc_ba98_7654_3210), (1 << 60, 15)] {
+            assert_eq!(RequestId::hex(h, n).as_str(), format!("{h:016x}{n:016x}"));
+        }
+        // A clone shares the bytes.
+        let id = RequestId::hex(1, 2);
+        assert_eq!(id.clone().header().as_bytes().as_ptr(), id.header().as_bytes().as_ptr());
     }
 
     #[test]

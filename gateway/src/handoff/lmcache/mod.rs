@@ -205,6 +205,11 @@ const PREFILL_OMIT: &[&str] =
     &["max_completion_tokens", "stream_options", "n", "best_of", "logprobs", "prompt_logprobs"];
 /// Fields a drain leaves out: one token, unstreamed.
 const DRAIN_OMIT: &[&str] = &["max_completion_tokens", "stream_options"];
+/// A streamed decode's `stream_options`: written once.
+static INCLUDE_USAGE: std::sync::LazyLock<Box<RawValue>> = std::sync::LazyLock::new(|| {
+    RawValue::from_string(r#"{"include_usage":true}"#.to_owned()).unwrap_or_default()
+});
+
 /// Fields the decode leg leaves out (`max_tokens` is set from the client's count).
 const DECODE_OMIT: &[&str] = &["max_completion_tokens"];
 /// The same when the client set no count (a `max_tokens: null` is left out: vLLM reads a missing
@@ -319,6 +324,7 @@ struct PrefillOut {
 /// What the prefill's answer is read for, its other fields skipped unread. Each is taken apart
 /// on its own, so one of an unexpected shape is only missing (as a `Value`'s lookups had it), and
 /// the answer is not first built as a `Value` (a map, and a string for each key and text in it).
+/// An answer with one of these keys twice is refused (a `Value` kept the last); no engine writes one.
 #[derive(serde::Deserialize, Default)]
 struct PrefillAnswer<'a> {
     #[serde(borrow, default)]
@@ -460,7 +466,7 @@ impl Lmcache {
             decode_body = decode_body.count("max_tokens", u64::from(n.max(1)));
         }
         if stream_decode {
-            decode_body = decode_body.set("stream_options", &json!({"include_usage": true}));
+            decode_body = decode_body.raw("stream_options", &INCLUDE_USAGE);
         }
         // `<tool_call>` is a special token in some models (Hermes 2 Pro): kept in the text so the
         // calls can be found, as vLLM's hermes parser asks of its engine.
@@ -804,5 +810,8 @@ mod tests {
         assert_eq!(read(r#"{"kv_transfer_params":[5]}"#), (None, String::new(), None));
         assert!(PrefillAnswer::read(b"{\"model\": ").is_err());
         assert!(PrefillAnswer::read(b"").is_err());
+        assert!(PrefillAnswer::read(br#"{"model": "a", "model": "b"}"#).is_err());
+        // Other keys twice are skipped as any other.
+        assert_eq!(read(r#"{"id": 1, "id": 2, "model": "m"}"#), (None, String::new(), Some(r#""m""#.into())));
     }
 }
