@@ -100,15 +100,20 @@ async fn request_ids_reach_both_engines_in_every_mode_and_come_back() {
     }
 }
 
-/// The `baton demo` binary with JSON logs: the lines a request logs carry its id in their span.
-#[test]
-fn json_log_lines_carry_the_request_id() {
+/// Runs the `baton demo` binary with `args` (debug logs, stderr to a pipe, `NO_COLOR` unset),
+/// makes the requests `run` makes at its address, and returns what it logged.
+fn demo_logs<F: std::future::Future<Output = ()>>(
+    args: &[&str],
+    run: impl FnOnce(SocketAddr) -> F,
+) -> String {
     use std::io::{BufRead, BufReader, Read};
     use std::process::{Command, Stdio};
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(args)
         .env("RUST_LOG", "baton_gateway=debug")
+        .env_remove("NO_COLOR")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -120,8 +125,18 @@ fn json_log_lines_carry_the_request_id() {
             break rest.split_whitespace().next().unwrap().parse().unwrap();
         }
     };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
+    tokio::runtime::Runtime::new().unwrap().block_on(run(addr));
+    child.kill().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let _ = child.wait();
+    err
+}
+
+/// The `baton demo` binary with JSON logs: the lines a request logs carry its id in their span.
+#[test]
+fn json_log_lines_carry_the_request_id() {
+    let err = demo_logs(&["--log-format", "json"], |addr| async move {
         let (s, _, _) =
             post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}), Some("log-me-1")).await;
         assert_eq!(s, 200);
@@ -129,10 +144,6 @@ fn json_log_lines_carry_the_request_id() {
             post(addr, "/v1/completions", &json!({"prompt": "hi", "top_p": 0}), Some("log-me-2")).await;
         assert_eq!(s, 400);
     });
-    child.kill().unwrap();
-    let mut err = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    let _ = child.wait();
     let logs: Vec<Value> = err.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     for (id, message) in [("log-me-1", "answered"), ("log-me-2", "request refused")] {
         let line = logs
@@ -148,34 +159,11 @@ fn json_log_lines_carry_the_request_id() {
 /// lines, no colour escapes, a request's lines in its span with its id.
 #[test]
 fn text_logs_to_a_pipe_are_plain() {
-    use std::io::{BufRead, BufReader, Read};
-    use std::process::{Command, Stdio};
-
-    let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .env("RUST_LOG", "baton_gateway=debug")
-        .env_remove("NO_COLOR")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr: SocketAddr = loop {
-        let line = lines.next().expect("the demo printed its address").unwrap();
-        if let Some(rest) = line.split("gateway on http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
+    let err = demo_logs(&[], |addr| async move {
         let (s, _, _) =
             post(addr, "/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}), Some("plain-1")).await;
         assert_eq!(s, 200);
     });
-    child.kill().unwrap();
-    let mut err = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    let _ = child.wait();
     assert!(!err.contains('\x1b'), "colour escapes in logs to a pipe:\n{err}");
     assert!(
         err.lines().any(|l| l.contains("request{id=plain-1}") && l.contains("answered")),
