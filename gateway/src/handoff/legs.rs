@@ -33,18 +33,33 @@ pub type RespBody = BoxBody<Bytes, BoxError>;
 /// left out, written straight from the request without copying it.
 /// (In the proxy benchmark's profile the NIXL exchange, mostly copying the request's map three
 /// times and building the legs' values, was 14.7% of the gateway's CPU samples.)
-pub(crate) struct Patched<'a> {
+pub(crate) struct Patched<'a, X: ?Sized = ()> {
     base: &'a Object,
     set: smallvec::SmallVec<[(&'static str, Val<'a>); 8]>,
     omit: &'a [&'a str],
     /// A second list left out (a mode's own beside the request kind's).
     also: &'a [&'a str],
+    /// One field more, any borrowed value, written as the body is ([`Patched::with`]).
+    extra: Option<(&'static str, &'a X)>,
 }
 
 impl<'a> Patched<'a> {
     /// `base` as it is, less the fields in `omit`.
     pub(crate) fn new(base: &'a Object, omit: &'a [&'a str]) -> Self {
-        Self { base, set: smallvec::SmallVec::new(), omit, also: &[] }
+        Self { base, set: smallvec::SmallVec::new(), omit, also: &[], extra: None }
+    }
+}
+
+impl<'a, X: Serialize + ?Sized> Patched<'a, X> {
+    /// `field` is `value`, borrowed and written as the body is, after the fields `set` adds when
+    /// the request has none of that name. For a large value of the gateway's own (`native`'s
+    /// parameters, which hold the prompt's ids): `set` writes its value into a string of its own
+    /// first, grown from 128 bytes (five allocations for a 1 KB prompt's). One such field a body;
+    /// it replaces one set before under its name.
+    pub(crate) fn with<Y: Serialize + ?Sized>(self, field: &'static str, value: &'a Y) -> Patched<'a, Y> {
+        let mut set = self.set;
+        set.retain(|(f, _)| *f != field);
+        Patched { base: self.base, set, omit: self.omit, also: self.also, extra: Some((field, value)) }
     }
 
     /// `field` is `value`: in the request's place if it has one, else after its fields. A value
@@ -79,6 +94,9 @@ impl<'a> Patched<'a> {
     }
 
     fn put(mut self, field: &'static str, v: Val<'a>) -> Self {
+        if self.extra.is_some_and(|(f, _)| f == field) {
+            self.extra = None;
+        }
         match self.set.iter_mut().find(|(f, _)| *f == field) {
             Some(slot) => slot.1 = v,
             None => self.set.push((field, v)),
@@ -108,11 +126,15 @@ impl<'a> Patched<'a> {
     }
 }
 
-impl Serialize for Patched<'_> {
+impl<X: Serialize + ?Sized> Serialize for Patched<'_, X> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut m = s.serialize_map(None)?;
         for (i, (k, v)) in self.base.iter().enumerate() {
             if self.omitted(k) {
+                continue;
+            }
+            if let Some((_, x)) = self.extra.filter(|(f, _)| f == k) {
+                m.serialize_entry(k, x)?;
                 continue;
             }
             match self.set.iter().find(|(f, _)| *f == k) {
@@ -128,6 +150,11 @@ impl Serialize for Patched<'_> {
             if !self.base.contains_key(*f) || self.omitted(f) {
                 m.serialize_entry(f, v)?;
             }
+        }
+        if let Some((f, x)) = self.extra
+            && (!self.base.contains_key(f) || self.omitted(f))
+        {
+            m.serialize_entry(f, x)?;
         }
         m.end()
     }
@@ -753,6 +780,44 @@ mod tests {
             written(&Patched::new(&raw, &[]).set("prompt", &"t").ids("prompt", &ids[..2], None)),
             r#"{"model":"m","prompt":[0,7],"n":1}"#
         );
+    }
+
+    /// A field given `with` is written as `set` writes it, in the request's place or after the
+    /// set fields, and either form replaces the other under one name.
+    #[test]
+    fn a_field_with_a_borrowed_value_is_written_as_set() {
+        #[derive(Serialize)]
+        struct P<'a> {
+            id: &'a str,
+            ids: &'a [u32],
+        }
+        let p = P { id: "a\"b", ids: &[1, 2] };
+        let raw = map(json!({"model": "m", "kv": 0, "stream": true, "n": 1}));
+        let written = |b: &dyn erased::Body| b.text();
+        for omit in [&[][..], &["kv"][..], &["stream", "kv"][..]] {
+            for field in ["kv", "extra"] {
+                let by_set = Patched::new(&raw, omit).flag("stream", false).set(field, &p);
+                let by_with = Patched::new(&raw, omit).flag("stream", false).with(field, &p);
+                assert_eq!(written(&by_with), written(&by_set), "{omit:?} {field}");
+            }
+        }
+        // Set after: the set value alone; `with` after `set`: the borrowed one alone.
+        let later = Patched::new(&raw, &[]).with("kv", &p).count("kv", 3);
+        assert_eq!(written(&later), r#"{"model":"m","kv":3,"stream":true,"n":1}"#);
+        let over = Patched::new(&raw, &[]).count("kv", 3).with("kv", &p);
+        assert_eq!(written(&over), r#"{"model":"m","kv":{"id":"a\"b","ids":[1,2]},"stream":true,"n":1}"#);
+    }
+
+    mod erased {
+        /// A body written to text, whatever its type.
+        pub(super) trait Body {
+            fn text(&self) -> String;
+        }
+        impl<T: serde::Serialize> Body for T {
+            fn text(&self) -> String {
+                serde_json::to_string(self).unwrap_or_default()
+            }
+        }
     }
 
     /// A parsed body's large fields are written as the client wrote them, and the body is the

@@ -475,9 +475,9 @@ impl Native {
             // not where these pages are.
             .filter_map(|(r, (addr, a))| Some(DecoderTarget::new(u32::try_from(r).ok()?, *addr, a)))
             .collect();
-        let body = Patched::new(&req.raw, &["stream_options"])
-            .flag("stream", false)
-            .set(contract::FIELD, &params(life.key, &targets, &ids));
+        let p = params(life.key, &targets, &ids);
+        let body =
+            Patched::new(&req.raw, &["stream_options"]).flag("stream", false).with(contract::FIELD, &p);
         match self.attempt(dec, prefills, req, &ids, body, &mut life, timing, &mut work, retried).await? {
             Attempt::Answered(resp) => Ok(resp),
             // Never: only a prefiller asked to reserve is heard saying it could not.
@@ -524,7 +524,7 @@ impl Native {
             let mut p = params(life.key, &targets, ids);
             p.reserve = Some(order);
             let body =
-                Patched::new(&req.raw, &["stream_options"]).flag("stream", false).set(contract::FIELD, &p);
+                Patched::new(&req.raw, &["stream_options"]).flag("stream", false).with(contract::FIELD, &p);
             match self.attempt(dec, prefills, req, ids, body, &mut life, timing, &mut work, retried).await {
                 Ok(Attempt::Busy) => {
                     refusals += 1;
@@ -566,7 +566,7 @@ impl Native {
         prefills: &[&crate::handoff::shared::Prefiller],
         req: &GenRequest,
         ids: &RawValue,
-        body: Patched<'_>,
+        body: Patched<'_, Params<'_>>,
         life: &mut Lifecycle,
         timing: &mut Timing,
         work: &mut Option<crate::routing::Work>,
@@ -591,7 +591,8 @@ impl Native {
         timing.enter(Phase::Decode);
 
         // Decode, streamed straight back.
-        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &params(life.key, &[], ids));
+        let p = params(life.key, &[], ids);
+        let body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
         let resp = self.shared.call("decode", dec, req.endpoint.path(), &body).await?;
         life.decoded = true;
         timing.mark(Phase::Decode);
@@ -607,7 +608,7 @@ impl Native {
         &self,
         prefills: &[&crate::handoff::shared::Prefiller],
         path: &str,
-        body: &Patched<'_>,
+        body: &Patched<'_, Params<'_>>,
         sent: &mut bool,
         retried: &Arc<std::sync::atomic::AtomicU32>,
     ) -> Result<Prefilled, GatewayError> {
@@ -639,7 +640,7 @@ impl Native {
         prefills: &[&crate::handoff::shared::Prefiller],
         req: &GenRequest,
         ids: &RawValue,
-        body: Patched<'_>,
+        body: Patched<'_, Params<'_>>,
         life: &mut Lifecycle,
         timing: &mut Timing,
         work: &mut Option<crate::routing::Work>,
@@ -653,7 +654,7 @@ impl Native {
         let backstop = shared.limits.upstream_timeout + ready_timeout;
         let mut p = params(life.key, &[], ids);
         p.kv_wait_ms = Some(u32::try_from(backstop.as_millis()).unwrap_or(u32::MAX).max(1));
-        let decode_body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
+        let decode_body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
         let path = req.endpoint.path();
         enum Ended {
             Decoded(Response<hyper::body::Incoming>),
@@ -803,7 +804,7 @@ impl Native {
         let ids = self.token_ids.write(ids)?;
         let mut p = params(self.shared.keys.next(), &[], &ids);
         p.local_prefill = true;
-        let body = Patched::new(&req.raw, &[]).set(contract::FIELD, &p);
+        let body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
         let resp = self.shared.call("decode", dec, req.endpoint.path(), &body).await?;
         timing.mark(Phase::Decode);
         drop(slots);
