@@ -201,9 +201,6 @@ pub enum PostError {
     /// No answer within this limit.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
-    /// The task that ran a detached call ended without its answer.
-    #[error("upstream call task: {0}")]
-    Task(#[source] tokio::task::JoinError),
 }
 
 /// `e` and each of its sources, `: `-separated.
@@ -226,7 +223,7 @@ impl PostError {
         match self {
             Self::Body(_) | Self::Request(_) => true,
             Self::Send(e) => e.is_connect(),
-            Self::Timeout(_) | Self::Task(_) => false,
+            Self::Timeout(_) => false,
         }
     }
 
@@ -366,7 +363,7 @@ impl Shared {
         let answer = if detach {
             let (client, to) = (self.client.clone(), to.clone());
             let call = async move { tokio::time::timeout(timeout, client.send(&to, req)).await };
-            self.spawn(call).await.map_err(PostError::Task)?
+            self.detachable(call).await
         } else {
             tokio::time::timeout(timeout, self.client.send(to, req)).await
         };
@@ -688,7 +685,7 @@ impl<H: Holds> Body for Held<H> {
     }
 }
 
-/// A body written once as JSON, for a leg that runs in a task of its own.
+/// A body written once as JSON, for a leg that owns it (one that may run on after its request).
 pub(crate) fn raw_json(body: &impl Serialize) -> Result<Box<RawValue>, GatewayError> {
     serde_json::value::to_raw_value(body).map_err(|e| {
         GatewayError::Internal(crate::api::Internal::Encode { what: "an engine body", reason: e.to_string() })

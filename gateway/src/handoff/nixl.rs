@@ -243,21 +243,23 @@ impl Nixl {
             calling: std::sync::atomic::AtomicBool::new(false),
         });
         let mut owed = Owed { shared: Arc::clone(&self.shared), to: Arc::clone(&to), params: None };
-        // The prefill runs in its own task: if the client leaves, its answer still arrives and the
-        // blocks it names are drained instead of waiting out the producer's timeout. Dropped after
-        // the answer was sent but before it was read, the wait hands it to `owed`; before it was
-        // sent, the task drains it.
+        // The prefill runs to its end even if the client leaves (in a task of its own from then
+        // on): its answer still arrives and the blocks it names are drained instead of waiting out
+        // the producer's timeout. Dropped after the answer was sent but before it was read, the
+        // wait hands it to `owed`; before it was sent, the prefill drains it.
         let (tx, rx) = oneshot::channel::<PrefillResult>();
         let order: Vec<Prefiller> = prefills.iter().map(|p| (*p).clone()).collect();
         let (shared, retried) = (Arc::clone(&self.shared), Arc::clone(retried));
-        self.shared.spawn(async move {
+        let mut prefill = self.shared.detachable(async move {
             let r = prefill_task(&shared, &order, path, &prefill_body, &retried).await;
             drop(work);
             if let Err(Ok(params)) = tx.send(r) {
                 drain(shared, to, params).await;
             }
         });
-        let params = PrefillWait { rx: Some(rx), owed: &mut owed }.recv().await?;
+        let wait = PrefillWait { rx: Some(rx), owed: &mut owed };
+        (&mut prefill).await;
+        let params = wait.recv().await?;
         timing.mark(Phase::Prefill);
         timing.enter(Phase::Decode);
 

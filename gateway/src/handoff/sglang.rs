@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
 use super::legs::{Held, Holds, LegError, Patched, PostError, RespBody, engine_has_it, raw_json};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
-use super::shared::{Backoff, Prefiller, Shared};
+use super::shared::{Backoff, Detachable, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
 use crate::admission::SlotGuard;
@@ -207,7 +207,9 @@ impl Sglang {
             armed: true,
         };
 
-        // The prefill runs in its own task: its answer matters after the decoder's has started.
+        // Both legs run side by side in this task, each to its end even if the request does not
+        // wait for it (in a task of its own from then on): the prefill's answer matters after the
+        // decoder's has started.
         let (tx, mut prefill_rx) = oneshot::channel();
         let path = req.endpoint.path();
         let leg = PrefillLeg {
@@ -217,12 +219,12 @@ impl Sglang {
             aborter: Arc::clone(&aborter),
             work,
         };
-        shared.spawn(leg.run(tx));
-        // The decode leg in its own task too, so a failed prefill can abort it while it waits.
+        let mut prefill_leg = shared.detachable(leg.run(tx));
+        // The decode leg runs on its own too, so a failed prefill can abort it while it waits.
         engine_has_it(&mut slots, Some(shared.limits.cancel_grace));
         let decoder = Arc::clone(dec);
         let decode_sent = Instant::now();
-        let mut decode = shared.spawn(async move {
+        let mut decode = shared.detachable(async move {
             // Health is counted by the request that waits for this answer, not here: an answer
             // that comes after the request was abandoned says nothing of the decoder.
             let r = aborter.shared.post(&decoder.http, "decode", path, &decode_body, false).await;
@@ -235,9 +237,10 @@ impl Sglang {
             }
             Some(r)
         });
-        let mut prefill_done = false;
+        let (mut prefill_done, mut prefill_ran) = (false, false);
         let resp = loop {
             tokio::select! {
+                () = &mut prefill_leg, if !prefill_ran => prefill_ran = true,
                 p = &mut prefill_rx, if !prefill_done => {
                     prefill_done = true;
                     match p {
@@ -257,6 +260,9 @@ impl Sglang {
                 d = &mut decode => break d,
             }
         };
+        // The prefill, when the decoder answered first, runs on in a task of its own; its
+        // outcome comes with the answer's body.
+        drop(prefill_leg);
         // A decoder never reached took no KV; one refusing (503) before the prefill answered did
         // not take it either (an SGLang prefill answers once its KV has gone to the decoder). The
         // request may run again elsewhere, in a room of its own (this attempt's room is aborted on
@@ -267,7 +273,7 @@ impl Sglang {
             }
         };
         let resp = match resp {
-            Ok(Some(Ok(answer))) => {
+            Some(Ok(answer)) => {
                 shared.accept("decode", &**dec, answer, decode_sent).await.inspect_err(|e| {
                     if !e.may_run_on() {
                         engine_has_it(&mut slots, None);
@@ -275,7 +281,7 @@ impl Sglang {
                     replaceable(e);
                 })?
             }
-            Ok(Some(Err(e))) => {
+            Some(Err(e)) => {
                 shared.failed(&**dec, decode_sent);
                 let e = LegError::Unanswered { leg: "decode", source: e };
                 if !e.may_run_on() {
@@ -284,17 +290,10 @@ impl Sglang {
                 replaceable(&e);
                 return Err(e.into());
             }
-            Ok(None) => {
+            None => {
                 return Err(GatewayError::Upstream {
                     leg: "decode",
                     message: "the request was abandoned".into(),
-                });
-            }
-            Err(e) => {
-                shared.failed(&**dec, decode_sent);
-                return Err(GatewayError::Upstream {
-                    leg: "decode",
-                    message: format!("decode call task: {e}"),
                 });
             }
         };
@@ -307,8 +306,8 @@ impl Sglang {
     }
 }
 
-/// Both legs' bodies, written once (each leg runs in a task of its own), and the `rid` SGLang knows
-/// the request by (none with `n > 1`: SGLang names the choices itself).
+/// Both legs' bodies, written once (each leg owns its own: it may run on after the request),
+/// and the `rid` SGLang knows the request by (none with `n > 1`: SGLang names the choices itself).
 struct Bodies {
     decode: Box<RawValue>,
     prefill: Box<RawValue>,
@@ -408,16 +407,25 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 /// Ends a decode leg whose prefill failed: `/abort_request` until its call answers (bounded), then
 /// the call is dropped (SGLang aborts a request whose client left).
 async fn abort_decode(
-    decode: tokio::task::JoinHandle<Option<Result<Response<Incoming>, PostError>>>,
+    mut decode: Detachable<Option<Result<Response<Incoming>, PostError>>>,
     mut abort: AbortGuard,
     slot: Option<SlotGuard>,
 ) {
     abort.armed = false;
     abort.aborter.abandoned.store(true, Ordering::Relaxed);
     if let Some(decoder) = abort.engines.last() {
-        abort.aborter.until_answered(decoder).await;
+        // The decode call runs on while the aborts are sent: its answer is what ends them.
+        let aborts = abort.aborter.until_answered(decoder);
+        tokio::pin!(aborts);
+        let mut answered = false;
+        loop {
+            tokio::select! {
+                () = &mut aborts => break,
+                _ = &mut decode, if !answered => answered = true,
+            }
+        }
     }
-    decode.abort();
+    decode.cancel();
     // Held until the abort was answered, and `cancel_grace_ms` more (an answer's headers do not
     // say the decoder dropped the request).
     drop(slot);

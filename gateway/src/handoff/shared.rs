@@ -4,8 +4,10 @@
 use std::collections::hash_map::RandomState;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use baton_dataplane::{RequestId, RequestKey};
@@ -67,6 +69,53 @@ impl Default for Limits {
             cancel_grace: DEFAULT_CANCEL_GRACE,
             engine_idle: DEFAULT_ENGINE_IDLE,
         }
+    }
+}
+
+/// A future from [`Shared::detachable`]: awaited, it runs in the awaiting task; dropped before it
+/// finished, what is left of it runs on in a task of its own, its output dropped there.
+pub(crate) struct Detachable<T: Send + 'static> {
+    work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+    tasks: TaskTracker,
+}
+
+impl<T: Send + 'static> Detachable<T> {
+    /// Ends the work where it is, unfinished (as aborting a spawned task would): dropping a call
+    /// to an engine closes its connection.
+    pub(crate) fn cancel(mut self) {
+        self.work = None;
+    }
+}
+
+impl<T: Send + 'static> Future for Detachable<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(work) = self.work.as_mut() else {
+            // Polled again after it finished: like a finished `JoinHandle`'s misuse, it never ends.
+            return Poll::Pending;
+        };
+        let out = std::task::ready!(work.as_mut().poll(cx));
+        self.work = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for Detachable<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        // Dropped with the request, inside its scope (tokio and tracing drop a scoped future
+        // within its scope): the task carries the request's id and trace. Nothing is spawned once
+        // the runtime is gone (the process is ending).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            self.tasks.spawn_on(request_id::carry(async move { drop(work.await) }), &rt);
+        }
+    }
+}
+
+impl<T: Send + 'static> std::fmt::Debug for Detachable<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detachable").field("finished", &self.work.is_none()).finish_non_exhaustive()
     }
 }
 
@@ -133,6 +182,18 @@ impl Shared {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             self.tasks.spawn_on(request_id::carry(work), &rt);
         }
+    }
+
+    /// `work` run as part of the request that awaits it, and handed to a task of its own
+    /// ([`Shared::spawn`]'s: tracked, with the request's id and trace) only if the request drops
+    /// it unfinished: a leg runs to its end whatever the client does, as a spawned one would,
+    /// without a task, its wake-ups and its polls on every request that is not cut short (the
+    /// proxy benchmark counted two task polls a request for NIXL's prefill task alone).
+    pub(crate) fn detachable<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> Detachable<T> {
+        Detachable { work: Some(Box::pin(work)), tasks: self.tasks.clone() }
     }
 
     /// Tasks requests left behind that have not ended yet.
@@ -275,6 +336,42 @@ mod tests {
     use std::sync::atomic::AtomicBool;
 
     use super::*;
+
+    /// Awaited, a detachable runs in the awaiting task and leaves none behind; dropped unfinished
+    /// (a client that left), the rest of it runs to its end in a tracked task that still carries
+    /// the request's id; cancelled, it stops where it is.
+    #[tokio::test]
+    async fn a_detachable_runs_here_and_on_alone_only_when_dropped() {
+        let shared =
+            Shared::new(Limits::default(), HealthConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(shared.detachable(async { 7 }).await, 7);
+        assert_eq!(shared.tasks_running(), 0, "nothing was spawned for a leg that was waited for");
+
+        let id = request_id::RequestId::new();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let leg = shared.detachable(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = tx.send(request_id::current().map(|i| i.as_str().to_owned()));
+        });
+        let request = request_id::scope(id.clone(), leg);
+        assert!(tokio::time::timeout(Duration::from_millis(5), request).await.is_err(), "the client left");
+        assert_eq!(shared.tasks_running(), 1, "the rest of the leg runs in a task of its own");
+        let ran = tokio::time::timeout(Duration::from_secs(5), rx).await;
+        assert_eq!(ran.ok().and_then(Result::ok).flatten().as_deref(), Some(id.as_str()));
+        assert!(shared.wait_for_tasks(Duration::from_secs(5)).await);
+
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&done);
+        let mut leg = shared.detachable(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            flag.store(true, Ordering::Relaxed);
+        });
+        assert!(tokio::time::timeout(Duration::from_millis(5), &mut leg).await.is_err());
+        leg.cancel();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!done.load(Ordering::Relaxed), "a cancelled leg does not run on");
+        assert_eq!(shared.tasks_running(), 0);
+    }
 
     /// A drain waits for what requests left running, within its bound, and says when the bound
     /// passed first; the tracker takes new tasks again afterwards.
