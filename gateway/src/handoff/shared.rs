@@ -92,7 +92,8 @@ impl<T: Send + 'static> Future for Detachable<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let Some(work) = self.work.as_mut() else {
-            // Polled again after it finished: like a finished `JoinHandle`'s misuse, it never ends.
+            // Polled again after it finished (no caller does: each awaits it once, and `select!`
+            // branches on it are disabled once it is ready): its output was taken.
             return Poll::Pending;
         };
         let out = std::task::ready!(work.as_mut().poll(cx));
