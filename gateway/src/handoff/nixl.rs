@@ -156,8 +156,10 @@ impl Drop for Owed {
     }
 }
 
-/// The wait for the prefill task's answer. Dropped before it was read, it closes the channel (so a
-/// later answer is drained by the task) and drains an answer already sent.
+/// The wait for the prefill leg's answer. Dropped before it was read, it closes the channel (so a
+/// later answer is drained by the leg, run on alone) and drains an answer already sent. (The leg
+/// runs in the request's task and the wait reads its answer as soon as it is sent, so the second
+/// is a safeguard: nothing between them can drop the request today.)
 struct PrefillWait<'a> {
     rx: Option<oneshot::Receiver<PrefillResult>>,
     owed: &'a mut Owed,

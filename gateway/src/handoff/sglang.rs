@@ -207,9 +207,9 @@ impl Sglang {
             armed: true,
         };
 
-        // Both legs run side by side in this task, each to its end even if the request does not
-        // wait for it (in a task of its own from then on): the prefill's answer matters after the
-        // decoder's has started.
+        // Both legs run side by side in this task; a leg the request stops waiting for runs on
+        // to its end in a task of its own (a decode leg is cancelled only by `abort_decode`): the
+        // prefill's answer matters after the decoder's has started.
         let (tx, mut prefill_rx) = oneshot::channel();
         let path = req.endpoint.path();
         let leg = PrefillLeg {
@@ -220,7 +220,7 @@ impl Sglang {
             work,
         };
         let mut prefill_leg = shared.detachable(leg.run(tx));
-        // The decode leg runs on its own too, so a failed prefill can abort it while it waits.
+        // The decode leg is detachable too, so a failed prefill can hand it to `abort_decode`.
         engine_has_it(&mut slots, Some(shared.limits.cancel_grace));
         let decoder = Arc::clone(dec);
         let decode_sent = Instant::now();

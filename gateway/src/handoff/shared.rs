@@ -96,9 +96,19 @@ impl<T: Send + 'static> Future for Detachable<T> {
             // branches on it are disabled once it is ready): its output was taken.
             return Poll::Pending;
         };
-        let out = std::task::ready!(work.as_mut().poll(cx));
-        self.work = None;
-        Poll::Ready(out)
+        // A leg that panics panics the request, as the request's own code would; what is left of
+        // it cannot be polled again, so it is not handed to a task when the request is dropped.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => {
+                self.work = None;
+                Poll::Ready(out)
+            }
+            Err(panic) => {
+                self.work = None;
+                std::panic::resume_unwind(panic)
+            }
+        }
     }
 }
 
@@ -372,6 +382,15 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!done.load(Ordering::Relaxed), "a cancelled leg does not run on");
         assert_eq!(shared.tasks_running(), 0);
+
+        // A leg that panics panics its request, and what is left of it is not run on.
+        let mut leg = shared.detachable(async { panic!("a leg's bug") });
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(&mut leg).poll(&mut cx)));
+        assert!(polled.is_err());
+        drop(leg);
+        assert_eq!(shared.tasks_running(), 0, "a panicked leg is not handed to a task");
     }
 
     /// A drain waits for what requests left running, within its bound, and says when the bound
