@@ -350,7 +350,7 @@ mod tests {
 
     /// Awaited, a detachable runs in the awaiting task and leaves none behind; dropped unfinished
     /// (a client that left), the rest of it runs to its end in a tracked task that still carries
-    /// the request's id; cancelled, it stops where it is.
+    /// the request's id; cancelled, it stops where it is; panicked, it is not run on.
     #[tokio::test]
     async fn a_detachable_runs_here_and_on_alone_only_when_dropped() {
         let shared =
