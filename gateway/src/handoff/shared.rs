@@ -116,11 +116,17 @@ impl<T: Send + 'static> Drop for Detachable<T> {
     fn drop(&mut self) {
         let Some(work) = self.work.take() else { return };
         // Dropped with the request, inside its scope (tokio and tracing drop a scoped future
-        // within its scope): the task carries the request's id and trace. Nothing is spawned once
-        // the runtime is gone (the process is ending).
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            self.tasks.spawn_on(request_id::carry(async move { drop(work.await) }), &rt);
-        }
+        // within its scope): the task carries the request's id and trace.
+        spawn_from_drop(&self.tasks, async move { drop(work.await) });
+    }
+}
+
+/// `work` in a task of `tasks` with the current request's id and trace, from a `Drop`: nothing is
+/// spawned once the runtime is gone (the process is ending, and the engines' own leases end what
+/// the request held).
+fn spawn_from_drop(tasks: &TaskTracker, work: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        tasks.spawn_on(request_id::carry(work), &rt);
     }
 }
 
@@ -190,9 +196,7 @@ impl Shared {
     /// [`Shared::spawn`] from a `Drop`: nothing is spawned once the runtime is gone (the process
     /// is ending, and the engines' own leases end what the request held).
     pub(crate) fn spawn_from_drop(&self, work: impl Future<Output = ()> + Send + 'static) {
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            self.tasks.spawn_on(request_id::carry(work), &rt);
-        }
+        spawn_from_drop(&self.tasks, work);
     }
 
     /// `work` run as part of the request that awaits it, and handed to a task of its own
