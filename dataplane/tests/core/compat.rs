@@ -1,15 +1,13 @@
 //! baton's ZMTP and LMCache msgpack against the real libraries: pyzmq (libzmq 4.3) and msgspec, from
 //! the test venv that `scripts/test` builds (`tests/support/upstream_peer.py`).
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use baton_dataplane::compat::lmcache::{AllocRequest, AllocResponse, PdMsg, ProxyNotif};
 use baton_dataplane::compat::zmtp::{Connection, DEFAULT_MAX_MESSAGE, PullServer, RepServer, SocketType};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 
-use crate::upstream::{free_port, peer};
+use crate::upstream::{peer, spawn_bound};
 
 /// Two libzmq PUSH sockets (as two prefiller ranks) notify baton's PULL listener; msgspec's bytes
 /// decode as `ProxyNotif`, and the two senders are told apart by connection.
@@ -44,11 +42,8 @@ async fn libzmq_push_with_msgspec_notifications_reach_the_pull_listener() {
 /// LMCache's own `ProxyNotif`, so LMCache's proxy could consume it.
 #[tokio::test]
 async fn baton_push_is_read_by_libzmq_pull_and_msgspec() {
-    let addr = free_port();
-    let Some(mut pull) = peer(&["pull", &addr.to_string(), "2"]) else { return };
-    let mut child = pull.stdout(Stdio::piped()).spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("bound"));
+    let Some(mut pull) = peer(&["pull", "127.0.0.1", "2"]) else { return };
+    let (mut child, addr, mut lines) = spawn_bound(&mut pull).await;
     let mut c = Connection::connect(addr, SocketType::Push, 1 << 20).await.unwrap();
     for id in ["a", "b"] {
         let m = PdMsg::ProxyNotif(ProxyNotif { req_id: id.into() }).encode().unwrap();
@@ -67,11 +62,8 @@ async fn baton_push_is_read_by_libzmq_pull_and_msgspec() {
 /// those on other topics are filtered out by the publisher.
 #[tokio::test]
 async fn baton_sub_receives_what_libzmq_pub_publishes_on_its_topic() {
-    let addr = free_port();
-    let Some(mut publisher) = peer(&["pub", &addr.to_string()]) else { return };
-    let mut child = publisher.stdout(Stdio::piped()).spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("bound"));
+    let Some(mut publisher) = peer(&["pub", "127.0.0.1"]) else { return };
+    let (mut child, addr, _lines) = spawn_bound(&mut publisher).await;
     let mut sub = Connection::connect(addr, SocketType::Sub, 1 << 20).await.unwrap();
     assert_eq!(sub.peer_type(), "PUB");
     sub.subscribe(b"kv").await.unwrap();

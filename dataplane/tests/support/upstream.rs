@@ -5,9 +5,12 @@
 //! line naming what to run; `scripts/test` builds the venv and sets `BATON_REQUIRE_VENV=1`, so there
 //! a missing venv fails instead.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::Stdio;
 
-use tokio::process::Command;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
 
 /// The venv's Python, when it exists.
 #[track_caller]
@@ -40,9 +43,16 @@ pub(crate) fn peer(args: &[&str]) -> Option<Command> {
     Some(c)
 }
 
-/// A free loopback port.
-pub(crate) fn free_port() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap_or_else(|e| panic!("no free port: {e}"))
+/// Spawns a peer that binds (`pull`, `pub`, `proxy` on 127.0.0.1) with its stdin and stdout piped,
+/// and reads its first line, `bound PORT`: the child, the address its socket is bound on (a port the
+/// OS picked, so no other test can take it first) and the rest of its output.
+pub(crate) async fn spawn_bound(cmd: &mut Command) -> (Child, SocketAddr, Lines<BufReader<ChildStdout>>) {
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next_line().await.unwrap().unwrap_or_default();
+    let port: u16 = first
+        .strip_prefix("bound ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("the peer printed {first:?}, not `bound PORT`"));
+    (child, SocketAddr::from(([127, 0, 0, 1], port)), lines)
 }

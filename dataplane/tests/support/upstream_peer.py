@@ -8,13 +8,20 @@ lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache its
 (it needs torch and a GPU).
 
   push ADDR REQ_ID [COUNT]   PUSH COUNT ProxyNotif(req_id) messages to tcp://ADDR
-  pull ADDR COUNT            bind PULL on tcp://ADDR, print each decoded message as a JSON line
+  pull HOST COUNT            bind PULL on a free port of HOST, print `bound PORT`, then each
+                             decoded message as a JSON line
+  pub HOST                   bind PUB on a free port of HOST, print `bound PORT`, then publish
   req ADDR                   send one AllocRequest over REQ, print the decoded AllocResponse
-  proxy PULL PREFILL DECODE HOST INIT_PORTS ALLOC_PORTS PROMPT MAX_TOKENS
-                             one completion the way LMCache's disagg_proxy_server.py makes it
-                             (tokenize, prefill with disagg_spec and ret_first_tok, wait for one
-                             ProxyNotif per decoder rank, decode from prompt + first token); prints
-                             the text as JSON
+  proxy HOST DECODE INIT_PORTS ALLOC_PORTS PROMPT MAX_TOKENS
+                             bind the proxy's PULL on a free port of HOST and print `bound PORT`;
+                             read the prefiller's URL from stdin (it is launched to push to that
+                             port), then make one completion the way LMCache's
+                             disagg_proxy_server.py makes it (tokenize, prefill with disagg_spec
+                             and ret_first_tok, wait for one ProxyNotif per decoder rank, decode
+                             from prompt + first token); prints the text as JSON
+
+A bound socket takes its port from the OS (`bind_to_random_port`) rather than from the caller: a port
+the caller found free can be taken by another test before the peer binds it.
   nixl-proxy PREFILL DECODE PROMPT MAX_TOKENS
                              one completion the way vLLM's NIXL toy_proxy_server.py makes it
                              (prefill with do_remote_decode, decode with the kv_transfer_params the
@@ -62,12 +69,20 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def proxy(ctx, pull, prefill, decode, host, init_ports, alloc_ports, prompt, max_tokens) -> None:
+def bind(s, host: str) -> None:
+    """Bind S on a port of HOST the OS picks, and print `bound PORT`."""
+    port = s.bind_to_random_port(f"tcp://{host}")
+    print(f"bound {port}", flush=True)
+
+
+def proxy(ctx, host, decode, init_ports, alloc_ports, prompt, max_tokens) -> None:
     """The request flow of LMCache's examples/disagg_prefill/disagg_proxy_server.py, with the same
-    request fields, against engines at PREFILL and DECODE (http://IP:PORT)."""
+    request fields, against engines at PREFILL (read from stdin once bound) and DECODE
+    (http://IP:PORT)."""
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    s.bind(f"tcp://{pull}")
+    bind(s, host)
+    prefill = sys.stdin.readline().strip()
     init = [int(p) for p in init_ports.split(",")]
     alloc = [int(p) for p in alloc_ports.split(",")]
     tokens = post(f"{prefill}/tokenize", {"prompt": prompt})["tokens"]
@@ -137,8 +152,7 @@ def main() -> None:
     elif mode == "pull":
         s = ctx.socket(zmq.PULL)
         s.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-        s.bind(f"tcp://{addr}")
-        print("bound", flush=True)
+        bind(s, addr)
         for _ in range(int(sys.argv[3])):
             msg = msgspec.msgpack.decode(s.recv(), type=PDMsg)
             print(json.dumps({"type": type(msg).__name__, **msgspec.structs.asdict(msg)}), flush=True)
@@ -159,8 +173,7 @@ def main() -> None:
         # before libzmq applies its subscription; messages before that are dropped, as in vLLM).
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.LINGER, 0)
-        s.bind(f"tcp://{addr}")
-        print("bound", flush=True)
+        bind(s, addr)
         for seq in range(200):
             batch = msgspec.msgpack.encode([1.5, [], None])
             for topic in (b"kv", b"kvx", b"other"):

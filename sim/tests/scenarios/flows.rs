@@ -3,7 +3,11 @@
 
 use baton_sim::kv::output_text;
 
-use crate::upstream::{free_port, peer};
+use std::process::Stdio;
+
+use tokio::io::AsyncWriteExt;
+
+use crate::upstream::{peer, spawn_bound};
 
 /// The request flow of LMCache's own proxy (a Python replica using pyzmq and msgspec: `/tokenize`,
 /// prefill with `disagg_spec` and `ret_first_tok`, one `ProxyNotif` per decoder rank, decode from the
@@ -12,16 +16,12 @@ use crate::upstream::{free_port, peer};
 async fn lmcaches_proxy_flow_drives_the_simulated_engines() {
     use baton_sim::{LmcacheSimConfig, SimConfig, SimRole, launch, tiny_geometry};
     let g = tiny_geometry(2).unwrap();
-    let pull = free_port();
     let mut dc = SimConfig::new(SimRole::Decode, g);
     dc.lmcache = Some(LmcacheSimConfig {
         pd_buffer_bytes: 16 * g.page_bytes_per_rank(),
         ..LmcacheSimConfig::default()
     });
     let decode = launch(dc).await.unwrap();
-    let mut pc = SimConfig::new(SimRole::Prefill, g);
-    pc.lmcache = Some(LmcacheSimConfig { proxy: Some(pull), ..LmcacheSimConfig::default() });
-    let prefill = launch(pc).await.unwrap();
     let ranks = decode.engine.stats()["lmcache"]["ranks"].as_array().unwrap().clone();
     let ports = |k: &str| {
         ranks
@@ -33,10 +33,8 @@ async fn lmcaches_proxy_flow_drives_the_simulated_engines() {
     let prompt = "the proxy from LMCache's examples, replayed against baton-sim";
     let Some(mut proxy) = peer(&[
         "proxy",
-        &pull.to_string(),
-        &format!("http://{}", prefill.addr),
-        &format!("http://{}", decode.addr),
         "127.0.0.1",
+        &format!("http://{}", decode.addr),
         &ports("init_addr"),
         &ports("alloc_addr"),
         prompt,
@@ -44,9 +42,18 @@ async fn lmcaches_proxy_flow_drives_the_simulated_engines() {
     ]) else {
         return;
     };
-    let out = proxy.output().await.unwrap();
+    // The proxy binds its PULL first; the prefiller is launched to push to it.
+    let (mut proxy, pull, mut lines) = spawn_bound(proxy.stderr(Stdio::piped())).await;
+    let mut pc = SimConfig::new(SimRole::Prefill, g);
+    pc.lmcache = Some(LmcacheSimConfig { proxy: Some(pull), ..LmcacheSimConfig::default() });
+    let prefill = launch(pc).await.unwrap();
+    let mut stdin = proxy.stdin.take().unwrap();
+    stdin.write_all(format!("http://{}\n", prefill.addr).as_bytes()).await.unwrap();
+    drop(stdin);
+    let line = lines.next_line().await.unwrap();
+    let out = proxy.wait_with_output().await.unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line.unwrap_or_default()).unwrap();
     let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
     assert_eq!(v["text"], output_text(&ids, 5));
     let s = decode.engine.stats();
