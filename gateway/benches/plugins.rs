@@ -63,20 +63,20 @@ fn candidates(i: usize) -> Candidates {
     let n = ENDPOINTS;
     Candidates {
         prefill: PrefillView {
-            healthy: vec![true; n],
+            healthy: smallvec::smallvec![true; n],
             in_flight: (0..n).map(|k| ((k + i) % 7) as u32).collect(),
             latency_us: (0..n).map(|k| 40_000 + ((k * 13 + i) % 97) as u32 * 100).collect(),
-            cached_tokens: Vec::new(),
-            pending_tokens: Vec::new(),
+            cached_tokens: Default::default(),
+            pending_tokens: Default::default(),
         },
         decode: DecodeView {
             healthy: (0..n).map(|k| k != 5).collect(),
-            slots_needed: vec![4; n],
-            capacity_slots: vec![512; n],
+            slots_needed: smallvec::smallvec![4; n],
+            capacity_slots: smallvec::smallvec![512; n],
             free_slots: (0..n).map(|k| ((k * 37 + i) % 512) as u32).collect(),
             waiting_slots: (0..n).map(|k| ((k + i) % 3) as u64).collect(),
             in_flight: (0..n).map(|k| ((k * 5 + i) % 11) as u32).collect(),
-            cached_tokens: Vec::new(),
+            cached_tokens: Default::default(),
         },
     }
 }

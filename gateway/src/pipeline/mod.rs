@@ -34,7 +34,7 @@ use crate::policy::{Admit, Plugins, PolicyRequest, QueueState, Sender, TenantNam
 use crate::prefix::PromptKeys;
 use crate::routing::retry::Denied;
 use crate::routing::{
-    Candidates, Decision, DecodeView, NoRoute, PrefillView, Route, RouteFacts, Router, Work,
+    Candidates, Decision, DecodeView, NoRoute, PerEndpoint, PrefillView, Route, RouteFacts, Router, Work,
 };
 use crate::telemetry::trace::{self, End, RequestFacts, Tracing};
 use crate::telemetry::{Live, Phase, Timing, request_id};
@@ -339,20 +339,23 @@ impl Gateway {
 
     /// [`Gateway::candidates`] for a prompt of `tokens` whose block keys are made.
     fn candidates_keyed(&self, tokens: usize, keys: Option<&PromptKeys>) -> Candidates {
-        let mut cached = match (&self.router.prefix, keys) {
+        let cached = match (&self.router.prefix, keys) {
             (Some(f), Some(k)) => f.index.cached_tokens(k),
             _ => Vec::new(),
         };
-        let decode_cached = cached.split_off(self.prefills.len().min(cached.len()));
+        let (prefill_cached, decode_cached) = cached.split_at(self.prefills.len().min(cached.len()));
         let mut c = Candidates {
             prefill: PrefillView {
                 healthy: self.prefills.iter().map(|p| p.health.routable()).collect(),
                 in_flight: self.prefills.iter().map(|p| p.health.in_flight()).collect(),
                 latency_us: self.prefills.iter().map(|p| p.health.latency_us()).collect(),
-                cached_tokens: cached,
+                cached_tokens: PerEndpoint::from_slice(prefill_cached),
                 pending_tokens: self.prefills.iter().map(|p| p.health.pending_tokens()).collect(),
             },
-            decode: DecodeView { cached_tokens: decode_cached, ..DecodeView::default() },
+            decode: DecodeView {
+                cached_tokens: PerEndpoint::from_slice(decode_cached),
+                ..DecodeView::default()
+            },
         };
         for d in &self.decoders {
             let l = d.queue.load();
@@ -728,7 +731,7 @@ impl Gateway {
         let (r, dec, prefills) = loop {
             let route = routes.first().ok_or(GatewayError::NoEndpoint("decode"))?;
             let prefills = match work {
-                None => Vec::new(),
+                None => PerEndpoint::new(),
                 Some(_) => self.prefill_order(routes.iter().map(|r| r.prefill), &avoid),
             };
             let dec = self.decoders.get(route.decode).ok_or(GatewayError::NoEndpoint("decode"))?;
@@ -1015,8 +1018,8 @@ impl Gateway {
 
     /// The routed prefillers, then every other routable one (less those an earlier attempt of the
     /// request failed on): tried in turn only while a prefiller fails before it mattered.
-    fn prefill_order(&self, routed: impl Iterator<Item = usize>, avoid: &Avoid) -> Vec<&Prefiller> {
-        let mut order: Vec<usize> = Vec::with_capacity(self.prefills.len());
+    fn prefill_order(&self, routed: impl Iterator<Item = usize>, avoid: &Avoid) -> PerEndpoint<&Prefiller> {
+        let mut order: PerEndpoint<usize> = PerEndpoint::with_capacity(self.prefills.len());
         let healthy =
             (0..self.prefills.len()).filter(|&i| self.prefills.get(i).is_some_and(|p| p.health.routable()));
         for i in routed.chain(healthy) {

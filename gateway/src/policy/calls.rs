@@ -88,20 +88,20 @@ fn u32s<T: Copy + TryInto<u32>>(v: &[T]) -> Vec<u32> {
 pub fn views(c: &Candidates) -> (wr::PrefillView, wr::DecodeView) {
     (
         wr::PrefillView {
-            healthy: c.prefill.healthy.clone(),
-            in_flight: c.prefill.in_flight.clone(),
-            latency_us: c.prefill.latency_us.clone(),
-            cached_tokens: c.prefill.cached_tokens.clone(),
-            pending_tokens: c.prefill.pending_tokens.clone(),
+            healthy: c.prefill.healthy.to_vec(),
+            in_flight: c.prefill.in_flight.to_vec(),
+            latency_us: c.prefill.latency_us.to_vec(),
+            cached_tokens: c.prefill.cached_tokens.to_vec(),
+            pending_tokens: c.prefill.pending_tokens.to_vec(),
         },
         wr::DecodeView {
-            healthy: c.decode.healthy.clone(),
-            slots_needed: c.decode.slots_needed.clone(),
-            capacity_slots: c.decode.capacity_slots.clone(),
-            free_slots: c.decode.free_slots.clone(),
+            healthy: c.decode.healthy.to_vec(),
+            slots_needed: c.decode.slots_needed.to_vec(),
+            capacity_slots: c.decode.capacity_slots.to_vec(),
+            free_slots: c.decode.free_slots.to_vec(),
             waiting_slots: u32s(&c.decode.waiting_slots),
-            in_flight: c.decode.in_flight.clone(),
-            cached_tokens: c.decode.cached_tokens.clone(),
+            in_flight: c.decode.in_flight.to_vec(),
+            cached_tokens: c.decode.cached_tokens.to_vec(),
         },
     )
 }

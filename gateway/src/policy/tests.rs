@@ -3,9 +3,11 @@
 
 use std::sync::atomic::AtomicU64;
 
+use smallvec::smallvec;
+
 use super::calls::views;
 use super::*;
-use crate::routing::{Candidates, Decision, DecodeView, PrefillView, Route};
+use crate::routing::{Candidates, Decision, DecodeView, PerEndpoint, PrefillView, Route};
 
 pub(crate) fn plugin_path(name: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/plugins").join(format!("{name}.wasm"));
@@ -222,20 +224,20 @@ fn cands(free: Vec<u32>, waiting: Vec<u64>) -> Candidates {
     let n = free.len();
     Candidates {
         prefill: PrefillView {
-            healthy: vec![true, true],
-            in_flight: vec![3, 1],
-            latency_us: vec![900, 800],
-            cached_tokens: Vec::new(),
-            pending_tokens: Vec::new(),
+            healthy: smallvec![true, true],
+            in_flight: smallvec![3, 1],
+            latency_us: smallvec![900, 800],
+            cached_tokens: PerEndpoint::new(),
+            pending_tokens: PerEndpoint::new(),
         },
         decode: DecodeView {
-            healthy: vec![true; n],
-            slots_needed: vec![2; n],
-            capacity_slots: vec![64; n],
-            free_slots: free,
-            waiting_slots: waiting,
-            in_flight: vec![0; n],
-            cached_tokens: Vec::new(),
+            healthy: smallvec![true; n],
+            slots_needed: smallvec![2; n],
+            capacity_slots: smallvec![64; n],
+            free_slots: free.into(),
+            waiting_slots: waiting.into(),
+            in_flight: smallvec![0; n],
+            cached_tokens: PerEndpoint::new(),
         },
     }
 }
@@ -296,9 +298,9 @@ fn routing_plugins_see_cached_tokens_from_0_2_and_0_1_plugins_still_run() {
     assert_eq!(route(&old, &blind), by_hash, "one source, one choice without a cache");
     let mut cached = blind.clone();
     let holder = (by_hash.decode + 1) % 4;
-    cached.decode.cached_tokens = vec![0; 4];
+    cached.decode.cached_tokens = smallvec![0; 4];
     cached.decode.cached_tokens[holder] = 512;
-    cached.prefill.cached_tokens = vec![256, 0];
+    cached.prefill.cached_tokens = smallvec![256, 0];
     assert_eq!(route(&current, &cached), Route { prefill: 0, decode: holder }, "where the prompt is");
     assert_eq!(route(&old, &cached), by_hash, "0.1.0 is told nothing of caches");
     // The 0.1.0 admission plugin (faulty) and the 0.2.0 one both run.

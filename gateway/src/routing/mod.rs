@@ -170,18 +170,22 @@ pub struct RouteFacts<'a> {
     pub seq: u64,
 }
 
+/// One value for each endpoint of a pool, in the pool's order: inline for up to four endpoints (a
+/// request's candidates are made on every request, and most pools are small).
+pub type PerEndpoint<T> = SmallVec<[T; 4]>;
+
 /// Prefill candidates, one list per metric.
 #[derive(Clone, Debug, Default)]
 pub struct PrefillView {
-    pub healthy: Vec<bool>,
-    pub in_flight: Vec<u32>,
+    pub healthy: PerEndpoint<bool>,
+    pub in_flight: PerEndpoint<u32>,
     /// Moving average of the prefill leg, µs (0 before the first request).
-    pub latency_us: Vec<u32>,
+    pub latency_us: PerEndpoint<u32>,
     /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
-    pub cached_tokens: Vec<u32>,
+    pub cached_tokens: PerEndpoint<u32>,
     /// Prompt tokens routed to the engine to compute whose prefill has not answered yet: its
     /// pending work (0 where not given).
-    pub pending_tokens: Vec<u64>,
+    pub pending_tokens: PerEndpoint<u64>,
 }
 
 impl PrefillView {
@@ -194,17 +198,17 @@ impl PrefillView {
 /// Decode candidates, one list per metric.
 #[derive(Clone, Debug, Default)]
 pub struct DecodeView {
-    pub healthy: Vec<bool>,
+    pub healthy: PerEndpoint<bool>,
     /// Slots this request takes on each decoder (its chunk size and handoff decide; `RouteFacts::slots`
     /// when empty).
-    pub slots_needed: Vec<u32>,
-    pub capacity_slots: Vec<u32>,
-    pub free_slots: Vec<u32>,
-    pub waiting_slots: Vec<u64>,
+    pub slots_needed: PerEndpoint<u32>,
+    pub capacity_slots: PerEndpoint<u32>,
+    pub free_slots: PerEndpoint<u32>,
+    pub waiting_slots: PerEndpoint<u64>,
     /// Requests holding slots on the decoder (admitted, not yet released).
-    pub in_flight: Vec<u32>,
+    pub in_flight: PerEndpoint<u32>,
     /// Tokens at the start of the prompt the engine holds in KV cache (empty: not known).
-    pub cached_tokens: Vec<u32>,
+    pub cached_tokens: PerEndpoint<u32>,
 }
 
 impl DecodeView {
@@ -808,6 +812,8 @@ impl Health {
 
 #[cfg(test)]
 mod tests {
+    use smallvec::smallvec;
+
     use super::*;
 
     fn facts(slots: u32, seq: u64) -> RouteFacts<'static> {
@@ -817,20 +823,20 @@ mod tests {
     fn cands() -> Candidates {
         Candidates {
             prefill: PrefillView {
-                healthy: vec![true, true, true],
-                in_flight: vec![5, 1, 3],
-                latency_us: vec![0; 3],
-                cached_tokens: Vec::new(),
-                pending_tokens: Vec::new(),
+                healthy: smallvec![true, true, true],
+                in_flight: smallvec![5, 1, 3],
+                latency_us: smallvec![0; 3],
+                cached_tokens: PerEndpoint::new(),
+                pending_tokens: PerEndpoint::new(),
             },
             decode: DecodeView {
-                healthy: vec![true, true, true],
-                slots_needed: Vec::new(),
-                capacity_slots: vec![64, 128, 32],
-                free_slots: vec![60, 10, 32],
-                waiting_slots: vec![0, 0, 4],
-                in_flight: vec![0; 3],
-                cached_tokens: Vec::new(),
+                healthy: smallvec![true, true, true],
+                slots_needed: PerEndpoint::new(),
+                capacity_slots: smallvec![64, 128, 32],
+                free_slots: smallvec![60, 10, 32],
+                waiting_slots: smallvec![0, 0, 4],
+                in_flight: smallvec![0; 3],
+                cached_tokens: PerEndpoint::new(),
             },
         }
     }
@@ -869,7 +875,7 @@ mod tests {
         // Each decoder's own count when given: decoder 2 (a vllm-nixl pool, one slot a request)
         // fits a prompt the chunk-counted pools cannot, and has the most free.
         let mut c = cands();
-        c.decode.slots_needed = vec![500, 500, 1];
+        c.decode.slots_needed = smallvec![500, 500, 1];
         assert_eq!(first(Builtin::KvAware.route(&facts(500, 0), &c)).decode, 2);
     }
 
@@ -878,47 +884,47 @@ mod tests {
         let ca = Builtin::CacheAware(CacheParams::default());
         let f = facts(8, 0); // 128 prompt tokens
         let mut c = cands();
-        c.prefill.in_flight = vec![1, 0, 1];
-        c.prefill.pending_tokens = vec![100, 0, 50];
-        c.prefill.cached_tokens = vec![128, 0, 64];
-        c.decode.in_flight = vec![1, 0, 0];
-        c.decode.cached_tokens = vec![0, 0, 96];
+        c.prefill.in_flight = smallvec![1, 0, 1];
+        c.prefill.pending_tokens = smallvec![100, 0, 50];
+        c.prefill.cached_tokens = smallvec![128, 0, 64];
+        c.decode.in_flight = smallvec![1, 0, 0];
+        c.decode.cached_tokens = smallvec![0, 0, 96];
         // Prefill 0 holds the whole prompt behind 100 tokens of work (cost 100), prefill 2 half
         // of it behind 50 (cost 114), the idle one none (cost 128); decoder 2 holds most of it.
         assert_eq!(first(ca.route(&f, &c)), Route { prefill: 0, decode: 2 });
         // More work pending than its cache saves: prefill 2 (50 + 128 - 64 = 114) over prefill
         // 0 (200 + 128 - 128 = 200), within the guard (least 0, limit two prompts: 256).
-        c.prefill.pending_tokens = vec![200, 0, 50];
+        c.prefill.pending_tokens = smallvec![200, 0, 50];
         assert_eq!(first(ca.route(&f, &c)).prefill, 2);
         // Past the guard (least 0, limit 256): neither engine that holds the prompt is chosen
         // for its cache, whatever the weight.
-        c.prefill.pending_tokens = vec![300, 0, 500];
+        c.prefill.pending_tokens = smallvec![300, 0, 500];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
         let heavy = Builtin::CacheAware(CacheParams { cache_weight_pct: 1000, ..CacheParams::default() });
         assert_eq!(first(heavy.route(&f, &c)).prefill, 1, "past the guard whatever the weight");
         // The ratio applies at load: least 1000, limit 1500. Half the prompt cached is worth 64
         // tokens of work.
-        c.prefill.pending_tokens = vec![1600, 1000, 1060];
+        c.prefill.pending_tokens = smallvec![1600, 1000, 1060];
         assert_eq!(first(ca.route(&f, &c)).prefill, 2);
-        c.prefill.pending_tokens = vec![1600, 1000, 1070];
+        c.prefill.pending_tokens = smallvec![1600, 1000, 1070];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
         // No cache anywhere: the least pending work.
-        c.prefill.cached_tokens = vec![0; 3];
-        c.prefill.pending_tokens = vec![90, 100, 95];
+        c.prefill.cached_tokens = smallvec![0; 3];
+        c.prefill.pending_tokens = smallvec![90, 100, 95];
         assert_eq!(first(ca.route(&f, &c)).prefill, 0);
         // Equal work: the fewest requests in flight.
-        c.prefill.pending_tokens = vec![100, 100, 100];
-        c.prefill.in_flight = vec![2, 1, 3];
+        c.prefill.pending_tokens = smallvec![100, 100, 100];
+        c.prefill.in_flight = smallvec![2, 1, 3];
         assert_eq!(first(ca.route(&f, &c)).prefill, 1);
         // A decoder that cannot hold the request is never chosen for its cache: of the two that
         // can, the less loaded.
-        c.decode.cached_tokens = vec![0, 0, 128];
+        c.decode.cached_tokens = smallvec![0, 0, 128];
         assert_eq!(first(ca.route(&facts(40, 0), &c)).decode, 1);
         let why = ca.why_not(&facts(40, 0), &c, 1);
         assert!(why[2].as_deref().unwrap().contains("cannot hold"), "{why:?}");
         // The losers are told in the numbers compared.
         // 9 holding slots and 4 slots waiting (one request of 8): 10 against a limit of 2.
-        c.decode.in_flight = vec![0, 0, 9];
+        c.decode.in_flight = smallvec![0, 0, 9];
         let why = ca.why_not(&f, &c, 0);
         assert!(why[2].as_deref().unwrap().contains("over the load guard: 10 requests"), "{why:?}");
         assert!(why[1].as_deref().unwrap().contains("tied"), "{why:?}");
@@ -946,11 +952,11 @@ mod tests {
             let cached: Vec<u32> = cached_on.iter().map(|&h| if hot && h { 1024 } else { 0 }).collect();
             let c = Candidates {
                 prefill: PrefillView {
-                    healthy: vec![true; 4],
+                    healthy: smallvec![true; 4],
                     in_flight: work.iter().map(|w| u32::try_from(w.len()).unwrap()).collect(),
-                    latency_us: vec![0; 4],
-                    cached_tokens: cached.clone(),
-                    pending_tokens: pending.clone(),
+                    latency_us: smallvec![0; 4],
+                    cached_tokens: cached.as_slice().into(),
+                    pending_tokens: pending.as_slice().into(),
                 },
                 decode: cands().decode,
             };
@@ -1035,9 +1041,9 @@ mod tests {
         r.policy = Some(Box::new(Fixed(Decision::Default)));
         assert_eq!(pick(&r, &c), Route { prefill: 1, decode: 0 });
         assert_eq!(r.invalid.load(Ordering::Relaxed), 3);
-        c.decode.healthy = vec![false; 3];
+        c.decode.healthy = smallvec![false; 3];
         assert_eq!(r.route(&facts(1, 0), &c), Err(NoRoute::Decode));
-        c.prefill.healthy = vec![false; 3];
+        c.prefill.healthy = smallvec![false; 3];
         assert_eq!(r.route(&facts(1, 0), &c), Err(NoRoute::Prefill));
     }
 
