@@ -33,7 +33,6 @@ use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
-use sync_wrapper::SyncWrapper;
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
@@ -261,9 +260,9 @@ impl Sglang {
                 d = &mut decode => break d,
             }
         };
-        // The prefill, when the decoder answered first, runs on with the answer's body (and in a
-        // task of its own if the body ends first); its outcome comes with the body.
-        let leg = (!prefill_ran).then(|| SyncWrapper::new(prefill_leg));
+        // The prefill, when the decoder answered first, runs on in a task of its own; its
+        // outcome comes with the answer's body.
+        drop(prefill_leg);
         // A decoder never reached took no KV; one refusing (503) before the prefill answered did
         // not take it either (an SGLang prefill answers once its KV has gone to the decoder). The
         // request may run again elsewhere, in a room of its own (this attempt's room is aborted on
@@ -302,7 +301,7 @@ impl Sglang {
         let prefill = (!prefill_done).then_some(prefill_rx);
         let (shared, timing) = (Arc::clone(&self.shared), prefill.is_some().then(|| timing.later()));
         Ok(resp.map(|inner| {
-            Held::body(inner, DecodeStream { leg, prefill, timing, shared, slot: slots, abort: Some(abort) })
+            Held::body(inner, DecodeStream { prefill, timing, shared, slot: slots, abort: Some(abort) })
         }))
     }
 }
@@ -514,9 +513,6 @@ impl Drop for AbortGuard {
 /// What the decoder's answer holds until it ends: the request's slot, its abort, and the prefill
 /// still running, whose failure while the answer streams ends it with an error event.
 struct DecodeStream {
-    /// The prefill leg, polled with the body until it ends (only ever through `&mut`: a body is
-    /// Sync, a future need not be).
-    leg: Option<SyncWrapper<Detachable<()>>>,
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
     /// The prefill's time, when it answers after the response started.
     timing: Option<Later>,
@@ -527,11 +523,6 @@ struct DecodeStream {
 
 impl Holds for DecodeStream {
     fn cut(&mut self, cx: &mut Context<'_>) -> Option<Frame<Bytes>> {
-        if let Some(leg) = self.leg.as_mut()
-            && Pin::new(leg.get_mut()).poll(cx).is_ready()
-        {
-            self.leg = None;
-        }
         let rx = self.prefill.as_mut()?;
         let Poll::Ready(p) = Pin::new(rx).poll(cx) else { return None };
         self.prefill = None;
@@ -567,20 +558,10 @@ impl Holds for DecodeStream {
 
 impl Drop for DecodeStream {
     fn drop(&mut self) {
-        // The prefill's answer may come after the decoder's ended: the leg runs on and is still
-        // timed, in one task.
-        let timed = self.prefill.take().zip(self.timing.take());
-        let leg = self.leg.take();
-        if leg.is_none() && timed.is_none() {
-            return;
-        }
+        // The prefill's answer may come after the decoder's ended; it is still timed.
+        let (Some(rx), Some(mut timing)) = (self.prefill.take(), self.timing.take()) else { return };
         self.shared.spawn_from_drop(async move {
-            if let Some(leg) = leg {
-                leg.into_inner().await;
-            }
-            if let Some((rx, mut timing)) = timed
-                && let Ok(PrefillOutcome { result: Ok(()), took, .. }) = rx.await
-            {
+            if let Ok(PrefillOutcome { result: Ok(()), took, .. }) = rx.await {
                 timing.record(Phase::Prefill, took);
             }
         });
