@@ -50,9 +50,13 @@ pub(crate) async fn spawn_bound(cmd: &mut Command) -> (Child, SocketAddr, Lines<
     let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next_line().await.unwrap().unwrap_or_default();
-    let port: u16 = first
-        .strip_prefix("bound ")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("the peer printed {first:?}, not `bound PORT`"));
+    let Some(port) = first.strip_prefix("bound ").and_then(|p| p.parse::<u16>().ok()) else {
+        // Its traceback, where the caller piped its stderr.
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = tokio::io::AsyncReadExt::read_to_string(&mut e, &mut err).await;
+        }
+        panic!("the peer printed {first:?}, not `bound PORT`; its stderr: {err}");
+    };
     (child, SocketAddr::from(([127, 0, 0, 1], port)), lines)
 }

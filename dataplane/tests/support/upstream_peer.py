@@ -19,13 +19,13 @@ lmcache/v1/storage_backend/pd_backend.py (msgspec.Struct, tag=True); LMCache its
                              disagg_proxy_server.py makes it (tokenize, prefill with disagg_spec
                              and ret_first_tok, wait for one ProxyNotif per decoder rank, decode
                              from prompt + first token); prints the text as JSON
-
-A bound socket takes its port from the OS (`bind_to_random_port`) rather than from the caller: a port
-the caller found free can be taken by another test before the peer binds it.
   nixl-proxy PREFILL DECODE PROMPT MAX_TOKENS
                              one completion the way vLLM's NIXL toy_proxy_server.py makes it
                              (prefill with do_remote_decode, decode with the kv_transfer_params the
                              prefiller returned); prints the text as JSON
+
+A bound socket takes its port from the OS (`bind_to_random_port`) rather than from the caller: a port
+the caller found free can be taken by another test before the peer binds it.
 """
 
 import json
