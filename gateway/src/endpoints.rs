@@ -221,6 +221,36 @@ struct EngineUrlInner {
     at: HostPort,
     /// `scheme://host:port`, the prefix of every URI to it.
     base: String,
+    /// What every call's URI and `Host` header are made of, built once: a call's URI shares
+    /// them ([`EngineUrl::call_uri`]) instead of formatting and parsing `base` + path, and hyper-util
+    /// finds `Host` set instead of formatting it (two allocations a call each). `None` only if
+    /// `http` refused them, which a parsed [`HostPort`] never gives; calls then format both.
+    parts: Option<UriParts>,
+}
+
+#[derive(PartialEq, Eq, Hash)]
+struct UriParts {
+    scheme: hyper::http::uri::Scheme,
+    authority: hyper::http::uri::Authority,
+    /// `host:port`, or `host` alone on the scheme's default port: what hyper-util's client sends
+    /// (`Client::set_host`) when a request has none.
+    host: hyper::header::HeaderValue,
+}
+
+impl UriParts {
+    fn new(scheme: Scheme, at: &HostPort) -> Option<Self> {
+        let (uri_scheme, default_port) = match scheme {
+            Scheme::Http => (hyper::http::uri::Scheme::HTTP, 80),
+            Scheme::Https => (hyper::http::uri::Scheme::HTTPS, 443),
+        };
+        let authority = hyper::http::uri::Authority::from_maybe_shared(Bytes::from(at.to_string())).ok()?;
+        let host = if at.port == default_port { at.host.to_string() } else { at.to_string() };
+        let host = hyper::header::HeaderValue::from_maybe_shared(Bytes::from(host)).ok()?;
+        // Shared now: a `Bytes` made from a `String` allocates its shared form on its first clone,
+        // which would otherwise be the first call's.
+        drop((authority.clone(), host.clone()));
+        Some(Self { scheme: uri_scheme, authority, host })
+    }
 }
 
 impl fmt::Debug for EngineUrl {
@@ -248,7 +278,8 @@ impl EngineUrl {
             Scheme::Https => "https",
         };
         let base = format!("{s}://{at}");
-        Self(Arc::new(EngineUrlInner { scheme, at, base }))
+        let parts = UriParts::new(scheme, &at);
+        Self(Arc::new(EngineUrlInner { scheme, at, base, parts }))
     }
 
     /// `http://HOST:PORT` or `https://HOST:PORT` (a trailing `/` allowed; no path, user or query).
@@ -285,6 +316,26 @@ impl EngineUrl {
     /// The URI of `path` (which starts with `/`) on this engine.
     pub fn uri(&self, path: &str) -> String {
         format!("{}{path}", self.0.base)
+    }
+
+    /// The URI of `path` (which starts with `/`) on this engine, for a call: made of parts built
+    /// once ([`EngineUrl::uri`] formats and parses a new string).
+    pub fn call_uri(&self, path: &'static str) -> Result<hyper::Uri, hyper::http::Error> {
+        let Some(p) = &self.0.parts else {
+            return Ok(hyper::Uri::try_from(self.uri(path))?);
+        };
+        let mut uri = hyper::http::uri::Parts::default();
+        uri.scheme = Some(p.scheme.clone());
+        uri.authority = Some(p.authority.clone());
+        uri.path_and_query =
+            Some(hyper::http::uri::PathAndQuery::from_maybe_shared(Bytes::from_static(path.as_bytes()))?);
+        Ok(hyper::Uri::from_parts(uri)?)
+    }
+
+    /// The `Host` header of a call to this engine, built once (what hyper-util would format for
+    /// each request that has none).
+    pub fn host_header(&self) -> Option<&hyper::header::HeaderValue> {
+        self.0.parts.as_ref().map(|p| &p.host)
     }
 
     /// The address, when the host is an IP literal.
@@ -984,6 +1035,26 @@ impl EngineClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_uris_and_host_headers_are_what_formatting_gave() {
+        for (url, host) in [
+            ("https://decode-0.pd:8443", "decode-0.pd:8443"),
+            ("https://decode-0.pd:443/", "decode-0.pd"),
+            ("http://10.0.0.5:80", "10.0.0.5"),
+            ("http://10.0.0.5:443", "10.0.0.5:443"),
+            ("http://[::1]:9000", "[::1]:9000"),
+        ] {
+            let e = EngineUrl::parse(url).unwrap_or_else(|e| unreachable(e));
+            for path in ["/v1/completions", "/generate", "/health"] {
+                let formatted: hyper::Uri = e.uri(path).parse().unwrap_or_else(|e| unreachable(e));
+                let built = e.call_uri(path).unwrap_or_else(|e| unreachable(e));
+                assert_eq!(built, formatted, "{url}{path}");
+                assert_eq!(built.to_string(), formatted.to_string(), "{url}{path}");
+            }
+            assert_eq!(e.host_header().map(|h| h.to_str().unwrap_or_default()), Some(host), "{url}");
+        }
+    }
 
     #[test]
     fn host_ports_parse() {

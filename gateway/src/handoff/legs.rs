@@ -320,7 +320,7 @@ impl Shared {
         &self,
         to: &EngineUrl,
         leg: &'static str,
-        path: &str,
+        path: &'static str,
         body: &B,
         detach: bool,
     ) -> Result<Response<Incoming>, PostError> {
@@ -335,12 +335,18 @@ impl Shared {
         &self,
         to: &EngineUrl,
         leg: &'static str,
-        path: &str,
+        path: &'static str,
         body: &B,
         timeout: Duration,
         detach: bool,
     ) -> Result<Response<Incoming>, PostError> {
-        let mut req = Request::post(to.uri(path)).header(hyper::header::CONTENT_TYPE, "application/json");
+        let uri = to.call_uri(path).map_err(PostError::Request)?;
+        // A static value: a `&str` would be copied into a new one on each call.
+        let json = hyper::header::HeaderValue::from_static("application/json");
+        let mut req = Request::post(uri).header(hyper::header::CONTENT_TYPE, json);
+        if let Some(host) = to.host_header() {
+            req = req.header(hyper::header::HOST, host.clone());
+        }
         // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
         if let Some(id) = crate::telemetry::request_id::current() {
             req = req.header(crate::telemetry::request_id::HEADER_NAME, id.header().clone());
@@ -390,7 +396,7 @@ impl Shared {
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
-        path: &str,
+        path: &'static str,
         body: &B,
     ) -> Result<Response<Incoming>, LegError> {
         let sent = Instant::now();
@@ -408,7 +414,7 @@ impl Shared {
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
-        path: &str,
+        path: &'static str,
         body: &B,
     ) -> Result<Bytes, LegError> {
         let resp = self.call(leg, to, path, body).await?;
@@ -466,7 +472,7 @@ impl Shared {
     pub(crate) async fn prefill<'a, P: Borrow<Prefiller>, B: Serialize + Sync + ?Sized>(
         &self,
         prefills: &'a [P],
-        path: &str,
+        path: &'static str,
         body: &B,
         sent: &mut bool,
         detach: bool,
@@ -511,7 +517,7 @@ impl Shared {
     pub(crate) async fn drain<B: Serialize + ?Sized>(
         &self,
         decoder: &EngineUrl,
-        path: &str,
+        path: &'static str,
         body: &B,
         counters: &Drains,
         slots: &mut Option<crate::admission::SlotGuard>,

@@ -396,7 +396,7 @@ fn for_remote_decode(params: &RawValue) -> bool {
 async fn prefill_task(
     shared: &Shared,
     order: &[Prefiller],
-    path: &str,
+    path: &'static str,
     body: &RawValue,
     retried: &AtomicU32,
 ) -> PrefillResult {

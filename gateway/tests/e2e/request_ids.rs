@@ -75,8 +75,22 @@ async fn request_ids_reach_both_engines_in_every_mode_and_come_back() {
                 ids.push(got);
             }
         }
-        // Engine 0 is the prefiller, engine 1 the decoder: each of their calls named its request.
+        // Engine 0 is the prefiller, engine 1 the decoder: each of their calls named its request,
+        // and carried the `Host` and `Content-Type` an HTTP/1.1 client sends (built once per
+        // engine by the gateway, not by hyper-util per call).
         for engine in [0, 1] {
+            for r in d.engines[engine].engine.received().as_array().unwrap() {
+                let h = &r["headers"];
+                assert_eq!(
+                    h["host"],
+                    d.engines[engine].addr.to_string(),
+                    "{} engine {engine}: {r}",
+                    mode.name()
+                );
+                if r["path"] != "/health" {
+                    assert_eq!(h["content-type"], "application/json", "{} engine {engine}: {r}", mode.name());
+                }
+            }
             let got = received_ids(&d, engine);
             for id in &ids {
                 assert!(got.contains(id), "{} engine {engine}: {id} not in {got:?}", mode.name());

@@ -607,7 +607,7 @@ impl Native {
     async fn prefill(
         &self,
         prefills: &[&crate::handoff::shared::Prefiller],
-        path: &str,
+        path: &'static str,
         body: &Patched<'_, Params<'_>>,
         sent: &mut bool,
         retried: &Arc<std::sync::atomic::AtomicU32>,
