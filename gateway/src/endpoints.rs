@@ -30,8 +30,10 @@ use hyper::{Request, Response};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::dns::Name;
-use hyper_util::client::legacy::connect::{HttpConnector, HttpInfo, capture_connection};
-use hyper_util::rt::TokioExecutor;
+use hyper_util::client::legacy::connect::{
+    Connected, Connection, HttpConnector, HttpInfo, capture_connection,
+};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::RootCertStore;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -929,7 +931,94 @@ impl EngineTls {
     }
 }
 
-type Connector = HttpsConnector<HttpConnector<Names>>;
+type Connector = HttpsConnector<TcpConnector>;
+
+/// hyper-util's [`HttpConnector`], whose connections to an engine named by an IP literal carry no
+/// [`HttpInfo`]. hyper-util copies a connection's extras into every answer's extensions (three
+/// allocations an answer), and only a named engine's are read: [`EngineClient::send`] checks
+/// that the address its name had is still one it has.
+#[derive(Clone, Debug)]
+struct TcpConnector(HttpConnector<Names>);
+
+type ConnectError = <HttpConnector<Names> as tower_service::Service<hyper::Uri>>::Error;
+
+impl tower_service::Service<hyper::Uri> for TcpConnector {
+    type Response = TokioIo<TcpConn>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ConnectError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, to: hyper::Uri) -> Self::Future {
+        let named = named(&to);
+        let connecting = self.0.call(to);
+        Box::pin(async move {
+            let tcp = connecting.await?.into_inner();
+            Ok(TokioIo::new(TcpConn { tcp, named }))
+        })
+    }
+}
+
+/// Whether `to`'s host is a name, not an IP literal (`Uri::host` keeps an IPv6 literal's brackets).
+fn named(to: &hyper::Uri) -> bool {
+    to.host().is_some_and(|h| !h.starts_with('[') && h.parse::<IpAddr>().is_err())
+}
+
+/// A connection to an engine; see [`TcpConnector`].
+#[derive(Debug)]
+struct TcpConn {
+    tcp: tokio::net::TcpStream,
+    /// The engine is named (not an IP literal): its addresses are checked.
+    named: bool,
+}
+
+impl Connection for TcpConn {
+    fn connected(&self) -> Connected {
+        if self.named { self.tcp.connected() } else { Connected::new() }
+    }
+}
+
+impl tokio::io::AsyncRead for TcpConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TcpConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
 
 /// The gateway's client to the engines: names resolved by [`Names`], `https://` by [`EngineTls`]
 /// (the system's roots when none is configured), connections kept alive.
@@ -965,7 +1054,7 @@ impl EngineClient {
             .with_tls_config(config)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(connector);
+            .wrap_connector(TcpConnector(connector));
         Client::builder(TokioExecutor::new()).pool_idle_timeout(idle).build(connector)
     }
 
@@ -1178,6 +1267,34 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert_eq!(get(&drops, at).await, Ok(200));
         assert_eq!(conns.load(Ordering::SeqCst), 2);
+    }
+
+    /// An answer from an engine named by an IP literal carries no connection info (hyper-util
+    /// would copy it into every answer); a connection to a named engine still gives it, which
+    /// [`EngineClient::send`] reads.
+    #[tokio::test]
+    async fn only_named_engines_connections_carry_their_addresses() {
+        let (at, _) = closing_engine(Duration::from_secs(60)).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        let to = EngineUrl::from(at);
+        let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
+        let resp = client.send(&to, req).await.unwrap_or_else(|e| unreachable(e));
+        assert_eq!(resp.status(), 200);
+        assert!(resp.extensions().get::<HttpInfo>().is_none());
+
+        for (uri, is_named) in [
+            ("http://127.0.0.1:9000/x", false),
+            ("https://[::1]:9000/x", false),
+            ("http://decode-0.pd.svc:9000/x", true),
+            ("http://localhost:9000/x", true),
+        ] {
+            assert_eq!(named(&uri.parse().unwrap_or_else(|e| unreachable(e))), is_named, "{uri}");
+        }
+        for is_named in [false, true] {
+            let tcp = tokio::net::TcpStream::connect(at).await.unwrap_or_else(|e| unreachable(e));
+            let info = format!("{:?}", TcpConn { tcp, named: is_named }.connected());
+            assert_eq!(info.contains("extra: Some"), is_named, "{info}");
+        }
     }
 
     #[allow(clippy::panic)]
