@@ -1133,6 +1133,9 @@ mod tests {
             ("http://10.0.0.5:80", "10.0.0.5"),
             ("http://10.0.0.5:443", "10.0.0.5:443"),
             ("http://[::1]:9000", "[::1]:9000"),
+            ("https://[::1]:443", "[::1]"),
+            ("http://decode-0.pd.:80", "decode-0.pd."),
+            ("http://Decode-0.PD:8000", "decode-0.pd:8000"),
         ] {
             let e = EngineUrl::parse(url).unwrap_or_else(|e| unreachable(e));
             for path in ["/v1/completions", "/generate", "/health"] {
