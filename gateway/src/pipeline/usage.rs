@@ -9,12 +9,13 @@
 //! events, one token each for the engines baton fronts (a stream cut short counts what was sent).
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
+use memchr::memmem::Finder;
 
 use crate::handoff::{BoxError, RespBody};
 use crate::policy::{AdmissionPlugin, PolicyRequest, Usage};
@@ -115,7 +116,7 @@ impl Watched {
 
     /// A frame with the decision record put before its `data: [DONE]`, if it has one.
     fn explained(&mut self, data: &Bytes) -> Option<Bytes> {
-        let at = starts(data, DONE).next()?;
+        let at = starts(data, &MARKERS.done).next()?;
         let note = self.explanation();
         let mut out = Vec::with_capacity(data.len() + note.len());
         out.extend_from_slice(data.get(..at).unwrap_or_default());
@@ -212,9 +213,27 @@ struct Counting {
     tail: Vec<u8>,
 }
 
-/// Where `needle` starts in `hay`.
-fn starts<'a>(hay: &'a [u8], needle: &'a [u8]) -> impl Iterator<Item = usize> + 'a {
-    hay.windows(needle.len()).enumerate().filter(move |(_, w)| *w == needle).map(|(i, _)| i)
+/// The markers' searchers, built once. Every chunk of every answer is searched for each marker;
+/// comparing a window at each byte, as before, was a fifteenth of the gateway's instructions for a
+/// request in the proxy benchmark (`memchr`'s search is vectorised).
+struct Markers {
+    event: Finder<'static>,
+    done: Finder<'static>,
+    key: Finder<'static>,
+    finish: Finder<'static>,
+}
+
+static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
+    event: Finder::new(EVENT),
+    done: Finder::new(DONE),
+    key: Finder::new(KEY),
+    finish: Finder::new(FINISH),
+});
+
+/// Where the marker starts in `hay`. No marker overlaps itself, so the search's matches, which
+/// never overlap, are all of them.
+fn starts<'a>(hay: &'a [u8], marker: &'a Finder<'static>) -> impl Iterator<Item = usize> + 'a {
+    marker.find_iter(hay)
 }
 
 impl Counting {
@@ -243,10 +262,12 @@ impl Counting {
 
     fn count(&mut self, hay: &[u8], event_at: impl Fn(usize, usize) -> bool, key_at: impl Fn(usize) -> bool) {
         // Each marker is counted once, in the chunk where it ends; `[DONE]` is not a token.
-        self.events =
-            self.events.saturating_add(starts(hay, EVENT).filter(|&i| event_at(i, EVENT.len())).count());
-        self.done = self.done.saturating_add(starts(hay, DONE).filter(|&i| event_at(i, DONE.len())).count());
-        for at in starts(hay, KEY).filter(|&i| key_at(i)) {
+        self.events = self
+            .events
+            .saturating_add(starts(hay, &MARKERS.event).filter(|&i| event_at(i, EVENT.len())).count());
+        self.done =
+            self.done.saturating_add(starts(hay, &MARKERS.done).filter(|&i| event_at(i, DONE.len())).count());
+        for at in starts(hay, &MARKERS.key).filter(|&i| key_at(i)) {
             let rest = hay.get(at + KEY.len()..).unwrap_or_default();
             let rest = rest.strip_prefix(b" ").unwrap_or(rest);
             let digits = rest.iter().take_while(|b| b.is_ascii_digit());
@@ -256,7 +277,7 @@ impl Counting {
             }
         }
         let Some(reasons) = self.reasons.as_mut() else { return };
-        for at in starts(hay, FINISH).filter(|&i| key_at(i)) {
+        for at in starts(hay, &MARKERS.finish).filter(|&i| key_at(i)) {
             let rest = hay.get(at + FINISH.len()..).unwrap_or_default();
             let rest = rest.strip_prefix(b" ").unwrap_or(rest);
             let Some(rest) = rest.strip_prefix(b"\"") else { continue };
