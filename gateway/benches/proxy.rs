@@ -40,7 +40,8 @@
 //! TTFT under load, and a mode's engines do their own protocol's work there (`native`'s neutral
 //! engines still move their zero pages through the data plane; the other modes' neutral engines
 //! move no KV at all, `baton_sim::kv::set_neutral`).
-//! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn).
+//! `BATON_PROXY_BENCH_BATON=PATH` runs another `baton` binary (before and after a change, in turn);
+//! `BATON_PROXY_BENCH_FLOOR_WRAP=CMD` runs the floor as `CMD <this binary>` (a profiler).
 //! `native` pools say `reserve = "prefiller"` (the prefillers reserve the pages with their writes)
 //! unless `BATON_PROXY_BENCH_RESERVE=gateway`, and `token_ids = "base64"` (the prompt's ids to the
 //! engines as their base64 string) unless `BATON_PROXY_BENCH_TOKEN_IDS=json`. `native` and
@@ -414,8 +415,12 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
         (at, pid)
     });
     let mut cmd = Command::new("taskset");
-    pin(&mut cmd, front)
-        .arg(std::env::current_exe().unwrap())
+    pin(&mut cmd, front);
+    // BATON_PROXY_BENCH_FLOOR_WRAP: a command the floor runs under (`scripts/count-instructions`).
+    if let Some(wrap) = std::env::var_os("BATON_PROXY_BENCH_FLOOR_WRAP") {
+        cmd.arg(wrap);
+    }
+    cmd.arg(std::env::current_exe().unwrap())
         .env(FLOOR_ENV, format!("{},{}", s("prefill"), s("decode")));
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
     let mut line = String::new();
