@@ -420,8 +420,7 @@ fn start(mode: &str, layout: char, dir: &Path, nginx: Option<&Path>) -> Setup {
     if let Some(wrap) = std::env::var_os("BATON_PROXY_BENCH_FLOOR_WRAP") {
         cmd.arg(wrap);
     }
-    cmd.arg(std::env::current_exe().unwrap())
-        .env(FLOOR_ENV, format!("{},{}", s("prefill"), s("decode")));
+    cmd.arg(std::env::current_exe().unwrap()).env(FLOOR_ENV, format!("{},{}", s("prefill"), s("decode")));
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
