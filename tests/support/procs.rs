@@ -46,6 +46,25 @@ impl Proc {
 /// Runs the `baton` binary at `bin` with `args`, its log (stderr) to `stderr`; the process and
 /// the public and admin addresses it printed.
 pub(crate) fn spawn_baton(bin: &Path, args: &[&str], stderr: Stdio) -> (Proc, SocketAddr, SocketAddr) {
+    spawn_baton_then(bin, args, stderr, Stdout::Drained)
+}
+
+/// What becomes of a spawned `baton`'s stdout once it has printed its addresses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stdout {
+    /// Read to its end, so the process never blocks on a full pipe.
+    Drained,
+    /// Closed: every later write to it fails (`EPIPE`), as when a log shipper goes away.
+    Closed,
+}
+
+/// [`spawn_baton`], its stdout then `stdout`.
+pub(crate) fn spawn_baton_then(
+    bin: &Path,
+    args: &[&str],
+    stderr: Stdio,
+    stdout: Stdout,
+) -> (Proc, SocketAddr, SocketAddr) {
     let mut child = Command::new(bin).args(args).stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let proc = Proc(child);
@@ -61,7 +80,9 @@ pub(crate) fn spawn_baton(bin: &Path, args: &[&str], stderr: Stdio) -> (Proc, So
         public = public.or(after("serving on ")).or(after("gateway on http://"));
         admin = admin.or(after("admin (/metrics, /admin/*) on "));
     }
-    // The rest of stdout is drained so the process never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
+    match stdout {
+        Stdout::Drained => drop(std::thread::spawn(move || lines.for_each(drop))),
+        Stdout::Closed => drop(lines),
+    }
     (proc, public.unwrap(), admin.unwrap())
 }

@@ -14,6 +14,16 @@ use clap::{Parser, Subcommand};
 /// mimalloc instead of glibc's malloc: a proxy allocates and frees small buffers on every request
 /// (headers, bodies, JSON), and glibc's `malloc`/`free` were a fifth of the gateway's CPU samples in
 /// the proxy benchmark (`bench/README.md`).
+/// A line on stdout for the operator, while the gateway serves. `println!` panics when stdout
+/// cannot be written (a pipe whose reader went away: a log shipper restarted, `| head`), and on a
+/// signal that panic would come instead of the drain; a lost line is not a reason to stop.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -197,9 +207,9 @@ async fn serve(file: &Path) -> ExitCode {
         }
     };
     for a in &serving.addrs {
-        println!("baton: serving on {a}");
+        say!("baton: serving on {a}");
     }
-    println!("baton: admin (/metrics, /admin/*) on {}", serving.admin_addr);
+    say!("baton: admin (/metrics, /admin/*) on {}", serving.admin_addr);
     let timeout = serving.drain_timeout;
     drain_on_signal(signals, serving.drain(), timeout).await
 }
@@ -241,14 +251,14 @@ async fn drain_on_signal(
     timeout: std::time::Duration,
 ) -> ExitCode {
     let sig = signals.next().await;
-    println!("baton: {sig}: draining (requests in flight have {timeout:?}); a second signal stops at once");
+    say!("baton: {sig}: draining (requests in flight have {timeout:?}); a second signal stops at once");
     tokio::select! {
         () = drain => {
-            println!("baton: drained");
+            say!("baton: drained");
             ExitCode::SUCCESS
         }
         sig = signals.next() => {
-            println!("baton: {sig} again: stopping now");
+            say!("baton: {sig} again: stopping now");
             ExitCode::from(130)
         }
     }
@@ -473,7 +483,7 @@ mod demo {
                 return ExitCode::FAILURE;
             }
         };
-        println!(
+        say!(
             "baton demo: gateway on http://{} in front of {} prefill and {} decode simulated engines (TP {}, {} pages per rank, {} handoff)",
             demo.addr,
             config.prefills,
@@ -482,12 +492,12 @@ mod demo {
             config.pages,
             config.handoff.name()
         );
-        println!("baton demo: admin (/metrics, /admin/*) on {}", demo.admin);
-        println!(
+        say!("baton demo: admin (/metrics, /admin/*) on {}", demo.admin);
+        say!(
             "try:\n  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"baton-sim\",\"prompt\":\"hello\",\"max_tokens\":8}}'",
             demo.addr
         );
-        println!(
+        say!(
             "  curl -s http://{}/admin/decoders    # the admin listener: /metrics, /admin/*\nCtrl-C stops it.",
             demo.admin
         );

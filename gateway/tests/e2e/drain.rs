@@ -19,6 +19,7 @@ use tokio::net::TcpStream;
 
 /// Killed however the test ends.
 pub(super) use super::procs::Proc;
+use super::procs::Stdout;
 
 pub(super) fn spawn(args: &[&str]) -> (Proc, SocketAddr, SocketAddr) {
     spawn_with(args, Stdio::null())
@@ -95,6 +96,17 @@ fn serve(
     decode: &Running,
     drain_ms: u64,
 ) -> (Proc, SocketAddr, SocketAddr) {
+    serve_then(dir, prefill, decode, drain_ms, Stdout::Drained)
+}
+
+/// [`serve`], its stdout then `stdout`.
+fn serve_then(
+    dir: &std::path::Path,
+    prefill: &Running,
+    decode: &Running,
+    drain_ms: u64,
+    stdout: Stdout,
+) -> (Proc, SocketAddr, SocketAddr) {
     let text = super::serve_toml(
         prefill,
         decode,
@@ -104,7 +116,8 @@ fn serve(
     std::fs::create_dir_all(dir).unwrap();
     let file = dir.join("baton.toml");
     std::fs::write(&file, text).unwrap();
-    spawn(&["serve", "--config", file.to_str().unwrap()])
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_baton"));
+    super::procs::spawn_baton_then(bin, &["serve", "--config", file.to_str().unwrap()], Stdio::null(), stdout)
 }
 
 /// The decoder holds no page and no engine block within `within`.
@@ -224,6 +237,25 @@ async fn a_second_signal_stops_at_once_with_130_and_leaks_nothing() {
     }
     decoder_clean(&decode, Duration::from_secs(5)).await;
     assert_eq!(prefill.engine.stats()["engine_blocks_held"], 0, "{}", prefill.engine.stats());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Its stdout closed once it has said where it listens (the pipe's reader gone: a log shipper
+/// restarted, `baton serve | head`), the gateway still drains on SIGTERM: the line it says on the
+/// signal is lost, the streams in flight finish and it exits 0, the decoder clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_does_not_stop_the_drain() {
+    let (prefill, decode) = engines(Duration::from_millis(10)).await;
+    let dir = tempdir("stdout");
+    let (mut baton, public, _admin) = serve_then(&dir, &prefill, &decode, 20_000, Stdout::Closed);
+    let streams = started_streams(public, 10, 40).await;
+    baton.term();
+    for s in streams {
+        let text = s.await.unwrap().expect("a stream in flight is answered whole");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    assert_eq!(baton.exit_code(Duration::from_secs(10)).await, 0, "drained, not a panic's 101");
+    decoder_clean(&decode, Duration::from_secs(2)).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
 
