@@ -22,14 +22,18 @@ use crate::policy::{AdmissionPlugin, PolicyRequest, Usage};
 use crate::telemetry::trace::{End, RequestTrace};
 use crate::telemetry::{Phase, Tracked};
 
-/// Bytes carried from the end of one chunk, to find a marker (or a count's digits) split across two.
-const TAIL: usize = 32;
 const KEY: &[u8] = b"\"completion_tokens\":";
 const EVENT: &[u8] = b"data: ";
 const DONE: &[u8] = b"data: [DONE]";
 const FINISH: &[u8] = b"\"finish_reason\":";
 /// Longest finish reason read (`stop`, `length`, `tool_calls`, `abort`).
 const MAX_REASON: usize = 24;
+/// Bytes carried from the end of one chunk, to find a marker (or a count's digits, or a finish
+/// reason) split across two: the longest of them whole, a finish reason of [`MAX_REASON`] with its
+/// space and quotes (43 bytes; `completion_tokens` and ten digits are 31). With fewer, a reason
+/// whose marker began before the carried bytes and ended in the next chunk was lost: at 32, any
+/// reason over 14 characters could be.
+const TAIL: usize = FINISH.len() + 3 + MAX_REASON;
 
 /// A request the admission plugin admitted: told its usage exactly once, in `Drop`.
 #[derive(Debug)]
@@ -366,6 +370,36 @@ mod tests {
                     let got = counted(&[a, b, c]);
                     assert_eq!(got, want, "cut at {cut} and {second}: {:?}", String::from_utf8_lossy(body));
                 }
+            }
+        }
+    }
+
+    /// Finish reasons up to the longest read, cut at every byte and in one-byte chunks, are read
+    /// as in one piece; a longer one is not read.
+    #[test]
+    fn finish_reasons_survive_every_chunk_boundary() {
+        let long = "a_reason_of_twenty_four_";
+        assert_eq!(long.len(), MAX_REASON);
+        let body = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"finish_reason\":\"content_filter\"}}]}}\n\n\
+             data: {{\"choices\":[{{\"index\":1,\"finish_reason\": \"{long}\"}}]}}\n\n\
+             data: {{\"choices\":[{{\"index\":2,\"finish_reason\":\"{long}x\"}}]}}\n\n\
+             data: {{\"choices\":[{{\"index\":3,\"finish_reason\":\"stop\"}}]}}\n\ndata: [DONE]\n\n"
+        );
+        let body = body.as_bytes();
+        let want = ["content_filter", long, "stop"];
+        let reasons = |chunks: &mut dyn Iterator<Item = &[u8]>| {
+            let mut c = Counting { reasons: Some(Vec::new()), ..Counting::default() };
+            chunks.for_each(|ch| c.scan(ch));
+            c.reasons.unwrap_or_default()
+        };
+        assert_eq!(reasons(&mut std::iter::once(body)), want);
+        assert_eq!(reasons(&mut body.chunks(1)), want, "one byte at a time");
+        for cut in 0..=body.len() {
+            for second in [cut, (cut + 7).min(body.len()), (cut + 40).min(body.len())] {
+                let (a, rest) = body.split_at(cut);
+                let (b, c) = rest.split_at(second - cut);
+                assert_eq!(reasons(&mut [a, b, c].into_iter()), want, "cut at {cut} and {second}");
             }
         }
     }
