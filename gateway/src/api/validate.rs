@@ -116,19 +116,10 @@ impl Kind {
     }
 }
 
-/// The field `key` of `obj`. A request has a handful of fields and the checks look up some thirty
-/// names: a scan of the fields in order (most names differ in length) is cheaper than hashing each
-/// name with the map's SipHash (2% of the gateway's user time in the proxy benchmark's profile).
+/// The field `key` of `obj`, scanned for ([`super::object::field`]).
 fn get<'a>(obj: &'a Obj, key: &str) -> Option<&'a Value> {
-    if obj.len() <= SCAN_FIELDS {
-        obj.iter().find_map(|(k, v)| (k == key).then_some(v))
-    } else {
-        obj.get(key)
-    }
+    super::object::field(obj, key)
 }
-
-/// Objects of up to this many fields are scanned rather than hashed into ([`get`]).
-const SCAN_FIELDS: usize = 16;
 
 /// The field `key` of `obj` (at path `base`) when present and not null, checked to be of `kind`.
 fn optional<'a>(obj: &'a Obj, key: &str, base: &str, kind: Kind) -> Result<Option<&'a Value>, GatewayError> {

@@ -293,10 +293,16 @@ impl Gateway {
         tokio::pin!(conn);
         let mut tick = tokio::time::interval(limits.idle / 8);
         let mut closing = false;
+        // Every request on the connection is polled in this task, so this loop runs at each of its
+        // wakes: the stop's future is made once, not again at each (its `watch` borrowed, a
+        // waiter queued), and the branches are tried in order, with no random start.
+        let stopped = stop.stopped();
+        tokio::pin!(stopped);
         loop {
             tokio::select! {
+                biased;
                 _ = conn.as_mut() => return,
-                _ = stop.stopped(), if !closing => {
+                _ = &mut stopped, if !closing => {
                     closing = true;
                     conn.as_mut().graceful_shutdown();
                 }
