@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+pub mod logs;
 pub mod metrics;
 pub mod request_id;
 pub mod scrape;
@@ -364,8 +365,8 @@ impl LogConfig {
         let b =
             tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
         let _ = match self.format {
-            LogFormat::Text => b.try_init(),
-            LogFormat::Json => b.json().flatten_event(true).try_init(),
+            LogFormat::Text => b.event_format(logs::Text::new()).try_init(),
+            LogFormat::Json => b.json().flatten_event(true).event_format(logs::Json::new()).try_init(),
         };
     }
 }

@@ -11,8 +11,6 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tracing::Instrument;
-
 /// The header's name.
 pub const HEADER: &str = "x-request-id";
 /// The same as a [`hyper::header::HeaderName`], made once: a name given as text is parsed and,
@@ -110,10 +108,9 @@ pub fn current() -> Option<RequestId> {
     CURRENT.try_with(Clone::clone).ok()
 }
 
-/// Runs `fut` as request `id`'s, inside its `request` span.
+/// Runs `fut` as request `id`'s: its log lines name it (`super::logs`).
 pub fn scope<F: Future>(id: RequestId, fut: F) -> impl Future<Output = F::Output> {
-    let span = tracing::info_span!("request", id = %id);
-    CURRENT.scope(id, fut.instrument(span))
+    CURRENT.scope(id, fut)
 }
 
 /// Runs `f` as request `id`'s (tests of what reads [`current`]).
@@ -122,8 +119,8 @@ pub(crate) fn scope_sync<R>(id: RequestId, f: impl FnOnce() -> R) -> R {
     CURRENT.sync_scope(id, f)
 }
 
-/// `fut` made to run as the current request's (its id, its log span and its trace), wherever it is
-/// spawned. `fut` is boxed first: each wrapper here, and the task tracker and cell around them,
+/// `fut` made to run as the current request's (its id, which its log lines name, and its trace),
+/// wherever it is spawned. `fut` is boxed first: each wrapper here, and the task tracker and cell around them,
 /// would otherwise hold and copy it whole (a 2.3 KB NIXL prefill task became 7.1 KB).
 pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
     let (id, trace) = (current(), super::trace::current());
@@ -135,7 +132,6 @@ pub fn carry<F: Future>(fut: F) -> impl Future<Output = F::Output> {
             None => fut.await,
         }
     }
-    .instrument(tracing::Span::current())
 }
 
 #[cfg(test)]
