@@ -392,7 +392,9 @@ fn for_remote_decode(params: &RawValue) -> bool {
     // vLLM's producer writes this field first, compactly: its answer is read there, with no parse
     // of the dozen fields after it (that parse was 3% of the gateway's instructions for a request
     // in the proxy benchmark), unless the key comes again (a parse refuses that).
-    text.strip_prefix(FIRST).is_some_and(|rest| !rest.contains("\"do_remote_prefill\""))
+    static AGAIN: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new("\"do_remote_prefill\""));
+    text.strip_prefix(FIRST).is_some_and(|rest| AGAIN.find(rest.as_bytes()).is_none())
         || text.starts_with('{')
             && serde_json::from_str::<Remote>(text).is_ok_and(|r| r.do_remote_prefill == Some(true))
 }
