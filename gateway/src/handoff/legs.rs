@@ -147,7 +147,7 @@ impl<X: Serialize + ?Sized> Serialize for Patched<'_, X> {
             }
         }
         for (f, v) in &self.set {
-            if !self.base.contains_key(*f) || self.omitted(f) {
+            if !self.base.contains_key(f) || self.omitted(f) {
                 m.serialize_entry(f, v)?;
             }
         }
