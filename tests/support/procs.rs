@@ -54,7 +54,8 @@ pub(crate) fn spawn_baton(bin: &Path, args: &[&str], stderr: Stdio) -> (Proc, So
 pub(crate) enum Stdout {
     /// Read to its end, so the process never blocks on a full pipe.
     Drained,
-    /// Closed: every later write to it fails (`EPIPE`), as when a log shipper goes away.
+    /// Closed, and stderr with it when it is piped: every later write to them fails (`EPIPE`),
+    /// as when a log shipper goes away.
     Closed,
 }
 
@@ -67,7 +68,7 @@ pub(crate) fn spawn_baton_then(
 ) -> (Proc, SocketAddr, SocketAddr) {
     let mut child = Command::new(bin).args(args).stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let proc = Proc(child);
+    let mut proc = Proc(child);
     let (mut public, mut admin) = (None, None);
     while public.is_none() || admin.is_none() {
         let line = lines.next().expect("the binary printed its addresses").unwrap();
@@ -82,7 +83,10 @@ pub(crate) fn spawn_baton_then(
     }
     match stdout {
         Stdout::Drained => drop(std::thread::spawn(move || lines.for_each(drop))),
-        Stdout::Closed => drop(lines),
+        Stdout::Closed => {
+            drop(lines);
+            drop(proc.0.stderr.take());
+        }
     }
     (proc, public.unwrap(), admin.unwrap())
 }

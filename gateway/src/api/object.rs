@@ -131,7 +131,7 @@ impl Deref for Object {
 /// with a 1 KB prompt (`scripts/count-instructions`).
 fn value_of(text: &str) -> Option<Value> {
     match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
-        // `memchr`'s search is vectorised; `str::contains` here was a byte at a time.
+        // `memchr`'s search (AVX2), not `str::contains`'s (core's `memchr`, a word at a time).
         Some(s) if text.len() >= RAW_MIN_BYTES && memchr::memchr(b'\\', s.as_bytes()).is_none() => {
             Some(Value::String(s.to_owned()))
         }
@@ -255,6 +255,9 @@ mod tests {
         for bad in [format!("{{\"prompt\": \"{l}\u{1}\"}}"), format!("{{\"prompt\": \"{l}\\q\"}}")] {
             assert!(Object::parse(bad.as_bytes()).is_err(), "{bad:?}");
         }
+        let mut not_utf8 = format!("{{\"prompt\": \"{l}\"}}").into_bytes();
+        not_utf8[20] = 0xff;
+        assert!(Object::parse(&not_utf8).is_err(), "a large string that is not UTF-8");
     }
 
     /// A field is found as the map finds it, in objects scanned and hashed into alike.

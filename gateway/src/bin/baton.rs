@@ -11,9 +11,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// mimalloc instead of glibc's malloc: a proxy allocates and frees small buffers on every request
-/// (headers, bodies, JSON), and glibc's `malloc`/`free` were a fifth of the gateway's CPU samples in
-/// the proxy benchmark (`bench/README.md`).
 /// A line on stdout for the operator, while the gateway serves. `println!` panics when stdout
 /// cannot be written (a pipe whose reader went away: a log shipper restarted, `| head`), and on a
 /// signal that panic would come instead of the drain; a lost line is not a reason to stop.
@@ -24,6 +21,9 @@ macro_rules! say {
     }};
 }
 
+/// mimalloc instead of glibc's malloc: a proxy allocates and frees small buffers on every request
+/// (headers, bodies, JSON), and glibc's `malloc`/`free` were a fifth of the gateway's CPU samples in
+/// the proxy benchmark (`bench/README.md`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -379,7 +379,7 @@ impl Gateway {
         let header_value = id.header().clone();
         let mut r = request_id::scope(id, async {
             // Boxed: the request's pipeline is a future of 5.6 KB (with `dispatch` boxed inside
-            // it), and each wrapper above it (this block, the id's scope, its span, hyper's box of
+            // it), and each wrapper above it (this block, the id's scope, hyper's box of
             // the service's future) would hold and copy it whole: `handle`'s was 16 KB, 1.4 boxed.
             match Box::pin(self.generate(ep, req)).await {
                 Ok(r) => {

@@ -62,7 +62,7 @@ where
     T: FormatTime,
 {
     fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut w: Writer<'_>, event: &Event<'_>) -> fmt::Result {
-        let Some(id) = request_id::current() else { return self.whole.format_event(ctx, w, event) };
+        let Some(id) = in_request(event) else { return self.whole.format_event(ctx, w, event) };
         let ansi = w.has_ansi_escapes();
         if ansi {
             w.write_str("\x1b[2m")?;
@@ -78,13 +78,24 @@ where
         if ansi {
             write!(
                 w,
-                " \x1b[1mrequest{{\x1b[0m\x1b[3mid\x1b[0m\x1b[2m=\x1b[0m{id}\x1b[1m}}\x1b[0m\x1b[2m:\x1b[0m "
+                " \x1b[1mrequest{{\x1b[0m\x1b[3mid\x1b[0m\x1b[2m=\x1b[0m{id}\x1b[1m}}\x1b[0m\x1b[2m:\x1b[0m"
             )?;
         } else {
-            write!(w, " request{{id={id}}}: ")?;
+            write!(w, " request{{id={id}}}:")?;
+        }
+        // Spans entered inside the request (h2's, at `trace`) follow it, as they did inside its
+        // span: `request{id=…}:send_data{sz=5}: `; the rest writes them and the space.
+        if ctx.event_scope().is_none() {
+            w.write_char(' ')?;
         }
         self.rest.format_event(ctx, w, event)
     }
+}
+
+/// The id of the request `event` is logged in: none for an event made a root of its own
+/// (`parent: None`), which the text format wrote without the request's span either.
+fn in_request(event: &Event<'_>) -> Option<request_id::RequestId> {
+    if event.is_root() { None } else { request_id::current() }
 }
 
 /// A level as `tracing-subscriber` writes it: five characters, coloured on a terminal.
@@ -139,13 +150,25 @@ where
     T: FormatTime,
 {
     fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut w: Writer<'_>, event: &Event<'_>) -> fmt::Result {
+        // Not `in_request`: `tracing-subscriber`'s JSON gives an event made a root the spans
+        // current where it is logged, the request's among them.
         let Some(id) = request_id::current() else { return self.whole.format_event(ctx, w, event) };
+        let id = serde_json::to_string(id.as_str()).map_err(|_| fmt::Error)?;
+        let span = format!(r#"{{"id":{id},"name":"request"}}"#);
         let mut line = String::new();
+        if event.parent().is_some() || ctx.lookup_current().is_some() {
+            // Spans entered inside the request (h2's, at `trace`): the innermost is `span`, and
+            // the request heads `spans`, as when it was a span too. A key's quotes are never
+            // escaped, and `spans` is the last key: its list is found from the end.
+            self.whole.format_event(ctx, Writer::new(&mut line), event)?;
+            const LIST: &str = r#""spans":["#;
+            let at = line.rfind(LIST).ok_or(fmt::Error)? + LIST.len();
+            line.insert_str(at, &format!("{span},"));
+            return w.write_str(&line);
+        }
         self.rest.format_event(ctx, Writer::new(&mut line), event)?;
         // The object is closed last, then the line: the spans go before its `}`.
         let open = line.strip_suffix("}\n").ok_or(fmt::Error)?;
-        let id = serde_json::to_string(id.as_str()).map_err(|_| fmt::Error)?;
-        let span = format!(r#"{{"id":{id},"name":"request"}}"#);
         let comma = if open.ends_with('{') { "" } else { "," };
         writeln!(w, r#"{open}{comma}"span":{span},"spans":[{span}]}}"#)
     }
@@ -207,7 +230,16 @@ mod tests {
             tracing::warn!(reason = "a \"quoted\" reason", "request refused");
             tracing::debug!(tenant = %"t-1", "queued");
             tracing::error!("no fields");
+            inner();
         });
+    }
+
+    /// Lines in a span inside the request, and one made a root of its own.
+    fn inner() {
+        let span = tracing::debug_span!("send_data", sz = 5);
+        let _in = span.enter();
+        tracing::debug!(frame = "data", "queued frame");
+        tracing::info!(parent: None, "a root");
     }
 
     /// The same lines with the request's `tracing` span, as before.
@@ -219,6 +251,7 @@ mod tests {
         tracing::warn!(reason = "a \"quoted\" reason", "request refused");
         tracing::debug!(tenant = %"t-1", "queued");
         tracing::error!("no fields");
+        inner();
     }
 
     #[test]
@@ -237,6 +270,7 @@ mod tests {
         });
         assert_eq!(now.text(), before.text());
         assert!(now.text().contains(" INFO request{id=plain-1}: "), "{}", now.text());
+        assert!(now.text().contains("DEBUG request{id=plain-1}:send_data{sz=5}: "), "{}", now.text());
     }
 
     #[test]
@@ -254,10 +288,13 @@ mod tests {
         );
         assert_eq!(now.text(), before.text());
         let lines: Vec<serde_json::Value> =
-            now.text().lines().map(|l| serde_json::from_str(l).unwrap_or_default()).collect();
-        assert_eq!(lines.len(), 5);
+            now.text().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 7);
         assert!(lines[0].get("span").is_none());
         assert_eq!(lines[1]["span"], serde_json::json!({"id": "log-me-1", "name": "request"}));
+        assert_eq!(lines[5]["span"], serde_json::json!({"name": "send_data", "sz": 5}));
+        assert_eq!(lines[5]["spans"][0], lines[1]["span"]);
+        assert_eq!(lines[6]["spans"][0], lines[1]["span"], "a root, in JSON, in the spans current");
     }
 
     /// On a terminal the level is coloured and the request's name bold; the words are the same.

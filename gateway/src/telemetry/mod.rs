@@ -362,8 +362,14 @@ impl LogConfig {
         // them was work done for each request's span).
         let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
             && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-        let b =
-            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+        // A line that cannot be written (stderr a pipe whose reader went away) is dropped: the
+        // formatter's own report of it goes through `eprintln!`, whose panic would come instead
+        // of a drain, or cut a connection's streams.
+        let b = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(ansi)
+            .log_internal_errors(false);
         let _ = match self.format {
             LogFormat::Text => b.event_format(logs::Text::new()).try_init(),
             LogFormat::Json => b.json().flatten_event(true).event_format(logs::Json::new()).try_init(),

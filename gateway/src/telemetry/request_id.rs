@@ -1,12 +1,12 @@
 //! Request ids: the client's `x-request-id` when it is a sane one (1 to 128 characters of
 //! `[A-Za-z0-9._:/+=@-]`), else 32 hex digits made here. The id is returned in the response's
 //! header and error body, sent to every engine call made for the request (vLLM's and SGLang's
-//! proxies send `X-Request-Id` the same way), and is the `id` field of the `request` span that every
-//! log line of the request carries.
+//! proxies send `X-Request-Id` the same way), and named in every log line of the request
+//! (`super::logs`: `request{id=…}`, as a span named `request` wrote it).
 //!
 //! The id travels with the request's task (a task-local) rather than through every function: an
-//! engine call reads [`current`]; a task the request spawns must be started by [`spawn`] so it
-//! carries the id and the span along.
+//! engine call and a log line read [`current`]; a task the request spawns must be started through
+//! [`carry`] so it carries the id (and the trace) along.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -107,17 +107,21 @@ fn serve_then(
     drain_ms: u64,
     stdout: Stdout,
 ) -> (Proc, SocketAddr, SocketAddr) {
+    // Closed pipes: lines to write into them, a request's among them.
+    let logs =
+        if stdout == Stdout::Closed { "\n[telemetry]\nlog_level = \"baton_gateway=debug\"\n" } else { "" };
     let text = super::serve_toml(
         prefill,
         decode,
         "",
-        &format!("[shutdown]\ndrain_timeout_ms = {drain_ms}\n\n[admission]\nmax_queue = 1000\n"),
+        &format!("[shutdown]\ndrain_timeout_ms = {drain_ms}\n\n[admission]\nmax_queue = 1000\n{logs}"),
     );
     std::fs::create_dir_all(dir).unwrap();
     let file = dir.join("baton.toml");
     std::fs::write(&file, text).unwrap();
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_baton"));
-    super::procs::spawn_baton_then(bin, &["serve", "--config", file.to_str().unwrap()], Stdio::null(), stdout)
+    let stderr = if stdout == Stdout::Closed { Stdio::piped() } else { Stdio::null() };
+    super::procs::spawn_baton_then(bin, &["serve", "--config", file.to_str().unwrap()], stderr, stdout)
 }
 
 /// The decoder holds no page and no engine block within `within`.
@@ -240,9 +244,10 @@ async fn a_second_signal_stops_at_once_with_130_and_leaks_nothing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Its stdout closed once it has said where it listens (the pipe's reader gone: a log shipper
-/// restarted, `baton serve | head`), the gateway still drains on SIGTERM: the line it says on the
-/// signal is lost, the streams in flight finish and it exits 0, the decoder clean.
+/// Its stdout and stderr closed once it has said where it listens (the pipes' reader gone: a log
+/// shipper restarted, `baton serve 2>&1 | head`), the gateway still serves and drains on SIGTERM:
+/// the lines it says and logs (at `debug`, each request's) are lost, the streams in flight finish
+/// and it exits 0, the decoder clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_stdout_does_not_stop_the_drain() {
     let (prefill, decode) = engines(Duration::from_millis(10)).await;

@@ -14,7 +14,10 @@ fuzz_target!(|data: &[u8]| {
     let endpoint = if which & 1 == 0 { Endpoint::Completions } else { Endpoint::Chat };
     let whole = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body);
     match (Object::parse(body), whole) {
-        (Ok(o), Ok(w)) => assert_eq!(*o, w, "the object read differs from serde_json's"),
+        (Ok(o), Ok(w)) => {
+            assert_eq!(*o, w, "the object read differs from serde_json's");
+            assert!(o.iter().eq(w.iter()), "the fields' order differs from serde_json's");
+        }
         (Err(_), Err(_)) => {}
         // Depth counts from each top-level field in the kept parse: one level deeper passes.
         (Ok(_), Err(e)) => assert!(e.to_string().contains("recursion limit"), "serde_json refused: {e}"),
