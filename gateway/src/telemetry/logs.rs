@@ -160,11 +160,14 @@ where
             // Spans entered inside the request (h2's, at `trace`): the innermost is `span`, and
             // the request heads `spans`, as when it was a span too. A key's quotes are never
             // escaped, and `spans` is the last key: its list is found from the end.
+            // (A parent span already closed, with none current, gives no list: then as below.)
             self.whole.format_event(ctx, Writer::new(&mut line), event)?;
             const LIST: &str = r#""spans":["#;
-            let at = line.rfind(LIST).ok_or(fmt::Error)? + LIST.len();
-            line.insert_str(at, &format!("{span},"));
-            return w.write_str(&line);
+            if let Some(at) = line.rfind(LIST) {
+                line.insert_str(at + LIST.len(), &format!("{span},"));
+                return w.write_str(&line);
+            }
+            line.clear();
         }
         self.rest.format_event(ctx, Writer::new(&mut line), event)?;
         // The object is closed last, then the line: the spans go before its `}`.
