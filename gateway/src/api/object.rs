@@ -146,7 +146,7 @@ const SCAN_FIELDS: usize = 16;
 /// thirty names in it (the checks, each leg's body): a scan of the fields in order (most names
 /// differ in length, so most comparisons stop there) is cheaper than hashing each name with the
 /// map's SipHash (2% of the gateway's user time in the proxy benchmark's profile for the checks;
-/// 1.3% of its instructions for the legs' bodies, `scripts/count-instructions`).
+/// 1.2% of its instructions for the legs' bodies, `scripts/count-instructions`' profile).
 pub fn field<'a>(map: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     if map.len() <= SCAN_FIELDS {
         map.iter().find_map(|(k, v)| (k == key).then_some(v))
