@@ -3,6 +3,7 @@
 //! [`GatewayError::body`]) maps every error to its HTTP response.
 
 pub mod object;
+pub mod scan;
 pub mod sse;
 pub mod validate;
 

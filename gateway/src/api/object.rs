@@ -350,8 +350,7 @@ mod timing {
             let leg = |o: &Object| {
                 per_call(n, || {
                     let mut out = Vec::with_capacity(body.len() + 64);
-                    let _ =
-                        serde_json::to_writer(&mut out, &Patched::new(o, &[]).set("kv_transfer_params", &1));
+                    let _ = Patched::new(o, &[]).set("kv_transfer_params", &1).write(&mut out);
                     black_box(out);
                 })
             };

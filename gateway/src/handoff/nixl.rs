@@ -29,7 +29,9 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Drains, Held, LegError, Patched, RespBody, Retrying, engine_has_it, raw_json};
+use super::legs::{
+    Drains, Encoded, Held, Json, LegError, Patched, RespBody, Retrying, encode, engine_has_it,
+};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -106,11 +108,11 @@ impl ModeSpec for Nixl {
 
 /// Sends the decode with `params` and one token, drops the answer: the decoder pulls the blocks
 /// and the producer frees them.
-async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Box<RawValue>) {
+async fn drain(shared: Arc<Shared>, to: Arc<Owing>, params: Json) {
     // The prefill's own fields: a body the engines took once already, so a field of the client's
     // that the prefill left out cannot get the drain refused.
     let body = Patched::new(&to.request, PREFILL_OMIT)
-        .raw("kv_transfer_params", &params)
+        .text("kv_transfer_params", &params)
         .flag("stream", false)
         .count("max_tokens", 1)
         .replace("max_completion_tokens", &1);
@@ -146,7 +148,7 @@ struct Owing {
 struct Owed {
     shared: Arc<Shared>,
     to: Arc<Owing>,
-    params: Option<Box<RawValue>>,
+    params: Option<Json>,
 }
 
 impl Drop for Owed {
@@ -189,7 +191,7 @@ impl Drop for PrefillWait<'_> {
 
 /// The prefill's outcome, delivered to the waiting request (or drained if it has left): the
 /// producer's `kv_transfer_params` as it wrote them (passed on to the decoder unparsed).
-type PrefillResult = Result<Box<RawValue>, GatewayError>;
+type PrefillResult = Result<Json, GatewayError>;
 
 impl Nixl {
     async fn exchange(&self, leg: Leg<'_>) -> Result<Response<RespBody>, GatewayError> {
@@ -233,7 +235,7 @@ impl Nixl {
             });
         }
         timing.enter(Phase::Prefill);
-        let prefill_body = raw_json(&prefill_body(&req.raw))?;
+        let prefill_body = encode(&prefill_body(&req.raw))?;
         // Until the decoder has the request, the producer's blocks are ours to free: an `Owed` with
         // the params drains them when dropped.
         let to = Arc::new(Owing {
@@ -265,8 +267,8 @@ impl Nixl {
         timing.mark(Phase::Prefill);
         timing.enter(Phase::Decode);
 
-        let body = Patched::new(&req.raw, &[]).set("kv_transfer_params", &*params);
-        owed.params = Some(params);
+        owed.params = Some(params.clone());
+        let body = Patched::new(&req.raw, &[]).text("kv_transfer_params", &params);
         // The slot stays with what is owed while the call runs: a client that leaves mid-call
         // leaves a drain holding it, sent once the decoder had time to drop the abandoned call.
         owed.to.calling.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -382,13 +384,13 @@ fn prefill_body(raw: &Object) -> Patched<'_> {
 /// Whether a producer's `kv_transfer_params` are for a remote decode: an object (serde would read
 /// a struct from an array too) whose `do_remote_prefill` is `true`. The other fields are the
 /// decoder's, passed on as written.
-fn for_remote_decode(params: &RawValue) -> bool {
+fn for_remote_decode(params: &str) -> bool {
     #[derive(serde::Deserialize)]
     struct Remote {
         do_remote_prefill: Option<bool>,
     }
     const FIRST: &str = r#"{"do_remote_prefill":true,"#;
-    let text = params.get().trim_start();
+    let text = params.trim_start();
     // vLLM's producer writes this field first, compactly: its answer is read there, with no parse
     // of the dozen fields after it (that parse was 3% of the gateway's instructions for a request
     // in the proxy benchmark), unless the key comes again (a parse refuses that).
@@ -405,11 +407,11 @@ async fn prefill_task(
     shared: &Shared,
     order: &[Prefiller],
     path: &'static str,
-    body: &RawValue,
+    body: &Encoded,
     retried: &AtomicU32,
 ) -> PrefillResult {
     /// The one field of the prefill's answer the decode needs, kept as written; the rest is
-    /// skipped unread.
+    /// skipped unread (checked as JSON by the scan, or by serde_json where the scan is not sure).
     #[derive(serde::Deserialize)]
     struct PrefillAnswer {
         kv_transfer_params: Option<Box<RawValue>>,
@@ -419,11 +421,18 @@ async fn prefill_task(
     let (p, resp, in_flight) = shared.prefill(order, path, body, &mut sent, false, retry).await?;
     let b = shared.answer("prefill", p, resp, in_flight.since()).await;
     drop(in_flight);
-    let a: PrefillAnswer = serde_json::from_slice(&b?).map_err(|e| GatewayError::Upstream {
-        leg: "prefill",
-        message: format!("answer is not a completion object: {e}"),
-    })?;
-    a.kv_transfer_params.filter(|p| for_remote_decode(p)).ok_or_else(|| GatewayError::Upstream {
+    let b = b?;
+    let params = match crate::api::scan::top_field(&b, "kv_transfer_params") {
+        Ok(found) => found.map(|text| Json::within(&b, text)),
+        Err(crate::api::scan::Unsure) => {
+            let a: PrefillAnswer = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
+                leg: "prefill",
+                message: format!("answer is not a completion object: {e}"),
+            })?;
+            a.kv_transfer_params.map(|p| Json::from_raw(&p))
+        }
+    };
+    params.filter(|p| for_remote_decode(p.get())).ok_or_else(|| GatewayError::Upstream {
         leg: "prefill",
         message:
             "the answer has no kv_transfer_params for a remote decode: is the prefiller a NIXL kv_producer?"
@@ -435,19 +444,15 @@ async fn prefill_task(
 mod tests {
     use super::*;
 
-    fn raw(s: &str) -> Box<RawValue> {
-        RawValue::from_string(s.to_owned()).unwrap_or_default()
-    }
-
     /// Only an object saying `do_remote_prefill: true` is for a remote decode; its other fields
     /// are not read (the decoder gets them as the producer wrote them).
     #[test]
     fn only_params_for_a_remote_decode_pass() {
         let vllm = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],
                        "remote_engine_id":"e","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}"#;
-        assert!(for_remote_decode(&raw(vllm)));
-        assert!(for_remote_decode(&raw(r#" {"do_remote_prefill": true}"#)));
-        assert!(for_remote_decode(&raw(r#"{ "tp_size": 1, "do_remote_prefill": true }"#)));
+        assert!(for_remote_decode(vllm));
+        assert!(for_remote_decode(r#" {"do_remote_prefill": true}"#));
+        assert!(for_remote_decode(r#"{ "tp_size": 1, "do_remote_prefill": true }"#));
 
         for no in [
             r#"{"do_remote_prefill":false}"#,
@@ -463,7 +468,7 @@ mod tests {
             r#"true"#,
             r#""do_remote_prefill""#,
         ] {
-            assert!(!for_remote_decode(&raw(no)), "{no}");
+            assert!(!for_remote_decode(no), "{no}");
         }
     }
 }

@@ -31,12 +31,11 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Held, Holds, LegError, Patched, PostError, RespBody, engine_has_it, raw_json};
+use super::legs::{Encoded, Held, Holds, LegError, Patched, PostError, RespBody, encode, engine_has_it};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Detachable, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -309,8 +308,8 @@ impl Sglang {
 /// Both legs' bodies, written once (each leg owns its own: it may run on after the request),
 /// and the `rid` SGLang knows the request by (none with `n > 1`: SGLang names the choices itself).
 struct Bodies {
-    decode: Box<RawValue>,
-    prefill: Box<RawValue>,
+    decode: Encoded,
+    prefill: Encoded,
     rid: Option<String>,
 }
 
@@ -324,30 +323,31 @@ fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodi
     let host = prefill.host();
     let folded = u64::try_from(id & u128::from(u64::MAX)).unwrap_or(0) ^ u64::try_from(id >> 64).unwrap_or(0);
     let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
+    // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
+    let theirs = raw.get("rid").and_then(Value::as_str);
+    let ours = (choices.is_none() && theirs.is_none()).then(|| format!("baton-{id:032x}"));
     let mut body = Patched::new(raw, &[]);
     body = match choices {
         Some(n) => {
             let k = usize::try_from(n).unwrap_or(0);
-            body.set("bootstrap_host", &vec![host; k])
+            body.set("bootstrap_host", &vec![host.as_str(); k])
                 .set("bootstrap_port", &vec![port; k])
                 .set("bootstrap_room", &(0..n).map(room).collect::<Vec<_>>())
         }
-        None => {
-            body.set("bootstrap_host", &host).set("bootstrap_port", &port).set("bootstrap_room", &room(0))
-        }
+        None => body
+            .string("bootstrap_host", &host)
+            .count("bootstrap_port", port.into())
+            .count("bootstrap_room", room(0)),
     };
-    // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
-    let rid = match (choices, raw.get("rid").and_then(Value::as_str)) {
-        (None, Some(theirs)) => Some(theirs.to_owned()),
-        (None, None) => {
-            let ours = format!("baton-{id:032x}");
-            body = body.set("rid", &ours);
-            Some(ours)
-        }
-        (Some(_), _) => None,
+    if let Some(ours) = &ours {
+        body = body.string("rid", ours);
+    }
+    let decode = encode(&body)?;
+    let prefill = encode(&body.flag("stream", false).omit(&["stream_options"]))?;
+    let rid = match choices {
+        None => ours.or_else(|| theirs.map(str::to_owned)),
+        Some(_) => None,
     };
-    let decode = raw_json(&body)?;
-    let prefill = raw_json(&body.flag("stream", false).omit(&["stream_options"]))?;
     Ok(Bodies { decode, prefill, rid })
 }
 
@@ -372,7 +372,7 @@ struct PrefillOutcome {
 struct PrefillLeg {
     prefill: Prefiller,
     path: &'static str,
-    body: Box<RawValue>,
+    body: Encoded,
     aborter: Arc<Aborter>,
     work: Option<crate::routing::Work>,
 }
@@ -608,8 +608,8 @@ mod tests {
         v.as_object().cloned().unwrap_or_default().into()
     }
 
-    fn parse(b: &RawValue) -> Value {
-        serde_json::from_str(b.get()).unwrap_or_default()
+    fn parse(b: &Encoded) -> Value {
+        serde_json::from_slice(b.as_bytes()).unwrap_or_default()
     }
 
     /// One choice: scalars and our `rid` (or the client's); `n > 1`: a list of each, one per choice,

@@ -2,12 +2,35 @@
 //! picks the endpoint), parsed and checked as the gateway does before it counts a token. A body
 //! that passes is read as the gateway then reads it. The gateway's parse of a body's object
 //! (`api::object`: two passes, its large fields' text kept, a large string taken from its text) must
-//! read what serde_json reads from the body whole.
+//! read what serde_json reads from the body whole. The scan for one field of an engine's answer
+//! (`api::scan`) must read what serde_json reads into a struct of that one field, wherever it
+//! answers at all (and answer nothing where serde_json refuses the text).
 #![no_main]
 
 use baton_gateway::api::object::Object;
 use baton_gateway::api::{Endpoint, GenRequest};
+use baton_gateway::api::scan::top_field;
 use libfuzzer_sys::fuzz_target;
+use serde_json::value::RawValue;
+
+#[derive(serde::Deserialize)]
+struct Params {
+    kv_transfer_params: Option<Box<RawValue>>,
+}
+
+#[derive(serde::Deserialize)]
+struct Prompt {
+    prompt: Option<Box<RawValue>>,
+}
+
+/// The scan's field against serde_json's, where the scan answers.
+fn same_field<T: serde::de::DeserializeOwned>(body: &[u8], key: &str, field: fn(T) -> Option<Box<RawValue>>) {
+    let Ok(found) = top_field(body, key) else { return };
+    match serde_json::from_slice::<T>(body) {
+        Ok(t) => assert_eq!(found, field(t).as_deref().map(RawValue::get), "the scan read another {key}"),
+        Err(e) => panic!("the scan read what serde_json refuses: {e}"),
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else { return };
@@ -23,6 +46,8 @@ fuzz_target!(|data: &[u8]| {
         (Ok(_), Err(e)) => assert!(e.to_string().contains("recursion limit"), "serde_json refused: {e}"),
         (Err(e), Ok(_)) => panic!("the gateway refused what serde_json reads: {e}"),
     }
+    same_field::<Params>(body, "kv_transfer_params", |p| p.kv_transfer_params);
+    same_field::<Prompt>(body, "prompt", |p| p.prompt);
     if let Ok(req) = GenRequest::parse(endpoint, body) {
         let _ = req.messages();
         let _ = req.fields.max_tokens();

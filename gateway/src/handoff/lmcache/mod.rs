@@ -35,7 +35,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{BoxError, Drains, LegError, Patched, RespBody, Retrying, raw_json};
+use super::legs::{BoxError, Drains, Encoded, LegError, Patched, RespBody, Retrying, encode};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -488,7 +488,7 @@ impl Lmcache {
         let ctx = DecodeLeg {
             shared: Arc::clone(&self.shared),
             dec: Arc::clone(dec),
-            body: raw_json(&decode_body)?,
+            body: encode(&decode_body)?,
             finished_early: remaining == Some(0),
         };
 
@@ -660,7 +660,7 @@ impl Handoff for Lmcache {
 struct DecodeLeg {
     shared: Arc<Shared>,
     dec: Arc<Decoder>,
-    body: Box<RawValue>,
+    body: Encoded,
     /// The prefill's first token was all the client asked for: the decode only drains.
     finished_early: bool,
 }

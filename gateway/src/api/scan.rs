@@ -1,0 +1,369 @@
+//! One top-level field of an engine's JSON answer, found by a scan that checks the text as it goes
+//! instead of parsing it into values.
+//!
+//! vLLM's prefill answers with a whole completion object, and the gateway needs one field of it
+//! (`kv_transfer_params`, passed on to the decoder as written). serde_json read the rest field by
+//! field to skip it, and the field itself twice (once to skip it, once more to keep it as a
+//! `RawValue`): 9.5k of the 131k instructions a request in `vllm-nixl`'s proxy benchmark
+//! (`scripts/count-instructions`), for an answer of some 900 bytes.
+//!
+//! The scan follows JSON's grammar byte by byte (strings eight bytes at a time), at most as
+//! permissive as serde_json: whatever it takes, serde_json takes too and reads the same field from
+//! it. What it is not sure of, it leaves to serde_json, which then gives its own answer or error:
+//! a top-level key with an escape or a byte that is not ASCII, the field given twice, nesting deeper
+//! than [`DEPTH`], anything serde_json would refuse. The `request` fuzz target compares the two on
+//! any input.
+
+/// Nesting the scan follows (serde_json skips a value at any depth): deeper, it gives up.
+const DEPTH: u32 = 128;
+
+/// What the scan found: the field's JSON text as written (`None` when the object has no such field,
+/// or `null` for it); `Err(Unsure)`: read the text with serde_json.
+pub type Found<'a> = Result<Option<&'a str>, Unsure>;
+
+/// The scan is not sure of the text: serde_json is to read it (and may refuse it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unsure;
+
+/// The JSON text of the field `key` of the JSON object `text`, as serde_json reads it into a
+/// struct whose one field is an `Option<Box<RawValue>>` named `key` (other fields ignored).
+pub fn top_field<'a>(text: &'a [u8], key: &str) -> Found<'a> {
+    scan_field(text, key).map_err(|()| Unsure)
+}
+
+fn scan_field<'a>(text: &'a [u8], key: &str) -> Result<Option<&'a str>, ()> {
+    let mut s = Scan { b: text, i: 0 };
+    s.ws();
+    s.eat(b'{')?;
+    s.ws();
+    let mut found: Option<(usize, usize)> = None;
+    if !s.take(b'}') {
+        loop {
+            if s.peek() != Some(b'"') {
+                return Err(());
+            }
+            let start = s.i + 1;
+            // A key serde_json would unescape or check as UTF-8 is left to it.
+            if !s.string()? {
+                return Err(());
+            }
+            let name = text.get(start..s.i - 1).ok_or(())?;
+            s.ws();
+            s.eat(b':')?;
+            s.ws();
+            let at = s.i;
+            s.value(DEPTH)?;
+            if name == key.as_bytes() {
+                // Given twice: serde_json refuses it ("duplicate field").
+                if found.replace((at, s.i)).is_some() {
+                    return Err(());
+                }
+            }
+            s.ws();
+            match s.next()? {
+                b',' => s.ws(),
+                b'}' => break,
+                _ => return Err(()),
+            }
+        }
+    }
+    s.ws();
+    if s.i != text.len() {
+        return Err(());
+    }
+    match found {
+        None => Ok(None),
+        Some((a, b)) => match text.get(a..b).ok_or(())? {
+            b"null" => Ok(None),
+            // serde_json checks a `RawValue`'s text as UTF-8 (not a skipped string's).
+            v => std::str::from_utf8(v).map(Some).map_err(drop),
+        },
+    }
+}
+
+struct Scan<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+const ONES: u64 = u64::from_le_bytes([0x01; 8]);
+const HIGHS: u64 = u64::from_le_bytes([0x80; 8]);
+
+/// The bytes of `v` below `n` (`n <= 128`) have their top bit set in the result, and the lowest
+/// such bit is exact (a borrow may mark bytes above it too).
+const fn below(v: u64, n: u8) -> u64 {
+    v.wrapping_sub(ONES * n as u64) & !v
+}
+
+impl Scan<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn next(&mut self) -> Result<u8, ()> {
+        let c = self.peek().ok_or(())?;
+        self.i += 1;
+        Ok(c)
+    }
+
+    fn take(&mut self, c: u8) -> bool {
+        let is = self.peek() == Some(c);
+        self.i += usize::from(is);
+        is
+    }
+
+    fn eat(&mut self, c: u8) -> Result<(), ()> {
+        if self.take(c) { Ok(()) } else { Err(()) }
+    }
+
+    /// JSON's whitespace, as serde_json skips it.
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\n' | b'\t' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    /// A value: whatever serde_json's `ignore_value` takes, at most `depth` deep.
+    fn value(&mut self, depth: u32) -> Result<(), ()> {
+        match self.peek().ok_or(())? {
+            b'"' => self.string().map(drop),
+            b'{' => {
+                let depth = depth.checked_sub(1).ok_or(())?;
+                self.i += 1;
+                self.ws();
+                if self.take(b'}') {
+                    return Ok(());
+                }
+                loop {
+                    if self.peek() != Some(b'"') {
+                        return Err(());
+                    }
+                    self.string()?;
+                    self.ws();
+                    self.eat(b':')?;
+                    self.ws();
+                    self.value(depth)?;
+                    self.ws();
+                    match self.next()? {
+                        b',' => self.ws(),
+                        b'}' => return Ok(()),
+                        _ => return Err(()),
+                    }
+                }
+            }
+            b'[' => {
+                let depth = depth.checked_sub(1).ok_or(())?;
+                self.i += 1;
+                self.ws();
+                if self.take(b']') {
+                    return Ok(());
+                }
+                loop {
+                    self.value(depth)?;
+                    self.ws();
+                    match self.next()? {
+                        b',' => self.ws(),
+                        b']' => return Ok(()),
+                        _ => return Err(()),
+                    }
+                }
+            }
+            b't' => self.word(b"true"),
+            b'f' => self.word(b"false"),
+            b'n' => self.word(b"null"),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => Err(()),
+        }
+    }
+
+    fn word(&mut self, w: &[u8]) -> Result<(), ()> {
+        if self.b.get(self.i..self.i + w.len()) == Some(w) {
+            self.i += w.len();
+            Ok(())
+        } else {
+            Err(())
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let from = self.i;
+        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+            self.i += 1;
+        }
+        self.i - from
+    }
+
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`. A digit after a leading `0` is left
+    /// unread, for the caller to refuse (serde_json refuses it too).
+    fn number(&mut self) -> Result<(), ()> {
+        self.take(b'-');
+        match self.next()? {
+            b'0' => {}
+            b'1'..=b'9' => {
+                self.digits();
+            }
+            _ => return Err(()),
+        }
+        if self.take(b'.') && self.digits() == 0 {
+            return Err(());
+        }
+        if self.take(b'e') || self.take(b'E') {
+            if !self.take(b'+') {
+                self.take(b'-');
+            }
+            if self.digits() == 0 {
+                return Err(());
+            }
+        }
+        Ok(())
+    }
+
+    /// A string, at its opening quote: whether it is plain (ASCII, no escape). A control
+    /// character, a bad escape or no closing quote: `Err`, as serde_json refuses them.
+    fn string(&mut self) -> Result<bool, ()> {
+        self.i += 1;
+        let mut plain = true;
+        loop {
+            // Eight bytes at a time up to the first that needs a look: a quote, a backslash, a
+            // control character (where serde_json's own skip stops), or a byte that is not ASCII.
+            while let Some(chunk) = self.b.get(self.i..self.i + 8) {
+                let v = u64::from_le_bytes(chunk.try_into().map_err(drop)?);
+                let look =
+                    (below(v, 0x20) | below(v ^ (ONES * 0x22), 1) | below(v ^ (ONES * 0x5c), 1) | v) & HIGHS;
+                if look != 0 {
+                    self.i += (look.trailing_zeros() / 8) as usize;
+                    break;
+                }
+                self.i += 8;
+            }
+            match self.next()? {
+                b'"' => return Ok(plain),
+                b'\\' => {
+                    plain = false;
+                    match self.next()? {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                        b'u' => {
+                            let hex = self.b.get(self.i..self.i + 4).ok_or(())?;
+                            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                                return Err(());
+                            }
+                            self.i += 4;
+                        }
+                        _ => return Err(()),
+                    }
+                }
+                0..0x20 => return Err(()),
+                0x80.. => plain = false,
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::value::RawValue;
+
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<Box<RawValue>>,
+    }
+
+    /// serde_json's reading of `text`: the field's text, or `None` for an error.
+    fn serde(text: &[u8]) -> Option<Option<String>> {
+        serde_json::from_slice::<Answer>(text).ok().map(|a| a.kv_transfer_params.map(|p| p.get().to_owned()))
+    }
+
+    /// The scan agrees with serde_json where it answers at all.
+    fn agrees(text: &[u8]) -> Result<bool, String> {
+        match top_field(text, "kv_transfer_params") {
+            Err(Unsure) => Ok(false),
+            Ok(found) => match serde(text) {
+                Some(s) if s.as_deref() == found => Ok(true),
+                other => {
+                    Err(format!("{:?}: scan {found:?}, serde_json {other:?}", String::from_utf8_lossy(text)))
+                }
+            },
+        }
+    }
+
+    const VLLM: &str = r#"{"id":"cmpl-9d1c","object":"text_completion","created":1764400000,"model":"m",
+        "choices":[{"index":0,"text":"\n","logprobs":null,"finish_reason":"length","stop_reason":null,
+        "token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null}],"service_tier":null,
+        "system_fingerprint":null,"usage":{"prompt_tokens":221,"total_tokens":222,"completion_tokens":1,
+        "prompt_tokens_details":null},"kv_transfer_params":{"do_remote_prefill":true,
+        "do_remote_decode":false,"remote_block_ids":[[1,2,3,4,5,6,7,8,9,10,11,12,13,14]],
+        "remote_engine_id":"0f3c-é","remote_request_id":"cmpl-x-0","remote_host":"127.0.0.1",
+        "remote_port":5600,"tp_size":1,"remote_blocks_expiry_time":1.764e9,"x":[-0.5e-3,true,false,{}]}}"#;
+
+    /// A real answer's field is found by the scan, as serde_json finds it.
+    #[test]
+    fn a_vllm_answer_is_scanned() {
+        assert_eq!(agrees(VLLM.as_bytes()), Ok(true));
+        let params = top_field(VLLM.as_bytes(), "kv_transfer_params").ok().flatten().unwrap_or_default();
+        assert!(params.starts_with(r#"{"do_remote_prefill":true,"#) && params.ends_with("{}]}"), "{params}");
+        for (text, want) in [
+            (r#"{}"#, Ok(None)),
+            (r#" { "a" : [ ] , "kv_transfer_params" : null } "#, Ok(None)),
+            (r#"{"kv_transfer_params":[1, "x"]}"#, Ok(Some(r#"[1, "x"]"#))),
+            (r#"{"kv_transfer_params":"é\"\u00e9"}"#, Ok(Some(r#""é\"\u00e9""#))),
+        ] {
+            assert_eq!(top_field(text.as_bytes(), "kv_transfer_params"), want, "{text}");
+            assert_eq!(agrees(text.as_bytes()), Ok(true), "{text}");
+        }
+    }
+
+    /// What serde_json refuses, the scan leaves to it; and what it is not sure of.
+    #[test]
+    fn what_it_is_not_sure_of_is_left_to_serde_json() {
+        for text in [
+            "",
+            "[]",
+            r#"[{"do_remote_prefill":true}]"#,
+            r#"{"kv_transfer_params":1,"kv_transfer_params":2}"#,
+            r#"{"kv_transfer_params":null,"kv_transfer_params":2}"#,
+            r#"{"kv_transfer_p\u0061rams":1}"#,
+            r#"{"é":1}"#,
+            r#"{"a":01}"#,
+            r#"{"a":1.}"#,
+            r#"{"a":-}"#,
+            r#"{"a":1e}"#,
+            r#"{"a":tru}"#,
+            r#"{"a":[1,]}"#,
+            r#"{"a":1,}"#,
+            r#"{"a":"\x"}"#,
+            r#"{"a":"\u12g4"}"#,
+            "{\"a\":\"\t\"}",
+            r#"{"a":1} x"#,
+            r#"{"a":{"b"}}"#,
+            r#"{"a":"#,
+            r#"{"a":"12345678"#,
+        ] {
+            assert_eq!(top_field(text.as_bytes(), "kv_transfer_params"), Err(Unsure), "{text}");
+        }
+        let deep = format!(r#"{{"a":{}{}}}"#, "[".repeat(200), "]".repeat(200));
+        assert_eq!(top_field(deep.as_bytes(), "kv_transfer_params"), Err(Unsure));
+        assert!(serde(deep.as_bytes()).is_some(), "serde_json skips any depth");
+        // Not UTF-8 in the field: serde_json refuses it; elsewhere it is skipped unread.
+        assert_eq!(top_field(b"{\"kv_transfer_params\":\"\xff\"}", "kv_transfer_params"), Err(Unsure));
+        assert_eq!(agrees(b"{\"a\":\"\xff\",\"kv_transfer_params\":1}"), Ok(true));
+    }
+
+    proptest! {
+        /// On text made of JSON's pieces, right or wrong, the scan answers as serde_json does
+        /// wherever it answers.
+        #[test]
+        fn the_scan_agrees_with_serde_json(pieces in prop::collection::vec(prop::sample::select(&[
+            "{", "}", "[", "]", ",", ":", " ", "\"", "\\", "\\u00e9", "\\n", "a", "é", "\"a\"",
+            "\"kv_transfer_params\"", "1", "-0.5e+3", "0", "01", "true", "null", "\u{1}", "12345678",
+        ][..]), 0..24)) {
+            let text = pieces.concat();
+            prop_assert!(agrees(text.as_bytes()).is_ok(), "{:?}", agrees(text.as_bytes()));
+            let wrapped = format!(r#"{{"a":{text},"kv_transfer_params":{text}}}"#);
+            prop_assert!(agrees(wrapped.as_bytes()).is_ok(), "{:?}", agrees(wrapped.as_bytes()));
+        }
+    }
+}
