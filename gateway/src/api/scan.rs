@@ -7,7 +7,7 @@
 //! `RawValue`): 9.5k of the 131k instructions a request in `vllm-nixl`'s proxy benchmark
 //! (`scripts/count-instructions`), for an answer of some 900 bytes.
 //!
-//! The scan follows JSON's grammar byte by byte (strings eight bytes at a time), at most as
+//! The scan follows JSON's grammar byte by byte (strings from quote to quote), at most as
 //! permissive as serde_json: whatever it takes, serde_json takes too and reads the same field from
 //! it. What it is not sure of, it leaves to serde_json, which then gives its own answer or error:
 //! a top-level key with an escape or a byte that is not ASCII, the field given twice, nesting deeper
@@ -32,11 +32,38 @@ pub fn top_field<'a>(text: &'a [u8], key: &str) -> Found<'a> {
 }
 
 fn scan_field<'a>(text: &'a [u8], key: &str) -> Result<Option<&'a str>, ()> {
+    let mut found: Option<&[u8]> = None;
+    walk(text, |name, value| {
+        // Given twice: serde_json refuses it ("duplicate field").
+        if name == key.as_bytes() && found.replace(value).is_some() { Err(()) } else { Ok(()) }
+    })?;
+    match found {
+        None | Some(b"null") => Ok(None),
+        // serde_json checks a `RawValue`'s text as UTF-8 (not a skipped string's).
+        Some(v) => std::str::from_utf8(v).map(Some).map_err(drop),
+    }
+}
+
+/// The fields of the JSON object `text`, in order: each key and its value's JSON text as written,
+/// as serde_json reads them (a key given twice is there twice). `Err(Unsure)`: a key with an escape
+/// or a byte that is not ASCII, or whatever else the scan leaves to serde_json ([`top_field`]).
+/// A value's text is not checked as UTF-8.
+pub fn top_fields(text: &[u8]) -> Result<Vec<(&str, &[u8])>, Unsure> {
+    let mut fields = Vec::with_capacity(8);
+    walk(text, |name, value| {
+        fields.push((std::str::from_utf8(name).map_err(drop)?, value));
+        Ok(())
+    })
+    .map_err(|()| Unsure)?;
+    Ok(fields)
+}
+
+/// Each field of the JSON object `text` to `each`: its key (plain ASCII) and its value's text.
+fn walk<'a>(text: &'a [u8], mut each: impl FnMut(&'a [u8], &'a [u8]) -> Result<(), ()>) -> Result<(), ()> {
     let mut s = Scan { b: text, i: 0 };
     s.ws();
     s.eat(b'{')?;
     s.ws();
-    let mut found: Option<(usize, usize)> = None;
     if !s.take(b'}') {
         loop {
             if s.peek() != Some(b'"') {
@@ -44,21 +71,17 @@ fn scan_field<'a>(text: &'a [u8], key: &str) -> Result<Option<&'a str>, ()> {
             }
             let start = s.i + 1;
             // A key serde_json would unescape or check as UTF-8 is left to it.
-            if !s.string()? {
+            let plain = s.string()?;
+            let name = text.get(start..s.i - 1).ok_or(())?;
+            if !plain || !name.is_ascii() {
                 return Err(());
             }
-            let name = text.get(start..s.i - 1).ok_or(())?;
             s.ws();
             s.eat(b':')?;
             s.ws();
             let at = s.i;
             s.value(DEPTH)?;
-            if name == key.as_bytes() {
-                // Given twice: serde_json refuses it ("duplicate field").
-                if found.replace((at, s.i)).is_some() {
-                    return Err(());
-                }
-            }
+            each(name, text.get(at..s.i).ok_or(())?)?;
             s.ws();
             match s.next()? {
                 b',' => s.ws(),
@@ -68,17 +91,7 @@ fn scan_field<'a>(text: &'a [u8], key: &str) -> Result<Option<&'a str>, ()> {
         }
     }
     s.ws();
-    if s.i != text.len() {
-        return Err(());
-    }
-    match found {
-        None => Ok(None),
-        Some((a, b)) => match text.get(a..b).ok_or(())? {
-            b"null" => Ok(None),
-            // serde_json checks a `RawValue`'s text as UTF-8 (not a skipped string's).
-            v => std::str::from_utf8(v).map(Some).map_err(drop),
-        },
-    }
+    if s.i == text.len() { Ok(()) } else { Err(()) }
 }
 
 struct Scan<'a> {
@@ -218,43 +231,53 @@ impl Scan<'_> {
         Ok(())
     }
 
-    /// A string, at its opening quote: whether it is plain (ASCII, no escape). A control
-    /// character, a bad escape or no closing quote: `Err`, as serde_json refuses them.
+    /// A string, at its opening quote: whether it has no escape. A control character, a bad escape
+    /// or no closing quote: `Err`, as serde_json refuses them. (Its bytes are not checked as UTF-8,
+    /// as serde_json does not check a string it skips.)
     fn string(&mut self) -> Result<bool, ()> {
         self.i += 1;
         let mut plain = true;
         loop {
-            // Eight bytes at a time up to the first that needs a look: a quote, a backslash, a
-            // control character (where serde_json's own skip stops), or a byte that is not ASCII.
-            while let Some(chunk) = self.b.get(self.i..self.i + 8) {
+            // Most strings are short: eight bytes at a time, twice, up to the first quote,
+            // backslash or control character (where serde_json's own skip stops), ...
+            let mut at = None;
+            for _ in 0..2 {
+                let Some(chunk) = self.b.get(self.i..self.i + 8) else { break };
                 let v = u64::from_le_bytes(chunk.try_into().map_err(drop)?);
-                let look =
-                    (below(v, 0x20) | below(v ^ (ONES * 0x22), 1) | below(v ^ (ONES * 0x5c), 1) | v) & HIGHS;
-                if look != 0 {
-                    self.i += (look.trailing_zeros() / 8) as usize;
+                let stop =
+                    (below(v, 0x20) | below(v ^ (ONES * 0x22), 1) | below(v ^ (ONES * 0x5c), 1)) & HIGHS;
+                if stop != 0 {
+                    at = Some((stop.trailing_zeros() / 8) as usize);
                     break;
                 }
                 self.i += 8;
             }
+            // ... and a long one's rest to its next quote or backslash (AVX2), the run before it
+            // checked for control characters by its least byte (vector code).
+            let rest = self.b.get(self.i..).ok_or(())?;
+            let at = match at {
+                Some(at) => at,
+                None => memchr::memchr2(b'"', b'\\', rest).ok_or(())?,
+            };
+            if rest.get(..at).ok_or(())?.iter().copied().min().is_some_and(|least| least < 0x20) {
+                return Err(());
+            }
+            self.i += at;
             match self.next()? {
                 b'"' => return Ok(plain),
-                b'\\' => {
-                    plain = false;
-                    match self.next()? {
-                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
-                        b'u' => {
-                            let hex = self.b.get(self.i..self.i + 4).ok_or(())?;
-                            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                                return Err(());
-                            }
-                            self.i += 4;
-                        }
-                        _ => return Err(()),
+                b'\\' => plain = false,
+                _ => return Err(()),
+            }
+            match self.next()? {
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                b'u' => {
+                    let hex = self.b.get(self.i..self.i + 4).ok_or(())?;
+                    if !hex.iter().all(u8::is_ascii_hexdigit) {
+                        return Err(());
                     }
+                    self.i += 4;
                 }
-                0..0x20 => return Err(()),
-                0x80.. => plain = false,
-                _ => {}
+                _ => return Err(()),
             }
         }
     }
@@ -337,6 +360,8 @@ mod tests {
             r#"{"a":"\x"}"#,
             r#"{"a":"\u12g4"}"#,
             "{\"a\":\"\t\"}",
+            "{\"a\":\"ab\tcdefghijklmnop\"}",
+            "{\"a\":\"0123456789abcdefghij\u{1f}k\"}",
             r#"{"a":1} x"#,
             r#"{"a":{"b"}}"#,
             r#"{"a":"#,

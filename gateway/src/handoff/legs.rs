@@ -162,7 +162,7 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
                 Some((_, new)) => new.write(out)?,
                 // A large field as the client wrote it (`api::object`): copied, not escaped again.
                 None => match self.base.text_at(i) {
-                    Some(text) => out.extend_from_slice(text.get().as_bytes()),
+                    Some(text) => out.extend_from_slice(text.as_bytes()),
                     None => serde_json::to_writer(&mut *out, v)?,
                 },
             }
