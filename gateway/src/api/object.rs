@@ -9,8 +9,8 @@
 //! and as text), and a leg writes that text as it is; only the small fields are written from their
 //! values.
 //!
-//! Measured (release, the CPU machine, `cargo test --release -p baton-gateway --lib object::timing
-//! -- --ignored --nocapture`): a 1.1 KB completion body parses in 0.76 µs instead of 0.56 and each
+//! Measured before the fields were found by [`scan::top_fields`] (release, the CPU machine,
+//! `cargo test --release -p baton-gateway --lib object::timing -- --ignored --nocapture`): a 1.1 KB completion body parses in 0.76 µs instead of 0.56 and each
 //! leg's body is written in 0.25 µs instead of 0.59–0.75; a 32 KB one parses in 7.4 µs instead of
 //! 4.1 and each leg's body is written in 0.4 µs instead of 9–15. Every mode writes at least two.
 //!

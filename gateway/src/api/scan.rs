@@ -62,34 +62,13 @@ pub fn top_fields(text: &[u8]) -> Result<Vec<(&str, &[u8])>, Unsure> {
 fn walk<'a>(text: &'a [u8], mut each: impl FnMut(&'a [u8], &'a [u8]) -> Result<(), ()>) -> Result<(), ()> {
     let mut s = Scan { b: text, i: 0 };
     s.ws();
-    s.eat(b'{')?;
-    s.ws();
-    if !s.take(b'}') {
-        loop {
-            if s.peek() != Some(b'"') {
-                return Err(());
-            }
-            let start = s.i + 1;
-            // A key serde_json would unescape or check as UTF-8 is left to it.
-            let plain = s.string()?;
-            let name = text.get(start..s.i - 1).ok_or(())?;
-            if !plain || !name.is_ascii() {
-                return Err(());
-            }
-            s.ws();
-            s.eat(b':')?;
-            s.ws();
-            let at = s.i;
-            s.value(DEPTH)?;
-            each(name, text.get(at..s.i).ok_or(())?)?;
-            s.ws();
-            match s.next()? {
-                b',' => s.ws(),
-                b'}' => break,
-                _ => return Err(()),
-            }
-        }
+    if s.peek() != Some(b'{') {
+        return Err(());
     }
+    s.object(DEPTH, |plain, name, value| {
+        // A key serde_json would unescape or check as UTF-8 is left to it.
+        if plain && name.is_ascii() { each(name, value) } else { Err(()) }
+    })?;
     s.ws();
     if s.i == text.len() { Ok(()) } else { Err(()) }
 }
@@ -108,7 +87,7 @@ const fn below(v: u64, n: u8) -> u64 {
     v.wrapping_sub(ONES * n as u64) & !v
 }
 
-impl Scan<'_> {
+impl<'a> Scan<'a> {
     fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
@@ -136,34 +115,46 @@ impl Scan<'_> {
         }
     }
 
+    /// An object, at its `{`, at most `depth` deep: each field to `each`, with whether its key has
+    /// no escape, the key's text between its quotes and the value's text.
+    fn object(
+        &mut self,
+        depth: u32,
+        mut each: impl FnMut(bool, &'a [u8], &'a [u8]) -> Result<(), ()>,
+    ) -> Result<(), ()> {
+        let depth = depth.checked_sub(1).ok_or(())?;
+        self.i += 1;
+        self.ws();
+        if self.take(b'}') {
+            return Ok(());
+        }
+        loop {
+            if self.peek() != Some(b'"') {
+                return Err(());
+            }
+            let start = self.i + 1;
+            let plain = self.string()?;
+            let name = self.b.get(start..self.i - 1).ok_or(())?;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            let at = self.i;
+            self.value(depth)?;
+            each(plain, name, self.b.get(at..self.i).ok_or(())?)?;
+            self.ws();
+            match self.next()? {
+                b',' => self.ws(),
+                b'}' => return Ok(()),
+                _ => return Err(()),
+            }
+        }
+    }
+
     /// A value: whatever serde_json's `ignore_value` takes, at most `depth` deep.
     fn value(&mut self, depth: u32) -> Result<(), ()> {
         match self.peek().ok_or(())? {
             b'"' => self.string().map(drop),
-            b'{' => {
-                let depth = depth.checked_sub(1).ok_or(())?;
-                self.i += 1;
-                self.ws();
-                if self.take(b'}') {
-                    return Ok(());
-                }
-                loop {
-                    if self.peek() != Some(b'"') {
-                        return Err(());
-                    }
-                    self.string()?;
-                    self.ws();
-                    self.eat(b':')?;
-                    self.ws();
-                    self.value(depth)?;
-                    self.ws();
-                    match self.next()? {
-                        b',' => self.ws(),
-                        b'}' => return Ok(()),
-                        _ => return Err(()),
-                    }
-                }
-            }
+            b'{' => self.object(depth, |_, _, _| Ok(())),
             b'[' => {
                 let depth = depth.checked_sub(1).ok_or(())?;
                 self.i += 1;
@@ -252,8 +243,9 @@ impl Scan<'_> {
                 }
                 self.i += 8;
             }
-            // ... and a long one's rest to its next quote or backslash (AVX2), the run before it
-            // checked for control characters by its least byte (vector code).
+            // ... and a long one's rest to its next quote or backslash (`memchr2`: vector code
+            // where the CPU has it), the run before it checked for control characters by its least
+            // byte (vector code too).
             let rest = self.b.get(self.i..).ok_or(())?;
             let at = match at {
                 Some(at) => at,
@@ -375,6 +367,31 @@ mod tests {
         // Not UTF-8 in the field: serde_json refuses it; elsewhere it is skipped unread.
         assert_eq!(top_field(b"{\"kv_transfer_params\":\"\xff\"}", "kv_transfer_params"), Err(Unsure));
         assert_eq!(agrees(b"{\"a\":\"\xff\",\"kv_transfer_params\":1}"), Ok(true));
+    }
+
+    /// A quote, an escape or a control character at every offset of a string, among bytes that
+    /// are not ASCII, across the eight-byte steps and into the search after them.
+    #[test]
+    fn every_offset_of_a_string_is_read_as_serde_json_reads_it() {
+        for len in 0..40 {
+            for at in 0..=len {
+                for special in ["\"", "\\n", "\\u00e9", "\u{1f}", "\\", "\\u12", "é"] {
+                    let mut inner: String = (0..len).map(|i| if i % 5 == 4 { 'é' } else { 'x' }).collect();
+                    let at = inner.char_indices().nth(at).map_or(inner.len(), |(i, _)| i);
+                    inner.insert_str(at, special);
+                    for text in [
+                        format!(r#"{{"kv_transfer_params":"{inner}"}}"#),
+                        format!(r#"{{"a":"{inner}","kv_transfer_params":["{inner}"]}}"#),
+                    ] {
+                        let valid = ["\\n", "\\u00e9", "é"].contains(&special);
+                        let got = agrees(text.as_bytes());
+                        assert!(if valid { got == Ok(true) } else { got.is_ok() }, "{text:?}: {got:?}");
+                    }
+                }
+            }
+        }
+        let long = format!(r#"{{"a":"{}","kv_transfer_params":1}}"#, "x".repeat(40));
+        assert_eq!(agrees(long.as_bytes()), Ok(true));
     }
 
     proptest! {

@@ -419,31 +419,21 @@ fn buffered(
     Ok(bytes)
 }
 
-/// JSON text an engine wrote, checked ([`crate::api::scan`] or serde_json), shared with the
-/// answer it came in rather than copied: put into a body as it is ([`Patched::text`]).
+/// JSON text an engine wrote, checked as JSON ([`crate::api::scan`] or serde_json), put into a body
+/// as it is ([`Patched::text`]). A copy of its own: a slice of the answer would keep the whole
+/// read buffer it came in (8 KB and more) for as long as the request runs.
 #[derive(Clone, Debug)]
-pub(crate) struct Json(Bytes);
+pub(crate) struct Json(Box<str>);
 
 impl Json {
-    /// `text`, checked as JSON, shared with `answer` if it is a part of it (copied if not).
-    pub(crate) fn within(answer: &Bytes, text: &str) -> Self {
-        let (whole, part) = (answer.as_ptr_range(), text.as_bytes().as_ptr_range());
-        if whole.start <= part.start && part.end <= whole.end {
-            Self(answer.slice_ref(text.as_bytes()))
-        } else {
-            Self(Bytes::copy_from_slice(text.as_bytes()))
-        }
-    }
-
-    /// Text checked by serde_json.
-    pub(crate) fn from_raw(raw: &RawValue) -> Self {
-        Self(Bytes::copy_from_slice(raw.get().as_bytes()))
+    /// `text`, which the caller checked as JSON.
+    pub(crate) fn checked(text: &str) -> Self {
+        Self(Box::from(text))
     }
 
     /// The text.
     pub(crate) fn get(&self) -> &str {
-        // Made from a `str` only.
-        std::str::from_utf8(&self.0).unwrap_or("null")
+        &self.0
     }
 }
 
@@ -933,6 +923,23 @@ mod tests {
         assert_eq!(text(&later), r#"{"model":"m","kv":3,"stream":true,"n":1}"#);
         let over = Patched::new(&raw, &[]).count("kv", 3).with("kv", &p);
         assert_eq!(text(&over), r#"{"model":"m","kv":{"id":"a\"b","ids":[1,2]},"stream":true,"n":1}"#);
+    }
+
+    /// Checked JSON text goes in as written; a string is escaped as `set` escapes it.
+    #[test]
+    fn text_and_strings_are_written_as_given() {
+        let raw = map(json!({"model": "m", "n": 1}));
+        let params = Json::checked(r#"{"a": [1, "x"]}"#);
+        assert_eq!(
+            text(&Patched::new(&raw, &[]).text("kv", &params)),
+            r#"{"model":"m","n":1,"kv":{"a": [1, "x"]}}"#
+        );
+        let s = "a\"b\\c\n\u{1}é";
+        assert_eq!(
+            text(&Patched::new(&raw, &[]).string("model", s)),
+            text(&Patched::new(&raw, &[]).set("model", &s))
+        );
+        assert_eq!(text(&Patched::new(&Object::default(), &[])), "{}");
     }
 
     /// A body as the engine gets it.

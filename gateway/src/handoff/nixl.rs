@@ -190,7 +190,7 @@ impl Drop for PrefillWait<'_> {
 }
 
 /// The prefill's outcome, delivered to the waiting request (or drained if it has left): the
-/// producer's `kv_transfer_params` as it wrote them (passed on to the decoder unparsed).
+/// producer's `kv_transfer_params` as it wrote them (passed on to the decoder as written).
 type PrefillResult = Result<Json, GatewayError>;
 
 impl Nixl {
@@ -423,13 +423,13 @@ async fn prefill_task(
     drop(in_flight);
     let b = b?;
     let params = match crate::api::scan::top_field(&b, "kv_transfer_params") {
-        Ok(found) => found.map(|text| Json::within(&b, text)),
+        Ok(found) => found.map(Json::checked),
         Err(crate::api::scan::Unsure) => {
             let a: PrefillAnswer = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
                 leg: "prefill",
                 message: format!("answer is not a completion object: {e}"),
             })?;
-            a.kv_transfer_params.map(|p| Json::from_raw(&p))
+            a.kv_transfer_params.map(|p| Json::checked(p.get()))
         }
     };
     params.filter(|p| for_remote_decode(p.get())).ok_or_else(|| GatewayError::Upstream {

@@ -635,6 +635,20 @@ mod tests {
         let b = bodies(&theirs, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(b.rid.as_deref(), Some("client-1"));
 
+        // `n: 1` is one choice; a `rid` that is not a string is replaced by ours in its place.
+        let one = map(json!({"prompt": "p", "n": 1, "rid": 5}));
+        let b = bodies(&one, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(b.rid.as_deref(), Some("baton-00000000000000000000000000000007"));
+        let d = parse(&b.decode);
+        assert_eq!(d["rid"], json!(b.rid));
+        assert_eq!(d.as_object().and_then(|o| o.keys().position(|k| k == "rid")), Some(2));
+        assert_eq!(d["bootstrap_port"], json!(8998));
+        // With `n > 1`, a client's `rid` goes to SGLang as it is (its list, one per choice).
+        let listed = map(json!({"prompt": "p", "n": 2, "rid": ["a", "b"]}));
+        let b = bodies(&listed, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(b.rid, None);
+        assert_eq!(parse(&b.decode)["rid"], json!(["a", "b"]));
+
         let three = map(json!({"prompt": "p", "n": 3}));
         let b = bodies(&three, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
         let d = parse(&b.decode);

@@ -1,15 +1,16 @@
 //! Request validation: a completions or chat body as a client sends it (the first input byte
 //! picks the endpoint), parsed and checked as the gateway does before it counts a token. A body
 //! that passes is read as the gateway then reads it. The gateway's parse of a body's object
-//! (`api::object`: two passes, its large fields' text kept, a large string taken from its text) must
-//! read what serde_json reads from the body whole. The scan for one field of an engine's answer
+//! (`api::object`: its fields found by a scan or a first pass, its large fields' text kept, a large
+//! string taken from its text) must read what serde_json reads from the body whole, and keep each
+//! large field's text as serde_json finds it. The scan for one field of an engine's answer
 //! (`api::scan`) must read what serde_json reads into a struct of that one field, wherever it
 //! answers at all (and answer nothing where serde_json refuses the text).
 #![no_main]
 
 use baton_gateway::api::object::Object;
-use baton_gateway::api::{Endpoint, GenRequest};
 use baton_gateway::api::scan::top_field;
+use baton_gateway::api::{Endpoint, GenRequest};
 use libfuzzer_sys::fuzz_target;
 use serde_json::value::RawValue;
 
@@ -40,6 +41,14 @@ fuzz_target!(|data: &[u8]| {
         (Ok(o), Ok(w)) => {
             assert_eq!(*o, w, "the object read differs from serde_json's");
             assert!(o.iter().eq(w.iter()), "the fields' order differs from serde_json's");
+            // A large field's kept text (what engines get) is the field's JSON text as written.
+            let raw = serde_json::from_slice::<std::collections::BTreeMap<String, &RawValue>>(body)
+                .unwrap_or_else(|e| panic!("serde_json read the object but not its fields' text: {e}"));
+            for (i, k) in o.keys().enumerate() {
+                if let Some(text) = o.text_at(i) {
+                    assert_eq!(Some(text), raw.get(k).map(|r| r.get()), "the kept text of {k:?} differs");
+                }
+            }
         }
         (Err(_), Err(_)) => {}
         // Depth counts from each top-level field in the kept parse: one level deeper passes.
