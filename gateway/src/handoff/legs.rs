@@ -188,8 +188,8 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
 }
 
 impl<X: Serialize + Sync + ?Sized> LegBody for Patched<'_, X> {
-    fn bytes(&self) -> Result<Bytes, serde_json::Error> {
-        buffered(|out| self.write(out)).map(Bytes::from)
+    fn written(&self) -> Result<Vec<u8>, serde_json::Error> {
+        buffered(|out| self.write(out))
     }
 }
 
@@ -365,13 +365,18 @@ thread_local! {
 /// An engine call's body: JSON written when the call is made (anything [`Serialize`]), or written
 /// once already ([`Encoded`]) and sent as it is.
 pub(crate) trait LegBody: Sync {
+    /// The body written, in a buffer that may be larger than it ([`buffered`]).
+    fn written(&self) -> Result<Vec<u8>, serde_json::Error>;
+
     /// The body's bytes, to send.
-    fn bytes(&self) -> Result<Bytes, serde_json::Error>;
+    fn bytes(&self) -> Result<Bytes, serde_json::Error> {
+        self.written().map(Bytes::from)
+    }
 }
 
 impl<T: Serialize + Sync + ?Sized> LegBody for T {
-    fn bytes(&self) -> Result<Bytes, serde_json::Error> {
-        buffered(|out| serde_json::to_writer(out, self)).map(Bytes::from)
+    fn written(&self) -> Result<Vec<u8>, serde_json::Error> {
+        buffered(|out| serde_json::to_writer(out, self))
     }
 }
 
@@ -391,16 +396,26 @@ impl Encoded {
 }
 
 impl LegBody for Encoded {
+    fn written(&self) -> Result<Vec<u8>, serde_json::Error> {
+        Ok(self.0.to_vec())
+    }
+
     fn bytes(&self) -> Result<Bytes, serde_json::Error> {
         Ok(self.0.clone())
     }
 }
 
-/// `body` written as JSON, once, for a leg that owns it ([`Encoded`]).
+/// `body` written as JSON, once, for a leg that owns it ([`Encoded`]). Kept for as long as the leg
+/// runs, so a buffer much larger than the body (the size of the large bodies written before it,
+/// up to [`MAX_BODY_BUFFER`]) is fitted to it first.
 pub(crate) fn encode(body: &(impl LegBody + ?Sized)) -> Result<Encoded, GatewayError> {
-    body.bytes().map(Encoded).map_err(|e| {
+    let mut written = body.written().map_err(|e| {
         GatewayError::Internal(crate::api::Internal::Encode { what: "an engine body", reason: e.to_string() })
-    })
+    })?;
+    if written.capacity() - written.len() > written.len() / 4 {
+        written.shrink_to_fit();
+    }
+    Ok(Encoded(Bytes::from(written)))
 }
 
 /// A body written into a buffer by `write`, straight: `to_string` goes through `fmt::Write` a
@@ -940,6 +955,23 @@ mod tests {
             text(&Patched::new(&raw, &[]).set("model", &s))
         );
         assert_eq!(text(&Patched::new(&Object::default(), &[])), "{}");
+    }
+
+    /// A body written once keeps no more room than a quarter of its size, whatever the bodies
+    /// before it were.
+    #[test]
+    fn an_encoded_body_is_fitted_to_its_size() {
+        let large = map(json!({"prompt": "x".repeat(20_000)}));
+        let small = map(json!({"prompt": "y"}));
+        for _ in 0..2 {
+            let _ = encode(&Patched::new(&large, &[]));
+        }
+        let body = Patched::new(&small, &[]);
+        assert!(body.written().unwrap_or_default().capacity() > 10_000, "the hint follows the large bodies");
+        let e = encode(&body).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(e.as_bytes(), br#"{"prompt":"y"}"#);
+        let kept = Vec::from(e.0);
+        assert!(kept.capacity() <= kept.len() + kept.len() / 4, "{} for {}", kept.capacity(), kept.len());
     }
 
     /// A body as the engine gets it.
