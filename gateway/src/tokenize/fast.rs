@@ -21,7 +21,8 @@
 //!    `ByteLevel` compiles it: its own is private);
 //! 4. each word's bytes are mapped to GPT-2's byte-level alphabet and encoded by the tokenizer's own
 //!    BPE model (its merges, its cache); the ids of short words are kept in a bounded, sharded map
-//!    ([`WORD_CACHE_WORDS`]);
+//!    ([`WORD_CACHE_WORDS`]), a word of up to 16 bytes keyed by its bytes packed into two integers
+//!    and looked up as the split finds it (no list of words, no call a word);
 //! 5. the post-processor's special tokens (`<|begin_of_text|>`) go around them: found at load by
 //!    running the post-processor on a one-token encoding.
 //!
@@ -194,8 +195,10 @@ const LINE: u8 = 8;
 /// None of the others: punctuation and control characters.
 const OTHER: u8 = 16;
 
-static CLASSES: [u8; 128] = {
-    let mut t = [OTHER; 128];
+/// By byte: a table of 256 so a byte indexes it unchecked. The split runs on ASCII text only, so
+/// the upper half (which would be wrong for Unicode's letters) is never read.
+static CLASSES: [u8; 256] = {
+    let mut t = [OTHER; 256];
     let mut b: u8 = 0;
     while b < 128 {
         t[b as usize] = match b {
@@ -222,6 +225,7 @@ impl AsciiSplit {
     }
 
     /// Each word of ASCII `text` into `spans`, in order.
+    #[cfg(test)]
     fn split(self, text: &str, spans: &mut Vec<(usize, usize)>) {
         let b = text.as_bytes();
         let mut at = 0;
@@ -235,7 +239,7 @@ impl AsciiSplit {
     /// Where the word that starts at `i` (`i < b.len()`, ASCII) ends: the first alternative of the
     /// pattern that matches there, each repeat as long as the rest allows.
     fn word_end(self, b: &[u8], i: usize) -> usize {
-        let class = |k: usize| b.get(k).map_or(0, |&c| CLASSES.get(usize::from(c)).copied().unwrap_or(OTHER));
+        let class = |k: usize| if k < b.len() { CLASSES[usize::from(b[k])] } else { 0 };
         let run = |mut k: usize, of: u8| {
             while class(k) & of != 0 {
                 k += 1;
@@ -355,13 +359,145 @@ pub struct Fast {
     suffix: Vec<u32>,
     /// The sizes of the tokenizer's vocabulary and added tokens: a call with another is refused.
     sizes: (usize, usize),
+    /// Hashes long words; its seeds, drawn again, hash packed ones.
     hasher: ahash::RandomState,
+    seeds: [u64; 3],
     words: [RwLock<WordMap>; WORD_SHARDS],
 }
 
-/// A shard of the map of words' ids: a word's text and its ids, by [`Fast::hasher`]'s hash of the
-/// text (one hash a word, for its shard and its place in the shard).
-type WordMap = hashbrown::HashTable<(Box<str>, Box<[u32]>)>;
+/// A shard of the map of words' ids, by [`Fast::hash`] of the word's bytes (one hash a word, for
+/// its shard and its place in the shard): words of up to [`PACKED_BYTES`] bytes by their bytes
+/// packed into two integers (compared in two comparisons, no call), longer ones by their bytes.
+#[derive(Default)]
+struct WordMap {
+    packed: hashbrown::HashTable<(Packed, Ids)>,
+    long: hashbrown::HashTable<(Box<[u8]>, Ids)>,
+}
+
+/// A word as the map looks it up.
+#[derive(Clone, Copy)]
+enum Key<'w> {
+    Packed(Packed),
+    Long(&'w [u8]),
+}
+
+impl WordMap {
+    fn len(&self) -> usize {
+        self.packed.len() + self.long.len()
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[inline(always)]
+    #[allow(clippy::inline_always)]
+    fn find(&self, hash: u64, key: Key<'_>) -> Option<&[u32]> {
+        match key {
+            Key::Packed(k) => self.packed.find(hash, |(p, _)| *p == k).map(|(_, ids)| ids.get()),
+            Key::Long(w) => self.long.find(hash, |(l, _)| **l == *w).map(|(_, ids)| ids.get()),
+        }
+    }
+
+    /// Keeps `ids` for `key` (not there), emptying the shard first when it is full.
+    fn insert(&mut self, hash: u64, key: Key<'_>, ids: &[u32], fast: &Fast) {
+        if self.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
+            self.packed.clear();
+            self.long.clear();
+        }
+        match key {
+            Key::Packed(k) => {
+                let rehash = |(p, _): &(Packed, Ids)| p.hash(&fast.seeds);
+                self.packed.insert_unique(hash, (k, Ids::new(ids)), rehash);
+            }
+            Key::Long(w) => {
+                let rehash = |(l, _): &(Box<[u8]>, Ids)| fast.hasher.hash_one(&**l);
+                self.long.insert_unique(hash, (w.into(), Ids::new(ids)), rehash);
+            }
+        }
+    }
+}
+
+/// Words up to this many bytes are kept packed ([`Packed`]): most words of most text.
+const PACKED_BYTES: usize = 16;
+
+/// A word of 1 to [`PACKED_BYTES`] bytes: its bytes little-endian in two integers, zero past its
+/// end, and its length (a word ending in zero bytes is told from a shorter one by it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Packed {
+    lo: u64,
+    hi: u64,
+    len: u8,
+}
+
+/// By a word's length: the masks of its bytes in [`Packed`]'s two integers.
+static MASKS: [(u64, u64); PACKED_BYTES + 1] = {
+    let mut m = [(0, 0); PACKED_BYTES + 1];
+    let mut len = 1;
+    while len <= PACKED_BYTES {
+        m[len] =
+            if len <= 8 { (u64::MAX >> (64 - 8 * len), 0) } else { (u64::MAX, u64::MAX >> (128 - 8 * len)) };
+        len += 1;
+    }
+    m
+};
+
+impl Packed {
+    /// The word `t[start..end]` (`end - start <= PACKED_BYTES`); the bytes after it in `t`, when
+    /// there are 16, are read with it and masked off rather than copied out first.
+    fn of(t: &[u8], start: usize, end: usize) -> Self {
+        let len = end - start;
+        let mut at = [0u8; PACKED_BYTES];
+        let from = match t.get(start..start + PACKED_BYTES) {
+            Some(w) => w,
+            None => {
+                if let (Some(to), Some(w)) = (at.get_mut(..len), t.get(start..end)) {
+                    to.copy_from_slice(w);
+                }
+                &at
+            }
+        };
+        let half =
+            |i: usize| from.get(i..i + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+        let (lo, hi) = MASKS.get(len).copied().unwrap_or_default();
+        Self { lo: half(0) & lo, hi: half(8) & hi, len: u8::try_from(len).unwrap_or(u8::MAX) }
+    }
+
+    /// Two multiplies folded (foldhash's step) under the map's random seeds.
+    #[allow(clippy::cast_possible_truncation)] // the product's two halves, folded
+    fn hash(&self, seeds: &[u64; 3]) -> u64 {
+        let fold = |a: u64, b: u64| {
+            let p = u128::from(a) * u128::from(b);
+            (p as u64) ^ ((p >> 64) as u64)
+        };
+        fold(fold(self.lo ^ seeds[0], self.hi ^ seeds[1]) ^ u64::from(self.len), seeds[2])
+    }
+}
+
+/// A word's ids: up to three in place (most words are one or two tokens), more on the heap.
+enum Ids {
+    Few(u8, [u32; 3]),
+    Many(Box<[u32]>),
+}
+
+impl Ids {
+    fn new(ids: &[u32]) -> Self {
+        match *ids {
+            [a] => Self::Few(1, [a, 0, 0]),
+            [a, b] => Self::Few(2, [a, b, 0]),
+            [a, b, c] => Self::Few(3, [a, b, c]),
+            _ => Self::Many(ids.into()),
+        }
+    }
+
+    fn get(&self) -> &[u32] {
+        match self {
+            Self::Few(n, ids) => ids.get(..usize::from(*n)).unwrap_or_default(),
+            Self::Many(ids) => ids,
+        }
+    }
+}
 
 /// The word map's shards one call has read-locked, each taken at its first word and all given
 /// back every [`HOLD_WORDS`] words and at a word not in the map.
@@ -474,7 +610,11 @@ impl Fast {
             suffix,
             sizes: sizes(tok),
             hasher: ahash::RandomState::new(),
-            words: std::array::from_fn(|_| RwLock::new(WordMap::new())),
+            seeds: {
+                let r = ahash::RandomState::new();
+                [r.hash_one(1u8), r.hash_one(2u8), r.hash_one(3u8) | 1]
+            },
+            words: std::array::from_fn(|_| RwLock::new(WordMap::default())),
         })
     }
 
@@ -613,30 +753,53 @@ impl Fast {
             }
             _ => text,
         };
-        spans.clear();
+        let t = text.as_bytes();
         match self.ascii {
-            Some(ascii) if text.is_ascii() => ascii.split(text, spans),
-            _ => onig_split(p.regex, text, spans),
-        }
-        for &(start, end) in spans.iter() {
-            self.word(p, &text[start..end], out, buf, held)?;
+            // Each word looked up as it is found: no list of spans, no `str` slicing.
+            Some(ascii) if text.is_ascii() => {
+                let mut at = 0;
+                while at < t.len() {
+                    let end = ascii.word_end(t, at);
+                    self.word(p, t, at, end, out, buf, held)?;
+                    at = end;
+                }
+            }
+            _ => {
+                spans.clear();
+                onig_split(p.regex, text, spans);
+                for &(start, end) in spans.iter() {
+                    self.word(p, t, start, end, out, buf, held)?;
+                }
+            }
         }
         Ok(())
     }
 
-    /// One word's ids: from the map, or its byte-level form through the BPE model.
+    /// One word's ids, `t[start..end]` (whole characters): from the map, or its byte-level form
+    /// through the BPE model ([`Self::miss`]). Inlined into the split's loop: a call a word, its
+    /// seven arguments and its saved registers, was a fifth of the word's time.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments, clippy::inline_always)]
     fn word<'s>(
         &'s self,
         p: &Parts<'_>,
-        w: &str,
+        t: &[u8],
+        start: usize,
+        end: usize,
         out: &mut Vec<u32>,
         buf: &mut String,
         held: &mut Held<'s>,
     ) -> tokenizers::Result<()> {
-        let hash = self.hasher.hash_one(w);
+        let w = t.get(start..end).ok_or("a word outside its text")?;
+        let (key, hash) = if w.len() <= PACKED_BYTES {
+            let k = Packed::of(t, start, end);
+            (Key::Packed(k), k.hash(&self.seeds))
+        } else {
+            (Key::Long(w), self.hasher.hash_one(w))
+        };
         // Bits the shard's table does not use for a place (its low bits) nor for its tags (its
         // top seven), so each shard's words spread over all of its places.
-        let s = usize::try_from(hash >> 32).unwrap_or_default() % WORD_SHARDS;
+        let s = (hash >> 32) as usize % WORD_SHARDS;
         if held.words >= HOLD_WORDS {
             *held = Held::new();
         }
@@ -647,28 +810,44 @@ impl Fast {
         if guard.is_none() {
             *guard = shard.try_read().ok();
         }
-        if let Some((_, ids)) = guard.as_ref().and_then(|words| words.find(hash, |(k, _)| **k == *w)) {
-            out.extend_from_slice(ids);
+        if let Some(ids) = guard.as_ref().and_then(|words| words.find(hash, key)) {
+            for &id in ids {
+                out.push(id);
+            }
             return Ok(());
         }
+        self.miss(p, w, hash, key, shard, out, buf, held)
+    }
+
+    /// A word not in the map: its ids from the BPE model, kept when its shard is free.
+    #[cold]
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn miss<'s>(
+        &'s self,
+        p: &Parts<'_>,
+        w: &[u8],
+        hash: u64,
+        key: Key<'_>,
+        shard: &RwLock<WordMap>,
+        out: &mut Vec<u32>,
+        buf: &mut String,
+        held: &mut Held<'s>,
+    ) -> tokenizers::Result<()> {
         // A miss lets every shard go: the word's BPE takes far longer than taking the locks again,
         // and a shard this call holds keeps other threads' new words out of it.
         *held = Held::new();
-        let start = out.len();
+        let first = out.len();
         buf.clear();
-        buf.extend(w.bytes().map(|b| self.chars[usize::from(b)]));
+        buf.extend(w.iter().map(|&b| self.chars[usize::from(b)]));
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
         if w.len() <= WORD_CACHE_BYTES
             && let Ok(mut words) = shard.try_write()
             // Another call may have put it there since this one looked: then the shard is left
             // as it is (not emptied for a word it has).
-            && words.find(hash, |(k, _)| **k == *w).is_none()
+            && words.find(hash, key).is_none()
         {
-            if words.len() >= WORD_CACHE_WORDS / WORD_SHARDS {
-                words.clear();
-            }
-            let rehash = |(k, _): &(Box<str>, Box<[u32]>)| self.hasher.hash_one(&**k);
-            words.insert_unique(hash, (w.into(), out[start..].into()), rehash);
+            words.insert(hash, key, out.get(first..).unwrap_or_default(), self);
         }
         Ok(())
     }
@@ -1019,6 +1198,57 @@ mod tests {
             Fast::new(&qwen).unwrap_err(),
             Off::Shape("tokenizer.json sets truncation or padding".into())
         );
+    }
+
+    /// A word's packed key is its bytes whether read ahead in its text or copied from its end, and
+    /// words that differ only by trailing zero bytes or by one byte anywhere have different keys.
+    #[test]
+    fn packed_words_are_their_bytes() {
+        let text = b"abcdefghijklmnopqrstuvwxyz\0\0";
+        let n = text.len();
+        for len in 1..=PACKED_BYTES {
+            // The same bytes at the text's end (copied) and before 16 more (read ahead).
+            let mut t = text[..n - 2].to_vec();
+            t.truncate(len);
+            let tail = Packed::of(&t, 0, len);
+            let ahead = Packed::of(text, 0, len);
+            assert!(tail == ahead, "{len}");
+            let seeds = [1, 2, 3];
+            assert_eq!(tail.hash(&seeds), ahead.hash(&seeds), "{len}");
+            for at in 0..len {
+                let mut other = t.clone();
+                other[at] ^= 1;
+                assert!(Packed::of(&other, 0, len) != tail, "{len} {at}");
+            }
+        }
+        // "yz", "yz\0" and "yz\0\0" are three words.
+        let keys =
+            [Packed::of(text, n - 4, n - 2), Packed::of(text, n - 4, n - 1), Packed::of(text, n - 4, n)];
+        assert!(keys[0] != keys[1] && keys[1] != keys[2] && keys[0] != keys[2]);
+    }
+
+    #[test]
+    fn ids_are_kept_whole() {
+        for n in 0..6u32 {
+            let ids: Vec<u32> = (0..n).map(|i| 1000 + i).collect();
+            assert_eq!(Ids::new(&ids).get(), ids.as_slice());
+        }
+    }
+
+    /// Words of every length around the packed ones' limit, ending in and mid-text, get
+    /// `tokenizers`' ids from the map as from the model.
+    #[test]
+    fn words_of_every_length_come_back_from_the_map() {
+        let [(_, tok, fast), ..] = real() else { panic!() };
+        for len in 1..=WORD_CACHE_BYTES + 2 {
+            let w: String = "xylophonequartzjumbleflick".chars().cycle().take(len).collect();
+            for text in [format!(" {w}"), format!(" {w} tail"), format!("{w},{w}")] {
+                let want = tok.encode_fast(text.as_str(), false).unwrap().get_ids().to_vec();
+                // Twice: the second from the map.
+                assert_eq!(fast.encode(tok, &text, false).unwrap(), want, "{text:?}");
+                assert_eq!(fast.encode(tok, &text, false).unwrap(), want, "{text:?}");
+            }
+        }
     }
 
     /// A shard of the map of words' ids is emptied when full, and ids stay right across it.
