@@ -246,14 +246,19 @@ impl<'a> Scan<'a> {
             // ... and a long one's rest to its next quote or backslash (`memchr2`: vector code
             // where the CPU has it), the run before it checked for control characters by its least
             // byte (vector code too).
-            let rest = self.b.get(self.i..).ok_or(())?;
+            // (A stop found in a chunk has no control character before it: the chunk's test
+            // stops at one too.)
             let at = match at {
                 Some(at) => at,
-                None => memchr::memchr2(b'"', b'\\', rest).ok_or(())?,
+                None => {
+                    let rest = self.b.get(self.i..).ok_or(())?;
+                    let at = memchr::memchr2(b'"', b'\\', rest).ok_or(())?;
+                    if rest.get(..at).ok_or(())?.iter().copied().min().is_some_and(|least| least < 0x20) {
+                        return Err(());
+                    }
+                    at
+                }
             };
-            if rest.get(..at).ok_or(())?.iter().copied().min().is_some_and(|least| least < 0x20) {
-                return Err(());
-            }
             self.i += at;
             match self.next()? {
                 b'"' => return Ok(plain),

@@ -49,13 +49,25 @@ impl<'a> Patched<'a> {
     }
 }
 
-impl<'a, X: Serialize + ?Sized> Patched<'a, X> {
+/// A value [`Patched::with`] puts into a body: it writes itself as compact JSON.
+pub(crate) trait WriteJson {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
+}
+
+/// No value (a body without [`Patched::with`]).
+impl WriteJson for () {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        serde_json::to_writer(out, self)
+    }
+}
+
+impl<'a, X: WriteJson + ?Sized> Patched<'a, X> {
     /// `field` is `value`, borrowed and written as the body is, after the fields `set` adds when
     /// the request has none of that name. For a large value of the gateway's own (`native`'s
     /// parameters, which hold the prompt's ids): `set` writes its value into a string of its own
     /// first, grown from 128 bytes (five allocations for a 1 KB prompt's). One such field a body;
     /// it replaces one set before under its name.
-    pub(crate) fn with<Y: Serialize + ?Sized>(self, field: &'static str, value: &'a Y) -> Patched<'a, Y> {
+    pub(crate) fn with<Y: WriteJson + ?Sized>(self, field: &'static str, value: &'a Y) -> Patched<'a, Y> {
         let mut set = self.set;
         set.retain(|(f, _)| *f != field);
         Patched { base: self.base, set, omit: self.omit, also: self.also, extra: Some((field, value)) }
@@ -135,7 +147,7 @@ impl<'a, X: Serialize + ?Sized> Patched<'a, X> {
     }
 }
 
-impl<X: Serialize + ?Sized> Patched<'_, X> {
+impl<X: WriteJson + ?Sized> Patched<'_, X> {
     /// The body as compact JSON (what serde_json's `to_writer` writes for the edited map), into
     /// `out`. Written here rather than through serde, so that JSON text already checked (a
     /// producer's `kv_transfer_params`, [`Patched::text`]) goes in as it is: serde_json writes raw
@@ -144,7 +156,7 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
         let mut first = true;
         let mut key = |out: &mut Vec<u8>, k: &str| {
             out.push(if std::mem::take(&mut first) { b'{' } else { b',' });
-            let written = serde_json::to_writer(&mut *out, k);
+            let written = write_str(out, k);
             out.push(b':');
             written
         };
@@ -154,7 +166,7 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
             }
             if let Some((_, x)) = self.extra.filter(|(f, _)| f == k) {
                 key(out, k)?;
-                serde_json::to_writer(&mut *out, x)?;
+                x.write_json(out)?;
                 continue;
             }
             key(out, k)?;
@@ -177,7 +189,7 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
             && (!self.base.contains_key(f) || self.omitted(f))
         {
             key(out, f)?;
-            serde_json::to_writer(&mut *out, x)?;
+            x.write_json(out)?;
         }
         if first {
             out.push(b'{');
@@ -187,7 +199,7 @@ impl<X: Serialize + ?Sized> Patched<'_, X> {
     }
 }
 
-impl<X: Serialize + Sync + ?Sized> LegBody for Patched<'_, X> {
+impl<X: WriteJson + Sync + ?Sized> LegBody for Patched<'_, X> {
     fn written(&self) -> Result<Vec<u8>, serde_json::Error> {
         buffered(|out| self.write(out))
     }
@@ -213,23 +225,40 @@ impl Val<'_> {
             Val::Raw(v) => out.extend_from_slice(v.get().as_bytes()),
             Val::Ref(v) => out.extend_from_slice(v.get().as_bytes()),
             Val::Text(t) => out.extend_from_slice(t.as_bytes()),
-            Val::Str(t) => serde_json::to_writer(out, t)?,
+            Val::Str(t) => write_str(out, t)?,
             Val::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
             Val::Count(n) => out.extend_from_slice(itoa::Buffer::new().format(*n).as_bytes()),
-            Val::Ids(ids, then) => {
-                let mut n = itoa::Buffer::new();
-                out.push(b'[');
-                for (i, id) in ids.iter().chain(then).enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    out.extend_from_slice(n.format(*id).as_bytes());
-                }
-                out.push(b']');
-            }
+            Val::Ids(ids, then) => write_ids(out, ids, *then),
         }
         Ok(())
     }
+}
+
+/// `s` as a JSON string, as serde_json writes it: between quotes as it is when it has nothing to
+/// escape (a field's name, an id: most strings a body sets), else through serde_json (a call that
+/// looks up each byte in its escape table, some 150 instructions for a short name).
+fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Error> {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        Ok(())
+    } else {
+        serde_json::to_writer(out, s)
+    }
+}
+
+/// `ids`, then `then`, as a JSON array of numbers.
+pub(crate) fn write_ids(out: &mut Vec<u8>, ids: &[u32], then: Option<u32>) {
+    let mut n = itoa::Buffer::new();
+    out.push(b'[');
+    for (i, id) in ids.iter().chain(&then).enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(n.format(*id).as_bytes());
+    }
+    out.push(b']');
 }
 
 /// An upstream call that got no response.
@@ -444,6 +473,11 @@ impl Json {
     /// `text`, which the caller checked as JSON.
     pub(crate) fn checked(text: &str) -> Self {
         Self(Box::from(text))
+    }
+
+    /// `text`, which the caller wrote as JSON.
+    pub(crate) fn written(text: String) -> Self {
+        Self(text.into_boxed_str())
     }
 
     /// The text.
@@ -825,13 +859,6 @@ impl<H: Holds> Body for Held<H> {
     }
 }
 
-/// A value written once as JSON, to be put into bodies as it is ([`Patched::raw`]).
-pub(crate) fn raw_json(body: &impl Serialize) -> Result<Box<RawValue>, GatewayError> {
-    serde_json::value::to_raw_value(body).map_err(|e| {
-        GatewayError::Internal(crate::api::Internal::Encode { what: "an engine body", reason: e.to_string() })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::{Map, json};
@@ -924,6 +951,11 @@ mod tests {
             id: &'a str,
             ids: &'a [u32],
         }
+        impl WriteJson for P<'_> {
+            fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+                serde_json::to_writer(out, self)
+            }
+        }
         let p = P { id: "a\"b", ids: &[1, 2] };
         let raw = map(json!({"model": "m", "kv": 0, "stream": true, "n": 1}));
         for omit in [&[][..], &["kv"][..], &["stream", "kv"][..]] {
@@ -955,6 +987,32 @@ mod tests {
             text(&Patched::new(&raw, &[]).set("model", &s))
         );
         assert_eq!(text(&Patched::new(&Object::default(), &[])), "{}");
+    }
+
+    /// A string, a field's name among them, is written as serde_json writes it, whether or not
+    /// it has anything to escape.
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them() {
+        let alphabet = ["a", "\"", "\\", "\n", "\u{1f}", " ", "\u{7f}", "é", "😀"];
+        let mut cases = vec![String::new()];
+        for a in alphabet {
+            for b in alphabet {
+                for c in alphabet {
+                    cases.push(format!("{a}{b}{c}"));
+                }
+            }
+        }
+        for t in &cases {
+            let mut out = Vec::new();
+            write_str(&mut out, t).unwrap_or_default();
+            assert_eq!(out, serde_json::to_vec(t).unwrap_or_default(), "{t:?}");
+        }
+        let raw = map(json!({"a\"b": 1, "é\n": 2}));
+        let body = Patched::new(&raw, &[]).count("x\\y", 3);
+        assert_eq!(
+            serde_json::from_str::<Value>(&text(&body)).ok(),
+            Some(json!({"a\"b": 1, "é\n": 2, "x\\y": 3}))
+        );
     }
 
     /// A body written once keeps no more room than a quarter of its size, whatever the bodies

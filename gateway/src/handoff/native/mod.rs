@@ -22,13 +22,12 @@ use baton_dataplane::readiness::{Aggregator, Outcome, Progress};
 use baton_dataplane::{KvGeometry, RankEvent, RequestKey};
 use http_body_util::BodyExt;
 use hyper::Response;
-use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{LegError, Patched, RespBody, Retrying, boxed, raw_json};
+use super::legs::{Json, LegError, Patched, RespBody, Retrying, WriteJson, boxed, write_ids};
 use super::shared::{Backoff, Engine, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -90,23 +89,21 @@ pub enum TokenIds {
 
 impl TokenIds {
     /// `ids` as this pool's engines read them, written once for both legs.
-    fn write(self, ids: &[u32]) -> Result<Box<RawValue>, GatewayError> {
+    fn write(self, ids: &[u32]) -> Json {
         match self {
-            Self::Json => raw_json(&ids),
+            Self::Json => {
+                let mut text = Vec::with_capacity(ids.len() * 7 + 2);
+                write_ids(&mut text, ids, None);
+                Json::written(String::from_utf8(text).unwrap_or_default())
+            }
             Self::Base64 => {
-                // The standard alphabet (`A-Z a-z 0-9 + / =`) needs no escape in JSON: the string is
-                // encoded between its quotes rather than run through serde's escaping a byte at a
-                // time (`from_string` still checks it, at the speed of a string scan).
+                // The standard alphabet (`A-Z a-z 0-9 + / =`) needs no escape in JSON: the string
+                // is written between its quotes, and is JSON by construction (not scanned again).
                 let mut quoted = String::with_capacity(contract::ids_base64_len(ids) + 2);
                 quoted.push('"');
                 contract::ids_base64_into(ids, &mut quoted);
                 quoted.push('"');
-                RawValue::from_string(quoted).map_err(|e| {
-                    GatewayError::Internal(crate::api::Internal::Encode {
-                        what: "the prompt's token ids",
-                        reason: e.to_string(),
-                    })
-                })
+                Json::written(quoted)
             }
         }
     }
@@ -448,7 +445,7 @@ impl Native {
             seen: Seen::new(self.ranks.rank_count()),
             release_timeout: shared.limits.release_timeout,
         };
-        let ids = self.token_ids.write(ids)?;
+        let ids = self.token_ids.write(ids);
         let mut work = work;
         if by_prefiller {
             return self
@@ -500,7 +497,7 @@ impl Native {
         dec: &Decoder,
         prefills: &[&crate::handoff::shared::Prefiller],
         req: &GenRequest,
-        ids: &RawValue,
+        ids: &Json,
         chunks: u32,
         mut life: Lifecycle,
         timing: &mut Timing,
@@ -565,7 +562,7 @@ impl Native {
         dec: &Decoder,
         prefills: &[&crate::handoff::shared::Prefiller],
         req: &GenRequest,
-        ids: &RawValue,
+        ids: &Json,
         body: Patched<'_, Params<'_>>,
         life: &mut Lifecycle,
         timing: &mut Timing,
@@ -639,7 +636,7 @@ impl Native {
         dec: &Decoder,
         prefills: &[&crate::handoff::shared::Prefiller],
         req: &GenRequest,
-        ids: &RawValue,
+        ids: &Json,
         body: Patched<'_, Params<'_>>,
         life: &mut Lifecycle,
         timing: &mut Timing,
@@ -801,7 +798,7 @@ impl Native {
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         timing.enter(Phase::Decode);
-        let ids = self.token_ids.write(ids)?;
+        let ids = self.token_ids.write(ids);
         let mut p = params(self.shared.keys.next(), &[], &ids);
         p.local_prefill = true;
         let body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
@@ -816,23 +813,52 @@ impl Native {
 /// JSON (an array or a base64 string, [`TokenIds`]) written once per request: both legs' bodies
 /// copy the text (writing 1,024 ids as JSON for each leg was 6% of the gateway's CPU on a native
 /// request in the proxy benchmark's profile).
-#[derive(Serialize)]
 struct Params<'a> {
     request_id: String,
     epoch: u32,
-    #[serde(skip_serializing_if = "<[DecoderTarget]>::is_empty")]
     decoders: &'a [DecoderTarget],
-    prompt_token_ids: &'a RawValue,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    prompt_token_ids: &'a Json,
     local_prefill: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
     kv_wait_ms: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     reserve: Option<contract::ReserveOrder>,
 }
 
+/// Written as the contract's `BatonParams` is (its fields in its order, the same left out when
+/// empty), by hand: the ids' text goes in as it is (serde_json writes raw text only from a
+/// `RawValue`, which it makes only by parsing the text again: 3k instructions a request for
+/// base64 ids), and the field names need no escaping.
+impl WriteJson for Params<'_> {
+    fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        let mut n = itoa::Buffer::new();
+        // The id is hex digits: nothing to escape.
+        out.extend_from_slice(b"{\"request_id\":\"");
+        out.extend_from_slice(self.request_id.as_bytes());
+        out.extend_from_slice(b"\",\"epoch\":");
+        out.extend_from_slice(n.format(self.epoch).as_bytes());
+        if !self.decoders.is_empty() {
+            out.extend_from_slice(b",\"decoders\":");
+            serde_json::to_writer(&mut *out, self.decoders)?;
+        }
+        out.extend_from_slice(b",\"prompt_token_ids\":");
+        out.extend_from_slice(self.prompt_token_ids.get().as_bytes());
+        if self.local_prefill {
+            out.extend_from_slice(b",\"local_prefill\":true");
+        }
+        if let Some(ms) = self.kv_wait_ms {
+            out.extend_from_slice(b",\"kv_wait_ms\":");
+            out.extend_from_slice(n.format(ms).as_bytes());
+        }
+        if let Some(r) = &self.reserve {
+            out.extend_from_slice(b",\"reserve\":");
+            serde_json::to_writer(&mut *out, r)?;
+        }
+        out.push(b'}');
+        Ok(())
+    }
+}
+
 /// [`Params`] for `key`, its ids (`ids`: as the pool writes them, [`TokenIds::write`]).
-fn params<'a>(key: RequestKey, decoders: &'a [DecoderTarget], ids: &'a RawValue) -> Params<'a> {
+fn params<'a>(key: RequestKey, decoders: &'a [DecoderTarget], ids: &'a Json) -> Params<'a> {
     Params {
         request_id: format!("{:032x}", key.request.0),
         epoch: key.epoch,
@@ -1014,13 +1040,20 @@ mod tests {
     fn params_are_written_as_the_contract_writes_them() {
         let key = RequestKey::new(RequestId(0xabc_def0_1234), 3);
         let ids = [1u32, 0, 151_643, u32::MAX];
-        let raw = raw_json(&&ids[..]).unwrap_or_else(|e| panic_any(e));
+        let raw = TokenIds::Json.write(&ids);
         let target = DecoderTarget::new(
             1,
             "127.0.0.1:9000".parse().unwrap_or_else(|e| panic_any(e)),
             &[(0, PageAddr { page: 5, generation: 2 }), (1, PageAddr { page: 9, generation: 1 })],
         );
-        let written = |p: &Params<'_>| serde_json::to_value(p).unwrap_or_else(|e| panic_any(e));
+        let written = |p: &Params<'_>| {
+            let mut out = Vec::new();
+            p.write_json(&mut out).unwrap_or_else(|e| panic_any(e));
+            // Byte for byte what serde_json writes for the same value (compact, in field order).
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic_any(e));
+            assert_eq!(String::from_utf8_lossy(&out), serde_json::to_string(&v).unwrap_or_default());
+            v
+        };
         let contract = |p: &BatonParams| serde_json::to_value(p).unwrap_or_else(|e| panic_any(e));
 
         let targets = [target.clone()];
@@ -1064,8 +1097,9 @@ mod tests {
 
         // `token_ids = "base64"`: the same params, the ids as their string; the contract reads
         // them back as the same ids.
-        let b64 = TokenIds::Base64.write(&ids).unwrap_or_else(|e| panic_any(e));
-        assert_eq!(TokenIds::Json.write(&ids).unwrap_or_else(|e| panic_any(e)).get(), raw.get());
+        let b64 = TokenIds::Base64.write(&ids);
+        assert_eq!(raw.get(), serde_json::to_string(&ids).unwrap_or_default());
+        assert_eq!(TokenIds::Json.write(&[]).get(), "[]");
         assert_eq!(b64.get(), format!("{:?}", contract::ids_base64(&ids)));
         let v = written(&params(key, &targets, &b64));
         assert_eq!(v["prompt_token_ids"], contract::ids_base64(&ids));
