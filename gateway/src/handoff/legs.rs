@@ -237,7 +237,7 @@ impl Val<'_> {
 /// `s` as a JSON string, as serde_json writes it: between quotes as it is when it has nothing to
 /// escape (a field's name, an id: most strings a body sets), else through serde_json (a call that
 /// looks up each byte in its escape table, some 150 instructions for a short name).
-fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Error> {
+pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Error> {
     if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
@@ -463,8 +463,8 @@ fn buffered(
     Ok(bytes)
 }
 
-/// JSON text an engine wrote, checked as JSON ([`crate::api::scan`] or serde_json), put into a body
-/// as it is ([`Patched::text`]). A copy of its own: a slice of the answer would keep the whole
+/// JSON text put into a body as it is ([`Patched::text`]): an engine's, checked as JSON
+/// ([`crate::api::scan`] or serde_json), or the gateway's own, written as JSON ([`Json::written`]). A copy of its own: a slice of the answer would keep the whole
 /// read buffer it came in (8 KB and more) for as long as the request runs.
 #[derive(Clone, Debug)]
 pub(crate) struct Json(Box<str>);

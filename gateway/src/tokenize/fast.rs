@@ -21,8 +21,8 @@
 //!    `ByteLevel` compiles it: its own is private);
 //! 4. each word's bytes are mapped to GPT-2's byte-level alphabet and encoded by the tokenizer's own
 //!    BPE model (its merges, its cache); the ids of short words are kept in a bounded, sharded map
-//!    ([`WORD_CACHE_WORDS`]), a word of up to 16 bytes keyed by its bytes packed into two integers
-//!    and looked up as the split finds it (no list of words, no call a word);
+//!    ([`WORD_CACHE_WORDS`]), a word of up to 16 bytes keyed by its bytes packed into two integers;
+//!    the ASCII split looks each word up as it finds it (no list of words, no call a word);
 //! 5. the post-processor's special tokens (`<|begin_of_text|>`) go around them: found at load by
 //!    running the post-processor on a one-token encoding.
 //!
@@ -51,7 +51,8 @@ use tokenizers::{
 };
 
 /// Distinct words whose ids are kept, each at most [`WORD_CACHE_BYTES`] long: by arithmetic about
-/// 12 MB in the worst case (64-byte words of 64 ids each, with the map's and allocator's overhead).
+/// 16 MB in the worst case (64-byte words of 64 ids each, with the map's and allocator's overhead,
+/// and a shard's table of packed words keeping its buckets, 3 MB in all, when it is emptied).
 /// A shard of the map is emptied when full, so words common now are kept rather than the first ones
 /// seen.
 pub const WORD_CACHE_WORDS: usize = 32_768;
@@ -448,6 +449,7 @@ impl Packed {
     /// there are 16, are read with it and masked off rather than copied out first.
     fn of(t: &[u8], start: usize, end: usize) -> Self {
         let len = end - start;
+        debug_assert!(len <= PACKED_BYTES, "a word of {len} bytes is not packed");
         let mut at = [0u8; PACKED_BYTES];
         let from = match t.get(start..start + PACKED_BYTES) {
             Some(w) => w,

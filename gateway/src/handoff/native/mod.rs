@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Json, LegError, Patched, RespBody, Retrying, WriteJson, boxed, write_ids};
+use super::legs::{Json, LegError, Patched, RespBody, Retrying, WriteJson, boxed, write_ids, write_str};
 use super::shared::{Backoff, Engine, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -89,12 +89,12 @@ pub enum TokenIds {
 
 impl TokenIds {
     /// `ids` as this pool's engines read them, written once for both legs.
-    fn write(self, ids: &[u32]) -> Json {
-        match self {
+    fn write(self, ids: &[u32]) -> Result<Json, GatewayError> {
+        let text = match self {
             Self::Json => {
                 let mut text = Vec::with_capacity(ids.len() * 7 + 2);
                 write_ids(&mut text, ids, None);
-                Json::written(String::from_utf8(text).unwrap_or_default())
+                String::from_utf8(text).map_err(|e| e.to_string())
             }
             Self::Base64 => {
                 // The standard alphabet (`A-Z a-z 0-9 + / =`) needs no escape in JSON: the string
@@ -103,9 +103,12 @@ impl TokenIds {
                 quoted.push('"');
                 contract::ids_base64_into(ids, &mut quoted);
                 quoted.push('"');
-                Json::written(quoted)
+                Ok(quoted)
             }
-        }
+        };
+        text.map(Json::written).map_err(|reason| {
+            GatewayError::Internal(crate::api::Internal::Encode { what: "the prompt's token ids", reason })
+        })
     }
 }
 
@@ -445,7 +448,7 @@ impl Native {
             seen: Seen::new(self.ranks.rank_count()),
             release_timeout: shared.limits.release_timeout,
         };
-        let ids = self.token_ids.write(ids);
+        let ids = self.token_ids.write(ids)?;
         let mut work = work;
         if by_prefiller {
             return self
@@ -798,7 +801,7 @@ impl Native {
         timing: &mut Timing,
     ) -> Result<Response<RespBody>, GatewayError> {
         timing.enter(Phase::Decode);
-        let ids = self.token_ids.write(ids);
+        let ids = self.token_ids.write(ids)?;
         let mut p = params(self.shared.keys.next(), &[], &ids);
         p.local_prefill = true;
         let body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
@@ -830,10 +833,9 @@ struct Params<'a> {
 impl WriteJson for Params<'_> {
     fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
         let mut n = itoa::Buffer::new();
-        // The id is hex digits: nothing to escape.
-        out.extend_from_slice(b"{\"request_id\":\"");
-        out.extend_from_slice(self.request_id.as_bytes());
-        out.extend_from_slice(b"\",\"epoch\":");
+        out.extend_from_slice(b"{\"request_id\":");
+        write_str(out, &self.request_id)?;
+        out.extend_from_slice(b",\"epoch\":");
         out.extend_from_slice(n.format(self.epoch).as_bytes());
         if !self.decoders.is_empty() {
             out.extend_from_slice(b",\"decoders\":");
@@ -1040,21 +1042,19 @@ mod tests {
     fn params_are_written_as_the_contract_writes_them() {
         let key = RequestKey::new(RequestId(0xabc_def0_1234), 3);
         let ids = [1u32, 0, 151_643, u32::MAX];
-        let raw = TokenIds::Json.write(&ids);
+        let raw = TokenIds::Json.write(&ids).unwrap_or_else(|e| panic_any(e));
         let target = DecoderTarget::new(
             1,
             "127.0.0.1:9000".parse().unwrap_or_else(|e| panic_any(e)),
             &[(0, PageAddr { page: 5, generation: 2 }), (1, PageAddr { page: 9, generation: 1 })],
         );
+        // Byte for byte: the fields in the contract's order, the same ones left out.
         let written = |p: &Params<'_>| {
             let mut out = Vec::new();
             p.write_json(&mut out).unwrap_or_else(|e| panic_any(e));
-            // Byte for byte what serde_json writes for the same value (compact, in field order).
-            let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic_any(e));
-            assert_eq!(String::from_utf8_lossy(&out), serde_json::to_string(&v).unwrap_or_default());
-            v
+            String::from_utf8(out).unwrap_or_else(|e| panic_any(e))
         };
-        let contract = |p: &BatonParams| serde_json::to_value(p).unwrap_or_else(|e| panic_any(e));
+        let contract = |p: &BatonParams| serde_json::to_string(p).unwrap_or_else(|e| panic_any(e));
 
         let targets = [target.clone()];
         let mut want = BatonParams::new(key, vec![target.clone()], Some(ids.to_vec()));
@@ -1089,22 +1089,25 @@ mod tests {
         want.local_prefill = true;
         let mut p = params(key, &[], &raw);
         p.local_prefill = true;
-        let v = written(&p);
-        assert_eq!(v, contract(&want));
-        let back: BatonParams = serde_json::from_value(v).unwrap_or_else(|e| panic_any(e));
+        let text = written(&p);
+        assert_eq!(text, contract(&want));
+        let back: BatonParams = serde_json::from_str(&text).unwrap_or_else(|e| panic_any(e));
         assert_eq!(back.key().ok(), Some(key));
         assert_eq!(back.prompt_token_ids.as_deref(), Some(&ids[..]));
 
-        // `token_ids = "base64"`: the same params, the ids as their string; the contract reads
-        // them back as the same ids.
-        let b64 = TokenIds::Base64.write(&ids);
+        // `token_ids = "base64"`: the same params, the ids as their string in the array's place;
+        // the contract reads them back as the same ids.
+        let b64 = TokenIds::Base64.write(&ids).unwrap_or_else(|e| panic_any(e));
         assert_eq!(raw.get(), serde_json::to_string(&ids).unwrap_or_default());
-        assert_eq!(TokenIds::Json.write(&[]).get(), "[]");
+        assert_eq!(TokenIds::Json.write(&[]).unwrap_or_else(|e| panic_any(e)).get(), "[]");
         assert_eq!(b64.get(), format!("{:?}", contract::ids_base64(&ids)));
-        let v = written(&params(key, &targets, &b64));
-        assert_eq!(v["prompt_token_ids"], contract::ids_base64(&ids));
-        let back: BatonParams = serde_json::from_value(v).unwrap_or_else(|e| panic_any(e));
-        assert_eq!(back, BatonParams::new(key, vec![target], Some(ids.to_vec())));
+        let text = written(&params(key, &targets, &b64));
+        let plain = BatonParams::new(key, vec![target], Some(ids.to_vec()));
+        let mut v = serde_json::to_value(&plain).unwrap_or_else(|e| panic_any(e));
+        v["prompt_token_ids"] = contract::ids_base64(&ids).into();
+        assert_eq!(text, v.to_string());
+        let back: BatonParams = serde_json::from_str(&text).unwrap_or_else(|e| panic_any(e));
+        assert_eq!(back, plain);
     }
 
     /// The release wait when the prefiller reserved: a rank whose cancel found nothing is still
