@@ -464,8 +464,9 @@ fn buffered(
 }
 
 /// JSON text put into a body as it is ([`Patched::text`]): an engine's, checked as JSON
-/// ([`crate::api::scan`] or serde_json), or the gateway's own, written as JSON ([`Json::written`]). A copy of its own: a slice of the answer would keep the whole
-/// read buffer it came in (8 KB and more) for as long as the request runs.
+/// ([`crate::api::scan`] or serde_json), or the gateway's own, written as JSON
+/// ([`Json::written`]). A copy of its own: a slice of an engine's answer would keep the whole read
+/// buffer it came in (8 KB and more) for as long as the request runs.
 #[derive(Clone, Debug)]
 pub(crate) struct Json(Box<str>);
 
