@@ -366,8 +366,8 @@ pub struct Fast {
     words: [RwLock<WordMap>; WORD_SHARDS],
 }
 
-/// A shard of the map of words' ids, by [`Fast::hash`] of the word's bytes (one hash a word, for
-/// its shard and its place in the shard): words of up to [`PACKED_BYTES`] bytes by their bytes
+/// A shard of the map of words' ids, by a hash of the word's bytes ([`Packed::hash`], or
+/// [`Fast::hasher`]'s for a long word; one hash a word, for its shard and its place in the shard): words of up to [`PACKED_BYTES`] bytes by their bytes
 /// packed into two integers (compared in two comparisons, no call), longer ones by their bytes.
 #[derive(Default)]
 struct WordMap {
