@@ -225,16 +225,27 @@ impl AsciiSplit {
         }
     }
 
-    /// Each word of ASCII `text` into `spans`, in order.
-    #[cfg(test)]
-    fn split(self, text: &str, spans: &mut Vec<(usize, usize)>) {
-        let b = text.as_bytes();
+    /// `each(start, end)` for each word of ASCII `b`, in order (the encoder looks each up as it
+    /// is found; the tests collect them).
+    #[inline(always)]
+    #[allow(clippy::inline_always)]
+    fn each_word<E>(self, b: &[u8], mut each: impl FnMut(usize, usize) -> Result<(), E>) -> Result<(), E> {
         let mut at = 0;
         while at < b.len() {
             let end = self.word_end(b, at);
-            spans.push((at, end));
+            each(at, end)?;
             at = end;
         }
+        Ok(())
+    }
+
+    /// Each word of ASCII `text` into `spans`, in order.
+    #[cfg(test)]
+    fn split(self, text: &str, spans: &mut Vec<(usize, usize)>) {
+        let _ = self.each_word::<()>(text.as_bytes(), |start, end| {
+            spans.push((start, end));
+            Ok(())
+        });
     }
 
     /// Where the word that starts at `i` (`i < b.len()`, ASCII) ends: the first alternative of the
@@ -759,12 +770,7 @@ impl Fast {
         match self.ascii {
             // Each word looked up as it is found: no list of spans, no `str` slicing.
             Some(ascii) if text.is_ascii() => {
-                let mut at = 0;
-                while at < t.len() {
-                    let end = ascii.word_end(t, at);
-                    self.word(p, t, at, end, out, buf, held)?;
-                    at = end;
-                }
+                ascii.each_word(t, |start, end| self.word(p, t, start, end, out, buf, held))?;
             }
             _ => {
                 spans.clear();
