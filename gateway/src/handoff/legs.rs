@@ -81,11 +81,10 @@ impl<'a, X: WriteJson + ?Sized> Patched<'a, X> {
         self.put(field, Val::Raw(v))
     }
 
-    /// `field` is the token ids `ids`, then `then` if given, as a JSON array: written straight
-    /// into the body when it is written, not first into a value of its own. (A prompt's ids are
-    /// most of an lmcache body: writing them twice, through a growing buffer, for each leg was 4%
-    /// of that mode's CPU in the proxy benchmark's profile.)
-    pub(crate) fn ids(self, field: &'static str, ids: &'a [u32], then: Option<u32>) -> Self {
+    /// `field` is the token ids `ids` (written once for every leg), then `then` if given, as a
+    /// JSON array. (A prompt's ids are most of an lmcache body: formatting them for each leg was
+    /// 16% of that mode's instructions a request in the proxy benchmark, 2026-11-29.)
+    pub(crate) fn ids(self, field: &'static str, ids: &'a IdsText, then: Option<u32>) -> Self {
         self.put(field, Val::Ids(ids, then))
     }
 
@@ -216,7 +215,7 @@ enum Val<'a> {
     Str(&'a str),
     Bool(bool),
     Count(u64),
-    Ids(&'a [u32], Option<u32>),
+    Ids(&'a IdsText, Option<u32>),
 }
 
 impl Val<'_> {
@@ -228,7 +227,7 @@ impl Val<'_> {
             Val::Str(t) => write_str(out, t)?,
             Val::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
             Val::Count(n) => out.extend_from_slice(itoa::Buffer::new().format(*n).as_bytes()),
-            Val::Ids(ids, then) => write_ids(out, ids, *then),
+            Val::Ids(ids, then) => ids.write(out, *then),
         }
         Ok(())
     }
@@ -248,17 +247,49 @@ pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Er
     }
 }
 
-/// `ids`, then `then`, as a JSON array of numbers.
-pub(crate) fn write_ids(out: &mut Vec<u8>, ids: &[u32], then: Option<u32>) {
+/// `ids` as a JSON array of numbers.
+pub(crate) fn write_ids(out: &mut Vec<u8>, ids: &[u32]) {
+    // At most ten digits and a comma an id: one allocation.
+    out.reserve(ids.len() * 11 + 2);
     let mut n = itoa::Buffer::new();
     out.push(b'[');
-    for (i, id) in ids.iter().chain(&then).enumerate() {
-        if i > 0 {
+    for id in ids {
+        out.extend_from_slice(n.format(*id).as_bytes());
+        out.push(b',');
+    }
+    if ids.is_empty() {
+        out.push(b']');
+    } else if let Some(last) = out.last_mut() {
+        *last = b']';
+    }
+}
+
+/// Token ids as their JSON array, written once: every leg that sends them copies the text
+/// ([`Patched::ids`]), with or without one id more after them.
+#[derive(Debug, Clone)]
+pub(crate) struct IdsText(String);
+
+impl IdsText {
+    pub(crate) fn new(ids: &[u32]) -> Self {
+        let mut out = Vec::new();
+        write_ids(&mut out, ids);
+        // Digits, commas and brackets.
+        Self(String::from_utf8(out).unwrap_or_default())
+    }
+
+    /// The array, then `then` inside it when given.
+    fn write(&self, out: &mut Vec<u8>, then: Option<u32>) {
+        let text = self.0.as_bytes();
+        let Some(then) = then else { return out.extend_from_slice(text) };
+        // `[...]` less its `]`; a comma unless it was `[]`.
+        let open = text.get(..text.len().saturating_sub(1)).unwrap_or_default();
+        out.extend_from_slice(open);
+        if open.len() > 1 {
             out.push(b',');
         }
-        out.extend_from_slice(n.format(*id).as_bytes());
+        out.extend_from_slice(itoa::Buffer::new().format(then).as_bytes());
+        out.push(b']');
     }
-    out.push(b']');
 }
 
 /// An upstream call that got no response.
@@ -916,29 +947,30 @@ mod tests {
     fn ids_are_written_as_set_writes_them() {
         let raw = map(json!({"model": "m", "prompt": "p", "n": 1}));
         let ids = [0u32, 7, 151_643, u32::MAX];
+        let (all, none, two) = (IdsText::new(&ids), IdsText::new(&[]), IdsText::new(&ids[..2]));
         let written = |p: &Patched<'_>| text(p);
         assert_eq!(
-            written(&Patched::new(&raw, &[]).ids("prompt", &ids, None)),
+            written(&Patched::new(&raw, &[]).ids("prompt", &all, None)),
             written(&Patched::new(&raw, &[]).set("prompt", &ids))
         );
         assert_eq!(
-            written(&Patched::new(&raw, &[]).ids("prompt", &ids, Some(9))),
+            written(&Patched::new(&raw, &[]).ids("prompt", &all, Some(9))),
             r#"{"model":"m","prompt":[0,7,151643,4294967295,9],"n":1}"#
         );
         assert_eq!(
-            written(&Patched::new(&raw, &[]).ids("prompt", &[], Some(9))),
+            written(&Patched::new(&raw, &[]).ids("prompt", &none, Some(9))),
             r#"{"model":"m","prompt":[9],"n":1}"#
         );
         assert_eq!(
-            written(&Patched::new(&raw, &[]).ids("prompt", &[], None).set("tail", &ids[..1])),
+            written(&Patched::new(&raw, &[]).ids("prompt", &none, None).set("tail", &ids[..1])),
             r#"{"model":"m","prompt":[],"n":1,"tail":[0]}"#
         );
         assert_eq!(
-            written(&Patched::new(&raw, &[]).ids("prompt", &ids, None).set("prompt", &"t")),
+            written(&Patched::new(&raw, &[]).ids("prompt", &all, None).set("prompt", &"t")),
             r#"{"model":"m","prompt":"t","n":1}"#
         );
         assert_eq!(
-            written(&Patched::new(&raw, &[]).set("prompt", &"t").ids("prompt", &ids[..2], None)),
+            written(&Patched::new(&raw, &[]).set("prompt", &"t").ids("prompt", &two, None)),
             r#"{"model":"m","prompt":[0,7],"n":1}"#
         );
     }

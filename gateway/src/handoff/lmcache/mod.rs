@@ -35,7 +35,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{BoxError, Drains, Encoded, LegError, Patched, RespBody, Retrying, encode};
+use super::legs::{BoxError, Drains, Encoded, IdsText, LegError, Patched, RespBody, Retrying, encode};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -224,7 +224,8 @@ struct OverIds {
     chat: bool,
     /// Chat's `top_logprobs` when it asked for logprobs.
     logprobs: Option<u64>,
-    ids: Vec<u32>,
+    /// The prompt's ids, written once for every leg.
+    ids: IdsText,
 }
 
 impl OverIds {
@@ -232,7 +233,7 @@ impl OverIds {
         let chat = req.endpoint == Endpoint::Chat;
         let logprobs = (chat && req.raw.get("logprobs").and_then(Value::as_bool) == Some(true))
             .then(|| req.raw.get("top_logprobs").and_then(Value::as_u64).unwrap_or(0));
-        Self { raw: Arc::clone(&req.raw), chat, logprobs, ids: ids.to_vec() }
+        Self { raw: Arc::clone(&req.raw), chat, logprobs, ids: IdsText::new(ids) }
     }
 
     /// The body over the prompt's ids and `then` after them (the prefiller's first token),
@@ -506,7 +507,9 @@ impl Lmcache {
             let chunks: Vec<Bytes> = shaper.stream_whole(&body, include_usage);
             (chunks.concat(), "text/event-stream")
         } else {
-            (body.to_string().into_bytes(), "application/json")
+            let mut text = Vec::with_capacity(512);
+            shape::json_into(&mut text, &body);
+            (text, "application/json")
         };
         let mut r =
             Response::new(Full::new(Bytes::from(bytes)).map_err(|e| -> BoxError { match e {} }).boxed());

@@ -184,7 +184,17 @@ impl Shaper {
 }
 
 pub(super) fn sse(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
+    let mut out = b"data: ".to_vec();
+    json_into(&mut out, v);
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+/// `v` as compact JSON onto `out`: through serde_json's writer, not `Display` (which goes through
+/// `core::fmt`, a call for every piece).
+pub(super) fn json_into(out: &mut Vec<u8>, v: &Value) {
+    // A `Value` has string keys only, and a `Vec` takes every write: this cannot fail.
+    let _ = serde_json::to_writer(out, v);
 }
 
 #[cfg(test)]

@@ -92,8 +92,8 @@ impl TokenIds {
     fn write(self, ids: &[u32]) -> Result<Json, GatewayError> {
         let text = match self {
             Self::Json => {
-                let mut text = Vec::with_capacity(ids.len() * 7 + 2);
-                write_ids(&mut text, ids, None);
+                let mut text = Vec::new();
+                write_ids(&mut text, ids);
                 String::from_utf8(text).map_err(|e| e.to_string())
             }
             Self::Base64 => {
