@@ -58,6 +58,20 @@ pub fn top_fields(text: &[u8]) -> Result<Vec<(&str, &[u8])>, Unsure> {
     Ok(fields)
 }
 
+/// The items of the JSON array `text`, each its JSON text as written. `Err(Unsure)`: not an array,
+/// or whatever else the scan leaves to serde_json ([`top_field`]).
+pub fn items(text: &[u8]) -> Result<Vec<&[u8]>, Unsure> {
+    let mut s = Scan { b: text, i: 0 };
+    let mut items = Vec::with_capacity(1);
+    s.ws();
+    if s.peek() != Some(b'[') {
+        return Err(Unsure);
+    }
+    s.array(DEPTH, |item| items.push(item)).map_err(|()| Unsure)?;
+    s.ws();
+    if s.i == text.len() { Ok(items) } else { Err(Unsure) }
+}
+
 /// Each field of the JSON object `text` to `each`: its key (plain ASCII) and its value's text.
 fn walk<'a>(text: &'a [u8], mut each: impl FnMut(&'a [u8], &'a [u8]) -> Result<(), ()>) -> Result<(), ()> {
     let mut s = Scan { b: text, i: 0 };
@@ -155,28 +169,33 @@ impl<'a> Scan<'a> {
         match self.peek().ok_or(())? {
             b'"' => self.string().map(drop),
             b'{' => self.object(depth, |_, _, _| Ok(())),
-            b'[' => {
-                let depth = depth.checked_sub(1).ok_or(())?;
-                self.i += 1;
-                self.ws();
-                if self.take(b']') {
-                    return Ok(());
-                }
-                loop {
-                    self.value(depth)?;
-                    self.ws();
-                    match self.next()? {
-                        b',' => self.ws(),
-                        b']' => return Ok(()),
-                        _ => return Err(()),
-                    }
-                }
-            }
+            b'[' => self.array(depth, |_| {}),
             b't' => self.word(b"true"),
             b'f' => self.word(b"false"),
             b'n' => self.word(b"null"),
             b'-' | b'0'..=b'9' => self.number(),
             _ => Err(()),
+        }
+    }
+
+    /// An array, at its `[`, at most `depth` deep: each item's text to `each`.
+    fn array(&mut self, depth: u32, mut each: impl FnMut(&'a [u8])) -> Result<(), ()> {
+        let depth = depth.checked_sub(1).ok_or(())?;
+        self.i += 1;
+        self.ws();
+        if self.take(b']') {
+            return Ok(());
+        }
+        loop {
+            let at = self.i;
+            self.value(depth)?;
+            each(self.b.get(at..self.i).ok_or(())?);
+            self.ws();
+            match self.next()? {
+                b',' => self.ws(),
+                b']' => return Ok(()),
+                _ => return Err(()),
+            }
         }
     }
 

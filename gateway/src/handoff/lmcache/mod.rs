@@ -499,6 +499,18 @@ impl Lmcache {
         }
         let decoded = ctx.whole(&mut holding, timing).await?;
         timing.mark(Phase::Decode);
+        // A plain answer, written straight from the decoder's text; with tools, streamed in one
+        // piece, or where that cannot be sure of it, through `Value`s.
+        let direct = (parse.is_none() && !req.fields.stream)
+            .then(|| shaper.full_written(decoded.as_deref(), &first_text))
+            .flatten();
+        let decoded = match (direct, decoded) {
+            (Some(text), _) => return Ok(whole_answer(text, "application/json")),
+            (None, Some(d)) => Some(serde_json::from_slice::<Value>(&d).map_err(|e| {
+                GatewayError::Upstream { leg: "decode", message: format!("answer is not JSON: {e}") }
+            })?),
+            (None, None) => None,
+        };
         let mut body = shaper.full(decoded.as_ref(), &first_text);
         if let Some(p) = parse {
             tools::apply(p, &mut body, &req_id);
@@ -511,11 +523,15 @@ impl Lmcache {
             shape::json_into(&mut text, &body);
             (text, "application/json")
         };
-        let mut r =
-            Response::new(Full::new(Bytes::from(bytes)).map_err(|e| -> BoxError { match e {} }).boxed());
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(kind));
-        Ok(r)
+        Ok(whole_answer(bytes, kind))
     }
+}
+
+/// An answer sent in one piece.
+fn whole_answer(bytes: Vec<u8>, kind: &'static str) -> Response<RespBody> {
+    let mut r = Response::new(Full::new(Bytes::from(bytes)).map_err(|e| -> BoxError { match e {} }).boxed());
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(kind));
+    r
 }
 
 /// What a streamed answer opens with, before the decoder's tokens.
@@ -704,7 +720,7 @@ impl DecodeLeg {
     }
 
     /// Non-streaming: the decoder's answer (`None` when it only drained).
-    async fn whole(&self, holding: &mut Holding, timing: &mut Timing) -> Result<Option<Value>, GatewayError> {
+    async fn whole(&self, holding: &mut Holding, timing: &mut Timing) -> Result<Option<Bytes>, GatewayError> {
         let resp = self.dispatch(holding, timing).await?;
         let b = resp
             .into_body()
@@ -712,14 +728,7 @@ impl DecodeLeg {
             .await
             .map(|c| c.to_bytes())
             .map_err(|e| GatewayError::Upstream { leg: "decode", message: e.to_string() })?;
-        if self.finished_early {
-            return Ok(None);
-        }
-        let v: Value = serde_json::from_slice(&b).map_err(|e| GatewayError::Upstream {
-            leg: "decode",
-            message: format!("answer is not JSON: {e}"),
-        })?;
-        Ok(Some(v))
+        Ok((!self.finished_early).then_some(b))
     }
 
     /// Streaming: relays the decoder's completion chunks in the client's shape.
