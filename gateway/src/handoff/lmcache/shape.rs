@@ -158,25 +158,15 @@ impl Shaper {
     /// request's instructions in the proxy benchmark, one token, so nothing decoded:
     /// `scripts/count-instructions lmcache`, 215.3k before, 203.0k after, 2026-11-29.)
     pub(super) fn full_written(&self, decoded: Option<&[u8]>, prefix: &str) -> Option<Vec<u8>> {
-        use crate::api::scan;
-        // Nothing decoded: `full`'s one choice.
-        let decoded = decoded
-            .unwrap_or(br#"{"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}]}"#);
-        // serde_json refuses text that is not UTF-8; the scan does not check skipped strings.
-        std::str::from_utf8(decoded).ok()?;
-        let top = scan::top_fields(decoded).ok()?;
-        let choices = scan::items(once(&top, "choices")??).ok()?;
-        let tokens = match once(&top, "usage")? {
-            // Not an object (`null`, say): no count.
-            Some(usage) if usage.first() != Some(&b'{') => 0,
-            None => 0,
-            Some(usage) => match scan::top_field(usage, "completion_tokens") {
-                Ok(n) => n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0),
-                Err(scan::Unsure) => return None,
-            },
+        /// Nothing decoded: `full`'s one choice.
+        const NOTHING: &[(&str, &[u8])] =
+            &[("index", b"0"), ("text", b"\"\""), ("logprobs", b"null"), ("finish_reason", b"\"length\"")];
+        let (choices, tokens) = match decoded {
+            None => (vec![NOTHING.to_vec()], 0),
+            Some(decoded) => read_answer(decoded)?,
         };
         let chat = self.ep == Endpoint::Chat;
-        let mut out = Vec::with_capacity(decoded.len() + 256);
+        let mut out = Vec::with_capacity(decoded.map_or(0, <[u8]>::len) + 256);
         out.extend_from_slice(b"{\"id\":");
         write_str(&mut out, &self.id).ok()?;
         out.extend_from_slice(if chat {
@@ -188,13 +178,9 @@ impl Shaper {
         out.extend_from_slice(b",\"model\":");
         serde_json::to_writer(&mut out, &self.model).ok()?;
         out.extend_from_slice(b",\"choices\":[");
-        for (n, choice) in choices.iter().enumerate() {
+        for (n, fields) in choices.iter().enumerate() {
             if n > 0 {
                 out.push(b',');
-            }
-            let fields = scan::top_fields(choice).ok()?;
-            if fields.iter().enumerate().any(|(i, (k, _))| fields.iter().skip(i + 1).any(|(j, _)| j == k)) {
-                return None;
             }
             let get = |key: &str| fields.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
             if chat && get("logprobs").is_some_and(|l| l != b"null") {
@@ -217,7 +203,7 @@ impl Shaper {
                 write_str(out, k).ok();
                 out.push(b':');
             };
-            for (k, v) in &fields {
+            for (k, v) in fields {
                 match (*k, chat) {
                     ("text", false) => {
                         key(&mut out, k);
@@ -267,6 +253,34 @@ impl Shaper {
         out.extend_from_slice(b"}}");
         Some(out)
     }
+}
+
+/// Each choice's fields (none given twice) and the count of tokens decoded, from a decoder's
+/// answer; `None` where the scan is not sure of it.
+#[allow(clippy::type_complexity)]
+fn read_answer(decoded: &[u8]) -> Option<(Vec<Vec<(&str, &[u8])>>, u64)> {
+    use crate::api::scan;
+    // serde_json refuses text that is not UTF-8; the scan does not check skipped strings.
+    std::str::from_utf8(decoded).ok()?;
+    let top = scan::top_fields(decoded).ok()?;
+    let mut choices = Vec::with_capacity(1);
+    for choice in scan::items(once(&top, "choices")??).ok()? {
+        let fields = scan::top_fields(choice).ok()?;
+        if fields.iter().enumerate().any(|(i, (k, _))| fields.iter().skip(i + 1).any(|(j, _)| j == k)) {
+            return None;
+        }
+        choices.push(fields);
+    }
+    let tokens = match once(&top, "usage")? {
+        // Not an object (`null`, say): no count.
+        Some(usage) if usage.first() != Some(&b'{') => 0,
+        None => 0,
+        Some(usage) => match scan::top_field(usage, "completion_tokens") {
+            Ok(n) => n.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0),
+            Err(scan::Unsure) => return None,
+        },
+    };
+    Some((choices, tokens))
 }
 
 /// The value of the field `key` of `fields`: `Some(None)` where there is none, `None` where it is
