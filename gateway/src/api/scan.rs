@@ -101,6 +101,21 @@ const fn below(v: u64, n: u8) -> u64 {
     v.wrapping_sub(ONES * n as u64) & !v
 }
 
+/// The bytes of `v` that end a JSON string's plain run (a control character, `"` or `\\`) have
+/// their top bit set, the lowest one exactly.
+const fn stops(v: u64) -> u64 {
+    (below(v, 0x20) | below(v ^ (ONES * 0x22), 1) | below(v ^ (ONES * 0x5c), 1)) & HIGHS
+}
+
+/// Whether `s` goes into a JSON string as it is: no control character, quote or backslash
+/// (eight bytes at a time; a byte-by-byte check was some 4 instructions a byte).
+pub fn plain(s: &[u8]) -> bool {
+    let mut chunks = s.chunks_exact(8);
+    let clean =
+        chunks.by_ref().all(|c| c.try_into().is_ok_and(|c: [u8; 8]| stops(u64::from_le_bytes(c)) == 0));
+    clean && chunks.remainder().iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\')
+}
+
 impl<'a> Scan<'a> {
     fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
@@ -254,8 +269,7 @@ impl<'a> Scan<'a> {
             for _ in 0..2 {
                 let Some(chunk) = self.b.get(self.i..self.i + 8) else { break };
                 let v = u64::from_le_bytes(chunk.try_into().map_err(drop)?);
-                let stop =
-                    (below(v, 0x20) | below(v ^ (ONES * 0x22), 1) | below(v ^ (ONES * 0x5c), 1)) & HIGHS;
+                let stop = stops(v);
                 if stop != 0 {
                     at = Some((stop.trailing_zeros() / 8) as usize);
                     break;

@@ -237,7 +237,7 @@ impl Val<'_> {
 /// escape (a field's name, an id: most strings a body sets), else through serde_json (a call that
 /// looks up each byte in its escape table, some 150 instructions for a short name).
 pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Error> {
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    if crate::api::scan::plain(s.as_bytes()) {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
         out.push(b'"');
@@ -1098,6 +1098,12 @@ mod tests {
                 for c in alphabet {
                     cases.push(format!("{a}{b}{c}"));
                 }
+            }
+        }
+        // Each of them at every place of a longer string (checked eight bytes at a time).
+        for a in alphabet {
+            for at in 0..20 {
+                cases.push(format!("{}{a}{}", "x".repeat(at), "y".repeat(19 - at)));
             }
         }
         for t in &cases {

@@ -255,10 +255,12 @@ impl Shaper {
     }
 }
 
+/// A JSON object's fields: each key and its value's text.
+type Fields<'a> = Vec<(&'a str, &'a [u8])>;
+
 /// Each choice's fields (none given twice) and the count of tokens decoded, from a decoder's
 /// answer; `None` where the scan is not sure of it.
-#[allow(clippy::type_complexity)]
-fn read_answer(decoded: &[u8]) -> Option<(Vec<Vec<(&str, &[u8])>>, u64)> {
+fn read_answer(decoded: &[u8]) -> Option<(Vec<Fields<'_>>, u64)> {
     use crate::api::scan;
     // serde_json refuses text that is not UTF-8; the scan does not check skipped strings.
     std::str::from_utf8(decoded).ok()?;
