@@ -414,6 +414,7 @@ mod tests {
             r#"{"choices":[{"index":0,"text":"x","message":{"role":"user"},"logprobs":null}],"usage":{"completion_tokens":-1}}"#,
             r#"{"choices":[{}],"usage":{}}"#,
             r#"{"choices":[]}"#,
+            r#"{"choices":[{"text":"b"}],"usage":[3]}"#,
             // Left to `full` (or refused by both):
             r#"{"choices":[{"index":0,"text":"x","logprobs":{"tokens":["x"],"token_logprobs":[-1.0],"top_logprobs":[{}]}}]}"#,
             r#"{"choices":[{"text":"a","text":"b"}]}"#,
@@ -422,7 +423,6 @@ mod tests {
             r#"{"choices":{"text":"b"}}"#,
             r#"{"usage":{"completion_tokens":3}}"#,
             r#"{"choices":[{"te\u0078t":"b"}]}"#,
-            r#"{"choices":[{"text":"b"}],"usage":[3]}"#,
             r#"[{"choices":[]}]"#,
             r#"{"choices":[{"text":"b"}]"#,
         ];
@@ -448,8 +448,8 @@ mod tests {
                 }
             }
         }
-        // The first seven answers and the one with `"usage":[3]`, in both shapes, each with three
-        // prefixes; the one with logprobs too, but only for completions.
+        // The first eight answers, in both shapes, each with three prefixes; the one with logprobs
+        // too, but only for completions.
         assert_eq!(written, 8 * 6 + 3, "answers written from their text");
     }
 
