@@ -232,13 +232,17 @@ impl<'a> Scan<'a> {
     }
 
     /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`. A digit after a leading `0` is left
-    /// unread, for the caller to refuse (serde_json refuses it too).
+    /// unread, for the caller to refuse (serde_json refuses it too). A number that may be out of
+    /// `f64`'s range (300 digits before the point or more, or an exponent of three digits or
+    /// more) is left to serde_json, which refuses one as a value though it skips it.
     fn number(&mut self) -> Result<(), ()> {
         self.take(b'-');
         match self.next()? {
             b'0' => {}
             b'1'..=b'9' => {
-                self.digits();
+                if self.digits() >= 299 {
+                    return Err(());
+                }
             }
             _ => return Err(()),
         }
@@ -249,7 +253,7 @@ impl<'a> Scan<'a> {
             if !self.take(b'+') {
                 self.take(b'-');
             }
-            if self.digits() == 0 {
+            if !matches!(self.digits(), 1 | 2) {
                 return Err(());
             }
         }

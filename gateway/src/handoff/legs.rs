@@ -288,7 +288,7 @@ pub(crate) fn write_ids(out: &mut Vec<u8>, ids: &[u32]) {
     out.truncate(at);
 }
 
-/// How many decimal digits `v` has (1 to 10). (`checked_ilog10` cost 14 instructions an id more.)
+/// How many decimal digits `v` has (1 to 10). (`checked_ilog10` cost 11 instructions an id more.)
 fn decimal_digits(v: u32) -> usize {
     match v {
         0..=9 => 1,
@@ -313,6 +313,8 @@ impl IdsText {
     pub(crate) fn new(ids: &[u32]) -> Self {
         let mut out = Vec::new();
         write_ids(&mut out, ids);
+        // Kept for the request's life: not with room for ten digits an id.
+        out.shrink_to_fit();
         // Digits, commas and brackets.
         Self(String::from_utf8(out).unwrap_or_default())
     }

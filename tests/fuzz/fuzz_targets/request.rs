@@ -5,11 +5,12 @@
 //! string taken from its text) must read what serde_json reads from the body whole, and keep each
 //! large field's text as serde_json finds it. The scan for one field of an engine's answer
 //! (`api::scan`) must read what serde_json reads into a struct of that one field, wherever it
-//! answers at all (and answer nothing where serde_json refuses the text).
+//! answers at all (and answer nothing where serde_json refuses the text); its items of an array
+//! must be the texts serde_json reads as the array's `RawValue`s.
 #![no_main]
 
 use baton_gateway::api::object::Object;
-use baton_gateway::api::scan::top_field;
+use baton_gateway::api::scan::{items, top_field};
 use baton_gateway::api::{Endpoint, GenRequest};
 use libfuzzer_sys::fuzz_target;
 use serde_json::value::RawValue;
@@ -57,6 +58,17 @@ fuzz_target!(|data: &[u8]| {
     }
     same_field::<Params>(body, "kv_transfer_params", |p| p.kv_transfer_params);
     same_field::<Prompt>(body, "prompt", |p| p.prompt);
+    if let Ok(found) = items(body) {
+        match serde_json::from_slice::<Vec<&RawValue>>(body) {
+            Ok(v) => assert!(
+                found.iter().map(|i| std::str::from_utf8(i).ok()).eq(v.iter().map(|r| Some(r.get()))),
+                "the scan read other items"
+            ),
+            Err(e) => {
+                assert!(std::str::from_utf8(body).is_err(), "the scan read an array serde_json refuses: {e}")
+            }
+        }
+    }
     if let Ok(req) = GenRequest::parse(endpoint, body) {
         let _ = req.messages();
         let _ = req.fields.max_tokens();

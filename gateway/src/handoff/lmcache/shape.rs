@@ -114,9 +114,9 @@ impl Shaper {
     }
 
     fn usage(&self, decoded: u64) -> Value {
-        let completion = decoded + u64::from(self.extra);
+        let completion = decoded.saturating_add(u64::from(self.extra));
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-               "total_tokens": self.prompt_tokens as u64 + completion})
+               "total_tokens": (self.prompt_tokens as u64).saturating_add(completion)})
     }
 
     pub(super) fn usage_chunk(&self, decoded: u64) -> Value {
@@ -151,12 +151,13 @@ impl Shaper {
     /// decoded, `prefix` is all the text), written straight
     /// from that text rather than through `Value`s: the envelope, each choice's fields as the
     /// decoder wrote them with the text (`prefix` before choice 0's) in the client's shape, and the
-    /// usage. The same JSON (fields of nested values as written, so not always the same bytes).
+    /// usage. The same JSON (nested values as the decoder wrote them, so not always the same bytes,
+    /// and a key given twice inside one kept twice).
     /// `None` where the answer is anything but a plain completion object, where the scan is not
     /// sure of it (`api::scan`), or where a chat choice has logprobs to convert: `full` is for
-    /// those. (Building the client's answer as `Value`s and writing it was 8% of an lmcache
-    /// request's instructions in the proxy benchmark, one token, so nothing decoded:
-    /// `scripts/count-instructions lmcache`, 215.3k before, 203.0k after, 2026-11-29.)
+    /// those, as are answers serde_json would refuse as a `Value`. (Building the client's answer
+    /// as `Value`s and writing it cost an lmcache request of one token, nothing decoded, 16.9k of
+    /// its 215.3k instructions: `scripts/count-instructions lmcache`, 2026-11-29.)
     pub(super) fn full_written(&self, decoded: Option<&[u8]>, prefix: &str) -> Option<Vec<u8>> {
         /// Nothing decoded: `full`'s one choice.
         const NOTHING: &[(&str, &[u8])] =
@@ -241,7 +242,7 @@ impl Shaper {
             }
             out.push(b'}');
         }
-        let completion = tokens + u64::from(self.extra);
+        let completion = tokens.saturating_add(u64::from(self.extra));
         let prompt = self.prompt_tokens as u64;
         let mut n = itoa::Buffer::new();
         out.extend_from_slice(b"],\"usage\":{\"prompt_tokens\":");
@@ -249,7 +250,7 @@ impl Shaper {
         out.extend_from_slice(b",\"completion_tokens\":");
         out.extend_from_slice(n.format(completion).as_bytes());
         out.extend_from_slice(b",\"total_tokens\":");
-        out.extend_from_slice(n.format(prompt + completion).as_bytes());
+        out.extend_from_slice(n.format(prompt.saturating_add(completion)).as_bytes());
         out.extend_from_slice(b"}}");
         Some(out)
     }
@@ -262,8 +263,17 @@ type Fields<'a> = Vec<(&'a str, &'a [u8])>;
 /// answer; `None` where the scan is not sure of it.
 fn read_answer(decoded: &[u8]) -> Option<(Vec<Fields<'_>>, u64)> {
     use crate::api::scan;
-    // serde_json refuses text that is not UTF-8; the scan does not check skipped strings.
+    // What serde_json refuses as a `Value` though it skips it, left to it: text that is not UTF-8,
+    // an escaped surrogate (`\ud800`: bytes of `\ud` and `\uD` whether or not one), and nesting
+    // deeper than its limit (counted here as every `{` and `[`, in strings too). Numbers that may
+    // be out of range the scan leaves to it itself.
     std::str::from_utf8(decoded).ok()?;
+    if memchr::memmem::find(decoded, br"\ud").is_some()
+        || memchr::memmem::find(decoded, br"\uD").is_some()
+        || decoded.iter().filter(|&&b| b == b'{' || b == b'[').count() >= 127
+    {
+        return None;
+    }
     let top = scan::top_fields(decoded).ok()?;
     let mut choices = Vec::with_capacity(1);
     for choice in scan::items(once(&top, "choices")??).ok()? {
@@ -425,6 +435,16 @@ mod tests {
             r#"{"choices":[{"te\u0078t":"b"}]}"#,
             r#"[{"choices":[]}]"#,
             r#"{"choices":[{"text":"b"}]"#,
+            // What serde_json skips but refuses as a `Value` (or may: numbers near `f64`'s limits,
+            // nesting near its depth limit) is left to it.
+            r#"{"choices":[{"text":"\ud800"}]}"#,
+            r#"{"choices":[{"text":"b","x":1e400}]}"#,
+            r#"{"choices":[{"text":"b","x":1e-400,"y":-0,"z":1.5e300}]}"#,
+        ];
+        let near_limits = [
+            format!(r#"{{"choices":[{{"text":"b","x":{}1{}}}]}}"#, "[".repeat(124), "]".repeat(124)),
+            format!(r#"{{"choices":[{{"text":"b","x":{}1{}}}]}}"#, "[".repeat(125), "]".repeat(125)),
+            format!(r#"{{"choices":[{{"text":"b","x":1{}}}]}}"#, "0".repeat(320)),
         ];
         let mut written = 0;
         for ep in [Endpoint::Completions, Endpoint::Chat] {
@@ -435,7 +455,7 @@ mod tests {
                 // Nothing decoded.
                 let got: Value = serde_json::from_slice(&s.full_written(None, prefix).unwrap()).unwrap();
                 assert_eq!(got, s.full(None, prefix));
-                for a in answers {
+                for a in answers.iter().copied().chain(near_limits.iter().map(String::as_str)) {
                     let got = s.full_written(Some(a.as_bytes()), prefix);
                     let Ok(parsed) = serde_json::from_str::<Value>(a) else {
                         assert_eq!(got, None, "{a}");
