@@ -148,12 +148,11 @@ impl Shaper {
 
 impl Shaper {
     /// What [`Shaper::full`] gives for the decoder's answer `decoded` (its text; `None`: nothing
-    /// decoded, `prefix` is all the text), written straight
-    /// from that text rather than through `Value`s: the envelope, each choice's fields as the
-    /// decoder wrote them with the text (`prefix` before choice 0's) in the client's shape, and the
-    /// usage. The same JSON (nested values as the decoder wrote them, so not always the same bytes,
-    /// and a key given twice inside one kept twice).
-    /// `None` where the answer is anything but a plain completion object, where the scan is not
+    /// decoded, `prefix` is all the text), written straight from that text rather than through
+    /// `Value`s: the envelope, each choice's fields as the decoder wrote them with the text
+    /// (`prefix` before choice 0's) in the client's shape, and the usage. The same JSON (nested
+    /// values as the decoder wrote them, so not always the same bytes, and a key given twice inside
+    /// one kept twice). `None` where the answer is anything but a plain completion object, where the scan is not
     /// sure of it (`api::scan`), or where a chat choice has logprobs to convert: `full` is for
     /// those, as are answers serde_json would refuse as a `Value`. (Building the client's answer
     /// as `Value`s and writing it cost an lmcache request of one token, nothing decoded, 16.9k of
