@@ -1,5 +1,6 @@
-//! One top-level field of an engine's JSON answer, found by a scan that checks the text as it goes
-//! instead of parsing it into values.
+//! One top-level field of an engine's JSON answer (or all of them, or an array's items), found by
+//! a scan that checks the text as it goes instead of parsing it into values; and whether a string
+//! goes into JSON without escapes ([`plain`]).
 //!
 //! vLLM's prefill answers with a whole completion object, and the gateway needs one field of it
 //! (`kv_transfer_params`, passed on to the decoder as written). serde_json read the rest field by
@@ -11,8 +12,8 @@
 //! permissive as serde_json: whatever it takes, serde_json takes too and reads the same field from
 //! it. What it is not sure of, it leaves to serde_json, which then gives its own answer or error:
 //! a top-level key with an escape or a byte that is not ASCII, the field given twice, nesting deeper
-//! than [`DEPTH`], anything serde_json would refuse. The `request` fuzz target compares the two on
-//! any input.
+//! than [`DEPTH`], a number that may be out of `f64`'s range, anything serde_json would refuse. The
+//! `request` fuzz target compares the two on any input.
 
 /// Nesting the scan follows (serde_json skips a value at any depth): deeper, it gives up.
 const DEPTH: u32 = 128;

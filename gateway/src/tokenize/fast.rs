@@ -378,8 +378,9 @@ pub struct Fast {
 }
 
 /// A shard of the map of words' ids, by a hash of the word's bytes ([`Packed::hash`], or
-/// [`Fast::hasher`]'s for a long word; one hash a word, for its shard and its place in the shard): words of up to [`PACKED_BYTES`] bytes by their bytes
-/// packed into two integers (compared in two comparisons, no call), longer ones by their bytes.
+/// [`Fast::hasher`]'s for a long word; one hash a word, for its shard and its place in the shard):
+/// words of up to [`PACKED_BYTES`] bytes by their bytes packed into two integers (compared in two
+/// comparisons, no call), longer ones by their bytes.
 #[derive(Default)]
 struct WordMap {
     packed: hashbrown::HashTable<(Packed, Ids)>,

@@ -152,11 +152,12 @@ impl Shaper {
     /// `Value`s: the envelope, each choice's fields as the decoder wrote them with the text
     /// (`prefix` before choice 0's) in the client's shape, and the usage. The same JSON (nested
     /// values as the decoder wrote them, so not always the same bytes, and a key given twice inside
-    /// one kept twice). `None` where the answer is anything but a plain completion object, where the scan is not
-    /// sure of it (`api::scan`), or where a chat choice has logprobs to convert: `full` is for
-    /// those, as are answers serde_json would refuse as a `Value`. (Building the client's answer
-    /// as `Value`s and writing it cost an lmcache request of one token, nothing decoded, 16.9k of
-    /// its 215.3k instructions: `scripts/count-instructions lmcache`, 2026-11-29.)
+    /// one kept twice). `None` where the answer is anything but a plain completion object, where
+    /// the scan is not sure of it (`api::scan`), or where a chat choice has logprobs to convert:
+    /// `full` is for those, as are answers serde_json would refuse as a `Value`. (Building the
+    /// client's answer as `Value`s and writing it cost an lmcache request of one token, nothing
+    /// decoded, 16.9k of its 215.3k instructions: `scripts/count-instructions lmcache`,
+    /// 2026-11-29.)
     pub(super) fn full_written(&self, decoded: Option<&[u8]>, prefix: &str) -> Option<Vec<u8>> {
         /// Nothing decoded: `full`'s one choice.
         const NOTHING: &[(&str, &[u8])] =
