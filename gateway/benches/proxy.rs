@@ -2,8 +2,8 @@
 //! one leg to the same engine, and the engine called directly.
 //!
 //! `cargo bench -p baton-gateway --bench proxy -- [--secs 10] [--modes vllm-nixl,lmcache,native,sglang]
-//!  [--layouts A,B] [--phases c1,c1_gap20ms,c64,ttft] [--rounds 5] [--out FILE]` (`--phases`: only
-//!  those, e.g. to profile one)
+//!  [--layouts A,B] [--phases c1,c1_gap20ms,c64,c64_paced,ttft] [--rounds 5] [--paced-rate 4000]
+//!  [--out FILE]` (`--phases`: only those, e.g. to profile one)
 //!
 //! Processes, each pinned with `taskset`:
 //! - the engines (this binary again, in a role of its own): one prefill and one decode `baton-sim`
@@ -34,7 +34,13 @@
 //! voluntary and involuntary); c=16 streamed time to the first token (4 tokens) straight, through
 //! nginx and through baton; and
 //! the gateway's CPU time per request (utime + stime from `/proc` over each c=64 round, and each apart),
-//! beside nginx's for one leg and the floor's for two under the same load. The floor is measured
+//! beside nginx's for one leg and the floor's for two under the same load, with the engines' and the
+//! load generator's CPU a request in the same round; and the same again with the 64 connections
+//! paced to one rate for every target (`c64_paced`, `--paced-rate`, 4,000 req/s unless given), below
+//! what each keeps up with. (Back to back in layout B, the core is full and the scheduler takes
+//! whichever process needs the most of it off the core each time it wakes another: that one's
+//! work, the gateway's or the engines', is cut into runs of about a request each and costs more;
+//! paced, the core is not full.) The floor is measured
 //! wherever baton is. During each c=16 TTFT run, every process's CPU a request (`cpu_us_per_request`:
 //! the front, the engines, the load): in layout B they share one core, so their sum weighs on the
 //! TTFT under load, and a mode's engines do their own protocol's work there (`native`'s neutral
@@ -89,6 +95,9 @@ const NOTIFY_ENV: &str = "BATON_PROXY_BENCH_NOTIFY";
 const CHUNK_TOKENS: u32 = 256;
 const SHAPE: [u32; 4] = [1, 1, 4, 1];
 const PROMPT_BYTES: usize = 1000;
+/// `c64_paced`'s rate unless `--paced-rate`: below what every target keeps up with in layout B on
+/// the project's CPU machine (the slowest, a mode through baton back to back, 5,000–7,000 req/s).
+const PACED_RATE: f64 = 4000.0;
 
 /// Killed however the bench ends.
 struct Proc(Child);
@@ -488,29 +497,55 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
     common::percentile(v, p).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
-/// `c` connections sending requests back to back (with `gap` between each connection's requests)
+/// How each of [`run`]'s connections spaces its requests.
+#[derive(Clone, Copy)]
+enum Pace {
+    /// The next request as soon as the answer is read.
+    Closed,
+    /// This long after each answer (a person with curl).
+    Gap(Duration),
+    /// All `c` connections together at this many requests a second, each on a schedule of its
+    /// own (`c / rate` apart, the connections' starts spread over one such interval); a request
+    /// that falls behind its time is sent as soon as the previous answer is read.
+    Rate(f64),
+}
+
+/// `c` connections sending requests paced by `pace`
 /// for `secs`: the latencies and times to first token.
 async fn run(
     addr: SocketAddr,
     body: &Bytes,
     c: usize,
     secs: f64,
-    gap: Duration,
+    pace: Pace,
 ) -> (Vec<Duration>, Vec<Duration>, f64, Vec<Vec<(String, f64)>>) {
     let until = Instant::now() + Duration::from_secs_f64(secs);
     let mut tasks = tokio::task::JoinSet::new();
     let t0 = Instant::now();
-    for _ in 0..c {
+    for i in 0..c {
         let body = body.clone();
         tasks.spawn(async move {
             let mut send = connect(addr).await;
             let mut out = Vec::new();
+            let mut schedule = match pace {
+                Pace::Rate(rate) => {
+                    let every = Duration::from_secs_f64(c as f64 / rate);
+                    let first = tokio::time::Instant::now() + every.mul_f64(i as f64 / c as f64);
+                    let mut t = tokio::time::interval_at(first, every);
+                    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    Some(t)
+                }
+                Pace::Closed | Pace::Gap(_) => None,
+            };
             while Instant::now() < until {
+                if let Some(t) = schedule.as_mut() {
+                    t.tick().await;
+                }
                 match one(&mut send, &body).await {
                     Some(x) => out.push(x),
                     None => send = connect(addr).await,
                 }
-                if !gap.is_zero() {
+                if let Pace::Gap(gap) = pace {
                     tokio::time::sleep(gap).await;
                 }
             }
@@ -577,18 +612,37 @@ fn switches(pid: u32) -> (u64, u64) {
     sum
 }
 
-/// c=64 against `addr` for `secs`: req/s, p50 and p99, and `pid`'s CPU time a request, user and
-/// kernel apart (keys `{key}cpu_us_per_request`, `{key}user_us_per_request`,
+/// c=64 against `addr` for `secs`, paced by `pace`: req/s, p50 and p99, and `pid`'s CPU time a
+/// request, user and kernel apart (keys `{key}cpu_us_per_request`, `{key}user_us_per_request`,
 /// `{key}system_us_per_request`), its context switches a request (`{key}voluntary_switches_per_request`,
-/// `{key}involuntary_switches_per_request`), and the latencies.
-async fn loaded(addr: SocketAddr, pid: u32, body: &Bytes, secs: f64, key: &str) -> (Value, Vec<Duration>) {
+/// `{key}involuntary_switches_per_request`), the engines' and the load generator's CPU a request
+/// (`engines_cpu_us_per_request`, `load_cpu_us_per_request`), and the latencies. In layout B the
+/// three share one core, and whichever of them needs the most of it is the one taken off it each
+/// time another is woken: its work is then cut into runs of about one request each, and costs more.
+async fn loaded(
+    addr: SocketAddr,
+    pids: (u32, u32),
+    body: &Bytes,
+    secs: f64,
+    pace: Pace,
+    key: &str,
+) -> (Value, Vec<Duration>) {
+    let (pid, engines) = pids;
+    let both = |p: u32| {
+        let (user, system) = cpu_split(p);
+        user + system
+    };
+    let others0 = (both(engines), both(std::process::id()));
     let (cpu0, sw0) = (cpu_split(pid), switches(pid));
-    let (mut lat, _, rate, _) = run(addr, body, 64, secs, Duration::ZERO).await;
+    let (mut lat, _, rate, _) = run(addr, body, 64, secs, pace).await;
     let (cpu1, sw1) = (cpu_split(pid), switches(pid));
+    let others1 = (both(engines), both(std::process::id()));
     let n = lat.len() as f64;
     let per = |s: f64| s / n * 1e6;
     let (user, system) = (per(cpu1.0 - cpu0.0), per(cpu1.1 - cpu0.1));
     let mut v = json!({"n": lat.len(), "req_per_s": rate, "p50_ms": pct(&mut lat, 0.5), "p99_ms": pct(&mut lat, 0.99)});
+    v["engines_cpu_us_per_request"] = json!(per(others1.0 - others0.0));
+    v["load_cpu_us_per_request"] = json!(per(others1.1 - others0.1));
     v[format!("{key}cpu_us_per_request")] = json!(user + system);
     v[format!("{key}user_us_per_request")] = json!(user);
     v[format!("{key}system_us_per_request")] = json!(system);
@@ -610,22 +664,34 @@ fn median(v: impl IntoIterator<Item = f64>) -> f64 {
     }
 }
 
-/// The c=64 phase: `rounds` rounds of `secs / rounds` each, every target in turn within a round
+/// A c=64 phase (`name`: `c64`, back to back; `c64_paced`, at a rate all the targets keep up
+/// with): `rounds` rounds of `secs / rounds` each, every target in turn within a round
 /// (baton, nginx, the floor), so a drift of the machine's speed during the phase falls on all
-/// of them alike. Per target: each round's figures (`rounds`), the median of each figure over the
-/// rounds, p50 and p99 over all the rounds' latencies; and `gateway_cpu_vs_floor`, the median
-/// over the rounds of baton's CPU a request over the floor's in the same round.
-async fn loaded_rounds(s: &Setup, body: &Bytes, secs: f64, rounds: usize, v: &mut Value) {
-    let mut targets = vec![("c64_baton", s.baton, s.baton_pid, "gateway_")];
+/// of them alike. Per target (`{name}_baton`, …): each round's figures (`rounds`), the median of
+/// each figure over the rounds, p50 and p99 over all the rounds' latencies; and
+/// `gateway_cpu_vs_floor`, the median over the rounds of baton's CPU a request over the floor's
+/// in the same round.
+async fn loaded_rounds(
+    s: &Setup,
+    body: &Bytes,
+    secs: f64,
+    rounds: usize,
+    pace: Pace,
+    name: &str,
+    v: &mut Value,
+) {
+    let (baton, floor) = (format!("{name}_baton"), format!("{name}_floor"));
+    let mut targets = vec![(baton.clone(), s.baton, s.baton_pid, "gateway_")];
     if let Some((at, pid)) = s.nginx {
-        targets.push(("c64_nginx", at, pid, ""));
+        targets.push((format!("{name}_nginx"), at, pid, ""));
     }
-    targets.push(("c64_floor", s.floor.0, s.floor.1, ""));
+    targets.push((floor.clone(), s.floor.0, s.floor.1, ""));
     let mut per: Vec<(Vec<Value>, Vec<Duration>)> =
         targets.iter().map(|_| (Vec::new(), Vec::new())).collect();
     for _ in 0..rounds {
         for (i, (_, addr, pid, key)) in targets.iter().enumerate() {
-            let (r, lat) = loaded(*addr, *pid, body, secs / rounds as f64, key).await;
+            let pids = (*pid, s.engines_pid);
+            let (r, lat) = loaded(*addr, pids, body, secs / rounds as f64, pace, key).await;
             per[i].0.push(r);
             per[i].1.extend(lat);
         }
@@ -638,15 +704,15 @@ async fn loaded_rounds(s: &Setup, body: &Bytes, secs: f64, rounds: usize, v: &mu
             t[k] = json!(median(rs.iter().filter_map(|r| r[k].as_f64())));
         }
         t["rounds"] = json!(rs);
-        v[*name] = t;
+        v[name.as_str()] = t;
     }
     let ratios: Vec<f64> = (0..rounds)
         .map(|i| {
             let cpu = |t: &str, k: &str| v[t]["rounds"][i][k].as_f64().unwrap_or(f64::NAN);
-            cpu("c64_baton", "gateway_cpu_us_per_request") / cpu("c64_floor", "cpu_us_per_request")
+            cpu(&baton, "gateway_cpu_us_per_request") / cpu(&floor, "cpu_us_per_request")
         })
         .collect();
-    v["c64_baton"]["gateway_cpu_vs_floor"] =
+    v[baton.as_str()]["gateway_cpu_vs_floor"] =
         json!({"median": median(ratios.iter().copied()), "rounds": ratios});
 }
 
@@ -664,6 +730,7 @@ async fn measure(
     rounds: usize,
     nginx: Option<&Path>,
     phases: &str,
+    paced: f64,
 ) -> Value {
     let phase = |p: &str| phases == "all" || phases.split(',').any(|x| x == p);
     let dir = std::env::temp_dir().join(format!("baton-proxy-bench-{}-{mode}-{layout}", std::process::id()));
@@ -676,7 +743,7 @@ async fn measure(
     // The gateway's connections to the engines and its pools are warm before anything is timed.
     let nginx = s.nginx.map(|(a, _)| a);
     for addr in [Some(s.engine), nginx, Some(s.floor.0), Some(s.baton)].into_iter().flatten() {
-        run(addr, &plain, 4, warm, Duration::ZERO).await;
+        run(addr, &plain, 4, warm, Pace::Closed).await;
     }
     let mut v = json!({"mode": mode, "layout": layout.to_string()});
     let targets = [
@@ -685,7 +752,7 @@ async fn measure(
         ("floor", Some(s.floor.0)),
         ("baton", Some(s.baton)),
     ];
-    for (gap_name, gap) in [("c1", Duration::ZERO), ("c1_gap20ms", Duration::from_millis(20))] {
+    for (gap_name, gap) in [("c1", Pace::Closed), ("c1_gap20ms", Pace::Gap(Duration::from_millis(20)))] {
         if !phase(gap_name) {
             continue;
         }
@@ -707,7 +774,12 @@ async fn measure(
     }
     if phase("c64") {
         // The gateway's CPU a request beside nginx's for one leg and the floor's for two.
-        loaded_rounds(&s, &plain, secs, rounds, &mut v).await;
+        loaded_rounds(&s, &plain, secs, rounds, Pace::Closed, "c64", &mut v).await;
+    }
+    if phase("c64_paced") {
+        // The same at one rate for all, below what each keeps up with: the core is not full in
+        // B, so each process sleeps once its work is done and none is left with a backlog.
+        loaded_rounds(&s, &plain, secs, rounds, Pace::Rate(paced), "c64_paced", &mut v).await;
     }
     let mut base = f64::NAN;
     for (name, addr) in targets.into_iter().filter(|_| phase("ttft")) {
@@ -723,7 +795,7 @@ async fn measure(
         let procs = [("front", front), ("engines", Some(s.engines_pid)), ("load", Some(std::process::id()))];
         let cpu = |p: Option<u32>| p.map(cpu_split).map_or(0.0, |(user, system)| user + system);
         let cpu0 = procs.map(|(_, p)| cpu(p));
-        let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Duration::ZERO).await;
+        let (_, mut ttft, _, _) = run(addr, &stream, 16, secs, Pace::Closed).await;
         let cpu1 = procs.map(|(_, p)| cpu(p));
         let p50 = pct(&mut ttft, 0.5);
         if name == "straight" {
@@ -759,8 +831,11 @@ fn main() {
     let default_modes = if quick { "vllm-nixl" } else { "vllm-nixl,lmcache,native,sglang" };
     let modes = arg("--modes").unwrap_or_else(|| default_modes.into());
     let layouts = arg("--layouts").unwrap_or_else(|| if quick { "B".into() } else { "A,B".into() });
-    // Which phases (c1, c1_gap20ms, c64, ttft), for profiling one of them.
+    // Which phases (c1, c1_gap20ms, c64, c64_paced, ttft), for profiling one of them.
     let phases = arg("--phases").unwrap_or_else(|| "all".into());
+    // `c64_paced`'s rate, requests a second for the 64 connections together.
+    let paced: f64 = arg("--paced-rate").map_or(PACED_RATE, |s| s.parse().unwrap());
+    assert!(paced > 0.0, "--paced-rate: above 0");
     // c=64 in rounds of `secs / rounds`, the targets in turn (see `loaded_rounds`).
     let rounds: usize = arg("--rounds").map_or(if quick { 1 } else { 5 }, |s| s.parse().unwrap());
     assert!(rounds >= 1, "--rounds: at least 1");
@@ -774,7 +849,7 @@ fn main() {
     let mut results = Vec::new();
     for layout in layouts.split(',').filter_map(|l| l.chars().next()) {
         for mode in modes.split(',') {
-            let v = rt.block_on(measure(mode, layout, secs, rounds, nginx.as_deref(), &phases));
+            let v = rt.block_on(measure(mode, layout, secs, rounds, nginx.as_deref(), &phases, paced));
             let f = |path: &[&str]| -> String {
                 let mut x = &v;
                 for p in path {
@@ -808,6 +883,16 @@ fn main() {
                 f(&["c64_floor", "req_per_s"]),
                 f(&["c64_floor", "cpu_us_per_request"]),
                 f(&["c16_stream_ttft", "floor", "added_p50_ms"]),
+            );
+            println!(
+                "    c=64, engines' CPU us/req behind baton {}, the floor {}; paced at {paced} req/s: baton {} req/s, gateway CPU {} us/req ({}x the floor's {} us/req at {} req/s)",
+                f(&["c64_baton", "engines_cpu_us_per_request"]),
+                f(&["c64_floor", "engines_cpu_us_per_request"]),
+                f(&["c64_paced_baton", "req_per_s"]),
+                f(&["c64_paced_baton", "gateway_cpu_us_per_request"]),
+                f(&["c64_paced_baton", "gateway_cpu_vs_floor", "median"]),
+                f(&["c64_paced_floor", "cpu_us_per_request"]),
+                f(&["c64_paced_floor", "req_per_s"]),
             );
             let cpu = |t: &str| {
                 ["front", "engines", "load"]
