@@ -214,10 +214,20 @@ pub enum UrlError {
 }
 
 /// An engine's HTTP base: `http://host:port` or `https://host:port`. Cheap to clone.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct EngineUrl(Arc<EngineUrlInner>);
 
-#[derive(PartialEq, Eq, Hash)]
+/// By `base` alone: the rest is made from it (equal URLs have equal bases). Derived, the hash took
+/// in `http`'s `Scheme` and `Authority`, whose own hashes feed the hasher a byte at a time: some
+/// 1,400 instructions a request in `sglang`, whose learned bootstrap ports are kept by URL
+/// (`scripts/count-instructions sglang`'s profile).
+impl std::hash::Hash for EngineUrl {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.base.hash(state);
+    }
+}
+
+#[derive(PartialEq, Eq)]
 struct EngineUrlInner {
     scheme: Scheme,
     at: HostPort,
@@ -230,7 +240,7 @@ struct EngineUrlInner {
     parts: Option<UriParts>,
 }
 
-#[derive(PartialEq, Eq, Hash)]
+#[derive(PartialEq, Eq)]
 struct UriParts {
     scheme: hyper::http::uri::Scheme,
     authority: hyper::http::uri::Authority,
@@ -310,9 +320,16 @@ impl EngineUrl {
         &self.0.at
     }
 
-    /// The host as written (a name, or an IP with IPv6 in brackets).
-    pub fn host(&self) -> String {
-        self.0.at.host.to_string()
+    /// The host as written (a name, or an IP with IPv6 in brackets): `base` between the scheme and
+    /// the port (formatting the host again, an IP above all, was some 1,400 instructions).
+    pub fn host(&self) -> &str {
+        let base = &self.0.base;
+        let start = match self.0.scheme {
+            Scheme::Http => "http://".len(),
+            Scheme::Https => "https://".len(),
+        };
+        let end = base.rfind(':').filter(|&end| end >= start).unwrap_or(base.len());
+        base.get(start..end).unwrap_or_default()
     }
 
     /// The URI of `path` (which starts with `/`) on this engine.
@@ -1170,11 +1187,34 @@ mod tests {
         assert_eq!(e.host(), "decode-0.pd");
         let e = EngineUrl::parse("http://127.0.0.1:8000").unwrap_or_else(|e| unreachable(e));
         assert_eq!(e.socket_addr(), Some(SocketAddr::from(([127, 0, 0, 1], 8000))));
+        // The host as written, as its `Display` writes it.
+        for url in ["http://127.0.0.1:8000", "https://[::1]:443", "http://[fe80::1]:9", "http://a.b.:80/"] {
+            let e = EngineUrl::parse(url).unwrap_or_else(|e| unreachable(e));
+            assert_eq!(e.host(), e.host_port().host.to_string(), "{url}");
+        }
         for bad in
             ["127.0.0.1:8000", "ftp://a:1", "http://a:1/v1", "http://u@a:1", "http://a", "http://a:1?x"]
         {
             assert!(EngineUrl::parse(bad).is_err(), "{bad} parsed");
         }
+    }
+
+    /// A URL is found in a map by an equal one (written differently, parsed the same), and only by
+    /// an equal one.
+    #[test]
+    fn equal_urls_are_one_key() {
+        let url = |u: &str| EngineUrl::parse(u).unwrap_or_else(|e| unreachable(e));
+        let mut ports = std::collections::HashMap::new();
+        ports.insert(url("http://Prefill-0.pd:8000"), 1u16);
+        ports.insert(url("https://prefill-0.pd:8000"), 2);
+        ports.insert(url("http://prefill-0.pd:8001"), 3);
+        ports.insert(url("http://10.0.0.5:8000"), 4);
+        assert_eq!(ports.len(), 4);
+        assert_eq!(ports.get(&url("http://prefill-0.pd:8000/")), Some(&1));
+        assert_eq!(ports.get(&url("https://prefill-0.pd:8000")), Some(&2));
+        assert_eq!(ports.get(&url("http://prefill-0.pd:8001")), Some(&3));
+        assert_eq!(ports.get(&url("http://10.0.0.5:8000")), Some(&4));
+        assert_eq!(ports.get(&url("http://10.0.0.6:8000")), None);
     }
 
     #[test]

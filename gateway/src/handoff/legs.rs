@@ -247,6 +247,23 @@ pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Er
     }
 }
 
+/// `prefix` then `id` as 32 lowercase hex digits: `format!("{prefix}{id:032x}")`, the name a
+/// request goes by on the engines, without the formatter (its padding and `fmt::Write` calls were
+/// some 1,200 instructions a request, `scripts/count-instructions sglang`'s profile).
+pub(crate) fn hex_name(prefix: &str, id: u128) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [b'0'; 32];
+    for (i, d) in digits.iter_mut().enumerate() {
+        let nibble = usize::try_from((id >> (4 * (31 - i))) & 0xf).unwrap_or(0);
+        *d = HEX.get(nibble).copied().unwrap_or(b'0');
+    }
+    let mut name = String::with_capacity(prefix.len() + 32);
+    name.push_str(prefix);
+    // Hex digits are ASCII: the check cannot fail.
+    name.push_str(std::str::from_utf8(&digits).unwrap_or_default());
+    name
+}
+
 /// `ids` as a JSON array of numbers.
 ///
 /// Each id's digits are written in place, two at a time from a table, into room made for the
@@ -524,12 +541,14 @@ pub(crate) fn encode(body: &(impl LegBody + ?Sized)) -> Result<Encoded, GatewayE
 /// piece at a time, which cost 15% of the gateway's CPU with a 1,024-token `prompt_token_ids` (the
 /// proxy benchmark's profile). The buffer starts at the size of the large bodies this thread wrote
 /// lately (bounded), not `to_vec`'s 128 bytes, so a body like them is written without growing it
-/// six times over (each a copy and a new allocation).
+/// six times over (each a copy and a new allocation). An eighth more than the hint: a request's
+/// bodies differ by a few fields (`sglang`'s prefill body has `"stream":false` more than its
+/// decode body), and the next one a few bytes over the last grew its buffer to twice the size.
 fn buffered(
     write: impl FnOnce(&mut Vec<u8>) -> Result<(), serde_json::Error>,
 ) -> Result<Vec<u8>, serde_json::Error> {
     let hint = BODY_SIZE_HINT.get();
-    let mut bytes = Vec::with_capacity(hint);
+    let mut bytes = Vec::with_capacity(hint + hint / 8);
     write(&mut bytes)?;
     // A small body (a drain, an abort) between large ones lowers the hint by an eighth only.
     BODY_SIZE_HINT.set(bytes.len().max(hint - hint / 8).clamp(MIN_BODY_BUFFER, MAX_BODY_BUFFER));
@@ -1006,6 +1025,18 @@ mod tests {
         let mut out = b"x".to_vec();
         write_ids(&mut out, &[]);
         assert_eq!(out, b"x[]");
+    }
+
+    /// A request's name is the formatter's, every nibble in every place.
+    #[test]
+    fn hex_names_are_the_formatters() {
+        let mut ids = vec![0u128, 1, u128::MAX, u128::MAX - 1, 1 << 127, 0x0123_4567_89ab_cdef];
+        ids.extend((0..128).map(|i| 1u128 << i));
+        ids.extend((0..16u128).map(|n| n * 0x1111_1111_1111_1111_1111_1111_1111_1111));
+        for id in ids {
+            assert_eq!(hex_name("baton-", id), format!("baton-{id:032x}"));
+            assert_eq!(hex_name("", id), format!("{id:032x}"));
+        }
     }
 
     /// Token ids set with `ids` are the array `set` writes, with the next token after them when

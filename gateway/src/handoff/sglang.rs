@@ -35,7 +35,9 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use super::decoder::{BoxFuture, Handoff, Leg, Unstarted};
-use super::legs::{Encoded, Held, Holds, LegError, Patched, PostError, RespBody, encode, engine_has_it};
+use super::legs::{
+    Encoded, Held, Holds, LegError, Patched, PostError, RespBody, encode, engine_has_it, hex_name,
+};
 use super::scrape::{Gauges, LoadKeys, LoadTarget, Scraped};
 use super::shared::{Backoff, Detachable, Prefiller, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
@@ -325,17 +327,17 @@ fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodi
     let room = |i: u64| splitmix(folded ^ i) & (i64::MAX as u64);
     // SGLang names a request by `rid` (one per choice; with `n > 1` it makes its own).
     let theirs = raw.get("rid").and_then(Value::as_str);
-    let ours = (choices.is_none() && theirs.is_none()).then(|| format!("baton-{id:032x}"));
+    let ours = (choices.is_none() && theirs.is_none()).then(|| hex_name("baton-", id));
     let mut body = Patched::new(raw, &[]);
     body = match choices {
         Some(n) => {
             let k = usize::try_from(n).unwrap_or(0);
-            body.set("bootstrap_host", &vec![host.as_str(); k])
+            body.set("bootstrap_host", &vec![host; k])
                 .set("bootstrap_port", &vec![port; k])
                 .set("bootstrap_room", &(0..n).map(room).collect::<Vec<_>>())
         }
         None => body
-            .string("bootstrap_host", &host)
+            .string("bootstrap_host", host)
             .count("bootstrap_port", port.into())
             .count("bootstrap_room", room(0)),
     };

@@ -35,7 +35,9 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{BoxError, Drains, Encoded, IdsText, LegError, Patched, RespBody, Retrying, encode};
+use super::legs::{
+    BoxError, Drains, Encoded, IdsText, LegError, Patched, RespBody, Retrying, encode, hex_name,
+};
 use super::shared::Shared;
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -417,7 +419,7 @@ impl Lmcache {
         let Leg { dec, prefills, req, ids, slots, timing, work, retried, .. } = leg;
         timing.enter(Phase::Prefill);
         let (shared, target) = (&*self.shared, &self.target);
-        let req_id = format!("baton-{:032x}", shared.keys.next().request.0);
+        let req_id = hex_name("baton-", shared.keys.next().request.0);
         let mut holding = Holding {
             slots,
             expect: Some(self.hub.expect(req_id.clone(), target.alloc_ports.len())),
