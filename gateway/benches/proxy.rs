@@ -540,6 +540,10 @@ async fn run(
             while Instant::now() < until {
                 if let Some(t) = schedule.as_mut() {
                     t.tick().await;
+                    // The window may have closed while this connection waited for its time.
+                    if Instant::now() >= until {
+                        break;
+                    }
                 }
                 match one(&mut send, &body).await {
                     Some(x) => out.push(x),
@@ -835,7 +839,7 @@ fn main() {
     let phases = arg("--phases").unwrap_or_else(|| "all".into());
     // `c64_paced`'s rate, requests a second for the 64 connections together.
     let paced: f64 = arg("--paced-rate").map_or(PACED_RATE, |s| s.parse().unwrap());
-    assert!(paced > 0.0, "--paced-rate: above 0");
+    assert!(paced > 0.0 && paced.is_finite(), "--paced-rate: a rate above 0");
     // c=64 in rounds of `secs / rounds`, the targets in turn (see `loaded_rounds`).
     let rounds: usize = arg("--rounds").map_or(if quick { 1 } else { 5 }, |s| s.parse().unwrap());
     assert!(rounds >= 1, "--rounds: at least 1");
@@ -912,7 +916,7 @@ fn main() {
             results.push(v);
         }
     }
-    let out = json!({"secs": secs, "prompt_bytes": PROMPT_BYTES, "results": results});
+    let out = json!({"secs": secs, "prompt_bytes": PROMPT_BYTES, "rounds": rounds, "paced_rate": paced, "results": results});
     if let Some(path) = arg("--out") {
         std::fs::write(&path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
     }

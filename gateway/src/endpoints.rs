@@ -328,7 +328,8 @@ impl EngineUrl {
             Scheme::Http => "http://".len(),
             Scheme::Https => "https://".len(),
         };
-        let end = base.rfind(':').filter(|&end| end >= start).unwrap_or(base.len());
+        // The port comes last, after the host's last `:` (an IPv6 host's are inside brackets).
+        let end = base.rfind(':').unwrap_or(base.len());
         base.get(start..end).unwrap_or_default()
     }
 
@@ -1209,10 +1210,12 @@ mod tests {
         ports.insert(url("https://prefill-0.pd:8000"), 2);
         ports.insert(url("http://prefill-0.pd:8001"), 3);
         ports.insert(url("http://10.0.0.5:8000"), 4);
-        assert_eq!(ports.len(), 4);
+        ports.insert(url("http://[::1]:80"), 5);
+        assert_eq!(ports.len(), 5);
         assert_eq!(ports.get(&url("http://prefill-0.pd:8000/")), Some(&1));
         assert_eq!(ports.get(&url("https://prefill-0.pd:8000")), Some(&2));
-        assert_eq!(ports.get(&url("http://prefill-0.pd:8001")), Some(&3));
+        assert_eq!(ports.get(&url("http://PREFILL-0.PD:8001/")), Some(&3));
+        assert_eq!(ports.get(&url("http://[0:0::1]:80")), Some(&5));
         assert_eq!(ports.get(&url("http://10.0.0.5:8000")), Some(&4));
         assert_eq!(ports.get(&url("http://10.0.0.6:8000")), None);
     }

@@ -27,7 +27,9 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::decoder::{BoxFuture, Decoder, Handoff, Leg};
-use super::legs::{Json, LegError, Patched, RespBody, Retrying, WriteJson, boxed, write_ids, write_str};
+use super::legs::{
+    Json, LegError, Patched, RespBody, Retrying, WriteJson, boxed, hex_name, write_ids, write_str,
+};
 use super::shared::{Backoff, Engine, Shared};
 use super::{CheckContext, ModeSpec, Pool, PoolKeys};
 use super::{KeyError, StartContext, StartError};
@@ -862,7 +864,7 @@ impl WriteJson for Params<'_> {
 /// [`Params`] for `key`, its ids (`ids`: as the pool writes them, [`TokenIds::write`]).
 fn params<'a>(key: RequestKey, decoders: &'a [DecoderTarget], ids: &'a Json) -> Params<'a> {
     Params {
-        request_id: format!("{:032x}", key.request.0),
+        request_id: hex_name("", key.request.0),
         epoch: key.epoch,
         decoders,
         prompt_token_ids: ids,
