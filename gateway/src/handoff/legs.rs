@@ -249,14 +249,10 @@ pub(crate) fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), serde_json::Er
 
 /// `prefix` then `id` as 32 lowercase hex digits: `format!("{prefix}{id:032x}")`, the name a
 /// request goes by on the engines, without the formatter (its padding and `fmt::Write` calls were
-/// some 1,200 instructions a request, `scripts/count-instructions sglang`'s profile).
+/// some 1,200 instructions a request, `scripts/count-instructions sglang`'s profile); the digits
+/// are a request id's ([`crate::telemetry::request_id::hex32`]).
 pub(crate) fn hex_name(prefix: &str, id: u128) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut digits = [b'0'; 32];
-    for (i, d) in digits.iter_mut().enumerate() {
-        let nibble = usize::try_from((id >> (4 * (31 - i))) & 0xf).unwrap_or(0);
-        *d = HEX.get(nibble).copied().unwrap_or(b'0');
-    }
+    let digits = crate::telemetry::request_id::hex32(id);
     let mut name = String::with_capacity(prefix.len() + 32);
     name.push_str(prefix);
     // Hex digits are ASCII: the check cannot fail.

@@ -24,6 +24,17 @@ pub const MAX_LEN: usize = 128;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestId(hyper::header::HeaderValue);
 
+/// `id` as 32 lowercase hex digits (`format!("{id:032x}")`'s), without the formatter.
+pub(crate) fn hex32(id: u128) -> [u8; 32] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [b'0'; 32];
+    for (i, d) in digits.iter_mut().enumerate() {
+        let nibble = usize::try_from((id >> (4 * (31 - i))) & 0xf).unwrap_or(0);
+        *d = HEX.get(nibble).copied().unwrap_or(b'0');
+    }
+    digits
+}
+
 impl RequestId {
     pub fn as_str(&self) -> &str {
         // Always text: a kept client id is of `valid` characters, a new one hex digits.
@@ -54,12 +65,7 @@ impl RequestId {
     /// `high` then `seq`, each as 16 hex digits, in one block whose clones share it (a `Vec`'s
     /// bytes would be copied into a second block at the first clone).
     fn hex(high: u64, seq: u64) -> Self {
-        let mut hex = [0u8; 32];
-        for (i, b) in hex.iter_mut().enumerate() {
-            let word = if i < 16 { high } else { seq };
-            let nibble = (word >> (4 * (15 - i % 16))) & 0xf;
-            *b = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or_default()];
-        }
+        let hex = hex32((u128::from(high) << 64) | u128::from(seq));
         match hyper::header::HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(hex)) {
             Ok(v) => Self(v),
             Err(_) => Self::of(&hex),
