@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 use hyper::{Request, Response};
 use serde::Serialize;
 use serde_json::Value;
@@ -20,7 +20,7 @@ use serde_json::value::RawValue;
 
 use super::shared::{Engine, Prefiller, Shared};
 use crate::api::{GatewayError, Object};
-use crate::endpoints::EngineUrl;
+use crate::endpoints::{EngineBody, EngineUrl};
 use crate::routing::InFlight;
 use crate::telemetry::Scrape;
 
@@ -357,28 +357,12 @@ pub enum PostError {
     /// The request could not be built (its URI): nothing was sent.
     #[error("request: {0}")]
     Request(#[source] hyper::http::Error),
-    /// The connection or the exchange failed. Its text names the causes (hyper's own is only
-    /// "client error (SendRequest)"), so it is not also given as the source: a logger walking the
-    /// chain would print them twice.
-    #[error("{}", causes(.0))]
-    Send(hyper_util::client::legacy::Error),
+    /// The connection or the exchange failed (the error's text names its causes).
+    #[error("{0}")]
+    Send(crate::endpoints::SendError),
     /// No answer within this limit.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
-}
-
-/// `e` and each of its sources, `: `-separated.
-fn causes(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        let part = s.to_string();
-        if !text.ends_with(&part) {
-            text = format!("{text}: {part}");
-        }
-        next = s.source();
-    }
-    text
 }
 
 impl PostError {
@@ -386,7 +370,7 @@ impl PostError {
     pub fn unsent(&self) -> bool {
         match self {
             Self::Body(_) | Self::Request(_) => true,
-            Self::Send(e) => e.is_connect(),
+            Self::Send(e) => e.unsent(),
             Self::Timeout(_) => false,
         }
     }
@@ -585,7 +569,7 @@ impl Shared {
         path: &'static str,
         body: &B,
         detach: bool,
-    ) -> Result<Response<Incoming>, PostError> {
+    ) -> Result<Response<EngineBody>, PostError> {
         self.post_within(to, leg, path, body, self.limits.upstream_timeout, detach).await
     }
 
@@ -601,7 +585,7 @@ impl Shared {
         body: &B,
         timeout: Duration,
         detach: bool,
-    ) -> Result<Response<Incoming>, PostError> {
+    ) -> Result<Response<EngineBody>, PostError> {
         let uri = to.call_uri(path).map_err(PostError::Request)?;
         // A static value: a `&str` would be copied into a new one on each call.
         let json = hyper::header::HeaderValue::from_static("application/json");
@@ -655,7 +639,7 @@ impl Shared {
         to: &(impl Engine + ?Sized),
         path: &'static str,
         body: &B,
-    ) -> Result<Response<Incoming>, LegError> {
+    ) -> Result<Response<EngineBody>, LegError> {
         let sent = Instant::now();
         match self.post(to.peer().http, leg, path, body, false).await {
             Ok(resp) => self.accept(leg, to, resp, sent).await,
@@ -684,9 +668,9 @@ impl Shared {
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
-        resp: Response<Incoming>,
+        resp: Response<EngineBody>,
         sent: Instant,
-    ) -> Result<Response<Incoming>, LegError> {
+    ) -> Result<Response<EngineBody>, LegError> {
         if resp.status() == 200 {
             to.peer().health.success(sent);
             return Ok(resp);
@@ -704,7 +688,7 @@ impl Shared {
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
-        resp: Response<Incoming>,
+        resp: Response<EngineBody>,
         sent: Instant,
     ) -> Result<Bytes, LegError> {
         let resp = self.accept(leg, to, resp, sent).await?;
@@ -734,7 +718,7 @@ impl Shared {
         sent: &mut bool,
         detach: bool,
         retry: Retrying<'_>,
-    ) -> Result<(&'a Prefiller, Response<Incoming>, InFlight<'a>), GatewayError> {
+    ) -> Result<(&'a Prefiller, Response<EngineBody>, InFlight<'a>), GatewayError> {
         let mut seen = false;
         for (attempt, prefill) in prefills.iter().map(Borrow::borrow).enumerate() {
             if attempt > 0 {
@@ -847,7 +831,7 @@ pub(crate) fn short_body(b: &[u8]) -> String {
 }
 
 /// An engine answer's body as the gateway's.
-pub(crate) fn boxed(body: Incoming) -> RespBody {
+pub(crate) fn boxed(body: EngineBody) -> RespBody {
     body.map_err(|e| Box::new(e) as BoxError).boxed()
 }
 
@@ -895,14 +879,14 @@ pub(crate) fn engine_has_it(
 
 /// An engine's answer, holding `H` until it ends (or the client leaves and it is dropped).
 pub(crate) struct Held<H> {
-    inner: Incoming,
+    inner: EngineBody,
     hold: H,
     /// Nothing more comes: the answer ended whole, or was cut short after the frame that cut it.
     over: bool,
 }
 
 impl<H: Holds> Held<H> {
-    pub(crate) fn body(inner: Incoming, hold: H) -> RespBody {
+    pub(crate) fn body(inner: EngineBody, hold: H) -> RespBody {
         Self { inner, hold, over: false }.boxed()
     }
 }

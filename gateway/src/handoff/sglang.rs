@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Frame;
 use hyper::{Request, Response};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -409,7 +409,7 @@ const ABORT_FOR: Duration = Duration::from_secs(5);
 /// Ends a decode leg whose prefill failed: `/abort_request` until its call answers (bounded), then
 /// the call is dropped (SGLang aborts a request whose client left).
 async fn abort_decode(
-    mut decode: Detachable<Option<Result<Response<Incoming>, PostError>>>,
+    mut decode: Detachable<Option<Result<Response<crate::endpoints::EngineBody>, PostError>>>,
     mut abort: AbortGuard,
     slot: Option<SlotGuard>,
 ) {

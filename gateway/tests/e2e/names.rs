@@ -310,8 +310,7 @@ async fn traffic_follows_a_decoder_record_with_no_request_lost() {
         received_in(&b, "both")
     );
 
-    // A leaves the record: its kept-alive connections are closed after the request that finds
-    // them stale, new ones go to B.
+    // A leaves the record: its kept-alive connections are not used again, new ones go to B.
     dns.set(&[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.3"])]).await;
     // Within two refreshes (200 ms each), and a request per kept-alive connection.
     traffic.phase("settle-b");

@@ -693,7 +693,7 @@ impl DecodeLeg {
         &self,
         holding: &mut Holding,
         timing: &mut Timing,
-    ) -> Result<Response<hyper::body::Incoming>, GatewayError> {
+    ) -> Result<Response<crate::endpoints::EngineBody>, GatewayError> {
         timing.enter(Phase::KvReady);
         let ready_timeout = self.shared.limits.ready_timeout;
         if let Some(e) = holding.expect.as_mut() {

@@ -659,7 +659,7 @@ impl Native {
         let decode_body = Patched::new(&req.raw, &[]).with(contract::FIELD, &p);
         let path = req.endpoint.path();
         enum Ended {
-            Decoded(Response<hyper::body::Incoming>),
+            Decoded(Response<crate::endpoints::EngineBody>),
             PrefillFailed(GatewayError),
             DecodeFailed(LegError),
             /// The prefiller's reservation found no room on a rank.

@@ -5,8 +5,8 @@
 //! A name is looked up when it is first used and then every [`DEFAULT_REFRESH`] (`[resolver]
 //! refresh_ms`), and at once after a connection to it failed. A name with several addresses spreads
 //! new connections over them (each lookup result is tried starting one further along); an address
-//! that leaves the answer gets no new connection, and a kept-alive connection to it is closed after
-//! the request that finds it stale. An IP literal is never looked up.
+//! that leaves the answer gets no new connection, and a kept-alive connection to it is not used
+//! again ([`pool`]). An IP literal is never looked up.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -28,12 +28,9 @@ use hickory_resolver::proto::xfer::Protocol;
 use http_body_util::Full;
 use hyper::{Request, Response};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::dns::Name;
-use hyper_util::client::legacy::connect::{
-    Connected, Connection, HttpConnector, HttpInfo, capture_connection,
-};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::TokioIo;
 use rustls::RootCertStore;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -949,12 +946,15 @@ impl EngineTls {
     }
 }
 
+mod pool;
+
+pub use pool::{EngineBody, SendError};
+
 type Connector = HttpsConnector<TcpConnector>;
 
-/// hyper-util's [`HttpConnector`], whose connections to an engine named by an IP literal carry no
-/// [`HttpInfo`]. hyper-util copies a connection's extras into every answer's extensions (three
-/// allocations an answer), and only a named engine's are read: [`EngineClient::send`] checks
-/// that the address its name had is still one it has.
+/// hyper-util's [`HttpConnector`] (names looked up by [`Names`]), whose connections to a named
+/// engine remember the address they reached: [`pool::Pool`] checks it against the name's current
+/// addresses before it uses the connection again.
 #[derive(Clone, Debug)]
 struct TcpConnector(HttpConnector<Names>);
 
@@ -974,7 +974,8 @@ impl tower_service::Service<hyper::Uri> for TcpConnector {
         let connecting = self.0.call(to);
         Box::pin(async move {
             let tcp = connecting.await?.into_inner();
-            Ok(TokioIo::new(TcpConn { tcp, named }))
+            let remote = if named { tcp.peer_addr().ok().map(|a| a.ip()) } else { None };
+            Ok(TokioIo::new(TcpConn { tcp, remote }))
         })
     }
 }
@@ -988,13 +989,14 @@ fn named(to: &hyper::Uri) -> bool {
 #[derive(Debug)]
 struct TcpConn {
     tcp: tokio::net::TcpStream,
-    /// The engine is named (not an IP literal): its addresses are checked.
-    named: bool,
+    /// The address reached, when the engine is named (not an IP literal).
+    remote: Option<IpAddr>,
 }
 
+/// What hyper-rustls's connector asks of the connection it wraps; nothing here reads it.
 impl Connection for TcpConn {
     fn connected(&self) -> Connected {
-        if self.named { self.tcp.connected() } else { Connected::new() }
+        Connected::new()
     }
 }
 
@@ -1044,7 +1046,7 @@ impl tokio::io::AsyncWrite for TcpConn {
 pub struct EngineClient {
     /// Swapped whole when `[engine_tls]`'s files change: new requests get a pool of connections
     /// made with the new certificates; requests under way keep theirs.
-    http: Arc<RwLock<Client<Connector, Full<Bytes>>>>,
+    http: Arc<RwLock<pool::Pool>>,
     names: Names,
     /// An idle connection is not used again after this long ([`crate::handoff::DEFAULT_ENGINE_IDLE`]).
     idle: Duration,
@@ -1063,7 +1065,7 @@ impl EngineClient {
         Self { http: Arc::new(RwLock::new(Self::pool(&names, config, idle))), names, idle, tls: reloading }
     }
 
-    fn pool(names: &Names, config: rustls::ClientConfig, idle: Duration) -> Client<Connector, Full<Bytes>> {
+    fn pool(names: &Names, config: rustls::ClientConfig, idle: Duration) -> pool::Pool {
         let mut connector = HttpConnector::new_with_resolver(names.clone());
         connector.set_nodelay(true);
         // https:// URIs need the TLS layer to see them.
@@ -1073,7 +1075,7 @@ impl EngineClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(TcpConnector(connector));
-        Client::builder(TokioExecutor::new()).pool_idle_timeout(idle).build(connector)
+        pool::Pool::new(connector, idle)
     }
 
     /// Reads `[engine_tls]`'s files again when any changed since last read (always with
@@ -1097,45 +1099,30 @@ impl EngineClient {
         self.tls.is_some()
     }
 
-    /// `req` on the current client (the one built from the engine TLS files last read). The
-    /// future owns what it needs: the lock is held only while it is made, and the client is not
-    /// cloned here (hyper-util clones it into the future itself).
-    fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
-        self.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).request(req)
-    }
-
     pub fn names(&self) -> &Names {
         &self.names
     }
 
-    /// Sends `req` (its URI on `to`). A connection that failed asks for `to`'s name to be looked
-    /// up again; a kept-alive connection to an address the name no longer has is not reused.
+    /// Sends `req` (its URI on `to`) on the current pool (the one built from the engine TLS files
+    /// last read). A connection that failed asks for `to`'s name to be looked up again; a
+    /// kept-alive connection to an address the name no longer has is not used again.
     pub async fn send(
         &self,
         to: &EngineUrl,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
-        let Host::Name(name) = &to.0.at.host else {
-            return self.request(req).await;
+        req: Request<Full<Bytes>>,
+    ) -> Result<Response<EngineBody>, SendError> {
+        let pool = self.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let name = match &to.0.at.host {
+            Host::Name(n) => Some(n.as_str()),
+            Host::Ip(_) => None,
         };
-        let conn = capture_connection(&mut req);
-        match self.request(req).await {
-            Ok(resp) => {
-                if let Some(info) = resp.extensions().get::<HttpInfo>()
-                    && !self.names.current(name, info.remote_addr().ip())
-                    && let Some(c) = conn.connection_metadata().as_ref()
-                {
-                    c.poison();
-                }
-                Ok(resp)
-            }
-            Err(e) => {
-                if e.is_connect() {
-                    self.names.failed(name);
-                }
-                Err(e)
-            }
+        let sent = pool.send(to, name, &self.names, req).await;
+        if let (Err(e), Some(name)) = (&sent, name)
+            && e.is_connect()
+        {
+            self.names.failed(name);
         }
+        sent
     }
 }
 
@@ -1315,19 +1302,20 @@ mod tests {
         assert_eq!(conns.load(Ordering::SeqCst), 2);
     }
 
-    /// An answer from an engine named by an IP literal carries no connection info (hyper-util
-    /// would copy it into every answer); a connection to a named engine still gives it, which
-    /// [`EngineClient::send`] reads.
+    /// A connection to a named engine remembers the address it reached (the pool checks it
+    /// against the name's before using it again); one to an IP literal has nothing to check.
     #[tokio::test]
-    async fn only_named_engines_connections_carry_their_addresses() {
+    async fn only_named_engines_connections_remember_their_addresses() {
+        use tower_service::Service;
         let (at, _) = closing_engine(Duration::from_secs(60)).await;
-        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
-        let to = EngineUrl::from(at);
-        let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
-        let resp = client.send(&to, req).await.unwrap_or_else(|e| unreachable(e));
-        assert_eq!(resp.status(), 200);
-        assert!(resp.extensions().get::<HttpInfo>().is_none());
-
+        let mut connector = TcpConnector(HttpConnector::new_with_resolver(Names::default()));
+        for (uri, remote) in
+            [(format!("http://{at}/"), None), (format!("http://localhost:{}/", at.port()), Some(at.ip()))]
+        {
+            let conn = connector.call(uri.parse().unwrap_or_else(|e| unreachable(e)));
+            let conn = conn.await.unwrap_or_else(|e| unreachable(e));
+            assert_eq!(conn.inner().remote, remote, "{uri}");
+        }
         for (uri, is_named) in [
             ("http://127.0.0.1:9000/x", false),
             ("https://[::1]:9000/x", false),
@@ -1336,11 +1324,114 @@ mod tests {
         ] {
             assert_eq!(named(&uri.parse().unwrap_or_else(|e| unreachable(e))), is_named, "{uri}");
         }
-        for is_named in [false, true] {
-            let tcp = tokio::net::TcpStream::connect(at).await.unwrap_or_else(|e| unreachable(e));
-            let info = format!("{:?}", TcpConn { tcp, named: is_named }.connected());
-            assert_eq!(info.contains("extra: Some"), is_named, "{info}");
+    }
+
+    /// An engine that answers `/x` with `body`, in two writes `gap` apart, and counts the
+    /// connections it accepted; it closes a connection after one answer when `once`.
+    async fn engine(body: &'static [u8], gap: Duration, once: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| unreachable(e));
+        let at = l.local_addr().unwrap_or_else(|e| unreachable(e));
+        let conns = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&conns);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        let Ok(n) = s.read(&mut chunk).await else { return };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                            continue;
+                        }
+                        buf.clear();
+                        let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                        let (first, rest) = body.split_at(body.len() / 2);
+                        if s.write_all(head.as_bytes()).await.is_err() || s.write_all(first).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(gap).await;
+                        if s.write_all(rest).await.is_err() || once {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (at, conns)
+    }
+
+    /// One connection carries call after call; calls at once get one each, and those
+    /// connections carry the next calls.
+    #[tokio::test]
+    async fn connections_are_kept_and_reused() {
+        let (at, conns) = engine(b"ok", Duration::ZERO, false).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        for _ in 0..20 {
+            assert_eq!(get(&client, at).await, Ok(200));
         }
+        assert_eq!(conns.load(Ordering::SeqCst), 1);
+
+        let (at, conns) = engine(b"slow answer", Duration::from_millis(50), false).await;
+        for _ in 0..3 {
+            let calls: Vec<_> = (0..8).map(|_| get(&client, at)).collect();
+            for r in futures_util::future::join_all(calls).await {
+                assert_eq!(r, Ok(200));
+            }
+        }
+        assert_eq!(conns.load(Ordering::SeqCst), 8);
+    }
+
+    /// An engine that closes each connection after one answer still answers every call: a
+    /// closed connection is not used again, or the call is sent again on a new one.
+    #[tokio::test]
+    async fn an_engine_closing_each_connection_answers_every_call() {
+        let (at, conns) = engine(b"ok", Duration::ZERO, true).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        for _ in 0..20 {
+            assert_eq!(get(&client, at).await, Ok(200));
+        }
+        assert_eq!(conns.load(Ordering::SeqCst), 20);
+    }
+
+    /// An answer dropped before its end takes its connection with it (the rest of the answer
+    /// would be read as the next one's); an answer read to its end gives it back.
+    #[tokio::test]
+    async fn an_answer_dropped_part_read_closes_its_connection() {
+        let (at, conns) = engine(b"a longer answer", Duration::from_millis(100), false).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        let to = EngineUrl::from(at);
+        let req =
+            || Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
+        let resp = client.send(&to, req()).await.unwrap_or_else(|e| unreachable(e));
+        drop(resp);
+        assert_eq!(get(&client, at).await, Ok(200));
+        assert_eq!(conns.load(Ordering::SeqCst), 2);
+        assert_eq!(get(&client, at).await, Ok(200));
+        assert_eq!(conns.load(Ordering::SeqCst), 2);
+    }
+
+    /// A call to a port nobody listens on fails as a connect (the engine saw nothing), naming the
+    /// engine and the cause.
+    #[tokio::test]
+    async fn a_refused_connect_is_unsent_and_says_so() {
+        let at = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| unreachable(e));
+            l.local_addr().unwrap_or_else(|e| unreachable(e))
+        };
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        let to = EngineUrl::from(at);
+        let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
+        let e = client.send(&to, req).await.err().unwrap_or_else(|| unreachable("answered"));
+        assert!(e.is_connect() && e.unsent(), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with(&format!("connect to http://{at}: ")), "{text}");
+        assert!(text.to_lowercase().contains("refused"), "{text}");
     }
 
     #[allow(clippy::panic)]
