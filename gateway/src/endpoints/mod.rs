@@ -1116,7 +1116,9 @@ impl EngineClient {
             Host::Name(n) => Some(n.as_str()),
             Host::Ip(_) => None,
         };
-        let sent = pool.send(to, name, &self.names, req).await;
+        // Boxed: the call's future is some 1.2 kB (the request, and hyper's future that holds it
+        // until written), and the futures of the legs that await it are moved and boxed whole.
+        let sent = Box::pin(pool.send(to, name, &self.names, req)).await;
         if let (Err(e), Some(name)) = (&sent, name)
             && e.is_connect()
         {

@@ -138,7 +138,10 @@ impl Pool {
         loop {
             let (mut conn, kept) = match self.take(to, name, names) {
                 Some(c) => (c, true),
-                None => (self.connect(to).await?, false),
+                // Boxed: a new connection is the rare case, and its future is large (the
+                // TLS handshake's, hyper's); unboxed it would make every call's future, and the
+                // futures that hold one, that much larger to move and to box.
+                None => (Box::pin(self.connect(to)).await?, false),
             };
             // A kept connection is free once its last answer was read; hyper's task marks it so
             // as it reads that answer's end, so this rarely waits.
