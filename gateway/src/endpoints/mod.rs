@@ -231,9 +231,9 @@ struct EngineUrlInner {
     /// `scheme://host:port`, the prefix of every URI to it.
     base: String,
     /// What every call's URI and `Host` header are made of, built once: a call's URI shares
-    /// them ([`EngineUrl::call_uri`]) instead of formatting and parsing `base` + path, and hyper-util
-    /// finds `Host` set instead of formatting it (two allocations a call each). `None` only if
-    /// `http` refused them, which a parsed [`HostPort`] never gives; calls then format both.
+    /// them ([`EngineUrl::call_uri`]) instead of formatting and parsing `base` + path, and its
+    /// `Host` is a clone instead of formatted (two allocations a call each). `None` only if `http`
+    /// refused them, which a parsed [`HostPort`] never gives; calls then format both.
     parts: Option<UriParts>,
 }
 
@@ -241,25 +241,33 @@ struct EngineUrlInner {
 struct UriParts {
     scheme: hyper::http::uri::Scheme,
     authority: hyper::http::uri::Authority,
-    /// `host:port`, or `host` alone on the scheme's default port: what hyper-util's client sends
-    /// (`Client::set_host`) when a request has none.
+    /// `host:port`, or `host` alone on the scheme's default port ([`host_text`]).
     host: hyper::header::HeaderValue,
 }
 
 impl UriParts {
     fn new(scheme: Scheme, at: &HostPort) -> Option<Self> {
-        let (uri_scheme, default_port) = match scheme {
-            Scheme::Http => (hyper::http::uri::Scheme::HTTP, 80),
-            Scheme::Https => (hyper::http::uri::Scheme::HTTPS, 443),
+        let uri_scheme = match scheme {
+            Scheme::Http => hyper::http::uri::Scheme::HTTP,
+            Scheme::Https => hyper::http::uri::Scheme::HTTPS,
         };
         let authority = hyper::http::uri::Authority::from_maybe_shared(Bytes::from(at.to_string())).ok()?;
-        let host = if at.port == default_port { at.host.to_string() } else { at.to_string() };
-        let host = hyper::header::HeaderValue::from_maybe_shared(Bytes::from(host)).ok()?;
+        let host = hyper::header::HeaderValue::from_maybe_shared(Bytes::from(host_text(scheme, at))).ok()?;
         // Shared now: a `Bytes` made from a `String` allocates its shared form on its first clone,
         // which would otherwise be the first call's.
         drop((authority.clone(), host.clone()));
         Some(Self { scheme: uri_scheme, authority, host })
     }
+}
+
+/// A `Host` header's text: `host:port`, or `host` alone on the scheme's default port (as HTTP
+/// clients write it).
+fn host_text(scheme: Scheme, at: &HostPort) -> String {
+    let default_port = match scheme {
+        Scheme::Http => 80,
+        Scheme::Https => 443,
+    };
+    if at.port == default_port { at.host.to_string() } else { at.to_string() }
 }
 
 impl fmt::Debug for EngineUrl {
@@ -349,10 +357,17 @@ impl EngineUrl {
         Ok(hyper::Uri::from_parts(uri)?)
     }
 
-    /// The `Host` header of a call to this engine, built once (what hyper-util would format for
-    /// each request that has none).
+    /// The `Host` header of a call to this engine, built once.
     pub fn host_header(&self) -> Option<&hyper::header::HeaderValue> {
         self.0.parts.as_ref().map(|p| &p.host)
+    }
+
+    /// The `Host` header of a call to this engine: [`Self::host_header`]'s, or formatted alike.
+    fn host_value(&self) -> Option<hyper::header::HeaderValue> {
+        match self.host_header() {
+            Some(h) => Some(h.clone()),
+            None => hyper::header::HeaderValue::try_from(host_text(self.0.scheme, &self.0.at)).ok(),
+        }
     }
 
     /// The address, when the host is an IP literal.
@@ -1328,17 +1343,20 @@ mod tests {
         }
     }
 
-    /// An engine that answers `/x` with `body`, in two writes `gap` apart, and counts the
-    /// connections it accepted; it closes a connection after one answer when `once`.
-    async fn engine(body: &'static [u8], gap: Duration, once: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+    /// An engine that answers any request with `body`, in two writes `gap` apart, counts the
+    /// connections it accepted and keeps the requests' heads; it closes a connection after one
+    /// answer when `once`.
+    async fn engine(body: &'static [u8], gap: Duration, once: bool) -> (SocketAddr, Arc<AtomicUsize>, Heads) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| unreachable(e));
         let at = l.local_addr().unwrap_or_else(|e| unreachable(e));
         let conns = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&conns);
+        let heads = Heads::default();
+        let (counted, kept) = (Arc::clone(&conns), Arc::clone(&heads));
         tokio::spawn(async move {
             while let Ok((mut s, _)) = l.accept().await {
                 counted.fetch_add(1, Ordering::SeqCst);
+                let kept = Arc::clone(&kept);
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
@@ -1351,6 +1369,9 @@ mod tests {
                         if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
                             continue;
                         }
+                        kept.lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push(String::from_utf8_lossy(&buf).into_owned());
                         buf.clear();
                         let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
                         let (first, rest) = body.split_at(body.len() / 2);
@@ -1365,21 +1386,31 @@ mod tests {
                 });
             }
         });
-        (at, conns)
+        (at, conns, heads)
+    }
+
+    type Heads = Arc<Mutex<Vec<String>>>;
+
+    fn pool_of(client: &EngineClient) -> pool::Pool {
+        client.http.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// One connection carries call after call; calls at once get one each, and those
-    /// connections carry the next calls.
+    /// connections carry the next calls. A request goes in origin form, with the engine's `Host`
+    /// when it has none.
     #[tokio::test]
     async fn connections_are_kept_and_reused() {
-        let (at, conns) = engine(b"ok", Duration::ZERO, false).await;
+        let (at, conns, heads) = engine(b"ok", Duration::ZERO, false).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         for _ in 0..20 {
             assert_eq!(get(&client, at).await, Ok(200));
         }
         assert_eq!(conns.load(Ordering::SeqCst), 1);
+        let first = heads.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[0].clone();
+        assert!(first.starts_with("GET /x HTTP/1.1\r\n"), "{first}");
+        assert!(first.contains(&format!("\r\nhost: {at}\r\n")), "{first}");
 
-        let (at, conns) = engine(b"slow answer", Duration::from_millis(50), false).await;
+        let (at, conns, _) = engine(b"slow answer", Duration::from_millis(50), false).await;
         for _ in 0..3 {
             let calls: Vec<_> = (0..8).map(|_| get(&client, at)).collect();
             for r in futures_util::future::join_all(calls).await {
@@ -1393,7 +1424,7 @@ mod tests {
     /// closed connection is not used again, or the call is sent again on a new one.
     #[tokio::test]
     async fn an_engine_closing_each_connection_answers_every_call() {
-        let (at, conns) = engine(b"ok", Duration::ZERO, true).await;
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, true).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         for _ in 0..20 {
             assert_eq!(get(&client, at).await, Ok(200));
@@ -1405,17 +1436,62 @@ mod tests {
     /// would be read as the next one's); an answer read to its end gives it back.
     #[tokio::test]
     async fn an_answer_dropped_part_read_closes_its_connection() {
-        let (at, conns) = engine(b"a longer answer", Duration::from_millis(100), false).await;
+        let (at, conns, _) = engine(b"a longer answer", Duration::from_millis(100), false).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         let to = EngineUrl::from(at);
-        let req =
-            || Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
-        let resp = client.send(&to, req()).await.unwrap_or_else(|e| unreachable(e));
+        let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
+        let resp = client.send(&to, req).await.unwrap_or_else(|e| unreachable(e));
         drop(resp);
+        assert_eq!(pool_of(&client).idle_count(&to), 0);
+        assert_eq!(get(&client, at).await, Ok(200));
+        assert_eq!(pool_of(&client).idle_count(&to), 1);
         assert_eq!(get(&client, at).await, Ok(200));
         assert_eq!(conns.load(Ordering::SeqCst), 2);
+    }
+
+    /// A kept-alive connection found closed once the request was handed to it, before it was
+    /// written, has the request sent again on a new connection: nothing is lost, and the closed
+    /// connection's engine read nothing.
+    #[tokio::test]
+    async fn a_request_unsent_on_a_closed_kept_connection_goes_on_a_new_one() {
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, false).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        let to = EngineUrl::from(at);
+        let (near, mut far) = tokio::io::duplex(4096);
+        let (tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(near))
+            .await
+            .unwrap_or_else(|e| unreachable(e));
+        let conn = tokio::spawn(conn);
+        // The connection's task runs once and waits for a request: the connection is free.
+        tokio::task::yield_now().await;
+        pool_of(&client).keep(&to, tx);
+        // Its engine's end closes; the connection's task sees that only when it next runs, after
+        // the request was handed to it (this test's runtime has one thread).
+        tokio::io::AsyncWriteExt::shutdown(&mut far).await.unwrap_or_else(|e| unreachable(e));
         assert_eq!(get(&client, at).await, Ok(200));
-        assert_eq!(conns.load(Ordering::SeqCst), 2);
+        assert_eq!(conns.load(Ordering::SeqCst), 1);
+        assert!(conn.await.is_ok_and(|c| c.is_ok()), "the closed connection ended as closed");
+        let mut read = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut far, &mut read).await.unwrap_or_else(|e| unreachable(e));
+        assert!(read.is_empty(), "the closed connection was written to: {read:?}");
+    }
+
+    /// A kept-alive connection that does not become free for a request is closed after
+    /// `KEPT_READY` and the call goes on another; it is not waited on for the call's whole timeout.
+    #[tokio::test]
+    async fn a_kept_connection_never_free_is_not_waited_on() {
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, false).await;
+        let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
+        let to = EngineUrl::from(at);
+        let (near, _far) = tokio::io::duplex(4096);
+        // Its task never runs: never free.
+        let (tx, _conn) = hyper::client::conn::http1::handshake(TokioIo::new(near))
+            .await
+            .unwrap_or_else(|e| unreachable(e));
+        pool_of(&client).keep(&to, tx);
+        let called = tokio::time::timeout(Duration::from_secs(2), get(&client, at)).await;
+        assert_eq!(called, Ok(Ok(200)));
+        assert_eq!(conns.load(Ordering::SeqCst), 1);
     }
 
     /// A call to a port nobody listens on fails as a connect (the engine saw nothing), naming the
@@ -1430,7 +1506,7 @@ mod tests {
         let to = EngineUrl::from(at);
         let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
         let e = client.send(&to, req).await.err().unwrap_or_else(|| unreachable("answered"));
-        assert!(e.is_connect() && e.unsent(), "{e:?}");
+        assert!(e.is_connect(), "{e:?}");
         let text = e.to_string();
         assert!(text.starts_with(&format!("connect to http://{at}: ")), "{text}");
         assert!(text.to_lowercase().contains("refused"), "{text}");

@@ -9,13 +9,22 @@
 //! (hashed once, by its base string), taken without a race, and put back by the answer's body
 //! itself when its last byte has been read ([`EngineBody`]).
 //!
-//! What the pooled client did and this keeps:
-//! - A connection idle longer than `[limits] engine_idle_ms` is not used again (engines close
-//!   theirs after a while: a request sent as one closes is lost).
+//! What the pooled client did and this does too:
+//! - A connection idle longer than `[limits] engine_idle_timeout_ms` is not used again (engines
+//!   close theirs after a while: a request sent as one closes is lost).
 //! - A request found unsent on a kept-alive connection (closed before the request was written) is
 //!   sent again on another, or on a new one; an answer is never asked for twice.
-//! - A connection to a named engine whose address the name no longer has is not used again.
-//! - A failed connect asks for the name to be looked up again ([`super::EngineClient::send`]).
+//! - A kept-alive connection not free for a new request is not waited on for long ([`KEPT_READY`]).
+//!   hyper-util pooled a connection only once it was free; here the answer's end gives it back,
+//!   and hyper marks it free as it reads that end, so a wait is short, but for a connection whose
+//!   request was still being written when its answer ended.
+//! - A new connection that closes before its first request is written is a failed connect (the
+//!   name is looked up again, [`super::EngineClient::send`]), as a failed lookup, TCP connect or
+//!   TLS handshake is.
+//!
+//! One thing it does differently: a connection to a named engine whose address the name no longer
+//! has is not used again (hyper-util's `capture_connection` closed it after the request that found
+//! it stale had used it).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -37,20 +46,24 @@ use super::{Connector, EngineUrl, Names};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// How long a kept-alive connection taken from the pool may take to be free for a request before
+/// it is closed and another used.
+const KEPT_READY: Duration = Duration::from_millis(100);
+
 /// An engine call that got no answer. Its text names the causes (hyper's own is only, say,
 /// "connection error"), so they are not also given as its source: a logger walking the chain
 /// would print them twice.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SendError {
-    /// No connection could be made (the lookup, the TCP connect or the TLS handshake failed): the
-    /// engine cannot have seen the request.
+    /// No connection could be made (the lookup, the TCP connect or the TLS handshake failed, or
+    /// the new connection closed before the request was written): the engine cannot have seen
+    /// the request.
     #[error("connect to {to}: {}", causes(&**.cause))]
     Connect { to: EngineUrl, cause: BoxError },
-    /// The exchange failed on a connection. `unsent`: the request was not written (the connection
-    /// closed first), so the engine cannot have seen it.
+    /// The exchange failed once the request was on its way: the engine may have seen it.
     #[error("{}", causes(.cause))]
-    Exchange { cause: hyper::Error, unsent: bool },
+    Exchange { cause: hyper::Error },
 }
 
 /// `e` and each of its sources, `: `-separated.
@@ -68,15 +81,7 @@ fn causes(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 impl SendError {
-    /// The request never reached the engine.
-    pub fn unsent(&self) -> bool {
-        match self {
-            Self::Connect { .. } => true,
-            Self::Exchange { unsent, .. } => *unsent,
-        }
-    }
-
-    /// No connection could be made.
+    /// No connection could be made: the request never reached the engine.
     pub fn is_connect(&self) -> bool {
         matches!(self, Self::Connect { .. })
     }
@@ -131,9 +136,9 @@ impl Pool {
     ) -> Result<Response<EngineBody>, SendError> {
         origin_form(req.uri_mut());
         if !req.headers().contains_key(hyper::header::HOST)
-            && let Some(host) = to.host_header()
+            && let Some(host) = to.host_value()
         {
-            req.headers_mut().insert(hyper::header::HOST, host.clone());
+            req.headers_mut().insert(hyper::header::HOST, host);
         }
         loop {
             let (mut conn, kept) = match self.take(to, name, names) {
@@ -143,13 +148,16 @@ impl Pool {
                 // futures that hold one, that much larger to move and to box.
                 None => (Box::pin(self.connect(to)).await?, false),
             };
-            // A kept connection is free once its last answer was read; hyper's task marks it so
-            // as it reads that answer's end, so this rarely waits.
-            if let Err(cause) = conn.tx.ready().await {
+            if !conn.tx.is_ready() {
                 if kept {
-                    continue;
+                    // Not free in time: dropped (closed), and another taken.
+                    match tokio::time::timeout(KEPT_READY, conn.tx.ready()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) | Err(_) => continue,
+                    }
+                } else if let Err(cause) = conn.tx.ready().await {
+                    return Err(SendError::Connect { to: to.clone(), cause: cause.into() });
                 }
-                return Err(SendError::Exchange { cause, unsent: true });
             }
             match conn.tx.try_send_request(req).await {
                 Ok(resp) => {
@@ -159,9 +167,10 @@ impl Pool {
                 Err(mut e) => match e.take_message() {
                     // Closed before it was written: another connection may carry it.
                     Some(unsent) if kept => req = unsent,
-                    unsent => {
-                        return Err(SendError::Exchange { unsent: unsent.is_some(), cause: e.into_error() });
+                    Some(_) => {
+                        return Err(SendError::Connect { to: to.clone(), cause: e.into_error().into() });
                     }
+                    None => return Err(SendError::Exchange { cause: e.into_error() }),
                 },
             }
         }
@@ -308,4 +317,17 @@ fn origin_form(uri: &mut hyper::Uri) {
         }
         _ => hyper::Uri::default(),
     };
+}
+
+#[cfg(test)]
+impl Pool {
+    /// How many connections to `to` are idle.
+    pub(super) fn idle_count(&self, to: &EngineUrl) -> usize {
+        self.0.idle.lock().unwrap_or_else(PoisonError::into_inner).get(to).map_or(0, Vec::len)
+    }
+
+    /// Puts `tx` in the pool as an idle connection to `to`.
+    pub(super) fn keep(&self, to: &EngineUrl, tx: SendRequest<Full<Bytes>>) {
+        Back { pool: Arc::clone(&self.0), to: to.clone(), conn: Conn { tx, remote: None } }.give();
+    }
 }

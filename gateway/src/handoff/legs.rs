@@ -370,7 +370,7 @@ impl PostError {
     pub fn unsent(&self) -> bool {
         match self {
             Self::Body(_) | Self::Request(_) => true,
-            Self::Send(e) => e.unsent(),
+            Self::Send(e) => e.is_connect(),
             Self::Timeout(_) => false,
         }
     }

@@ -312,7 +312,7 @@ async fn traffic_follows_a_decoder_record_with_no_request_lost() {
 
     // A leaves the record: its kept-alive connections are not used again, new ones go to B.
     dns.set(&[("prefill.baton.test", &["127.0.0.1"]), ("decode.baton.test", &["127.0.0.3"])]).await;
-    // Within two refreshes (200 ms each), and a request per kept-alive connection.
+    // Within two refreshes (200 ms each).
     traffic.phase("settle-b");
     tokio::time::sleep(Duration::from_millis(500)).await;
     traffic.phase("only-b");
