@@ -1247,47 +1247,6 @@ mod tests {
         }
     }
 
-    /// An engine that closes a connection idle for `closes_after` the way uvicorn does, with a
-    /// request already on its way: that request is read by nobody and gets no answer. Counts the
-    /// connections it accepted.
-    async fn closing_engine(closes_after: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| unreachable(e));
-        let at = l.local_addr().unwrap_or_else(|e| unreachable(e));
-        let conns = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&conns);
-        tokio::spawn(async move {
-            while let Ok((mut s, _)) = l.accept().await {
-                counted.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut answered: Option<Instant> = None;
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    loop {
-                        let Ok(n) = s.read(&mut chunk).await else { return };
-                        if n == 0 {
-                            return;
-                        }
-                        buf.extend_from_slice(&chunk[..n]);
-                        if !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                            continue;
-                        }
-                        buf.clear();
-                        if answered.is_some_and(|t| t.elapsed() >= closes_after) {
-                            return; // closed while the request crossed
-                        }
-                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                        if s.write_all(answer).await.is_err() {
-                            return;
-                        }
-                        answered = Some(Instant::now());
-                    }
-                });
-            }
-        });
-        (at, conns)
-    }
-
     async fn get(client: &EngineClient, at: SocketAddr) -> Result<u16, String> {
         let to = EngineUrl::from(at);
         let req = Request::get(format!("{}/x", to.0.base))
@@ -1304,14 +1263,16 @@ mod tests {
     /// them 4 s, and answers it on a new connection when the gateway keeps them 200 ms.
     #[tokio::test]
     async fn an_idle_connection_is_not_reused_past_engine_idle() {
-        let (at, conns) = closing_engine(Duration::from_millis(300)).await;
+        let (at, conns, _) =
+            engine(b"ok", Duration::ZERO, Closes::WhenIdle(Duration::from_millis(300))).await;
         let keeps = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         assert_eq!(get(&keeps, at).await, Ok(200));
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(get(&keeps, at).await.is_err(), "the stale connection was not reused");
         assert_eq!(conns.load(Ordering::SeqCst), 1);
 
-        let (at, conns) = closing_engine(Duration::from_millis(300)).await;
+        let (at, conns, _) =
+            engine(b"ok", Duration::ZERO, Closes::WhenIdle(Duration::from_millis(300))).await;
         let drops = EngineClient::new(Names::default(), None, Duration::from_millis(200));
         assert_eq!(get(&drops, at).await, Ok(200));
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -1324,7 +1285,7 @@ mod tests {
     #[tokio::test]
     async fn only_named_engines_connections_remember_their_addresses() {
         use tower_service::Service;
-        let (at, _) = closing_engine(Duration::from_secs(60)).await;
+        let (at, _, _) = engine(b"ok", Duration::ZERO, Closes::Never).await;
         let mut connector = TcpConnector(HttpConnector::new_with_resolver(Names::default()));
         for (uri, remote) in
             [(format!("http://{at}/"), None), (format!("http://localhost:{}/", at.port()), Some(at.ip()))]
@@ -1343,10 +1304,23 @@ mod tests {
         }
     }
 
+    /// When [`engine`] closes a connection.
+    #[derive(Clone, Copy)]
+    enum Closes {
+        Never,
+        AfterAnswer,
+        /// Idle this long, the way uvicorn does, with a request already on its way: that request
+        /// is read by nobody and gets no answer.
+        WhenIdle(Duration),
+    }
+
     /// An engine that answers any request with `body`, in two writes `gap` apart, counts the
-    /// connections it accepted and keeps the requests' heads; it closes a connection after one
-    /// answer when `once`.
-    async fn engine(body: &'static [u8], gap: Duration, once: bool) -> (SocketAddr, Arc<AtomicUsize>, Heads) {
+    /// connections it accepted and keeps the requests' heads.
+    async fn engine(
+        body: &'static [u8],
+        gap: Duration,
+        closes: Closes,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Heads) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| unreachable(e));
         let at = l.local_addr().unwrap_or_else(|e| unreachable(e));
@@ -1358,6 +1332,7 @@ mod tests {
                 counted.fetch_add(1, Ordering::SeqCst);
                 let kept = Arc::clone(&kept);
                 tokio::spawn(async move {
+                    let mut answered: Option<Instant> = None;
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
                     loop {
@@ -1373,15 +1348,21 @@ mod tests {
                             .unwrap_or_else(std::sync::PoisonError::into_inner)
                             .push(String::from_utf8_lossy(&buf).into_owned());
                         buf.clear();
+                        if let Closes::WhenIdle(after) = closes
+                            && answered.is_some_and(|t| t.elapsed() >= after)
+                        {
+                            return; // closed while the request crossed
+                        }
                         let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
                         let (first, rest) = body.split_at(body.len() / 2);
                         if s.write_all(head.as_bytes()).await.is_err() || s.write_all(first).await.is_err() {
                             return;
                         }
                         tokio::time::sleep(gap).await;
-                        if s.write_all(rest).await.is_err() || once {
+                        if s.write_all(rest).await.is_err() || matches!(closes, Closes::AfterAnswer) {
                             return;
                         }
+                        answered = Some(Instant::now());
                     }
                 });
             }
@@ -1400,7 +1381,7 @@ mod tests {
     /// when it has none.
     #[tokio::test]
     async fn connections_are_kept_and_reused() {
-        let (at, conns, heads) = engine(b"ok", Duration::ZERO, false).await;
+        let (at, conns, heads) = engine(b"ok", Duration::ZERO, Closes::Never).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         for _ in 0..20 {
             assert_eq!(get(&client, at).await, Ok(200));
@@ -1410,7 +1391,7 @@ mod tests {
         assert!(first.starts_with("GET /x HTTP/1.1\r\n"), "{first}");
         assert!(first.contains(&format!("\r\nhost: {at}\r\n")), "{first}");
 
-        let (at, conns, _) = engine(b"slow answer", Duration::from_millis(50), false).await;
+        let (at, conns, _) = engine(b"slow answer", Duration::from_millis(50), Closes::Never).await;
         for _ in 0..3 {
             let calls: Vec<_> = (0..8).map(|_| get(&client, at)).collect();
             for r in futures_util::future::join_all(calls).await {
@@ -1424,7 +1405,7 @@ mod tests {
     /// closed connection is not used again, or the call is sent again on a new one.
     #[tokio::test]
     async fn an_engine_closing_each_connection_answers_every_call() {
-        let (at, conns, _) = engine(b"ok", Duration::ZERO, true).await;
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, Closes::AfterAnswer).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         for _ in 0..20 {
             assert_eq!(get(&client, at).await, Ok(200));
@@ -1436,7 +1417,7 @@ mod tests {
     /// would be read as the next one's); an answer read to its end gives it back.
     #[tokio::test]
     async fn an_answer_dropped_part_read_closes_its_connection() {
-        let (at, conns, _) = engine(b"a longer answer", Duration::from_millis(100), false).await;
+        let (at, conns, _) = engine(b"a longer answer", Duration::from_millis(100), Closes::Never).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         let to = EngineUrl::from(at);
         let req = Request::get(to.uri("/x")).body(Full::new(Bytes::new())).unwrap_or_else(|e| unreachable(e));
@@ -1454,7 +1435,7 @@ mod tests {
     /// connection's engine read nothing.
     #[tokio::test]
     async fn a_request_unsent_on_a_closed_kept_connection_goes_on_a_new_one() {
-        let (at, conns, _) = engine(b"ok", Duration::ZERO, false).await;
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, Closes::Never).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         let to = EngineUrl::from(at);
         let (near, mut far) = tokio::io::duplex(4096);
@@ -1480,7 +1461,7 @@ mod tests {
     /// `KEPT_READY` and the call goes on another; it is not waited on for the call's whole timeout.
     #[tokio::test]
     async fn a_kept_connection_never_free_is_not_waited_on() {
-        let (at, conns, _) = engine(b"ok", Duration::ZERO, false).await;
+        let (at, conns, _) = engine(b"ok", Duration::ZERO, Closes::Never).await;
         let client = EngineClient::new(Names::default(), None, Duration::from_secs(4));
         let to = EngineUrl::from(at);
         let (near, _far) = tokio::io::duplex(4096);
