@@ -21,8 +21,10 @@
 //!    `ByteLevel` compiles it: its own is private);
 //! 4. each word's bytes are mapped to GPT-2's byte-level alphabet and encoded by the tokenizer's own
 //!    BPE model (its merges, its cache); the ids of short words are kept in a bounded, sharded map
-//!    ([`WORD_CACHE_WORDS`]), a word of up to 16 bytes keyed by its bytes packed into two integers;
-//!    the ASCII split looks each word up as it finds it (no list of words, no call a word);
+//!    ([`WORD_CACHE_WORDS`]), a word of up to 16 bytes keyed by its bytes packed into two integers,
+//!    and those of up to four ids also in a table read without a lock ([`super::hot`]), where a
+//!    word is looked up first; the ASCII split looks each word up as it finds it (no list of words,
+//!    no call a word);
 //! 5. the post-processor's special tokens (`<|begin_of_text|>`) go around them: found at load by
 //!    running the post-processor on a one-token encoding.
 //!
@@ -398,6 +400,8 @@ pub struct Fast {
     /// Hashes long words; its seeds, drawn again, hash packed ones.
     hasher: ahash::RandomState,
     seeds: [u64; 3],
+    /// Where a short word is looked up first, without a lock ([`super::hot`]).
+    hot: super::hot::Hot,
     words: [RwLock<WordMap>; WORD_SHARDS],
 }
 
@@ -481,6 +485,13 @@ static MASKS: [(u64, u64); PACKED_BYTES + 1] = {
 };
 
 impl Packed {
+    /// The same key as the lock-free table takes it.
+    #[inline(always)]
+    #[allow(clippy::inline_always)]
+    fn word(self) -> super::hot::Word {
+        super::hot::Word { lo: self.lo, hi: self.hi, len: self.len }
+    }
+
     /// The word `t[start..end]` (`end - start <= PACKED_BYTES`); the bytes after it in `t`, when
     /// there are 16, are read with it and masked off rather than copied out first.
     fn of(t: &[u8], start: usize, end: usize) -> Self {
@@ -660,6 +671,7 @@ impl Fast {
                 let r = ahash::RandomState::new();
                 [r.hash_one(1u8), r.hash_one(2u8), r.hash_one(3u8) | 1]
             },
+            hot: super::hot::Hot::default(),
             words: std::array::from_fn(|_| RwLock::new(WordMap::default())),
         })
     }
@@ -834,7 +846,11 @@ impl Fast {
         let w = t.get(start..end).ok_or("a word outside its text")?;
         let (key, hash) = if w.len() <= PACKED_BYTES {
             let k = Packed::of(t, start, end);
-            (Key::Packed(k), k.hash(&self.seeds))
+            let hash = k.hash(&self.seeds);
+            if self.hot.get(hash, k.word(), out) {
+                return Ok(());
+            }
+            (Key::Packed(k), hash)
         } else {
             (Key::Long(w), self.hasher.hash_one(w))
         };
@@ -852,6 +868,9 @@ impl Fast {
             *guard = shard.try_read().ok();
         }
         if let Some(ids) = guard.as_ref().and_then(|words| words.find(hash, key)) {
+            if let Key::Packed(k) = key {
+                self.hot.put(hash, k.word(), ids);
+            }
             for &id in ids {
                 out.push(id);
             }
@@ -882,13 +901,17 @@ impl Fast {
         buf.clear();
         buf.extend(w.iter().map(|&b| self.chars[usize::from(b)]));
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
+        let ids = out.get(first..).unwrap_or_default();
+        if let Key::Packed(k) = key {
+            self.hot.put(hash, k.word(), ids);
+        }
         if w.len() <= WORD_CACHE_BYTES
             && let Ok(mut words) = shard.try_write()
             // Another call may have put it there since this one looked: then the shard is left
             // as it is (not emptied for a word it has).
             && words.find(hash, key).is_none()
         {
-            words.insert(hash, key, out.get(first..).unwrap_or_default(), self);
+            words.insert(hash, key, ids, self);
         }
         Ok(())
     }

@@ -22,6 +22,7 @@ use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
 
 pub mod bound;
 pub mod fast;
+pub mod hot;
 pub mod pool;
 pub mod reuse;
 #[cfg(any(test, feature = "toy-tokenizers"))]
