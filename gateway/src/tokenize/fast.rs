@@ -846,11 +846,10 @@ impl Fast {
         let w = t.get(start..end).ok_or("a word outside its text")?;
         let (key, hash) = if w.len() <= PACKED_BYTES {
             let k = Packed::of(t, start, end);
-            let hash = k.hash(&self.seeds);
-            if self.hot.get(hash, k.word(), out) {
+            if self.hot.get(k.word(), out) {
                 return Ok(());
             }
-            (Key::Packed(k), hash)
+            (Key::Packed(k), k.hash(&self.seeds))
         } else {
             (Key::Long(w), self.hasher.hash_one(w))
         };
@@ -869,7 +868,7 @@ impl Fast {
         }
         if let Some(ids) = guard.as_ref().and_then(|words| words.find(hash, key)) {
             if let Key::Packed(k) = key {
-                self.hot.put(hash, k.word(), ids);
+                self.hot.put(k.word(), ids);
             }
             for &id in ids {
                 out.push(id);
@@ -903,7 +902,7 @@ impl Fast {
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
         let ids = out.get(first..).unwrap_or_default();
         if let Key::Packed(k) = key {
-            self.hot.put(hash, k.word(), ids);
+            self.hot.put(k.word(), ids);
         }
         if w.len() <= WORD_CACHE_BYTES
             && let Ok(mut words) = shard.try_write()

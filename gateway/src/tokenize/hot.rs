@@ -2,8 +2,8 @@
 //! word up.
 //!
 //! A table of [`HOT_SLOTS`] slots, each holding one short word (its bytes packed into two
-//! integers, as [`super::fast`] packs them) and up to [`HOT_IDS`] ids, at the place its hash
-//! names; a word put where another was replaces it. A slot is guarded by a sequence number, odd
+//! integers, as [`super::fast`] packs them) and up to [`HOT_IDS`] ids, at the place its bytes
+//! name; a word put where another was replaces it. A slot is guarded by a sequence number, odd
 //! while it is written (a seqlock made of atomics, so no `unsafe`): a reader loads the number, the
 //! slot, then the number again, and takes the slot only if both were the same even number; a
 //! writer takes the slot by moving the number to odd (a compare-and-swap: a slot being written is
@@ -18,8 +18,9 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
-/// Slots: 64 bytes each.
-pub const HOT_SLOTS: usize = 8192;
+/// Slots: 64 bytes each (a power of two: a place is the top bits of a product).
+pub const HOT_SLOTS: usize = 1 << HOT_BITS;
+const HOT_BITS: u32 = 13;
 /// The most ids a word here has (most words are one or two tokens).
 pub const HOT_IDS: usize = 4;
 
@@ -34,7 +35,8 @@ struct Slot {
     shape: AtomicU32,
     lo: AtomicU64,
     hi: AtomicU64,
-    ids: [AtomicU32; HOT_IDS],
+    /// The ids, two to an integer, the first in the low half.
+    ids: [AtomicU64; HOT_IDS / 2],
 }
 
 /// A word's key: its bytes packed little-endian into two integers (zero past its end) and its
@@ -48,12 +50,22 @@ pub struct Word {
 
 /// The table.
 pub struct Hot {
-    slots: Box<[Slot]>,
+    slots: Box<[Slot; HOT_SLOTS]>,
+    /// A word's place: its first integer under a random seed multiplied by a random odd one, the
+    /// second folded in, multiplied again, the product's top bits. Two 64-bit multiplies: the
+    /// sharded map's hash (two 128-bit ones) is needed only when a word is not here. Words that
+    /// text made to share a place are only misses more.
+    seeds: [u64; 3],
 }
 
 impl Default for Hot {
     fn default() -> Self {
-        Self { slots: (0..HOT_SLOTS).map(|_| Slot::default()).collect() }
+        let r = ahash::RandomState::new();
+        let slots: Box<[Slot]> = (0..HOT_SLOTS).map(|_| Slot::default()).collect();
+        Self {
+            slots: slots.try_into().unwrap_or_else(|_| unreachable!("HOT_SLOTS slots were made")),
+            seeds: [r.hash_one(1u8), r.hash_one(2u8), r.hash_one(3u8) | 1],
+        }
     }
 }
 
@@ -64,27 +76,26 @@ impl std::fmt::Debug for Hot {
 }
 
 impl Hot {
-    #[allow(clippy::cast_possible_truncation)] // a place in the table: the hash's low bits
-    fn slot(&self, hash: u64) -> Option<&Slot> {
-        self.slots.get(hash as usize % HOT_SLOTS)
+    /// `word`'s slot.
+    #[inline(always)]
+    #[allow(clippy::inline_always, clippy::cast_possible_truncation)] // HOT_BITS bits
+    fn slot(&self, word: Word) -> &Slot {
+        let mixed = ((word.lo ^ self.seeds[0]).wrapping_mul(self.seeds[2]) ^ word.hi ^ self.seeds[1])
+            .wrapping_mul(self.seeds[2]);
+        &self.slots[(mixed >> (64 - HOT_BITS)) as usize]
     }
 
-    /// Appends `word`'s ids to `out` and says so, when its place (by `hash`) holds it. `word` is
-    /// not empty (an empty slot has length 0).
+    /// Appends `word`'s ids to `out` and says so, when its place holds it. `word` is not empty
+    /// (an empty slot has length 0).
     #[inline(always)]
-    #[allow(clippy::inline_always)] // once a word, in the tokenizer's loop
-    pub fn get(&self, hash: u64, word: Word, out: &mut Vec<u32>) -> bool {
+    #[allow(clippy::inline_always, clippy::cast_possible_truncation)] // once a word; ids' halves
+    pub fn get(&self, word: Word, out: &mut Vec<u32>) -> bool {
         debug_assert!(word.len > 0, "an empty word");
-        let Some(s) = self.slot(hash) else { return false };
+        let s = self.slot(word);
         let seq = s.seq.load(Ordering::Acquire);
         let shape = s.shape.load(Ordering::Relaxed);
         let (lo, hi) = (s.lo.load(Ordering::Relaxed), s.hi.load(Ordering::Relaxed));
-        let ids = [
-            s.ids[0].load(Ordering::Relaxed),
-            s.ids[1].load(Ordering::Relaxed),
-            s.ids[2].load(Ordering::Relaxed),
-            s.ids[3].load(Ordering::Relaxed),
-        ];
+        let (ab, cd) = (s.ids[0].load(Ordering::Relaxed), s.ids[1].load(Ordering::Relaxed));
         // The loads above before the second read of the number: a writer that moved it before
         // any of them (and so may have torn them) is seen there.
         fence(Ordering::Acquire);
@@ -98,19 +109,20 @@ impl Hot {
         }
         // One push an id (most words have one or two): `extend_from_slice` was a call of
         // `memcpy` a word.
+        let ids = [ab as u32, (ab >> 32) as u32, cd as u32, (cd >> 32) as u32];
         for &id in ids.iter().take(((shape >> 8) & 0xff) as usize) {
             out.push(id);
         }
         true
     }
 
-    /// Puts `word` with its `ids` at its place (by `hash`), in place of what was there; not when
-    /// it has none or more than [`HOT_IDS`], or when another thread is writing that place.
-    pub fn put(&self, hash: u64, word: Word, ids: &[u32]) {
+    /// Puts `word` with its `ids` at its place, in place of what was there; not when it has none
+    /// or more than [`HOT_IDS`], or when another thread is writing that place.
+    pub fn put(&self, word: Word, ids: &[u32]) {
         if ids.is_empty() || ids.len() > HOT_IDS || word.len == 0 {
             return;
         }
-        let Some(s) = self.slot(hash) else { return };
+        let s = self.slot(word);
         let seq = s.seq.load(Ordering::Relaxed);
         if seq & 1 != 0
             || s.seq.compare_exchange(seq, seq.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed).is_err()
@@ -124,9 +136,9 @@ impl Hot {
         s.shape.store(u32::from(word.len) | n << 8, Ordering::Relaxed);
         s.lo.store(word.lo, Ordering::Relaxed);
         s.hi.store(word.hi, Ordering::Relaxed);
-        for (to, &id) in s.ids.iter().zip(ids) {
-            to.store(id, Ordering::Relaxed);
-        }
+        let id = |i: usize| u64::from(ids.get(i).copied().unwrap_or(0));
+        s.ids[0].store(id(0) | id(1) << 32, Ordering::Relaxed);
+        s.ids[1].store(id(2) | id(3) << 32, Ordering::Relaxed);
         s.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
@@ -146,55 +158,75 @@ mod tests {
         Word { lo: i, hi: !i, len: 9 }
     }
 
-    fn got(hot: &Hot, hash: u64, w: Word) -> Option<Vec<u32>> {
+    /// A table whose every word has the same place (its multiplier 0).
+    fn one_place() -> Hot {
+        Hot { seeds: [0, 0, 0], ..Hot::default() }
+    }
+
+    fn got(hot: &Hot, w: Word) -> Option<Vec<u32>> {
         let mut out = vec![7];
-        hot.get(hash, w, &mut out).then(|| out.split_off(1))
+        hot.get(w, &mut out).then(|| out.split_off(1))
     }
 
     #[test]
     fn a_word_put_comes_back_with_its_ids_and_replaces_the_one_at_its_place() {
-        let hot = Hot::default();
-        assert_eq!(got(&hot, 5, word(1)), None);
+        let hot = one_place();
+        assert_eq!(got(&hot, word(1)), None);
         for n in 1..=HOT_IDS {
             let ids: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-            hot.put(5, word(n as u64), &ids);
-            assert_eq!(got(&hot, 5, word(n as u64)), Some(ids));
+            hot.put(word(n as u64), &ids);
+            assert_eq!(got(&hot, word(n as u64)), Some(ids));
         }
-        // Another word at the same place: the last one put is there, the others are not.
-        assert_eq!(got(&hot, 5, word(1)), None);
-        assert_eq!(got(&hot, 5 + HOT_SLOTS as u64, word(HOT_IDS as u64)), Some(vec![100, 101, 102, 103]));
+        // The last word put is there, the others it replaced are not.
+        assert_eq!(got(&hot, word(1)), None);
+        assert_eq!(got(&hot, word(HOT_IDS as u64)), Some(vec![100, 101, 102, 103]));
         // A word of the same bytes but another length is another word.
-        assert_eq!(got(&hot, 5, Word { len: 8, ..word(HOT_IDS as u64) }), None);
+        assert_eq!(got(&hot, Word { len: 8, ..word(HOT_IDS as u64) }), None);
         assert_eq!(hot.held(), 1);
+    }
+
+    #[test]
+    fn words_spread_over_the_table() {
+        // Words of both integers, and short ones (the second integer 0) differing in a byte.
+        for shape in [word as fn(u64) -> Word, |i| Word { lo: 0x2000 | i, hi: 0, len: 3 }] {
+            let hot = Hot::default();
+            for i in 0..1000 {
+                hot.put(shape(i), &[i as u32]);
+            }
+            // 1,000 words over 8,192 places: some 60 share one, by chance.
+            assert!(hot.held() > 900, "{} places for 1,000 words", hot.held());
+            let back = (0..1000).filter(|&i| got(&hot, shape(i)) == Some(vec![i as u32])).count();
+            assert_eq!(back, hot.held());
+        }
     }
 
     #[test]
     fn words_of_no_ids_or_too_many_are_not_kept() {
         let hot = Hot::default();
-        hot.put(1, word(1), &[]);
-        hot.put(2, word(2), &[1, 2, 3, 4, 5]);
-        hot.put(3, Word { lo: 0, hi: 0, len: 0 }, &[1]);
+        hot.put(word(1), &[]);
+        hot.put(word(2), &[1, 2, 3, 4, 5]);
+        hot.put(Word { lo: 0, hi: 0, len: 0 }, &[1]);
         assert_eq!(hot.held(), 0);
     }
 
     #[test]
     fn a_slot_being_written_is_neither_read_nor_written() {
-        let hot = Hot::default();
-        hot.put(9, word(1), &[1]);
-        let s = hot.slot(9).unwrap();
+        let hot = one_place();
+        hot.put(word(1), &[1]);
+        let s = hot.slot(word(1));
         s.seq.fetch_add(1, Ordering::Relaxed);
-        assert_eq!(got(&hot, 9, word(1)), None);
-        hot.put(9, word(2), &[2]);
+        assert_eq!(got(&hot, word(1)), None);
+        hot.put(word(2), &[2]);
         s.seq.fetch_add(1, Ordering::Relaxed);
-        assert_eq!(got(&hot, 9, word(1)), Some(vec![1]));
-        assert_eq!(got(&hot, 9, word(2)), None);
+        assert_eq!(got(&hot, word(1)), Some(vec![1]));
+        assert_eq!(got(&hot, word(2)), None);
     }
 
-    /// Threads writing words to the same few places while others read them: a word read always
-    /// has its own ids (each word's ids are made from it), never another's or a mix.
+    /// Threads writing words to one place while others read them: a word read always has its
+    /// own ids (each word's ids are made from it), never another's or a mix.
     #[test]
     fn readers_never_see_a_slot_half_written() {
-        let hot = Hot::default();
+        let hot = one_place();
         let ids = |i: u64| -> Vec<u32> { (0..=(i % 4) as u32).map(|k| (i as u32) * 10 + k).collect() };
         let hits = AtomicU64::new(0);
         std::thread::scope(|scope| {
@@ -202,8 +234,8 @@ mod tests {
                 let hot = &hot;
                 scope.spawn(move || {
                     for r in 0..200_000u64 {
-                        let i = (r * 7 + t) % 64;
-                        hot.put(i % 4, word(i), &ids(i));
+                        let i = (r * 7 + t) % 16;
+                        hot.put(word(i), &ids(i));
                     }
                 });
             }
@@ -211,8 +243,8 @@ mod tests {
                 let (hot, hits) = (&hot, &hits);
                 scope.spawn(move || {
                     for r in 0..200_000u64 {
-                        let i = (r * 13 + t) % 64;
-                        if let Some(got) = got(hot, i % 4, word(i)) {
+                        let i = (r * 13 + t) % 16;
+                        if let Some(got) = got(hot, word(i)) {
                             assert_eq!(got, ids(i), "word {i}");
                             hits.fetch_add(1, Ordering::Relaxed);
                         }
