@@ -215,8 +215,7 @@ pub fn ids_base64(ids: &[u32]) -> String {
 /// lets go unescaped, writes it once).
 pub fn ids_base64_into(ids: &[u32], out: &mut String) {
     let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-    // SIMD where the CPU has it (chosen at run time): 7 instructions a byte with the `base64`
-    // crate's scalar engine, on every native request's prompt.
+    // SIMD where the CPU has it (chosen at run time; scalar otherwise).
     base64_simd::STANDARD.encode_append(bytes, out);
 }
 
@@ -355,6 +354,17 @@ mod tests {
             assert_eq!(text, reference(&bytes), "{n} ids");
             assert_eq!(text.len(), ids_base64_len(&ids[..n]), "{n} ids");
             assert_eq!(ids_from_base64(&text).unwrap(), &ids[..n], "{n} ids");
+        }
+        // A byte outside the alphabet, anywhere in a long string (the SIMD loop's part, not only
+        // its tail), is refused.
+        let text = ids_base64(&ids[..75]);
+        assert_eq!(text.len(), 400);
+        for at in [0, 1, 37, 64, 150, 333, 397] {
+            for bad in ["-", " ", "\n", "=", "é"] {
+                let mut t = text.clone();
+                t.replace_range(at..=at, bad);
+                assert!(ids_from_base64(&t).is_err(), "{bad:?} at {at}");
+            }
         }
     }
 

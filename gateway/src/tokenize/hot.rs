@@ -7,10 +7,10 @@
 //! while it is written (a seqlock made of atomics, so no `unsafe`): a reader loads the number, the
 //! slot, then the number again, and takes the slot only if both were the same even number; a
 //! writer takes the slot by moving the number to odd (a compare-and-swap: a slot being written is
-//! left alone) and gives it back at the next even one. Readers write nothing, so threads reading
-//! the same words share their cache lines. On x86 a read is plain loads: no atomic
-//! read-modify-write, no lock's cache line bounced between cores, none of the sharded map's
-//! bookkeeping of which shard locks a call holds.
+//! left alone) and gives it back at the next even one. A lookup that finds its word writes
+//! nothing, so threads reading the same words share their cache lines. On x86 a read is plain
+//! loads: no atomic read-modify-write, no lock's cache line bounced between cores. (Two frequent
+//! words that share a place put each other back in turn, each put a compare-and-swap.)
 //!
 //! A word not found here is looked up in the sharded map behind it (bounded, by words; longer words
 //! and words of more ids only there), then encoded: both put it here. Bounded by construction:
@@ -28,8 +28,9 @@ pub const HOT_IDS: usize = 4;
 #[repr(align(64))]
 #[derive(Default)]
 struct Slot {
-    /// Even when the slot is whole; odd while a writer fills it.
-    seq: AtomicU32,
+    /// Even when the slot is whole; odd while a writer fills it. 64 bits: a reader would have to
+    /// stall through 2⁶³ writes of its slot to see the same number again.
+    seq: AtomicU64,
     /// The word's length in bytes (the low byte; 0: an empty slot, as no word is empty) and how
     /// many ids it has (the next byte).
     shape: AtomicU32,
@@ -124,6 +125,7 @@ impl Hot {
         }
         let s = self.slot(word);
         let seq = s.seq.load(Ordering::Relaxed);
+        // Acquire: this writer's stores come after the last writer's, whose seq+2 it reads here.
         if seq & 1 != 0
             || s.seq.compare_exchange(seq, seq.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed).is_err()
         {
@@ -146,6 +148,14 @@ impl Hot {
     #[cfg(test)]
     fn held(&self) -> usize {
         self.slots.iter().filter(|s| s.shape.load(Ordering::Relaxed) & 0xff != 0).count()
+    }
+
+    /// Empties every slot (for tests; a lookup meanwhile only misses: no word has length 0).
+    #[cfg(test)]
+    pub(crate) fn clear(&self) {
+        for s in self.slots.iter() {
+            s.shape.store(0, Ordering::Relaxed);
+        }
     }
 }
 
@@ -180,15 +190,24 @@ mod tests {
         // The last word put is there, the others it replaced are not.
         assert_eq!(got(&hot, word(1)), None);
         assert_eq!(got(&hot, word(HOT_IDS as u64)), Some(vec![100, 101, 102, 103]));
-        // A word of the same bytes but another length is another word.
-        assert_eq!(got(&hot, Word { len: 8, ..word(HOT_IDS as u64) }), None);
+        // A word differing in its length alone, its first integer alone or its second alone is
+        // another word.
+        let last = word(HOT_IDS as u64);
+        for other in [Word { len: 8, ..last }, Word { lo: 0, ..last }, Word { hi: 0, ..last }] {
+            assert_eq!(got(&hot, other), None, "{other:?}");
+        }
         assert_eq!(hot.held(), 1);
     }
 
     #[test]
     fn words_spread_over_the_table() {
-        // Words of both integers, and short ones (the second integer 0) differing in a byte.
-        for shape in [word as fn(u64) -> Word, |i| Word { lo: 0x2000 | i, hi: 0, len: 3 }] {
+        // Words of both integers, short ones (the second integer 0) differing in a byte, and long
+        // ones (16 bytes) sharing their first eight.
+        for shape in [
+            word as fn(u64) -> Word,
+            |i| Word { lo: 0x2000 | i, hi: 0, len: 3 },
+            |i| Word { lo: 0x6f6c_6c65_6820_2020, hi: 0x2000 | i, len: 16 },
+        ] {
             let hot = Hot::default();
             for i in 0..1000 {
                 hot.put(shape(i), &[i as u32]);
