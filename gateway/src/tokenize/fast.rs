@@ -464,13 +464,9 @@ impl WordMap {
 const PACKED_BYTES: usize = 16;
 
 /// A word of 1 to [`PACKED_BYTES`] bytes: its bytes little-endian in two integers, zero past its
-/// end, and its length (a word ending in zero bytes is told from a shorter one by it).
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Packed {
-    lo: u64,
-    hi: u64,
-    len: u8,
-}
+/// end, and its length (a word ending in zero bytes is told from a shorter one by it); the key of
+/// the map and of the lock-free table alike.
+use super::hot::Word as Packed;
 
 /// By a word's length: the masks of its bytes in [`Packed`]'s two integers.
 static MASKS: [(u64, u64); PACKED_BYTES + 1] = {
@@ -485,13 +481,6 @@ static MASKS: [(u64, u64); PACKED_BYTES + 1] = {
 };
 
 impl Packed {
-    /// The same key as the lock-free table takes it.
-    #[inline(always)]
-    #[allow(clippy::inline_always)]
-    fn word(self) -> super::hot::Word {
-        super::hot::Word { lo: self.lo, hi: self.hi, len: self.len }
-    }
-
     /// The word `t[start..end]` (`end - start <= PACKED_BYTES`); the bytes after it in `t`, when
     /// there are 16, are read with it and masked off rather than copied out first.
     fn of(t: &[u8], start: usize, end: usize) -> Self {
@@ -852,10 +841,11 @@ impl Fast {
         held.words += 1;
         let (key, hash) = if w.len() <= PACKED_BYTES {
             let k = Packed::of(t, start, end);
-            if self.hot.get(k.word(), out) {
+            let hash = k.hash(&self.seeds);
+            if self.hot.get(hash, k, out) {
                 return Ok(());
             }
-            (Key::Packed(k), k.hash(&self.seeds))
+            (Key::Packed(k), hash)
         } else {
             (Key::Long(w), self.hasher.hash_one(w))
         };
@@ -870,7 +860,7 @@ impl Fast {
         }
         if let Some(ids) = guard.as_ref().and_then(|words| words.find(hash, key)) {
             if let Key::Packed(k) = key {
-                self.hot.put(k.word(), ids);
+                self.hot.put(hash, k, ids);
             }
             for &id in ids {
                 out.push(id);
@@ -904,7 +894,7 @@ impl Fast {
         out.extend(p.bpe.tokenize(buf)?.iter().map(|t| t.id));
         let ids = out.get(first..).unwrap_or_default();
         if let Key::Packed(k) = key {
-            self.hot.put(k.word(), ids);
+            self.hot.put(hash, k, ids);
         }
         if w.len() <= WORD_CACHE_BYTES
             && let Ok(mut words) = shard.try_write()

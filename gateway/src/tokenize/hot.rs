@@ -2,8 +2,8 @@
 //! word up.
 //!
 //! A table of [`HOT_SLOTS`] slots, each holding one short word (its bytes packed into two
-//! integers, as [`super::fast`] packs them) and up to [`HOT_IDS`] ids, at the place its bytes
-//! name; a word put where another was replaces it. A slot is guarded by a sequence number, odd
+//! integers, as [`super::fast`] packs them) and up to [`HOT_IDS`] ids, at the place its hash (the
+//! sharded map's) names; a word put where another was replaces it. A slot is guarded by a sequence number, odd
 //! while it is written (a seqlock made of atomics, so no `unsafe`): a reader loads the number, the
 //! slot, then the number again, and takes the slot only if both were the same even number; a
 //! writer takes the slot by moving the number to odd (a compare-and-swap: a slot being written is
@@ -52,21 +52,12 @@ pub struct Word {
 /// The table.
 pub struct Hot {
     slots: Box<[Slot; HOT_SLOTS]>,
-    /// A word's place: its first integer under a random seed multiplied by a random odd one, the
-    /// second folded in, multiplied again, the product's top bits. Two 64-bit multiplies: the
-    /// sharded map's hash (two 128-bit ones) is needed only when a word is not here. Words that
-    /// text made to share a place are only misses more.
-    seeds: [u64; 3],
 }
 
 impl Default for Hot {
     fn default() -> Self {
-        let r = ahash::RandomState::new();
         let slots: Box<[Slot]> = (0..HOT_SLOTS).map(|_| Slot::default()).collect();
-        Self {
-            slots: slots.try_into().unwrap_or_else(|_| unreachable!("HOT_SLOTS slots were made")),
-            seeds: [r.hash_one(1u8), r.hash_one(2u8), r.hash_one(3u8) | 1],
-        }
+        Self { slots: slots.try_into().unwrap_or_else(|_| unreachable!("HOT_SLOTS slots were made")) }
     }
 }
 
@@ -77,22 +68,22 @@ impl std::fmt::Debug for Hot {
 }
 
 impl Hot {
-    /// `word`'s slot.
+    /// The slot at `hash`'s top bits: the word's hash, the one the sharded map keys it by (seeded,
+    /// two folded 128-bit multiplies). (One 64-bit or one folded multiply of the word's integers
+    /// put 1,000 words differing in a few low bits into 551–771 places under some seeds.)
     #[inline(always)]
     #[allow(clippy::inline_always, clippy::cast_possible_truncation)] // HOT_BITS bits
-    fn slot(&self, word: Word) -> &Slot {
-        let mixed = ((word.lo ^ self.seeds[0]).wrapping_mul(self.seeds[2]) ^ word.hi ^ self.seeds[1])
-            .wrapping_mul(self.seeds[2]);
-        &self.slots[(mixed >> (64 - HOT_BITS)) as usize]
+    fn slot(&self, hash: u64) -> &Slot {
+        &self.slots[(hash >> (64 - HOT_BITS)) as usize]
     }
 
-    /// Appends `word`'s ids to `out` and says so, when its place holds it. `word` is not empty
+    /// Appends `word`'s ids to `out` and says so, when its place (by `hash`) holds it. `word` is not empty
     /// (an empty slot has length 0).
     #[inline(always)]
     #[allow(clippy::inline_always, clippy::cast_possible_truncation)] // once a word; ids' halves
-    pub fn get(&self, word: Word, out: &mut Vec<u32>) -> bool {
+    pub fn get(&self, hash: u64, word: Word, out: &mut Vec<u32>) -> bool {
         debug_assert!(word.len > 0, "an empty word");
-        let s = self.slot(word);
+        let s = self.slot(hash);
         let seq = s.seq.load(Ordering::Acquire);
         let shape = s.shape.load(Ordering::Relaxed);
         let (lo, hi) = (s.lo.load(Ordering::Relaxed), s.hi.load(Ordering::Relaxed));
@@ -117,13 +108,13 @@ impl Hot {
         true
     }
 
-    /// Puts `word` with its `ids` at its place, in place of what was there; not when it has none
+    /// Puts `word` with its `ids` at its place (by `hash`), in place of what was there; not when it has none
     /// or more than [`HOT_IDS`], or when another thread is writing that place.
-    pub fn put(&self, word: Word, ids: &[u32]) {
+    pub fn put(&self, hash: u64, word: Word, ids: &[u32]) {
         if ids.is_empty() || ids.len() > HOT_IDS || word.len == 0 {
             return;
         }
-        let s = self.slot(word);
+        let s = self.slot(hash);
         let seq = s.seq.load(Ordering::Relaxed);
         // Acquire: this writer's stores come after the last writer's, whose seq+2 it reads here.
         if seq & 1 != 0
@@ -165,26 +156,26 @@ mod tests {
     use super::*;
 
     fn word(i: u64) -> Word {
-        Word { lo: i, hi: !i, len: 9 }
+        Word { lo: i, hi: 0, len: 9 }
     }
 
-    /// A table whose every word has the same place (its multiplier 0).
-    fn one_place() -> Hot {
-        Hot { seeds: [0, 0, 0], ..Hot::default() }
-    }
-
+    /// Every test word at one place (hash 0) but in `words_spread_over_the_table`.
     fn got(hot: &Hot, w: Word) -> Option<Vec<u32>> {
+        got_at(hot, 0, w)
+    }
+
+    fn got_at(hot: &Hot, hash: u64, w: Word) -> Option<Vec<u32>> {
         let mut out = vec![7];
-        hot.get(w, &mut out).then(|| out.split_off(1))
+        hot.get(hash, w, &mut out).then(|| out.split_off(1))
     }
 
     #[test]
     fn a_word_put_comes_back_with_its_ids_and_replaces_the_one_at_its_place() {
-        let hot = one_place();
+        let hot = Hot::default();
         assert_eq!(got(&hot, word(1)), None);
         for n in 1..=HOT_IDS {
             let ids: Vec<u32> = (0..n as u32).map(|i| 100 + i).collect();
-            hot.put(word(n as u64), &ids);
+            hot.put(0, word(n as u64), &ids);
             assert_eq!(got(&hot, word(n as u64)), Some(ids));
         }
         // The last word put is there, the others it replaced are not.
@@ -193,59 +184,55 @@ mod tests {
         // A word differing in its length alone, its first integer alone or its second alone is
         // another word.
         let last = word(HOT_IDS as u64);
-        for other in [Word { len: 8, ..last }, Word { lo: 0, ..last }, Word { hi: 0, ..last }] {
+        for other in [Word { len: 8, ..last }, Word { lo: 0, ..last }, Word { hi: 1, ..last }] {
             assert_eq!(got(&hot, other), None, "{other:?}");
         }
         assert_eq!(hot.held(), 1);
     }
 
+    /// Words put at their hashes' places come back from there (a hash's top bits name the place).
     #[test]
     fn words_spread_over_the_table() {
-        // Words of both integers, short ones (the second integer 0) differing in a byte, and long
-        // ones (16 bytes) sharing their first eight.
-        for shape in [
-            word as fn(u64) -> Word,
-            |i| Word { lo: 0x2000 | i, hi: 0, len: 3 },
-            |i| Word { lo: 0x6f6c_6c65_6820_2020, hi: 0x2000 | i, len: 16 },
-        ] {
-            let hot = Hot::default();
-            for i in 0..1000 {
-                hot.put(shape(i), &[i as u32]);
-            }
-            // 1,000 words over 8,192 places: some 60 share one, by chance.
-            assert!(hot.held() > 900, "{} places for 1,000 words", hot.held());
-            let back = (0..1000).filter(|&i| got(&hot, shape(i)) == Some(vec![i as u32])).count();
-            assert_eq!(back, hot.held());
+        let (hot, seeds) = (Hot::default(), ahash::RandomState::new());
+        let hash = |w: Word| seeds.hash_one((w.lo, w.hi, w.len));
+        for i in 0..1000 {
+            hot.put(hash(word(i)), word(i), &[i as u32]);
         }
+        // 1,000 words over 8,192 places: some 60 share one, by chance.
+        assert!(hot.held() > 900, "{} places for 1,000 words", hot.held());
+        let back =
+            (0..1000).filter(|&i| got_at(&hot, hash(word(i)), word(i)) == Some(vec![i as u32])).count();
+        assert_eq!(back, hot.held());
+        assert_eq!(got_at(&hot, hash(word(5)) ^ (1 << 63), word(5)), None, "another place");
     }
 
     #[test]
     fn words_of_no_ids_or_too_many_are_not_kept() {
         let hot = Hot::default();
-        hot.put(word(1), &[]);
-        hot.put(word(2), &[1, 2, 3, 4, 5]);
-        hot.put(Word { lo: 0, hi: 0, len: 0 }, &[1]);
+        hot.put(0, word(1), &[]);
+        hot.put(0, word(2), &[1, 2, 3, 4, 5]);
+        hot.put(0, Word { lo: 0, hi: 0, len: 0 }, &[1]);
         assert_eq!(hot.held(), 0);
     }
 
     #[test]
     fn a_slot_being_written_is_neither_read_nor_written() {
-        let hot = one_place();
-        hot.put(word(1), &[1]);
-        let s = hot.slot(word(1));
+        let hot = Hot::default();
+        hot.put(0, word(1), &[1]);
+        let s = hot.slot(0);
         s.seq.fetch_add(1, Ordering::Relaxed);
         assert_eq!(got(&hot, word(1)), None);
-        hot.put(word(2), &[2]);
+        hot.put(0, word(2), &[2]);
         s.seq.fetch_add(1, Ordering::Relaxed);
         assert_eq!(got(&hot, word(1)), Some(vec![1]));
         assert_eq!(got(&hot, word(2)), None);
     }
 
-    /// Threads writing words to one place while others read them: a word read always has its
+    /// Threads writing two words to one place while others read them: a word read always has its
     /// own ids (each word's ids are made from it), never another's or a mix.
     #[test]
     fn readers_never_see_a_slot_half_written() {
-        let hot = one_place();
+        let hot = Hot::default();
         let ids = |i: u64| -> Vec<u32> { (0..=(i % 4) as u32).map(|k| (i as u32) * 10 + k).collect() };
         let hits = AtomicU64::new(0);
         std::thread::scope(|scope| {
@@ -253,8 +240,8 @@ mod tests {
                 let hot = &hot;
                 scope.spawn(move || {
                     for r in 0..200_000u64 {
-                        let i = (r * 7 + t) % 16;
-                        hot.put(word(i), &ids(i));
+                        let i = (r * 7 + t) % 2;
+                        hot.put(0, word(i), &ids(i));
                     }
                 });
             }
@@ -262,7 +249,7 @@ mod tests {
                 let (hot, hits) = (&hot, &hits);
                 scope.spawn(move || {
                     for r in 0..200_000u64 {
-                        let i = (r * 13 + t) % 16;
+                        let i = (r * 13 + t) % 2;
                         if let Some(got) = got(hot, word(i)) {
                             assert_eq!(got, ids(i), "word {i}");
                             hits.fetch_add(1, Ordering::Relaxed);
