@@ -3,10 +3,10 @@
 //!
 //! A table of [`HOT_SLOTS`] slots, each holding one short word (its bytes packed into two
 //! integers, as [`super::fast`] packs them) and up to [`HOT_IDS`] ids, at the place its hash (the
-//! sharded map's) names; a word put where another was replaces it. A slot is guarded by a sequence number, odd
-//! while it is written (a seqlock made of atomics, so no `unsafe`): a reader loads the number, the
-//! slot, then the number again, and takes the slot only if both were the same even number; a
-//! writer takes the slot by moving the number to odd (a compare-and-swap: a slot being written is
+//! sharded map's) names; a word put where another was replaces it. A slot is guarded by a
+//! sequence number, odd while it is written (a seqlock made of atomics, so no `unsafe`): a reader
+//! loads the number, the slot, then the number again, and takes the slot only if both were the
+//! same even number; a writer takes the slot by moving the number to odd (a compare-and-swap: a slot being written is
 //! left alone) and gives it back at the next even one. A lookup that finds its word writes
 //! nothing, so threads reading the same words share their cache lines. On x86 a read is plain
 //! loads: no atomic read-modify-write, no lock's cache line bounced between cores. (Two frequent
