@@ -147,8 +147,9 @@ fn engines_main(mode: &str) {
     });
 }
 
-/// The hyper floor: hyper's server and pooled client as the gateway uses them (multi-thread
-/// runtime, keep-alive, no delay), each request's body sent to the prefill engine, its answer read
+/// The hyper floor: hyper's server and pooled client as the gateway uses them (the gateway's own
+/// runtime, [`baton_gateway::serve::runtime`]: current-thread on the one core it is pinned to;
+/// keep-alive, no delay), each request's body sent to the prefill engine, its answer read
 /// whole, then the same body sent to the decode engine and its answer streamed back. No parsing, no
 /// routing, no admission: what two sequential legs cost with this stack and nothing else.
 ///
@@ -166,7 +167,7 @@ fn floor_main(engines: &str) {
     let urls =
         std::sync::Arc::new((format!("http://{p}/v1/completions"), format!("http://{d}/v1/completions")));
     let inline = std::env::var(FLOOR_CLIENT_ENV).as_deref() == Ok("inline");
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = baton_gateway::serve::runtime().unwrap();
     rt.block_on(async move {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);

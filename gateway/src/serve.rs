@@ -247,3 +247,57 @@ fn reread(file: std::path::PathBuf) -> crate::policy::Reread {
         Ok((c.plugins, c.tenants))
     }))
 }
+
+/// The async runtime `baton` runs on, sized by the cores it may use: with one (a one-CPU
+/// container, a process pinned to one core with `taskset`), tokio's current-thread scheduler;
+/// otherwise its multi-thread one. On one core the multi-thread scheduler still runs two threads
+/// that wake each other (the main thread in `block_on` and its one worker) and pays for stealing
+/// work no other worker can take: in the proxy benchmark's layout B (all on one core) it cost the
+/// gateway about half again as many involuntary context switches a request (`bench/README.md`).
+/// The cores are `TOKIO_WORKER_THREADS` when it is set to a number (tokio's own variable, which
+/// its multi-thread builder reads too), otherwise [`std::thread::available_parallelism`] (the
+/// affinity mask and a cgroup's CPU quota). Blocking work (large prompts' tokenization, plugin
+/// reloads) goes to tokio's blocking threads under either.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = match runtime_cores(std::env::var("TOKIO_WORKER_THREADS").ok().as_deref()) {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    builder.enable_all().build()
+}
+
+/// The cores [`runtime`] sizes itself by: `TOKIO_WORKER_THREADS` when it is a positive number,
+/// otherwise what this process may run on.
+fn runtime_cores(configured: Option<&str>) -> usize {
+    configured
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
+}
+
+#[cfg(test)]
+mod runtime_tests {
+    use super::{runtime, runtime_cores};
+
+    #[test]
+    fn the_cores_are_tokios_variable_when_it_is_a_number_else_the_machines() {
+        let machine = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        assert_eq!(runtime_cores(Some("1")), 1);
+        assert_eq!(runtime_cores(Some(" 3 ")), 3);
+        assert_eq!(runtime_cores(None), machine);
+        // Tokio's builder panics on 0; here it means nothing was said.
+        assert_eq!(runtime_cores(Some("0")), machine);
+        assert_eq!(runtime_cores(Some("many")), machine);
+    }
+
+    #[test]
+    fn the_runtime_runs_spawned_and_blocking_work() {
+        let rt = runtime().unwrap();
+        let got = rt.block_on(async {
+            let spawned = tokio::spawn(async { 2 });
+            let blocking = tokio::task::spawn_blocking(|| 3);
+            spawned.await.unwrap() * blocking.await.unwrap()
+        });
+        assert_eq!(got, 6);
+    }
+}

@@ -66,7 +66,24 @@ pub(crate) fn spawn_baton_then(
     stderr: Stdio,
     stdout: Stdout,
 ) -> (Proc, SocketAddr, SocketAddr) {
-    let mut child = Command::new(bin).args(args).stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
+    spawn_baton_env(bin, args, &[], stderr, stdout)
+}
+
+/// [`spawn_baton_then`] with `env` added to its environment.
+pub(crate) fn spawn_baton_env(
+    bin: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    stderr: Stdio,
+    stdout: Stdout,
+) -> (Proc, SocketAddr, SocketAddr) {
+    let mut child = Command::new(bin)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut proc = Proc(child);
     let (mut public, mut admin) = (None, None);

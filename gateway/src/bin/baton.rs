@@ -296,9 +296,20 @@ fn plugin_check(file: &Path, config: Option<&Path>) -> ExitCode {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    match Cli::parse().command {
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // One core: tokio's current-thread scheduler (`baton_gateway::serve::runtime`).
+    match baton_gateway::serve::runtime() {
+        Ok(rt) => rt.block_on(run(cli)),
+        Err(e) => {
+            eprintln!("the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
         Command::Serve { config } => serve(&config).await,
         Command::CheckConfig { file } => check(&file).await,
         Command::Plugin { command: PluginCommand::Check { file, config } } => {

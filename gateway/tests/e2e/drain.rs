@@ -107,6 +107,18 @@ fn serve_then(
     drain_ms: u64,
     stdout: Stdout,
 ) -> (Proc, SocketAddr, SocketAddr) {
+    serve_env(dir, prefill, decode, drain_ms, &[], stdout)
+}
+
+/// [`serve_then`] with `env` added to the gateway's environment.
+fn serve_env(
+    dir: &std::path::Path,
+    prefill: &Running,
+    decode: &Running,
+    drain_ms: u64,
+    env: &[(&str, &str)],
+    stdout: Stdout,
+) -> (Proc, SocketAddr, SocketAddr) {
     // Closed pipes: lines to write into them, a request's among them.
     let logs =
         if stdout == Stdout::Closed { "\n[telemetry]\nlog_level = \"baton_gateway=debug\"\n" } else { "" };
@@ -121,7 +133,7 @@ fn serve_then(
     std::fs::write(&file, text).unwrap();
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_baton"));
     let stderr = if stdout == Stdout::Closed { Stdio::piped() } else { Stdio::null() };
-    super::procs::spawn_baton_then(bin, &["serve", "--config", file.to_str().unwrap()], stderr, stdout)
+    super::procs::spawn_baton_env(bin, &["serve", "--config", file.to_str().unwrap()], env, stderr, stdout)
 }
 
 /// The decoder holds no page and no engine block within `within`.
@@ -144,9 +156,20 @@ fn tempdir(name: &str) -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_200_streams_finish_refuses_new_connections_and_exits_0() {
+    two_hundred_streams_finish("finish", &[]).await;
+}
+
+/// The same on one core (`TOKIO_WORKER_THREADS=1`): the gateway on tokio's current-thread
+/// scheduler (`baton_gateway::serve::runtime`), as a one-CPU container or `taskset` runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_one_core_200_streams_finish_and_it_exits_0() {
+    two_hundred_streams_finish("one-core", &[("TOKIO_WORKER_THREADS", "1")]).await;
+}
+
+async fn two_hundred_streams_finish(name: &str, env: &[(&str, &str)]) {
     let (prefill, decode) = engines(Duration::from_millis(10)).await;
-    let dir = tempdir("finish");
-    let (mut baton, public, admin) = serve(&dir, &prefill, &decode, 20_000);
+    let dir = tempdir(name);
+    let (mut baton, public, admin) = serve_env(&dir, &prefill, &decode, 20_000, env, Stdout::Drained);
     let started = Arc::new(AtomicUsize::new(0));
     let streams: Vec<_> = (0..200).map(|_| tokio::spawn(stream(public, 80, Arc::clone(&started)))).collect();
     let t = Instant::now();
