@@ -253,7 +253,8 @@ fn reread(file: std::path::PathBuf) -> crate::policy::Reread {
 /// otherwise its multi-thread one. On one core the multi-thread scheduler still runs two threads
 /// that wake each other (the main thread in `block_on` and its one worker) and pays for stealing
 /// work no other worker can take: in the proxy benchmark's layout B (all on one core) it cost the
-/// gateway about half again as many involuntary context switches a request (`bench/README.md`).
+/// gateway twice the involuntary context switches a request with `vllm-nixl`, a third more with
+/// `sglang` (`bench/README.md`).
 /// The cores are `TOKIO_WORKER_THREADS` when it is set to a number (tokio's own variable, which
 /// its multi-thread builder reads too), otherwise [`std::thread::available_parallelism`] (the
 /// affinity mask and a cgroup's CPU quota). Blocking work (large prompts' tokenization, plugin
