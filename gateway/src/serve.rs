@@ -250,55 +250,83 @@ fn reread(file: std::path::PathBuf) -> crate::policy::Reread {
 
 /// The async runtime `baton` runs on, sized by the cores it may use: with one (a one-CPU
 /// container, a process pinned to one core with `taskset`), tokio's current-thread scheduler;
-/// otherwise its multi-thread one. On one core the multi-thread scheduler still runs two threads
-/// that wake each other (the main thread in `block_on` and its one worker) and pays for stealing
-/// work no other worker can take: in the proxy benchmark's layout B (all on one core) it cost the
-/// gateway twice the involuntary context switches a request with `vllm-nixl`, a third more with
-/// `sglang` (`bench/README.md`).
-/// The cores are `TOKIO_WORKER_THREADS` when it is set to a number (tokio's own variable, which
-/// its multi-thread builder reads too), otherwise [`std::thread::available_parallelism`] (the
-/// affinity mask and a cgroup's CPU quota). Blocking work (large prompts' tokenization, plugin
-/// reloads) goes to tokio's blocking threads under either.
+/// otherwise its multi-thread one, a worker a core. On one core the multi-thread scheduler still
+/// runs two threads that wake each other (the main thread in `block_on` and its one worker) and
+/// pays for stealing work no other worker can take: in the proxy benchmark's layout B (all on one
+/// core) it cost the gateway twice the involuntary context switches a request with `vllm-nixl`, a
+/// third more with `sglang` (`bench/README.md`). The cores are `TOKIO_WORKER_THREADS` when it is
+/// set (tokio's own variable; a positive whole number, anything else is refused here, on every
+/// machine alike), otherwise [`std::thread::available_parallelism`] (the affinity mask and a
+/// cgroup's CPU quota, rounded down). Blocking work (large prompts' tokenization, plugin reloads)
+/// goes to tokio's blocking threads under either.
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    let mut builder = match runtime_cores(std::env::var("TOKIO_WORKER_THREADS").ok().as_deref()) {
+    let configured = std::env::var_os("TOKIO_WORKER_THREADS");
+    runtime_for(configured.as_ref().map(|v| v.to_str().unwrap_or("(not UTF-8)")))
+}
+
+/// [`runtime`] for `TOKIO_WORKER_THREADS` as `configured`.
+fn runtime_for(configured: Option<&str>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = match runtime_cores(configured)? {
         1 => tokio::runtime::Builder::new_current_thread(),
-        _ => tokio::runtime::Builder::new_multi_thread(),
+        // Said here, so tokio does not read the variable again (it panics on what it cannot parse).
+        n => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
     };
     builder.enable_all().build()
 }
 
-/// The cores [`runtime`] sizes itself by: `TOKIO_WORKER_THREADS` when it is a positive number,
+/// The cores [`runtime`] sizes itself by: `configured` (`TOKIO_WORKER_THREADS`) when set,
 /// otherwise what this process may run on.
-fn runtime_cores(configured: Option<&str>) -> usize {
-    configured
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
+fn runtime_cores(configured: Option<&str>) -> std::io::Result<usize> {
+    match configured {
+        None => Ok(std::thread::available_parallelism().map_or(1, std::num::NonZero::get)),
+        Some(v) => v.trim().parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("TOKIO_WORKER_THREADS is {v:?}: a positive whole number, or unset for every core"),
+            )
+        }),
+    }
 }
 
 #[cfg(test)]
 mod runtime_tests {
-    use super::{runtime, runtime_cores};
+    use tokio::runtime::RuntimeFlavor;
+
+    use super::{runtime_cores, runtime_for};
 
     #[test]
-    fn the_cores_are_tokios_variable_when_it_is_a_number_else_the_machines() {
+    fn the_cores_are_tokios_variable_when_set_else_the_machines() {
         let machine = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        assert_eq!(runtime_cores(Some("1")), 1);
-        assert_eq!(runtime_cores(Some(" 3 ")), 3);
-        assert_eq!(runtime_cores(None), machine);
-        // Tokio's builder panics on 0; here it means nothing was said.
-        assert_eq!(runtime_cores(Some("0")), machine);
-        assert_eq!(runtime_cores(Some("many")), machine);
+        assert_eq!(runtime_cores(Some("1")).unwrap(), 1);
+        assert_eq!(runtime_cores(Some(" 3 ")).unwrap(), 3);
+        assert_eq!(runtime_cores(None).unwrap(), machine);
+        for bad in ["0", "many", "", "-1", "(not UTF-8)"] {
+            let e = runtime_cores(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("TOKIO_WORKER_THREADS") && e.contains(&format!("{bad:?}")), "{e}");
+        }
     }
 
     #[test]
-    fn the_runtime_runs_spawned_and_blocking_work() {
-        let rt = runtime().unwrap();
-        let got = rt.block_on(async {
-            let spawned = tokio::spawn(async { 2 });
-            let blocking = tokio::task::spawn_blocking(|| 3);
-            spawned.await.unwrap() * blocking.await.unwrap()
-        });
-        assert_eq!(got, 6);
+    fn one_core_is_the_current_thread_scheduler_and_more_the_multi_thread_one() {
+        for (configured, flavor, workers) in
+            [("1", RuntimeFlavor::CurrentThread, 1), ("3", RuntimeFlavor::MultiThread, 3)]
+        {
+            let rt = runtime_for(Some(configured)).unwrap();
+            assert_eq!(rt.handle().runtime_flavor(), flavor, "{configured}");
+            assert_eq!(rt.metrics().num_workers(), workers, "{configured}");
+            // Spawned and blocking work both run on it.
+            let got = rt.block_on(async {
+                let spawned = tokio::spawn(async { 2 });
+                let blocking = tokio::task::spawn_blocking(|| 3);
+                spawned.await.unwrap() * blocking.await.unwrap()
+            });
+            assert_eq!(got, 6, "{configured}");
+        }
+        // What tokio's own builder would panic on is an error here, whatever the machine.
+        assert!(runtime_for(Some("0")).is_err());
     }
 }

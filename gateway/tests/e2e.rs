@@ -1790,6 +1790,23 @@ mod cli {
             assert!(out.contains(text) || err.contains(text), "{args:?}: {text:?} not in {out}{err}");
         }
     }
+
+    /// A `TOKIO_WORKER_THREADS` that is not a positive whole number stops it with that said, on
+    /// any machine (tokio's own builder would panic on it, and only where it has two cores or more).
+    #[test]
+    fn a_bad_tokio_worker_threads_is_refused_with_its_name() {
+        for bad in ["0", "two"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+                .args(["check-config", "no-such.toml"])
+                .env("TOKIO_WORKER_THREADS", bad)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{bad}: {err}");
+            assert!(err.contains(&format!("TOKIO_WORKER_THREADS is {bad:?}")), "{bad}: {err}");
+        }
+    }
+
     /// `check-config` says how the admin listener and the API are guarded, and warns when either
     /// is open beyond loopback.
     #[test]
