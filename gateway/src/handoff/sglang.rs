@@ -345,7 +345,18 @@ fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodi
         body = body.string("rid", ours);
     }
     let decode = encode(&body)?;
-    let prefill = encode(&body.flag("stream", false).omit(&["stream_options"]))?;
+    // A request already unstreamed (`stream` absent or `false`, no `stream_options`) is its own
+    // prefill body, shared rather than written again: SGLang's own router sends one body to both
+    // legs, and a leg's `stream` is `false` unless asked (4k of sglang's 107k instructions a
+    // request went to the second body, `scripts/count-instructions`).
+    let unstreamed =
+        raw.get("stream").is_none_or(|s| *s == Value::Bool(false)) && !raw.contains_key("stream_options");
+    let prefill = if unstreamed {
+        drop(body);
+        decode.clone()
+    } else {
+        encode(&body.flag("stream", false).omit(&["stream_options"]))?
+    };
     let rid = match choices {
         None => ours.or_else(|| theirs.map(str::to_owned)),
         Some(_) => None,
@@ -636,6 +647,20 @@ mod tests {
         let theirs = map(json!({"prompt": "p", "rid": "client-1"}));
         let b = bodies(&theirs, &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(b.rid.as_deref(), Some("client-1"));
+        // Unstreamed already: one body for both legs, with no `stream` written.
+        assert_eq!(b.prefill.as_bytes(), b.decode.as_bytes());
+        assert!(parse(&b.prefill).get("stream").is_none());
+        // `stream: false` alone is unstreamed too; `stream_options` or `null` are not.
+        for (raw, same) in [
+            (json!({"prompt": "p", "stream": false}), true),
+            (json!({"prompt": "p", "stream": false, "stream_options": {"include_usage": true}}), false),
+            (json!({"prompt": "p", "stream": null}), false),
+        ] {
+            let b = bodies(&map(raw.clone()), &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(b.prefill.as_bytes() == b.decode.as_bytes(), same, "{raw}");
+            let p = parse(&b.prefill);
+            assert_eq!((p["stream"].clone(), p.get("stream_options")), (json!(false), None), "{raw}");
+        }
 
         // `n: 1` is one choice; a `rid` that is not a string is replaced by ours in its place.
         let one = map(json!({"prompt": "p", "n": 1, "rid": 5}));
