@@ -522,8 +522,9 @@ pub(crate) fn encode(body: &(impl LegBody + ?Sized)) -> Result<Encoded, GatewayE
 /// proxy benchmark's profile). The buffer starts at the size of the large bodies this thread wrote
 /// lately (bounded), not `to_vec`'s 128 bytes, so a body like them is written without growing it
 /// six times over (each a copy and a new allocation). An eighth more than the hint: a request's
-/// bodies differ by a few fields (`sglang`'s prefill body has `"stream":false` more than its
-/// decode body), and the next one a few bytes over the last grew its buffer to twice the size.
+/// bodies differ by a few fields (a streamed request's `sglang` prefill body has `"stream":false`
+/// where its decode body has `true`, and no `stream_options`), and the next one a few bytes over
+/// the last grew its buffer to twice the size.
 fn buffered(
     write: impl FnOnce(&mut Vec<u8>) -> Result<(), serde_json::Error>,
 ) -> Result<Vec<u8>, serde_json::Error> {

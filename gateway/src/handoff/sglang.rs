@@ -650,11 +650,14 @@ mod tests {
         // Unstreamed already: one body for both legs, with no `stream` written.
         assert_eq!(b.prefill.as_bytes(), b.decode.as_bytes());
         assert!(parse(&b.prefill).get("stream").is_none());
-        // `stream: false` alone is unstreamed too; `stream_options` or `null` are not.
+        // `stream: false` alone is unstreamed too; `stream: true`, `null`, or any `stream_options`
+        // (`null` is all validation lets through beside `stream: false`) are not.
         for (raw, same) in [
             (json!({"prompt": "p", "stream": false}), true),
-            (json!({"prompt": "p", "stream": false, "stream_options": {"include_usage": true}}), false),
+            (json!({"prompt": "p", "stream": true}), false),
             (json!({"prompt": "p", "stream": null}), false),
+            (json!({"prompt": "p", "stream_options": null}), false),
+            (json!({"prompt": "p", "stream": false, "stream_options": {"include_usage": true}}), false),
         ] {
             let b = bodies(&map(raw.clone()), &prefill, 8998, 7).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(b.prefill.as_bytes() == b.decode.as_bytes(), same, "{raw}");
