@@ -346,9 +346,9 @@ fn bodies(raw: &Object, prefill: &EngineUrl, port: u16, id: u128) -> Result<Bodi
     }
     let decode = encode(&body)?;
     // A request already unstreamed (`stream` absent or `false`, no `stream_options`) is its own
-    // prefill body, shared rather than written again: SGLang's own router sends one body to both
-    // legs, and a leg's `stream` is `false` unless asked (4k of sglang's 107k instructions a
-    // request went to the second body, `scripts/count-instructions`).
+    // prefill body, shared rather than written again: SGLang's own test router (`mini_lb`) posts
+    // one body to both legs, and a leg's `stream` is `false` unless asked (the second body was
+    // 3.7k of sglang's 107.2k instructions a request, `scripts/count-instructions`).
     let unstreamed =
         raw.get("stream").is_none_or(|s| *s == Value::Bool(false)) && !raw.contains_key("stream_options");
     let prefill = if unstreamed {
