@@ -260,8 +260,9 @@ fn reread(file: std::path::PathBuf) -> crate::policy::Reread {
 /// cgroup's CPU quota, rounded down). Blocking work (large prompts' tokenization, plugin reloads)
 /// goes to tokio's blocking threads under either.
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    // A value that is not UTF-8 is shown as it reads (it cannot be a number either way).
     let configured = std::env::var_os("TOKIO_WORKER_THREADS");
-    runtime_for(configured.as_ref().map(|v| v.to_str().unwrap_or("(not UTF-8)")))
+    runtime_for(configured.as_ref().map(|v| v.to_string_lossy()).as_deref())
 }
 
 /// [`runtime`] for `TOKIO_WORKER_THREADS` as `configured`.
@@ -304,7 +305,7 @@ mod runtime_tests {
         assert_eq!(runtime_cores(Some("1")).unwrap(), 1);
         assert_eq!(runtime_cores(Some(" 3 ")).unwrap(), 3);
         assert_eq!(runtime_cores(None).unwrap(), machine);
-        for bad in ["0", "many", "", "-1", "(not UTF-8)"] {
+        for bad in ["0", "many", "", "-1", "t\u{FFFD}o"] {
             let e = runtime_cores(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("TOKIO_WORKER_THREADS") && e.contains(&format!("{bad:?}")), "{e}");
         }

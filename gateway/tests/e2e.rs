@@ -1795,15 +1795,18 @@ mod cli {
     /// any machine (tokio's own builder would panic on it, and only where it has two cores or more).
     #[test]
     fn a_bad_tokio_worker_threads_is_refused_with_its_name() {
-        for bad in ["0", "two"] {
+        use std::os::unix::ffi::OsStrExt as _;
+        // Not UTF-8: shown as it reads.
+        let not_utf8 = std::ffi::OsStr::from_bytes(b"t\xffo");
+        for (bad, shown) in [("0".as_ref(), "0"), ("two".as_ref(), "two"), (not_utf8, "t\u{FFFD}o")] {
             let out = Command::new(env!("CARGO_BIN_EXE_baton"))
                 .args(["check-config", "no-such.toml"])
                 .env("TOKIO_WORKER_THREADS", bad)
                 .output()
                 .unwrap();
             let err = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(1), "{bad}: {err}");
-            assert!(err.contains(&format!("TOKIO_WORKER_THREADS is {bad:?}")), "{bad}: {err}");
+            assert_eq!(out.status.code(), Some(1), "{shown}: {err}");
+            assert!(err.contains(&format!("TOKIO_WORKER_THREADS is {shown:?}")), "{shown}: {err}");
         }
     }
 
