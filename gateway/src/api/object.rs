@@ -39,6 +39,8 @@ pub struct Object {
     map: Map<String, Value>,
     /// By the field's index in `map`, each large field's JSON text as the client wrote it.
     text: Vec<(usize, Box<str>)>,
+    /// Each key's [`key_bit`], or'ed: a name whose bit is clear is not a key here.
+    keys: u64,
 }
 
 impl Object {
@@ -82,6 +84,7 @@ impl Object {
     fn of_fields<K: AsRef<str> + Into<String>>(fields: Vec<(K, &[u8])>) -> Option<Self> {
         let mut map = Map::new();
         let mut text = Vec::new();
+        let mut keys = 0;
         for (key, raw) in fields {
             let raw = std::str::from_utf8(raw).ok()?;
             let value = value_of(raw)?;
@@ -95,20 +98,26 @@ impl Object {
             if raw.len() >= RAW_MIN_BYTES {
                 text.push((index, Box::from(raw)));
             }
+            keys |= key_bit(key.as_ref());
             map.insert(key.into(), value);
         }
-        Some(Self { map, text })
+        Some(Self { map, text, keys })
     }
 
-    /// The field `key` ([`field`]: scanned for, not hashed, in a small object). It stands before
-    /// the map's own `get`, which `Deref` would give.
+    /// The field `key` ([`field`]: scanned for, not hashed, in a small object; not looked for at
+    /// all when its [`key_bit`] is clear). It stands before the map's own `get`, which `Deref`
+    /// would give.
+    #[inline(always)]
     pub fn get(&self, key: &str) -> Option<&Value> {
+        if self.keys & key_bit(key) == 0 {
+            return None;
+        }
         field(&self.map, key)
     }
 
     /// Whether the field `key` is there ([`Object::get`]).
     pub fn contains_key(&self, key: &str) -> bool {
-        field(&self.map, key).is_some()
+        self.get(key).is_some()
     }
 
     /// The map. (An `Object` is never changed after it is made: its kept text stays its values'.)
@@ -126,7 +135,8 @@ impl Object {
 impl From<Map<String, Value>> for Object {
     /// An object made by the gateway, with no text kept.
     fn from(map: Map<String, Value>) -> Self {
-        Self { map, text: Vec::new() }
+        let keys = map.keys().fold(0, |bits, k| bits | key_bit(k));
+        Self { map, text: Vec::new(), keys }
     }
 }
 
@@ -151,6 +161,25 @@ fn value_of(text: &str) -> Option<Value> {
         }
         _ => serde_json::from_str(text).ok(),
     }
+}
+
+/// One of 64 bits for a field's name, from its length and its first and last bytes: an
+/// [`Object`] keeps its keys' bits, so a lookup of a name that is not there (most of the some
+/// thirty names the checks look up, in a request of a handful of fields) ends at one test of a
+/// bit. For a literal name it is worked out where the lookup is compiled. Two names may share a
+/// bit: that lookup scans, as every lookup did before.
+#[inline(always)]
+pub(crate) const fn key_bit(key: &str) -> u64 {
+    let b = key.as_bytes();
+    let (first, last) = match b {
+        [] => (0, 0),
+        [f, .., l] => (*f, *l),
+        [f] => (*f, *f),
+    };
+    let h = (b.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (first as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ (last as u64).wrapping_mul(0x1656_67B1_9E37_79F9);
+    1 << (h >> 58)
 }
 
 /// Objects of up to this many fields are scanned rather than hashed into ([`field`]).
@@ -282,15 +311,28 @@ mod tests {
         assert!(Object::parse(&not_utf8).is_err(), "a large string that is not UTF-8");
     }
 
-    /// A field is found as the map finds it, in objects scanned and hashed into alike.
+    /// A field is found as the map finds it, in objects scanned and hashed into alike, made from
+    /// a map or parsed (the keys' bits are kept both ways), whatever bits the names share.
     #[test]
     fn fields_are_found_as_the_map_finds_them() {
+        let names =
+            ["model", "prompt", "messages", "max_tokens", "min_tokens", "temperature", "tools", "n", "é", ""];
+        let bits: std::collections::HashSet<u64> = names.iter().map(|k| key_bit(k)).collect();
+        assert!(bits.len() < names.len(), "some of these names share a bit");
         for n in 0..=SCAN_FIELDS + 4 {
-            let map: Map<String, Value> = (0..n).map(|i| (format!("k{i}"), json!(i))).collect();
-            let o = Object::from(map.clone());
-            for key in (0..=n).map(|i| format!("k{i}")).chain(["".into(), "k".into()]) {
-                assert_eq!(o.get(&key), map.get(&key), "{n} fields, {key:?}");
-                assert_eq!(o.contains_key(&key), map.contains_key(&key), "{n} fields, {key:?}");
+            let mut map: Map<String, Value> = (0..n).map(|i| (format!("k{i}"), json!(i))).collect();
+            map.extend(names.iter().take(n).map(|k| ((*k).to_owned(), json!(k))));
+            map.insert("pad".into(), json!(long('p')));
+            let parsed = Object::parse(&serde_json::to_vec(&map).unwrap_or_default()).unwrap_or_default();
+            for o in [Object::from(map.clone()), parsed] {
+                assert_eq!(*o, map);
+                let keys = (0..=n).map(|i| format!("k{i}"));
+                for key in
+                    keys.chain(names.iter().map(|k| (*k).to_owned())).chain(["k".into(), "mode".into()])
+                {
+                    assert_eq!(o.get(&key), map.get(&key), "{n} fields, {key:?}");
+                    assert_eq!(o.contains_key(&key), map.contains_key(&key), "{n} fields, {key:?}");
+                }
             }
         }
     }

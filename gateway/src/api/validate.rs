@@ -13,7 +13,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{Endpoint, GatewayError, Problem};
+use super::{Endpoint, GatewayError, Object, Problem};
 
 /// Most choices one request may ask for (`n`, `best_of`): OpenAI's limit; each choice is a sequence
 /// the decoder runs.
@@ -31,7 +31,7 @@ type Obj = Map<String, Value>;
 type Checked = Result<(), GatewayError>;
 
 /// Checks a request body (a JSON object) for `ep`.
-pub fn check(ep: Endpoint, body: &Obj) -> Checked {
+pub fn check(ep: Endpoint, body: &Object) -> Checked {
     optional(body, "model", "", Kind::Str)?;
     sampling(body)?;
     streaming(body)?;
@@ -116,28 +116,80 @@ impl Kind {
     }
 }
 
-/// The field `key` of `obj`, scanned for ([`super::object::field`]).
-fn get<'a>(obj: &'a Obj, key: &str) -> Option<&'a Value> {
-    super::object::field(obj, key)
+/// An object whose fields the checks look up: the request's top level, an [`Object`] (most names
+/// looked up there are not in it, and its keys' bits say so at once), or an object inside it.
+trait Fields {
+    fn field(&self, key: &str) -> Option<&Value>;
 }
 
-/// The field `key` of `obj` (at path `base`) when present and not null, checked to be of `kind`.
-fn optional<'a>(obj: &'a Obj, key: &str, base: &str, kind: Kind) -> Result<Option<&'a Value>, GatewayError> {
-    match get(obj, key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) if kind.fits(v) => Ok(Some(v)),
-        Some(v) => Err(wrong_type(join(base, key), kind.name(), v)),
+impl Fields for Obj {
+    /// Scanned for ([`super::object::field`]).
+    fn field(&self, key: &str) -> Option<&Value> {
+        super::object::field(self, key)
     }
 }
 
+impl Fields for Object {
+    #[inline(always)]
+    fn field(&self, key: &str) -> Option<&Value> {
+        self.get(key)
+    }
+}
+
+/// The field `key` of `obj`.
+#[inline(always)]
+fn get<'a, O: Fields + ?Sized>(obj: &'a O, key: &str) -> Option<&'a Value> {
+    obj.field(key)
+}
+
+/// The field `key` of `obj` (at path `base`) when present and not null, checked to be of `kind`.
+/// Inlined, so that in the request's top level a literal `key` not there is one test of a bit.
+#[inline(always)]
+fn optional<'a, O: Fields + ?Sized>(
+    obj: &'a O,
+    key: &str,
+    base: &str,
+    kind: Kind,
+) -> Result<Option<&'a Value>, GatewayError> {
+    match get(obj, key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) if kind.fits(v) => Ok(Some(v)),
+        Some(v) => Err(not_of(kind, base, key, v)),
+    }
+}
+
+/// The error for the field `key` (at path `base`) whose value `v` is not of `kind`.
+#[cold]
+fn not_of(kind: Kind, base: &str, key: &str, v: &Value) -> GatewayError {
+    wrong_type(join(base, key), kind.name(), v)
+}
+
 /// The field `key`, which must be present, not null and of `kind`.
-fn required<'a>(obj: &'a Obj, key: &str, base: &str, kind: Kind) -> Result<&'a Value, GatewayError> {
+fn required<'a, O: Fields + ?Sized>(
+    obj: &'a O,
+    key: &str,
+    base: &str,
+    kind: Kind,
+) -> Result<&'a Value, GatewayError> {
     optional(obj, key, base, kind)?.ok_or_else(|| missing(join(base, key)))
 }
 
 /// A number field in a range; `open_low`: the low end is excluded.
-fn number(obj: &Obj, key: &str, low: f64, open_low: bool, high: f64) -> Result<Option<f64>, GatewayError> {
-    let Some(v) = optional(obj, key, "", Kind::Num)? else { return Ok(None) };
+#[inline(always)]
+fn number(obj: &Object, key: &str, low: f64, open_low: bool, high: f64) -> Result<Option<f64>, GatewayError> {
+    match obj.get(key) {
+        None => Ok(None),
+        Some(v) => number_in(v, key, low, open_low, high),
+    }
+}
+
+/// [`number`] for the value `v` of the field `key`.
+fn number_in(v: &Value, key: &str, low: f64, open_low: bool, high: f64) -> Result<Option<f64>, GatewayError> {
+    match v {
+        Value::Null => return Ok(None),
+        Value::Number(_) => {}
+        _ => return Err(not_of(Kind::Num, "", key, v)),
+    }
     let x = v.as_f64().unwrap_or(f64::NAN);
     let below = if open_low { x <= low } else { x < low };
     if below || x > high || !x.is_finite() {
@@ -149,8 +201,22 @@ fn number(obj: &Obj, key: &str, low: f64, open_low: bool, high: f64) -> Result<O
 }
 
 /// An integer field in `[low, high]`.
-fn integer(obj: &Obj, key: &str, base: &str, low: i64, high: u64) -> Result<Option<i64>, GatewayError> {
-    let Some(v) = optional(obj, key, base, Kind::Int)? else { return Ok(None) };
+#[inline(always)]
+fn integer(obj: &Object, key: &str, base: &str, low: i64, high: u64) -> Result<Option<i64>, GatewayError> {
+    match obj.get(key) {
+        None => Ok(None),
+        Some(v) => integer_in(v, key, base, low, high),
+    }
+}
+
+/// [`integer`] for the value `v` of the field `key`.
+fn integer_in(v: &Value, key: &str, base: &str, low: i64, high: u64) -> Result<Option<i64>, GatewayError> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    if !Kind::Int.fits(v) {
+        return Err(not_of(Kind::Int, base, key, v));
+    }
     // An integer above i64::MAX is above every high bound used here.
     let x = v.as_i64();
     match x {
@@ -160,7 +226,7 @@ fn integer(obj: &Obj, key: &str, base: &str, low: i64, high: u64) -> Result<Opti
 }
 
 /// Fields both endpoints share: sampling, penalties, stops, seeds, token limits.
-fn sampling(b: &Obj) -> Checked {
+fn sampling(b: &Object) -> Checked {
     number(b, "temperature", 0.0, false, 2.0)?;
     number(b, "top_p", 0.0, true, 1.0)?;
     // vLLM: -1 (or 0) disables it.
@@ -224,7 +290,7 @@ fn sampling(b: &Obj) -> Checked {
 }
 
 /// `max_tokens` and `max_completion_tokens` (the one that applies, with its name).
-fn max_tokens(b: &Obj) -> Result<Option<(&'static str, i64)>, GatewayError> {
+fn max_tokens(b: &Object) -> Result<Option<(&'static str, i64)>, GatewayError> {
     let plain = integer(b, "max_tokens", "", 1, u64::from(u32::MAX))?;
     let completion = integer(b, "max_completion_tokens", "", 1, u64::from(u32::MAX))?;
     Ok(completion.map(|m| ("max_completion_tokens", m)).or(plain.map(|m| ("max_tokens", m))))
@@ -240,7 +306,7 @@ fn token_id(v: &Value, param: &str) -> Checked {
 }
 
 /// `stop`: a string or a list of strings, none empty (vLLM refuses an empty stop string).
-fn stop(b: &Obj) -> Checked {
+fn stop(b: &Object) -> Checked {
     match get(b, "stop") {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(s)) if s.is_empty() => Err(bad_value(
@@ -293,7 +359,7 @@ fn response_format(rf: &Obj) -> Checked {
 }
 
 /// `stream`, `stream_options` (only with `stream`), `prompt_logprobs` (never with `stream`).
-fn streaming(b: &Obj) -> Checked {
+fn streaming(b: &Object) -> Checked {
     let stream = optional(b, "stream", "", Kind::Bool)?.and_then(Value::as_bool).unwrap_or(false);
     if let Some(Value::Object(o)) = optional(b, "stream_options", "", Kind::Obj)? {
         if !stream {
@@ -313,7 +379,7 @@ fn streaming(b: &Obj) -> Checked {
     Ok(())
 }
 
-fn completions(b: &Obj) -> Checked {
+fn completions(b: &Object) -> Checked {
     prompt(get(b, "prompt").filter(|v| !v.is_null()).ok_or_else(|| missing("prompt".into()))?)?;
     // vLLM's completions take -1 for the whole vocabulary, else at most --max-logprobs.
     if get(b, "logprobs").and_then(Value::as_i64) != Some(-1) {
@@ -352,7 +418,7 @@ fn prompt(p: &Value) -> Checked {
 
 const ROLES: &str = "system, developer, user, assistant, tool, function";
 
-fn chat(b: &Obj) -> Checked {
+fn chat(b: &Object) -> Checked {
     let Value::Array(messages) = required(b, "messages", "", Kind::Arr)? else { return Ok(()) };
     if messages.is_empty() {
         return Err(bad_value(
@@ -500,7 +566,7 @@ fn tool_calls(m: &Obj, at: &str) -> Result<bool, GatewayError> {
 }
 
 /// `tools`; the names of the functions they declare.
-fn tools(b: &Obj) -> Result<Vec<&str>, GatewayError> {
+fn tools(b: &Object) -> Result<Vec<&str>, GatewayError> {
     let Some(Value::Array(list)) = optional(b, "tools", "", Kind::Arr)? else { return Ok(Vec::new()) };
     let mut names = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
@@ -521,7 +587,7 @@ fn tools(b: &Obj) -> Result<Vec<&str>, GatewayError> {
 }
 
 /// `tool_choice`: `none`, `auto`, `required` or a named function, which `tools` must declare.
-fn tool_choice(b: &Obj, tools: &[&str]) -> Checked {
+fn tool_choice(b: &Object, tools: &[&str]) -> Checked {
     let Some(choice) = get(b, "tool_choice").filter(|v| !v.is_null()) else { return Ok(()) };
     let has_tools = get(b, "tools").is_some_and(|t| !t.is_null());
     match choice {
@@ -563,7 +629,7 @@ mod tests {
 
     fn check_json(ep: Endpoint, v: Value) -> Result<(), GatewayError> {
         let Value::Object(m) = v else { panic!("not an object") };
-        check(ep, &m)
+        check(ep, &Object::from(m))
     }
 
     #[test]
