@@ -53,6 +53,9 @@ pub struct FaultConfig {
     /// A streamed answer stops after this many tokens (of each choice) and its body fails: the
     /// connection is dropped mid-message, as by an engine that crashes while it streams.
     pub cut_stream_after: Option<u32>,
+    /// An unstreamed answer is sent this many milliseconds late, after the engine's KV work (an
+    /// SGLang prefiller whose answer comes after the decoder's has ended).
+    pub answer_delay_ms: u64,
 }
 
 /// The live fault switches of one engine.

@@ -654,6 +654,10 @@ impl SimEngine {
             if let Some(p) = kv_params {
                 body["kv_transfer_params"] = p;
             }
+            let late = self.faults.get().answer_delay_ms;
+            if late > 0 {
+                tokio::time::sleep(Duration::from_millis(late)).await;
+            }
             drop(running);
             drop(tracked);
             return Ok(json_response(200, &body));

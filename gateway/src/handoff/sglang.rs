@@ -201,6 +201,7 @@ impl Sglang {
             counters: Arc::clone(&self.aborts),
             abandoned: AtomicBool::new(false),
             decode_answered: AtomicBool::new(false),
+            prefill_timing: Mutex::new(None),
         });
         let abort = AbortGuard {
             aborter: Arc::clone(&aborter),
@@ -300,9 +301,9 @@ impl Sglang {
         };
         timing.mark(Phase::Decode);
         let prefill = (!prefill_done).then_some(prefill_rx);
-        let (shared, timing) = (Arc::clone(&self.shared), prefill.is_some().then(|| timing.later()));
+        let timing = prefill.is_some().then(|| timing.later());
         Ok(resp.map(|inner| {
-            Held::body(inner, DecodeStream { prefill, timing, shared, slot: slots, abort: Some(abort) })
+            Held::body(inner, DecodeStream { prefill, timing, slot: slots, abort: Some(abort) })
         }))
     }
 }
@@ -406,7 +407,15 @@ impl PrefillLeg {
         if result.is_ok() && aborter.abandoned() {
             aborter.send(&p.http).await;
         }
-        let _ = tx.send(PrefillOutcome { result, took: started.elapsed(), retryable });
+        let (took, ok) = (started.elapsed(), result.is_ok());
+        let _ = tx.send(PrefillOutcome { result, took, retryable });
+        // The response ended before this answer and left its timing here (looked for after the
+        // send: a response that left it before then finds the outcome sent).
+        if let Some(mut timing) = aborter.take_prefill_timing()
+            && ok
+        {
+            timing.record(Phase::Prefill, took);
+        }
     }
 }
 
@@ -454,11 +463,20 @@ struct Aborter {
     abandoned: AtomicBool,
     /// The decode call has its answer (headers), or failed.
     decode_answered: AtomicBool,
+    /// The request's timing, left here by a response that ended before the prefill answered
+    /// (`DecodeStream`'s drop), for the prefill leg to record its own time in when it ends: no
+    /// task waits for the leg only to time it.
+    prefill_timing: Mutex<Option<Later>>,
 }
 
 impl Aborter {
     fn abandoned(&self) -> bool {
         self.abandoned.load(Ordering::Relaxed)
+    }
+
+    /// The timing left for the prefill leg, taken (once: by the leg or by the response's drop).
+    fn take_prefill_timing(&self) -> Option<Later> {
+        self.prefill_timing.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// Aborts on the decoder until its call has answered (pauses doubling), for at most
@@ -529,7 +547,6 @@ struct DecodeStream {
     prefill: Option<oneshot::Receiver<PrefillOutcome>>,
     /// The prefill's time, when it answers after the response started.
     timing: Option<Later>,
-    shared: Arc<Shared>,
     slot: Option<SlotGuard>,
     abort: Option<AbortGuard>,
 }
@@ -571,13 +588,23 @@ impl Holds for DecodeStream {
 
 impl Drop for DecodeStream {
     fn drop(&mut self) {
-        // The prefill's answer may come after the decoder's ended; it is still timed.
-        let (Some(rx), Some(mut timing)) = (self.prefill.take(), self.timing.take()) else { return };
-        self.shared.spawn_from_drop(async move {
-            if let Ok(PrefillOutcome { result: Ok(()), took, .. }) = rx.await {
-                timing.record(Phase::Prefill, took);
-            }
-        });
+        // The prefill's answer may come after the decoder's ended; it is still timed, by the leg
+        // itself: the timing is left for it, then the outcome looked for (a leg that sent it
+        // before the timing was left may have looked already). Whichever takes the timing first
+        // records it; a leg that never ends leaves it to be dropped with the aborter.
+        let (Some(mut rx), Some(timing), Some(abort)) =
+            (self.prefill.take(), self.timing.take(), &self.abort)
+        else {
+            return;
+        };
+        let aborter = &abort.aborter;
+        *aborter.prefill_timing.lock().unwrap_or_else(|e| e.into_inner()) = Some(timing);
+        if let Ok(outcome) = rx.try_recv()
+            && let Some(mut timing) = aborter.take_prefill_timing()
+            && let PrefillOutcome { result: Ok(()), took, .. } = outcome
+        {
+            timing.record(Phase::Prefill, took);
+        }
     }
 }
 

@@ -125,6 +125,44 @@ async fn a_prefill_refusal_reaches_the_client_and_aborts_the_decode_leg() {
     d.shutdown().await;
 }
 
+/// A prefill whose answer comes after the decoder's answer has ended (SGLang's prefiller answers
+/// once its KV has gone to the decoder, and that answer may come later still): the client has its
+/// answer without waiting for it, and the prefill's time is recorded when it answers, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_answering_after_the_response_ended_is_still_timed() {
+    const LATE: Duration = Duration::from_millis(400);
+    let faults = FaultConfig { answer_delay_ms: 400, ..FaultConfig::default() };
+    let d = sglang_demo(Duration::ZERO, faults).await;
+    let prefill = |m: &[u8]| {
+        let m = String::from_utf8_lossy(m);
+        let sample = |name: &str| {
+            super::sample_or_zero(&m, &format!("baton_phase_seconds_{name}{{phase=\"prefill\"}} "))
+        };
+        (sample("count"), sample("sum"))
+    };
+    let sent = Instant::now();
+    let (s, b) =
+        http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 5), "max_tokens": 3}))).await;
+    let answered = sent.elapsed();
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    assert!(answered < LATE, "the answer waited for the prefill's: {answered:?}");
+    let (_, m) = http(d.admin, "/metrics", None).await;
+    assert_eq!(prefill(&m).0, 0.0, "timed before the prefill answered");
+    loop {
+        let (_, m) = http(d.admin, "/metrics", None).await;
+        let (count, sum) = prefill(&m);
+        if count > 0.0 {
+            assert_eq!(count, 1.0);
+            assert!(sum >= LATE.as_secs_f64(), "the prefill's whole time: {sum} s");
+            break;
+        }
+        assert!(sent.elapsed() < LATE + Duration::from_secs(3), "the late prefill was never timed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_sglang_clean(&d, Duration::from_secs(1)).await;
+    d.shutdown().await;
+}
+
 /// A client that leaves mid-stream: `/abort_request` reaches both engines (the decoder's ends the
 /// stream there), the slot comes back, nothing is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
