@@ -254,8 +254,12 @@ impl Counting {
         // In the window, only what starts in the carried bytes: the rest is in `data`. An event
         // marker that ended there was counted with the chunk before; a key is read again, since
         // its digits may have been cut.
-        let split = |i: usize, len: usize| i < carried && i + len > carried;
-        self.count(&edge, split, |i| i < carried);
+        // Nothing carried (an answer's first chunk; every unstreamed answer's only one): nothing
+        // in the window starts there.
+        if carried > 0 {
+            let split = |i: usize, len: usize| i < carried && i + len > carried;
+            self.count(&edge, split, |i| i < carried);
+        }
         self.count(data, |_, _| true, |_| true);
         self.tail = if data.len() >= TAIL {
             data.get(data.len() - TAIL..).unwrap_or_default().to_vec()
