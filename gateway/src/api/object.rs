@@ -166,8 +166,8 @@ fn value_of(text: &str) -> Option<Value> {
 /// One of 64 bits for a field's name, from its length and its first and last bytes: an
 /// [`Object`] keeps its keys' bits, so a lookup of a name that is not there (most of the some
 /// thirty names the checks look up, in a request of a handful of fields) ends at one test of a
-/// bit. For a literal name it is worked out where the lookup is compiled. Two names may share a
-/// bit: that lookup scans, as every lookup did before.
+/// bit. For a literal name the optimiser folds it to a constant where the lookup is inlined. Two
+/// names may share a bit: that lookup scans, as every lookup did before.
 #[inline(always)]
 pub(crate) const fn key_bit(key: &str) -> u64 {
     let b = key.as_bytes();

@@ -409,13 +409,7 @@ impl PrefillLeg {
         }
         let (took, ok) = (started.elapsed(), result.is_ok());
         let _ = tx.send(PrefillOutcome { result, took, retryable });
-        // The response ended before this answer and left its timing here (looked for after the
-        // send: a response that left it before then finds the outcome sent).
-        if let Some(mut timing) = aborter.take_prefill_timing()
-            && ok
-        {
-            timing.record(Phase::Prefill, took);
-        }
+        drop(prefill_ended(&aborter.prefill_timing, ok, took));
     }
 }
 
@@ -464,19 +458,41 @@ struct Aborter {
     /// The decode call has its answer (headers), or failed.
     decode_answered: AtomicBool,
     /// The request's timing, left here by a response that ended before the prefill answered
-    /// (`DecodeStream`'s drop), for the prefill leg to record its own time in when it ends: no
-    /// task waits for the leg only to time it.
+    /// ([`response_ended`]), for the prefill leg to record its own time in when it ends
+    /// ([`prefill_ended`]): no task waits for the leg only to time it. A leg that ends without an
+    /// outcome (cancelled, or panicked) leaves it to be dropped, and recorded without the
+    /// prefill, with the last holder of the aborter (at most the abort's retries later).
     prefill_timing: Mutex<Option<Later>>,
+}
+
+/// The prefill leg has sent its outcome: the timing a response that ended before it left, if any,
+/// taken, with the leg's time recorded in it when it succeeded (looked for after the send: a
+/// response that leaves it after this look finds the outcome already sent, [`response_ended`]).
+fn prefill_ended(timing: &Mutex<Option<Later>>, ok: bool, took: Duration) -> Option<Later> {
+    let mut t = timing.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+    if ok {
+        t.record(Phase::Prefill, took);
+    }
+    Some(t)
+}
+
+/// A response ended before the prefill's outcome came: its timing left for the leg
+/// ([`prefill_ended`]), then the outcome looked for, in case the leg sent it before the timing was
+/// left and looked already. Whichever of the two takes the timing first has it (returned here when
+/// it is this one, the prefill's time recorded when the leg succeeded).
+fn response_ended(
+    cell: &Mutex<Option<Later>>,
+    timing: Later,
+    outcome: &mut oneshot::Receiver<PrefillOutcome>,
+) -> Option<Later> {
+    *cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(timing);
+    let PrefillOutcome { result, took, .. } = outcome.try_recv().ok()?;
+    prefill_ended(cell, result.is_ok(), took)
 }
 
 impl Aborter {
     fn abandoned(&self) -> bool {
         self.abandoned.load(Ordering::Relaxed)
-    }
-
-    /// The timing left for the prefill leg, taken (once: by the leg or by the response's drop).
-    fn take_prefill_timing(&self) -> Option<Later> {
-        self.prefill_timing.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// Aborts on the decoder until its call has answered (pauses doubling), for at most
@@ -589,22 +605,13 @@ impl Holds for DecodeStream {
 impl Drop for DecodeStream {
     fn drop(&mut self) {
         // The prefill's answer may come after the decoder's ended; it is still timed, by the leg
-        // itself: the timing is left for it, then the outcome looked for (a leg that sent it
-        // before the timing was left may have looked already). Whichever takes the timing first
-        // records it; a leg that never ends leaves it to be dropped with the aborter.
+        // itself ([`response_ended`]).
         let (Some(mut rx), Some(timing), Some(abort)) =
             (self.prefill.take(), self.timing.take(), &self.abort)
         else {
             return;
         };
-        let aborter = &abort.aborter;
-        *aborter.prefill_timing.lock().unwrap_or_else(|e| e.into_inner()) = Some(timing);
-        if let Ok(outcome) = rx.try_recv()
-            && let Some(mut timing) = aborter.take_prefill_timing()
-            && let PrefillOutcome { result: Ok(()), took, .. } = outcome
-        {
-            timing.record(Phase::Prefill, took);
-        }
+        drop(response_ended(&abort.aborter.prefill_timing, timing, &mut rx));
     }
 }
 
@@ -643,6 +650,44 @@ impl Handoff for Sglang {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A late prefill's time is recorded once, whichever ends first: the leg (its outcome sent
+    /// before the response left its timing) or the response; a failed prefill's is not; a leg
+    /// that ends with no outcome leaves the timing where it is.
+    #[test]
+    fn a_late_prefill_is_timed_once_whichever_ends_first() {
+        let took = Duration::from_millis(7);
+        let prefill = |t: &Later| t.phases().iter().filter(|(p, _)| *p == Phase::Prefill).count();
+        let outcome = |result| PrefillOutcome { result, took, retryable: false };
+        let later = || crate::telemetry::Timing::start().later();
+        for (leg_first, ok) in [(true, true), (false, true), (true, false), (false, false)] {
+            let cell = Mutex::new(None);
+            let (tx, mut rx) = oneshot::channel();
+            let result = if ok { Ok(()) } else { Err(GatewayError::invalid("x", "y")) };
+            let (by_leg, by_response) = if leg_first {
+                tx.send(outcome(result)).ok();
+                let by_leg = prefill_ended(&cell, ok, took);
+                (by_leg, response_ended(&cell, later(), &mut rx))
+            } else {
+                let by_response = response_ended(&cell, later(), &mut rx);
+                tx.send(outcome(result)).ok();
+                (prefill_ended(&cell, ok, took), by_response)
+            };
+            let case = format!("leg first {leg_first}, ok {ok}");
+            let t = match (by_leg, by_response) {
+                (Some(t), None) if !leg_first => t,
+                (None, Some(t)) if leg_first => t,
+                other => panic!("{case}: taken by {other:?}"),
+            };
+            assert_eq!(prefill(&t), usize::from(ok), "{case}");
+            assert!(cell.lock().unwrap_or_else(|e| e.into_inner()).is_none(), "{case}");
+        }
+        let cell = Mutex::new(None);
+        let (tx, mut rx) = oneshot::channel::<PrefillOutcome>();
+        drop(tx);
+        assert!(response_ended(&cell, later(), &mut rx).is_none());
+        assert!(cell.lock().unwrap_or_else(|e| e.into_inner()).is_some(), "left for the aborter's drop");
+    }
 
     fn map(v: Value) -> Object {
         v.as_object().cloned().unwrap_or_default().into()

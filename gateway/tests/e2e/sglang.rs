@@ -130,8 +130,8 @@ async fn a_prefill_refusal_reaches_the_client_and_aborts_the_decode_leg() {
 /// answer without waiting for it, and the prefill's time is recorded when it answers, whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_answering_after_the_response_ended_is_still_timed() {
-    const LATE: Duration = Duration::from_millis(400);
-    let faults = FaultConfig { answer_delay_ms: 400, ..FaultConfig::default() };
+    const LATE: Duration = Duration::from_millis(1500);
+    let faults = FaultConfig { answer_delay_ms: 1500, ..FaultConfig::default() };
     let d = sglang_demo(Duration::ZERO, faults).await;
     let prefill = |m: &[u8]| {
         let m = String::from_utf8_lossy(m);
@@ -140,14 +140,17 @@ async fn a_prefill_answering_after_the_response_ended_is_still_timed() {
         };
         (sample("count"), sample("sum"))
     };
+    // The prefiller holds its answer: it is in flight there until it answers.
+    let prefilling = || sglang(&d, 0)["in_flight"] == 1;
     let sent = Instant::now();
     let (s, b) =
         http(d.addr, "/v1/completions", Some(&json!({"prompt": prompt(40, 5), "max_tokens": 3}))).await;
-    let answered = sent.elapsed();
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
-    assert!(answered < LATE, "the answer waited for the prefill's: {answered:?}");
+    assert!(prefilling(), "the answer waited for the prefill's ({:?})", sent.elapsed());
     let (_, m) = http(d.admin, "/metrics", None).await;
-    assert_eq!(prefill(&m).0, 0.0, "timed before the prefill answered");
+    if prefilling() {
+        assert_eq!(prefill(&m).0, 0.0, "timed before the prefill answered");
+    }
     loop {
         let (_, m) = http(d.admin, "/metrics", None).await;
         let (count, sum) = prefill(&m);
@@ -156,7 +159,7 @@ async fn a_prefill_answering_after_the_response_ended_is_still_timed() {
             assert!(sum >= LATE.as_secs_f64(), "the prefill's whole time: {sum} s");
             break;
         }
-        assert!(sent.elapsed() < LATE + Duration::from_secs(3), "the late prefill was never timed");
+        assert!(sent.elapsed() < LATE + Duration::from_secs(5), "the late prefill was never timed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_sglang_clean(&d, Duration::from_secs(1)).await;
