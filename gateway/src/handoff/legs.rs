@@ -23,6 +23,7 @@ use crate::api::{GatewayError, Object};
 use crate::endpoints::{EngineBody, EngineUrl};
 use crate::routing::InFlight;
 use crate::telemetry::Scrape;
+use crate::telemetry::trace::LegSpan;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RespBody = BoxBody<Bytes, BoxError>;
@@ -563,15 +564,17 @@ impl Json {
 impl Shared {
     /// POSTs `body` as JSON within the upstream timeout. `detach`: the call runs to its end even
     /// if the caller stops waiting (a client that leaves does not abort an engine mid-transfer).
-    pub(crate) async fn post<B: LegBody + ?Sized>(
+    /// Not an `async fn`, which would hold [`Shared::post_within`]'s future and its own copy of
+    /// the arguments.
+    pub(crate) fn post<B: LegBody + ?Sized>(
         &self,
         to: &EngineUrl,
         leg: &'static str,
         path: &'static str,
         body: &B,
         detach: bool,
-    ) -> Result<Response<EngineBody>, PostError> {
-        self.post_within(to, leg, path, body, self.limits.upstream_timeout, detach).await
+    ) -> impl Future<Output = Result<Response<EngineBody>, PostError>> {
+        self.post_within(to, leg, path, body, self.limits.upstream_timeout, detach)
     }
 
     /// [`Shared::post`] within `timeout`.
@@ -587,27 +590,10 @@ impl Shared {
         timeout: Duration,
         detach: bool,
     ) -> Result<Response<EngineBody>, PostError> {
-        let uri = to.call_uri(path).map_err(PostError::Request)?;
-        // A static value: a `&str` would be copied into a new one on each call.
-        let json = hyper::header::HeaderValue::from_static("application/json");
-        // The headers in a map of their own, put in the request once it is made: `http`'s
-        // `Builder` moves the whole request through each `header` call (2.7k instructions a
-        // request for two legs, `scripts/count-instructions`, against 1.4k for the inserts).
-        let mut headers = hyper::HeaderMap::with_capacity(4);
-        headers.insert(hyper::header::CONTENT_TYPE, json);
-        if let Some(host) = to.host_header() {
-            headers.insert(hyper::header::HOST, host.clone());
-        }
-        // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
-        if let Some(id) = crate::telemetry::request_id::current() {
-            headers.insert(crate::telemetry::request_id::HEADER_NAME, id.header().clone());
-        }
-        let span = crate::telemetry::trace::current().map(|t| t.leg(leg, to, path, &mut headers));
-        let bytes = body.bytes().map_err(PostError::Body)?;
-        let mut req = Request::new(Full::new(bytes));
-        *req.method_mut() = hyper::Method::POST;
-        *req.uri_mut() = uri;
-        *req.headers_mut() = headers;
+        // Made by a function of its own: made here, the request (and its headers) would keep
+        // their room in this future's every state after they were sent (on each leg, boxed and
+        // copied whole).
+        let (req, span) = Self::request(to, leg, path, body)?;
         let answer = if detach {
             let (client, to) = (self.client.clone(), to.clone());
             let call = async move { tokio::time::timeout(timeout, client.send(&to, req)).await };
@@ -632,6 +618,38 @@ impl Shared {
         answer
     }
 
+    /// The request of a call to `to`: `body` as JSON, with the request's id and, when it is
+    /// traced, the leg's span (started here), whose `traceparent` it carries.
+    fn request<B: LegBody + ?Sized>(
+        to: &EngineUrl,
+        leg: &'static str,
+        path: &'static str,
+        body: &B,
+    ) -> Result<(Request<Full<Bytes>>, Option<LegSpan>), PostError> {
+        let uri = to.call_uri(path).map_err(PostError::Request)?;
+        // A static value: a `&str` would be copied into a new one on each call.
+        let json = hyper::header::HeaderValue::from_static("application/json");
+        // The headers in a map of their own, put in the request once it is made: `http`'s
+        // `Builder` moves the whole request through each `header` call (2.7k instructions a
+        // request for two legs, `scripts/count-instructions`, against 1.4k for the inserts).
+        let mut headers = hyper::HeaderMap::with_capacity(4);
+        headers.insert(hyper::header::CONTENT_TYPE, json);
+        if let Some(host) = to.host_header() {
+            headers.insert(hyper::header::HOST, host.clone());
+        }
+        // Every engine call made for a request names it, as vLLM's and SGLang's proxies do.
+        if let Some(id) = crate::telemetry::request_id::current() {
+            headers.insert(crate::telemetry::request_id::HEADER_NAME, id.header().clone());
+        }
+        let span = crate::telemetry::trace::current().map(|t| t.leg(leg, to, path, &mut headers));
+        let bytes = body.bytes().map_err(PostError::Body)?;
+        let mut req = Request::new(Full::new(bytes));
+        *req.method_mut() = hyper::Method::POST;
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers;
+        Ok((req, span))
+    }
+
     /// One leg's call to an engine, its answer checked ([`Shared::accept`]); a call with no
     /// answer counts against the engine.
     pub(crate) async fn call<B: LegBody + ?Sized>(
@@ -642,13 +660,15 @@ impl Shared {
         body: &B,
     ) -> Result<Response<EngineBody>, LegError> {
         let sent = Instant::now();
-        match self.post(to.peer().http, leg, path, body, false).await {
-            Ok(resp) => self.accept(leg, to, resp, sent).await,
+        // Not matched around `accept`'s await: the answer's `Result` would keep its room there.
+        let resp = match self.post(to.peer().http, leg, path, body, false).await {
+            Ok(resp) => resp,
             Err(source) => {
                 self.failed(to, sent);
-                Err(LegError::Unanswered { leg, source })
+                return Err(LegError::Unanswered { leg, source });
             }
-        }
+        };
+        self.accept(leg, to, resp, sent).await
     }
 
     /// [`Shared::call`], its answer read whole.
@@ -664,24 +684,44 @@ impl Shared {
     }
 
     /// An engine's answer to a call sent at `sent`: a 200 marks the engine healthy; any other
-    /// status is its refusal, its body read (a 5xx counts against the engine).
-    pub(crate) async fn accept(
+    /// status is its refusal, its body read (a 5xx counts against the engine). Not an `async fn`:
+    /// a 200 is taken at once, and the refusal's future (boxed) is made only for a refusal, where
+    /// every leg's future would otherwise hold its room and the answer twice.
+    pub(crate) fn accept<'a>(
+        &'a self,
+        leg: &'static str,
+        to: &'a (impl Engine + ?Sized),
+        resp: Response<EngineBody>,
+        sent: Instant,
+    ) -> impl Future<Output = Result<Response<EngineBody>, LegError>> + 'a {
+        let answer = if resp.status() == 200 {
+            to.peer().health.success(sent);
+            Ok(resp)
+        } else {
+            Err(Box::pin(self.refused(leg, to, resp, sent)))
+        };
+        async move {
+            match answer {
+                Ok(resp) => Ok(resp),
+                Err(refused) => Err(refused.await),
+            }
+        }
+    }
+
+    /// A refusal ([`Shared::accept`]): its body read, a 5xx counted against the engine.
+    async fn refused(
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
         resp: Response<EngineBody>,
         sent: Instant,
-    ) -> Result<Response<EngineBody>, LegError> {
-        if resp.status() == 200 {
-            to.peer().health.success(sent);
-            return Ok(resp);
-        }
+    ) -> LegError {
         let status = resp.status().as_u16();
         let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
         if status >= 500 {
             self.failed(to, sent);
         }
-        Err(LegError::Refused { leg, status, body })
+        LegError::Refused { leg, status, body }
     }
 
     /// An engine's whole answer ([`Shared::accept`]ed).

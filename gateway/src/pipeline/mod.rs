@@ -465,12 +465,33 @@ impl Gateway {
     }
 
     /// A generation request from its HTTP form to its answer: the body read within its limits,
-    /// parsed, counted, then [`Gateway::dispatch`]ed.
-    pub async fn generate(
+    /// parsed, counted, then [`Gateway::dispatch`]ed. Not an `async fn`: one holds its arguments
+    /// twice (as passed, and moved in), here the whole request beside its parts, in every state
+    /// of a future that is boxed and copied whole; this one holds the parts it reads on.
+    pub fn generate(
         self: &Arc<Self>,
         ep: Endpoint,
         req: Request<Incoming>,
-    ) -> Result<Response<RespBody>, GatewayError> {
+    ) -> impl Future<Output = Result<Response<RespBody>, GatewayError>> {
+        let checked = self.before_body(&req).map(|tenant| {
+            let (parts, body) = req.into_parts();
+            (parts.headers, body, tenant)
+        });
+        async move {
+            let (headers, body, tenant) = checked?;
+            let body =
+                tokio::time::timeout(self.http.body_read, Limited::new(body, MAX_BODY_BYTES).collect())
+                    .await
+                    .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
+                    .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
+                    .to_bytes();
+            self.generate_body(ep, &body, &headers, tenant).await
+        }
+    }
+
+    /// What is checked of a generation request before its body is read: its API key (the
+    /// tenant's, when auth is on), its content type, its declared length.
+    fn before_body(&self, req: &Request<Incoming>) -> Result<Option<Arc<str>>, GatewayError> {
         // Before anything is read: a request without a known key costs nothing more.
         let tenant = match &self.keys {
             Some(k) => Some(k.tenant_of(req.headers())?),
@@ -488,14 +509,7 @@ impl Gateway {
         if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
             return Err(GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES });
         }
-        let (parts, body) = req.into_parts();
-        let headers = parts.headers;
-        let body = tokio::time::timeout(self.http.body_read, Limited::new(body, MAX_BODY_BYTES).collect())
-            .await
-            .map_err(|_| GatewayError::BodyTimeout { limit: self.http.body_read })?
-            .map_err(|_| GatewayError::BodyTooLarge { limit: MAX_BODY_BYTES })?
-            .to_bytes();
-        self.generate_body(ep, &body, &headers, tenant).await
+        Ok(tenant)
     }
 
     /// [`Gateway::generate`] for a body already read; `tenant`: the API key's, when auth is on.

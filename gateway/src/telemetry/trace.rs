@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
+use futures_util::future::Either;
 use http_body_util::{BodyExt, Full};
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -528,11 +529,12 @@ pub fn current() -> Option<Arc<RequestTrace>> {
     CURRENT.try_with(Arc::clone).ok()
 }
 
-/// Runs `fut` with `trace` as its request's (when there is one).
-pub async fn scope<F: Future>(trace: Option<Arc<RequestTrace>>, fut: F) -> F::Output {
+/// Runs `fut` with `trace` as its request's (when there is one). Not an `async fn`: one would hold
+/// `fut` twice (its argument and the scope it is moved into), and copy it into each.
+pub fn scope<F: Future>(trace: Option<Arc<RequestTrace>>, fut: F) -> impl Future<Output = F::Output> {
     match trace {
-        Some(t) => CURRENT.scope(t, fut).await,
-        None => fut.await,
+        Some(t) => Either::Left(CURRENT.scope(t, fut)),
+        None => Either::Right(fut),
     }
 }
 
