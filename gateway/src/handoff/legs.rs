@@ -686,7 +686,8 @@ impl Shared {
     /// An engine's answer to a call sent at `sent`: a 200 marks the engine healthy; any other
     /// status is its refusal, its body read (a 5xx counts against the engine). Not an `async fn`:
     /// a 200 is taken at once, and the refusal's future (boxed) is made only for a refusal, where
-    /// every leg's future would otherwise hold its room and the answer twice.
+    /// every leg's future would otherwise hold its room and the answer twice. A 200 marks the
+    /// engine healthy when this is called, a refusal counts only once awaited: await it at once.
     pub(crate) fn accept<'a>(
         &'a self,
         leg: &'static str,

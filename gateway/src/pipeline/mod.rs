@@ -467,7 +467,8 @@ impl Gateway {
     /// A generation request from its HTTP form to its answer: the body read within its limits,
     /// parsed, counted, then [`Gateway::dispatch`]ed. Not an `async fn`: one holds its arguments
     /// twice (as passed, and moved in), here the whole request beside its parts, in every state
-    /// of a future that is boxed and copied whole; this one holds the parts it reads on.
+    /// of a future that is boxed and copied whole; this one holds the parts it reads on. The
+    /// checks before the body ([`Gateway::before_body`]) run when this is called.
     pub fn generate(
         self: &Arc<Self>,
         ep: Endpoint,
