@@ -592,6 +592,9 @@ impl SimEngine {
                     if !super::kv::neutral() {
                         s.hold(&p, &ids, req.rid());
                     }
+                    if !s.answer_delay.is_zero() {
+                        tokio::time::sleep(s.answer_delay).await;
+                    }
                     n = 1;
                 }
                 Role::Decode(_) if super::kv::neutral() => {}

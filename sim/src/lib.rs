@@ -169,11 +169,15 @@ pub struct SglangSimConfig {
     pub bootstrap_port: Option<u16>,
     /// How long a decoder waits for its room, and a prefill keeps a room nobody asked for.
     pub room_wait: Duration,
+    /// Prefill: how long after its room is held it answers (zero: at once). A real SGLang prefill
+    /// answers once its KV has gone to the decoder, which for a short answer may be after the
+    /// decoder's whole answer; tests set this to make that order certain.
+    pub answer_delay: Duration,
 }
 
 impl Default for SglangSimConfig {
     fn default() -> Self {
-        Self { bootstrap_port: None, room_wait: sglang::DEFAULT_ROOM_WAIT }
+        Self { bootstrap_port: None, room_wait: sglang::DEFAULT_ROOM_WAIT, answer_delay: Duration::ZERO }
     }
 }
 
@@ -287,9 +291,11 @@ pub async fn launch(c: SimConfig) -> Result<Running, SimError> {
     };
     let sglang = match (&c.sglang, c.role) {
         (None, _) => None,
-        (Some(s), SimRole::Prefill) => Some(Arc::new(
-            sglang::Sglang::prefill(c.geometry, c.dp_host, s.bootstrap_port, s.room_wait).await?,
-        )),
+        (Some(s), SimRole::Prefill) => {
+            let mut p = sglang::Sglang::prefill(c.geometry, c.dp_host, s.bootstrap_port, s.room_wait).await?;
+            p.answer_delay = s.answer_delay;
+            Some(Arc::new(p))
+        }
         (Some(s), SimRole::Decode) => Some(Arc::new(sglang::Sglang::decode(c.geometry, s.room_wait))),
     };
     let cache = match c.prefix_cache {

@@ -114,6 +114,8 @@ pub struct Sglang {
     rooms: Arc<Mutex<HashMap<u64, Room>>>,
     arrived: Arc<Notify>,
     room_wait: Duration,
+    /// Prefill: how long after holding a room it answers ([`super::SglangSimConfig::answer_delay`]).
+    pub answer_delay: Duration,
     in_flight: Mutex<HashMap<String, Arc<Notify>>>,
     pub stats: Arc<SglangStats>,
     _tasks: super::Tasks,
@@ -194,6 +196,7 @@ impl Sglang {
             rooms: Arc::default(),
             arrived: Arc::default(),
             room_wait,
+            answer_delay: Duration::ZERO,
             in_flight: Mutex::default(),
             stats: Arc::default(),
             _tasks: super::Tasks::default(),

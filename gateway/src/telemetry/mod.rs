@@ -239,12 +239,13 @@ impl Timing {
         d
     }
 
-    /// Records a phase that ran beside the others (a leg sent concurrently), ending now.
+    /// Records a phase that ran beside the others (a leg sent concurrently), ending now; in the
+    /// trace too when that is after the request's answer ended ([`trace::RequestTrace::beside`]).
     pub fn record(&mut self, phase: Phase, d: Duration) {
         self.phases.push((phase, d));
         if let Some(t) = &self.trace {
             let now = Instant::now();
-            t.mark(phase, now.checked_sub(d).unwrap_or(now), now);
+            t.beside(phase, now.checked_sub(d).unwrap_or(now), now);
         }
     }
 

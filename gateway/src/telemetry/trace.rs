@@ -364,6 +364,17 @@ impl RequestTrace {
         cx.span().end_with_timestamp(self.wall(to));
     }
 
+    /// `phase` ran beside the others from `from` to `to` (a leg sent concurrently): a span of its
+    /// own under the server span, made even after the request's answer ended. SGLang's prefill
+    /// answers once its KV has gone to the decoder, which for a short answer can be after the
+    /// answer went out whole: its span then ends after the server span (OpenTelemetry allows a
+    /// child to), rather than being left out of the trace.
+    pub fn beside(&self, phase: Phase, from: Instant, to: Instant) {
+        let routed = self.state().routed.clone();
+        let cx = self.start(phase.as_str(), SpanKind::Internal, from, &self.server, routed);
+        cx.span().end_with_timestamp(self.wall(to));
+    }
+
     /// The first streamed chunk went out at `to`: a `first_token` span from the request's start,
     /// unless the handoff marked that phase itself.
     pub fn first_token(&self, to: Instant) {

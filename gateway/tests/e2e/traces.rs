@@ -166,10 +166,19 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             sampling_ratio: 1.0,
             service_name: "baton-test".into(),
         };
+        // SGLang's prefill answers once its KV has gone to the decoder; the simulated one here
+        // answers after the decoder's whole (short) answer, so its span is made after the
+        // request's ended (RequestTrace::beside), which the checks below look for.
+        let late_prefill = handoff == Mode::Sglang;
+        let sglang = baton_sim::SglangSimConfig {
+            answer_delay: if late_prefill { LATE_PREFILL } else { Duration::ZERO },
+            ..baton_sim::SglangSimConfig::default()
+        };
         let d = start(DemoConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             tp: 2,
             handoff,
+            sglang,
             gateway: GatewaySetup { trace: Some(trace), ..GatewaySetup::default() },
             ..DemoConfig::default()
         })
@@ -195,6 +204,16 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             send(d.addr, "/v1/completions", &[], &json!({"model": "nope", "prompt": "x", "max_tokens": 1}))
                 .await;
         assert_eq!(status, 404);
+        if late_prefill {
+            // Both prefills answered and were timed: the span is made before the request's
+            // timing is dropped into `baton_phase_seconds` (the metrics read here), and the
+            // drain below sends what is made.
+            let started = Instant::now();
+            while prefills_timed(d.admin).await < 2 {
+                assert!(started.elapsed() < Duration::from_secs(10), "{mode}: prefills not timed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         let received = engine_traceparents(&d);
         let decoder = d.gateway.decoders[0].name.clone();
         // The drain sends what the exporter holds.
@@ -264,6 +283,13 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             for c in &children {
                 assert_eq!(c.trace_id, s.trace_id);
                 assert!(c.start_time_unix_nano >= s.start_time_unix_nano, "{mode}: {} starts before", c.name);
+                if late_prefill && (c.name == "prefill" || c.name == "POST prefill") {
+                    // Answered after the request's answer ended: the span ends after its parent.
+                    assert!(c.end_time_unix_nano > s.end_time_unix_nano, "{mode}: {} ends inside", c.name);
+                    let took = c.end_time_unix_nano - c.start_time_unix_nano;
+                    assert!(took >= LATE_PREFILL.as_nanos() as u64, "{mode}: {} took {took} ns", c.name);
+                    continue;
+                }
                 assert!(c.end_time_unix_nano <= s.end_time_unix_nano, "{mode}: {} ends after", c.name);
                 if c.kind == SpanKind::Internal as i32 && c.name != "route" {
                     assert_eq!(attr_str(c, "baton.mode").as_deref(), Some(mode), "{mode}: {}", c.name);
@@ -306,6 +332,21 @@ async fn spans_follow_each_request_through_every_mode_into_the_engines() {
             assert_eq!(flags, "01");
         }
     }
+}
+
+/// How long after the decoder's answer the simulated SGLang prefill answers in
+/// `spans_follow_each_request_through_every_mode_into_the_engines` (its decode of 3 or 4 tokens
+/// takes a few milliseconds).
+const LATE_PREFILL: Duration = Duration::from_millis(300);
+
+/// Prefill phases recorded in `baton_phase_seconds` (the demo's admin `/metrics`).
+async fn prefills_timed(admin: SocketAddr) -> u64 {
+    let (_, m) = super::client::http(admin, "/metrics", None).await;
+    String::from_utf8_lossy(&m)
+        .lines()
+        .find(|l| l.starts_with("baton_phase_seconds_count") && l.contains("phase=\"prefill\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Sampled out (ratio 0, no client decision): nothing is exported, and the engines are told so

@@ -284,6 +284,7 @@ impl Cli {
             c.sglang = Some(SglangSimConfig {
                 bootstrap_port: self.sglang_bootstrap_port,
                 room_wait: self.sglang_room_wait_ms.map_or(DEFAULT_ROOM_WAIT, Duration::from_millis),
+                ..SglangSimConfig::default()
             });
         }
         c.device = self.device;

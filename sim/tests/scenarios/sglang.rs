@@ -14,7 +14,7 @@ const WAIT: Duration = Duration::from_millis(300);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_pair_the_legs_and_a_missing_or_foreign_leg_fails_loudly() {
     let g = tiny_geometry(2).unwrap();
-    let sg = SglangSimConfig { bootstrap_port: None, room_wait: WAIT };
+    let sg = SglangSimConfig { room_wait: WAIT, ..SglangSimConfig::default() };
     let mut pc = SimConfig::new(SimRole::Prefill, g);
     pc.sglang = Some(sg.clone());
     let prefill = launch(pc).await.unwrap();
