@@ -31,7 +31,7 @@
 //!   request in flight (`IN_FLIGHT_BOUND`) decodes at once, and `M = IN_FLIGHT_BOUND ×
 //!   OUTPUT_TOKENS`.
 //!
-//! `BATON_BENCH_QUICK=1`: 2 s runs (the suite's smoke run).
+//! `BATON_BENCH_QUICK=1`: 3 s runs, five of them (the suite's smoke run: 27 s in all on 2 cores).
 
 #![allow(
     clippy::print_stdout,
