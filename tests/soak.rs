@@ -49,10 +49,12 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
+#[path = "support/ports.rs"]
+mod ports;
 #[path = "support/procs.rs"]
 mod procs;
 #[path = "support/skip.rs"]
@@ -139,45 +141,6 @@ fn env_or(name: &str, default: u64) -> u64 {
 /// Why the soak could not run (a missing tool).
 struct Skip(String);
 
-/// A free loopback port (and, with `two`, the one after it too), below the kernel's ephemeral
-/// range: a killed engine restarts on its ports, which an outgoing connection could otherwise
-/// have taken meanwhile.
-fn free_port(two: bool) -> u16 {
-    let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| {
-            let mut it = r.split_whitespace().map(|p| p.parse::<u16>().ok());
-            Some((it.next()??, it.next()??))
-        })
-        .unwrap_or((32768, 60999));
-    let (from, to) = if low > 12_000 {
-        (10_000, low - 1)
-    } else if high < 60_000 {
-        (high + 1, u16::MAX - 1)
-    } else {
-        // No room outside the ephemeral range: any free ports, as the kernel gives them.
-        loop {
-            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            if !two || (port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok()) {
-                return port;
-            }
-        }
-    };
-    let mut seed = u64::from(std::process::id()) ^ u64::try_from(started_ns()).unwrap_or(0);
-    loop {
-        seed = draw(seed, 7, u64::MAX);
-        let port = from + u16::try_from(seed % u64::from(to - from)).unwrap_or(0);
-        let first = TcpListener::bind(("127.0.0.1", port)).is_ok();
-        if first && (!two || TcpListener::bind(("127.0.0.1", port + 1)).is_ok()) {
-            return port;
-        }
-    }
-}
-
-fn started_ns() -> u128 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-}
-
 /// The workspace's binaries, beside this test's own.
 fn bin(name: &str) -> Result<PathBuf, Skip> {
     let exe = std::env::current_exe().unwrap();
@@ -210,7 +173,7 @@ struct Engine {
 
 impl Engine {
     fn new(bin: &Path, name: &str, decode: bool, extra: &[String]) -> Self {
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port(false)).parse().unwrap();
+        let http: SocketAddr = format!("127.0.0.1:{}", ports::free_port()).parse().unwrap();
         let mut args: Vec<String> =
             ["--role", if decode { "decode" } else { "prefill" }, "--tp", "2", "--listen"]
                 .iter()
@@ -220,7 +183,7 @@ impl Engine {
         if decode {
             args.extend([
                 "--dp-port".into(),
-                free_port(true).to_string(),
+                ports::free_ports(2).to_string(),
                 "--pages".into(),
                 PAGES.to_string(),
             ]);
@@ -302,7 +265,7 @@ fn redis() -> Result<(Proc, String), Skip> {
             .and_then(|p| std::env::split_paths(&p).map(|d| d.join("redis-server")).find(|f| f.exists()))
             .ok_or_else(|| Skip("no redis-server (scripts/test installs Debian's redis-tools)".into()))?
     };
-    let port = free_port(false);
+    let port = ports::free_port();
     let child = Command::new(bin)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .stdout(Stdio::null())

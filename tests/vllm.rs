@@ -28,6 +28,8 @@ mod engines;
 mod events;
 #[path = "vllm/nixl.rs"]
 mod nixl;
+#[path = "support/ports.rs"]
+mod ports;
 #[path = "vllm/relay.rs"]
 mod relay;
 

@@ -21,6 +21,8 @@ use tokio::task::JoinSet;
 
 #[path = "../../tests/support/http.rs"]
 mod client;
+#[path = "../../tests/support/ports.rs"]
+mod ports;
 #[path = "../../tests/support/procs.rs"]
 mod procs;
 #[path = "../../tests/support/skip.rs"]

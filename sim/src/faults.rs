@@ -50,6 +50,9 @@ pub struct FaultConfig {
     /// proxy), which the engine never saw; otherwise it is the engine's own, and a NIXL consumer
     /// refusing a remote-prefill request tells the producer to free its blocks, as vLLM 0.32 does.
     pub fail_plain: bool,
+    /// With `fail_status`: the refusal is sent this many milliseconds late (an engine that refuses
+    /// after the other leg of the request has already failed).
+    pub fail_delay_ms: u64,
     /// A streamed answer stops after this many tokens (of each choice) and its body fails: the
     /// connection is dropped mid-message, as by an engine that crashes while it streams.
     pub cut_stream_after: Option<u32>,

@@ -532,6 +532,10 @@ impl SimEngine {
             serde_json::from_slice(body).map_err(|e| SimError::bad(format!("invalid request body: {e}")))?;
         if let Some(status) = self.faults.take_failure() {
             let message = format!("refused by the fail_status fault switch ({status})");
+            let late = self.faults.get().fail_delay_ms;
+            if late > 0 {
+                tokio::time::sleep(Duration::from_millis(late)).await;
+            }
             if self.faults.get().fail_plain {
                 return Err(SimError::plain(status, message));
             }

@@ -7,7 +7,7 @@
 //! process group of its own (vLLM forks an engine-core and a worker process) that `Drop` ends with
 //! SIGTERM, then SIGKILL; `setpriv --pdeathsig` ends the server if the test process dies first.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -44,35 +44,6 @@ pub fn installed() -> Result<(PathBuf, PathBuf), String> {
     Ok((python, model))
 }
 
-/// A port for a server to bind, below the kernel's ephemeral range.
-///
-/// A port picked by binding port 0 and releasing it is an ephemeral one, which any socket that
-/// connects or binds port 0 may take before the server binds it; vLLM's own ZeroMQ and UCX
-/// sockets do so while it starts. One CI run lost such a race: the NIXL handshake listener
-/// found its port taken, its thread died and the server hung without exiting. Ports below the
-/// ephemeral range are never handed out by the kernel, so only another process choosing the same
-/// number can take one: each pick starts from this process's id and is checked free on every
-/// address before it is used.
-fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()))
-        .unwrap_or(32768);
-    let (first, span) = (10_000u32, low.saturating_sub(10_000).max(1));
-    let base = std::process::id().wrapping_mul(7919);
-    for _ in 0..span {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let Ok(port) = u16::try_from(first + base.wrapping_add(n) % span) else { continue };
-        let free = ["0.0.0.0", "127.0.0.1"].iter().all(|host| TcpListener::bind((*host, port)).is_ok());
-        if free {
-            return port;
-        }
-    }
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
-}
-
 /// The NIXL role a server starts with.
 #[derive(Clone, Copy, Debug)]
 pub enum Role {
@@ -100,9 +71,11 @@ impl Engine {
         role: Role,
         core: u32,
     ) -> Result<Self, String> {
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().map_err(|e| format!("{e}"))?;
-        let events: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().map_err(|e| format!("{e}"))?;
-        let side_port = free_port();
+        let http: SocketAddr =
+            format!("127.0.0.1:{}", super::ports::free_port()).parse().map_err(|e| format!("{e}"))?;
+        let events: SocketAddr =
+            format!("127.0.0.1:{}", super::ports::free_port()).parse().map_err(|e| format!("{e}"))?;
+        let side_port = super::ports::free_port();
         let dir = repo().join("target/vllm-logs");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let log = dir.join(format!("{name}.log"));

@@ -265,32 +265,34 @@ impl Sglang {
         // The prefill, when the decoder answered first, runs on in a task of its own; its
         // outcome comes with the answer's body.
         drop(prefill_leg);
-        // A decoder never reached took no KV; one refusing (503) before the prefill answered did
-        // not take it either (an SGLang prefill answers once its KV has gone to the decoder). The
-        // request may run again elsewhere, in a room of its own (this attempt's room is aborted on
-        // both engines). A decoder cut off mid-call may have begun to pull: never.
-        let replaceable = |e: &LegError| {
-            if e.retryable(false) && (!prefill_done || !e.maybe_sent()) {
-                let _ = retry.set(Unstarted::Decode);
-            }
-        };
+        // A decode that failed: see `decode_failed` for what may run again.
         let resp = match resp {
-            Some(Ok(answer)) => {
-                shared.accept("decode", &**dec, answer, decode_sent).await.inspect_err(|e| {
+            Some(Ok(answer)) => match shared.accept("decode", &**dec, answer, decode_sent).await {
+                Ok(resp) => resp,
+                Err(e) => {
                     if !e.may_run_on() {
                         engine_has_it(&mut slots, None);
                     }
-                    replaceable(e);
-                })?
-            }
+                    return Err(decode_failed(
+                        e,
+                        &prefill.name,
+                        &mut prefill_rx,
+                        prefill_done,
+                        timing,
+                        retry,
+                    )
+                    .await);
+                }
+            },
             Some(Err(e)) => {
                 shared.failed(&**dec, decode_sent);
                 let e = LegError::Unanswered { leg: "decode", source: e };
                 if !e.may_run_on() {
                     engine_has_it(&mut slots, None);
                 }
-                replaceable(&e);
-                return Err(e.into());
+                return Err(
+                    decode_failed(e, &prefill.name, &mut prefill_rx, prefill_done, timing, retry).await
+                );
             }
             None => {
                 return Err(GatewayError::Upstream {
@@ -306,6 +308,52 @@ impl Sglang {
             Held::body(inner, DecodeStream { prefill, timing, slot: slots, abort: Some(abort) })
         }))
     }
+}
+
+/// Longest a failed decode waits for the prefill leg's end, when the prefill has not ended yet:
+/// one never reached or refusing ends at once (a refused connection, a 503).
+const PREFILL_VERDICT: Duration = Duration::from_millis(250);
+
+/// The client's error for a failed decode leg, and whether the request may run again (`retry`).
+///
+/// SGLang's decoder bootstraps from the prefiller named in its request, so a prefiller never
+/// reached (down, refusing connections) or refusing (503) fails the decode too, and the decoder
+/// often says so first ("bootstrap server ... Connection refused").
+///
+/// The decode's own failure decides first: a decoder never reached took no KV; one refusing (503)
+/// before the prefill answered did not take it either (an SGLang prefill answers once its KV has
+/// gone to the decoder), and the request may run again on another decoder, in a room of its own
+/// (this attempt's room is aborted on both engines). A decoder cut off mid-call may have begun to
+/// pull: never. Any other failure would end the request; then, when the prefill has not ended
+/// yet, its end is awaited for at most [`PREFILL_VERDICT`]: if the prefiller was never reached or
+/// refused, no KV moved, and the request runs again without that prefiller (with the prefill's
+/// error for the client should it not). Only a request that would fail waits.
+async fn decode_failed(
+    e: LegError,
+    prefiller: &str,
+    prefill_rx: &mut oneshot::Receiver<PrefillOutcome>,
+    prefill_done: bool,
+    timing: &mut crate::telemetry::Timing,
+    retry: &std::sync::OnceLock<Unstarted>,
+) -> GatewayError {
+    if e.retryable(false) && (!prefill_done || !e.maybe_sent()) {
+        let _ = retry.set(Unstarted::Decode);
+        return e.into();
+    }
+    // A failure that would end the request: unless the prefill, not yet ended, turns out never
+    // reached. (A prefill that answers after the decoder failed says nothing of what the decoder
+    // held when it failed.)
+    if !prefill_done && let Ok(Ok(outcome)) = tokio::time::timeout(PREFILL_VERDICT, prefill_rx).await {
+        match outcome {
+            PrefillOutcome { result: Err(prefill_error), retryable: true, .. } => {
+                let _ = retry.set(Unstarted::Prefill(prefiller.to_owned()));
+                return prefill_error;
+            }
+            PrefillOutcome { result: Ok(()), took, .. } => timing.record(Phase::Prefill, took),
+            PrefillOutcome { result: Err(_), .. } => {}
+        }
+    }
+    e.into()
 }
 
 /// Both legs' bodies, written once (each leg owns its own: it may run on after the request),

@@ -55,7 +55,9 @@ impl Redis {
             super::skip::skipped("tool", why);
             return None;
         };
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        // Outside the ephemeral range: a restart binds it again, after the tests' clients have
+        // opened many connections meanwhile.
+        let port = super::ports::free_port();
         let mut r = Self { child: None, port, bin };
         r.restart();
         Some(r)

@@ -238,8 +238,9 @@ async fn serve_an_lmcache_pool_from_config_and_yaml() {
         ),
     )
     .unwrap();
-    // The prefiller's HTTP port is picked first; it starts once the gateway's listener exists.
-    let prefill_at = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    // The prefiller's HTTP port is picked first (outside the ephemeral range, so that no client's
+    // socket takes it meanwhile); it starts once the gateway's listener exists.
+    let prefill_at = std::net::SocketAddr::from(([127, 0, 0, 1], super::ports::free_port()));
     // The lmcache handoff sends the model's token ids: a real tokenizer (Qwen3's), which the
     // simulated engines take as they come.
     let tokenizer =

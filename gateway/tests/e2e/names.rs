@@ -61,11 +61,11 @@ impl Dns {
         let hosts = dir.join("hosts");
         std::fs::write(&hosts, hosts_text(records)).unwrap();
         let log = dir.join("dnsmasq.log");
-        // dnsmasq takes the port over UDP and TCP; the tests' engines take ephemeral TCP ports
-        // meanwhile, so a port found free may be gone by the time it binds: then it exits, and
-        // another port is tried.
+        // dnsmasq takes the port over UDP and TCP. The port is outside the ephemeral range, which
+        // the tests' own sockets take from; should another process take it first all the same,
+        // dnsmasq exits, and another port is tried.
         for _ in 0..10 {
-            let Some(port) = free_port() else { continue };
+            let port = super::ports::free_port();
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
             let child = Command::new(&bin)
                 .args([
@@ -142,13 +142,6 @@ impl Dns {
             );
         }
     }
-}
-
-/// A loopback port free for both UDP and TCP right now.
-fn free_port() -> Option<u16> {
-    let tcp = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
-    let port = tcp.local_addr().ok()?.port();
-    std::net::UdpSocket::bind(("127.0.0.1", port)).ok().map(|_| port)
 }
 
 fn tempdir(name: &str) -> PathBuf {

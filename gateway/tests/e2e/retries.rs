@@ -211,6 +211,32 @@ async fn a_failing_prefiller_is_retried_around_in_every_mode() {
     }
 }
 
+/// SGLang's decoder can fail before the prefill leg it depends on: here a decoder refuses the
+/// request (500) at once, and the prefiller's refusal (503, before any KV work) comes 100 ms later.
+/// The decoder cannot have generated anything without that prefill's KV, so the request runs
+/// again without that prefiller (the decoder's failure used to end it: a 502, whenever a refusing
+/// or unreachable prefiller lost the race with the decoder that could not bootstrap from it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_decoder_failing_before_its_refusing_prefiller_runs_again() {
+    let d = pairs(Mode::Sglang, 1000, Duration::from_secs(60), generous()).await;
+    assert_eq!(complete(&d, 0).await.0, 200);
+    // Round robin: the next request goes to the prefiller and the decoder this one did not.
+    let prefill = if received(&d, 0) == 1 { 1 } else { 0 };
+    let decoder = if received(&d, 2) == 1 { 3 } else { 2 };
+    faults(&d, prefill, json!({"fail_status": 503, "fail_delay_ms": 100})).await;
+    faults(&d, decoder, json!({"fail_status": 500, "fail_requests": 1})).await;
+    let (s, b) = complete(&d, 1).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(received(&d, prefill), 1, "the refusing prefiller was tried");
+    // (It may take the request again: its one refusal is spent.)
+    assert!(received(&d, decoder) >= 1, "the refusing decoder was tried");
+    let m = metrics(&d).await;
+    assert!(m.contains("baton_retries_total{leg=\"prefill\"} 1"), "{m}");
+    faults(&d, prefill, json!({})).await;
+    settled(&d).await;
+    d.shutdown().await;
+}
+
 /// Retries are bounded by the budget: with no floor and a quarter of recent requests, a decoder
 /// that always answers 503 (and whose breaker never opens) costs the clients the requests the
 /// budget could not retry, each a 502 naming the 503, and each counted as denied.
