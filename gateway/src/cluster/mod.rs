@@ -352,6 +352,11 @@ impl Cluster {
         self.up.load(Ordering::Relaxed)
     }
 
+    /// Whether the last call to the store failed (not before a first call has answered).
+    fn store_known_down(&self) -> bool {
+        !self.store_up() && self.down_at.load(Ordering::Relaxed) != 0
+    }
+
     fn key(&self, decoder: &str, what: &str) -> String {
         // One hash tag per decoder: a Redis Cluster keeps a decoder's keys in one slot, as the
         // script needs.
@@ -557,7 +562,10 @@ impl crate::flow::Fleet for Cluster {
     ) -> crate::flow::Reserve<'a> {
         Box::pin(async move {
             // While the store is down only the sync task probes it: requests never wait on it.
-            if !self.store_up() {
+            // Before any call has answered (a replica just started, its first sync still out)
+            // the store is not known to be down: the request asks it, within the store's
+            // timeout, rather than take this replica for the whole fleet.
+            if self.store_known_down() {
                 self.budget_calls[2].fetch_add(1, Ordering::Relaxed);
                 return None;
             }
@@ -632,6 +640,55 @@ fn redacted(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    use super::{Cluster, ClusterConfig};
+    use crate::flow::{BudgetRule, Counts, Fleet};
+
+    /// A replica just started, none of its calls answered yet, asks the store for a tenant's
+    /// budget rather than take itself for the whole fleet (its first sync may still be out: it
+    /// let a request through on a budget the store had spent, under CI's load); once a call
+    /// failed, requests stop waiting on the store.
+    #[tokio::test]
+    async fn a_budget_asks_the_store_until_it_is_known_down() {
+        // A store that takes connections and never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&accepted);
+        let store = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                seen.fetch_add(1, Ordering::Relaxed);
+                held.push(s);
+            }
+        });
+        let cfg = ClusterConfig {
+            store: format!("redis://{addr}"),
+            replica: "r".into(),
+            // The store's timeout: an eighth of it, 100 ms.
+            lease: Duration::from_millis(800),
+            sync: Duration::from_millis(50),
+            key_prefix: "t".into(),
+        };
+        let c = Cluster::start(cfg, &[]).unwrap();
+        assert!(!c.store_known_down());
+        let rule = BudgetRule { tokens_per_minute: 600, counts: Counts::Input };
+        let t = Instant::now();
+        assert_eq!(c.reserve("a", rule, 150.0, 150.0).await, None);
+        assert!(t.elapsed() >= Duration::from_millis(100), "{:?}", t.elapsed());
+        assert_eq!(accepted.load(Ordering::Relaxed), 1, "the first request asked the store");
+        assert!(c.store_known_down());
+        let t = Instant::now();
+        assert_eq!(c.reserve("a", rule, 150.0, 150.0).await, None);
+        assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+        assert_eq!(accepted.load(Ordering::Relaxed), 1, "a store known down is not asked again");
+        assert_eq!(c.budget_calls[2].load(Ordering::Relaxed), 2);
+        store.abort();
+    }
+
     #[test]
     fn a_store_password_is_never_shown() {
         for (url, shown) in [

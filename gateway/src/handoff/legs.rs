@@ -402,6 +402,13 @@ pub enum LegError {
     Refused { leg: &'static str, status: u16, body: Bytes },
 }
 
+/// An engine's answer other than 200, its body read.
+async fn refusal(leg: &'static str, resp: Response<EngineBody>) -> LegError {
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    LegError::Refused { leg, status, body }
+}
+
 /// How [`Shared::prefill`] may retry: also after an answer (`answered`: a 503, or a connection
 /// that failed before any answer), and the request's count of retries so far.
 #[derive(Clone, Copy, Debug)]
@@ -411,6 +418,11 @@ pub(crate) struct Retrying<'a> {
 }
 
 impl LegError {
+    /// Whether the engine's answer counts against its health: a 5xx.
+    pub fn engine_failed(&self) -> bool {
+        matches!(self, Self::Refused { status, .. } if *status >= 500)
+    }
+
     /// Whether the engine may still be running the request: it may have seen it and gave no
     /// answer (a timeout, a connection cut).
     pub fn may_run_on(&self) -> bool {
@@ -717,12 +729,29 @@ impl Shared {
         resp: Response<EngineBody>,
         sent: Instant,
     ) -> LegError {
-        let status = resp.status().as_u16();
-        let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-        if status >= 500 {
+        let e = refusal(leg, resp).await;
+        if e.engine_failed() {
             self.failed(to, sent);
         }
-        LegError::Refused { leg, status, body }
+        e
+    }
+
+    /// [`Shared::accept`] for a leg whose refusal may be another engine's fault (an SGLang decoder
+    /// that could not bootstrap from its prefiller): a 200 marks the engine healthy; a refusal is
+    /// read and left for the caller to count ([`Shared::failed`], when [`LegError::engine_failed`])
+    /// once it knows whose it was.
+    pub(crate) async fn accept_uncounted(
+        &self,
+        leg: &'static str,
+        to: &(impl Engine + ?Sized),
+        resp: Response<EngineBody>,
+        sent: Instant,
+    ) -> Result<Response<EngineBody>, LegError> {
+        if resp.status() == 200 {
+            to.peer().health.success(sent);
+            return Ok(resp);
+        }
+        Err(refusal(leg, resp).await)
     }
 
     /// An engine's whole answer ([`Shared::accept`]ed).

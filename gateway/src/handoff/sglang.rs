@@ -267,21 +267,22 @@ impl Sglang {
         drop(prefill_leg);
         // A decode that failed: see `decode_failed` for what may run again.
         let resp = match resp {
-            Some(Ok(answer)) => match shared.accept("decode", &**dec, answer, decode_sent).await {
+            // A refusal counts against the decoder only when its prefiller is not to blame (the
+            // decoder cannot bootstrap from a prefiller that is down: one prefiller down must not
+            // open the decoders' breakers).
+            Some(Ok(answer)) => match shared.accept_uncounted("decode", &**dec, answer, decode_sent).await {
                 Ok(resp) => resp,
                 Err(e) => {
                     if !e.may_run_on() {
                         engine_has_it(&mut slots, None);
                     }
-                    return Err(decode_failed(
-                        e,
-                        &prefill.name,
-                        &mut prefill_rx,
-                        prefill_done,
-                        timing,
-                        retry,
-                    )
-                    .await);
+                    let failed = e.engine_failed();
+                    let e =
+                        decode_failed(e, &prefill.name, &mut prefill_rx, prefill_done, timing, retry).await;
+                    if failed && !matches!(retry.get(), Some(Unstarted::Prefill(_))) {
+                        shared.failed(&**dec, decode_sent);
+                    }
+                    return Err(e);
                 }
             },
             Some(Err(e)) => {

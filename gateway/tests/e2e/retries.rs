@@ -216,9 +216,12 @@ async fn a_failing_prefiller_is_retried_around_in_every_mode() {
 /// The decoder cannot have generated anything without that prefill's KV, so the request runs
 /// again without that prefiller (the decoder's failure used to end it: a 502, whenever a refusing
 /// or unreachable prefiller lost the race with the decoder that could not bootstrap from it).
+/// The failure is the prefiller's, not the decoder's: with breakers opening at the first failure,
+/// the prefiller's opens and the decoder's stays closed (one prefiller down used to count against
+/// the decoders bootstrapping from it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_a_decoder_failing_before_its_refusing_prefiller_runs_again() {
-    let d = pairs(Mode::Sglang, 1000, Duration::from_secs(60), generous()).await;
+    let d = pairs(Mode::Sglang, 1, Duration::from_secs(60), generous()).await;
     assert_eq!(complete(&d, 0).await.0, 200);
     // Round robin: the next request goes to the prefiller and the decoder this one did not.
     let prefill = if received(&d, 0) == 1 { 1 } else { 0 };
@@ -232,6 +235,15 @@ async fn sglang_a_decoder_failing_before_its_refusing_prefiller_runs_again() {
     assert!(received(&d, decoder) >= 1, "the refusing decoder was tried");
     let m = metrics(&d).await;
     assert!(m.contains("baton_retries_total{leg=\"prefill\"} 1"), "{m}");
+    let ejections = |pool: &str| -> f64 {
+        let pool = format!("pool=\"{pool}\"");
+        m.lines()
+            .filter(|l| l.starts_with("baton_endpoint_ejections_total{") && l.contains(&pool))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    assert_eq!(ejections("prefill"), 1.0, "{m}");
+    assert_eq!(ejections("decode"), 0.0, "the decoder was blamed for its prefiller's refusal:\n{m}");
     faults(&d, prefill, json!({})).await;
     settled(&d).await;
     d.shutdown().await;
