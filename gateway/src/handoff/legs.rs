@@ -739,19 +739,26 @@ impl Shared {
     /// [`Shared::accept`] for a leg whose refusal may be another engine's fault (an SGLang decoder
     /// that could not bootstrap from its prefiller): a 200 marks the engine healthy; a refusal is
     /// read and left for the caller to count ([`Shared::failed`], when [`LegError::engine_failed`])
-    /// once it knows whose it was.
-    pub(crate) async fn accept_uncounted(
+    /// once it knows whose it was. Not an `async fn`, as [`Shared::accept`].
+    pub(crate) fn accept_uncounted(
         &self,
         leg: &'static str,
         to: &(impl Engine + ?Sized),
         resp: Response<EngineBody>,
         sent: Instant,
-    ) -> Result<Response<EngineBody>, LegError> {
-        if resp.status() == 200 {
+    ) -> impl Future<Output = Result<Response<EngineBody>, LegError>> + 'static {
+        let answer = if resp.status() == 200 {
             to.peer().health.success(sent);
-            return Ok(resp);
+            Ok(resp)
+        } else {
+            Err(Box::pin(refusal(leg, resp)))
+        };
+        async move {
+            match answer {
+                Ok(resp) => Ok(resp),
+                Err(refused) => Err(refused.await),
+            }
         }
-        Err(refusal(leg, resp).await)
     }
 
     /// An engine's whole answer ([`Shared::accept`]ed).
