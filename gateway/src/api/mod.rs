@@ -379,11 +379,51 @@ impl GatewayError {
     }
 }
 
-pub use baton_dataplane::contract::{ChatMessage, Prompt, StreamOptions, content_text};
+pub use baton_dataplane::contract::{StreamOptions, content_text};
 
-/// The fields the gateway reads (the engine contract's shape); the whole JSON object is forwarded
-/// to the engines untouched apart from the handoff fields.
-pub type GenFields = baton_dataplane::contract::Generation;
+/// The fields the gateway reads as typed values: the engine contract's (`contract::Generation`)
+/// less the prompt and the messages, which are read in place from the request's object
+/// ([`GenRequest::prompt`], [`GenRequest::messages`]) rather than copied out of it (a 1 KB
+/// prompt was an allocation and 1 KB written of every request's; a chat's messages were copied
+/// whole). The whole JSON object is forwarded to the engines untouched apart from the handoff
+/// fields.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct GenFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl GenFields {
+    /// The token limit the request sets (`max_completion_tokens` wins, as in OpenAI's API).
+    pub fn max_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// A completion's one prompt, read in place: text, or token ids (their JSON values, checked by
+/// [`validate::check`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PromptRef<'a> {
+    Text(&'a str),
+    Tokens(&'a [Value]),
+}
+
+/// A `Tokens` prompt's ids; one that is not a token id (the checks refuse it before) is the
+/// client's 400.
+pub fn prompt_ids(ids: &[Value]) -> Result<Vec<u32>, GatewayError> {
+    ids.iter()
+        .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| GatewayError::BadJson("prompt: a token id is not an integer from 0".into()))
+}
 
 /// A parsed generation request.
 #[derive(Debug)]
@@ -401,9 +441,10 @@ pub struct GenRequest {
 }
 
 impl GenRequest {
-    /// Parses and validates a request body.
+    /// Parses and validates a request body (a copy of it: the server's path,
+    /// `Gateway::generate_body`, parses the body it read without one).
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Self, GatewayError> {
-        Self::from_map(endpoint, Object::parse(body)?)
+        Self::from_map(endpoint, Object::parse(&bytes::Bytes::copy_from_slice(body))?)
     }
 
     /// Validates a request already parsed as a JSON object.
@@ -418,13 +459,33 @@ impl GenRequest {
         Ok(Self { endpoint, fields, raw: std::sync::Arc::new(raw), tenant: None, bytes: 0 })
     }
 
-    /// The prompt text (completions) or the messages rendered by the simulated/simple template.
+    /// A completion's prompt, when it is one text or one list of token ids (a list of prompts is
+    /// split into requests of one before it gets here, `pipeline::batch`).
+    pub fn prompt(&self) -> Option<PromptRef<'_>> {
+        match self.raw.get("prompt")? {
+            Value::String(t) => Some(PromptRef::Text(t)),
+            Value::Array(ids) if !ids.first().is_some_and(|v| v.is_string() || v.is_array()) => {
+                Some(PromptRef::Tokens(ids))
+            }
+            _ => None,
+        }
+    }
+
+    /// A chat's messages, as the client sent them (checked by [`validate::check`]).
+    pub fn chat(&self) -> Option<&[Value]> {
+        self.raw.get("messages").and_then(Value::as_array).map(Vec::as_slice)
+    }
+
+    /// The chat's messages as (role, text) pairs, for the simulated/simple template.
     pub fn messages(&self) -> Vec<(String, String)> {
-        self.fields
-            .messages
-            .as_ref()
-            .map(|m| m.iter().map(|m| (m.role.clone(), content_text(&m.content))).collect())
+        self.chat()
             .unwrap_or_default()
+            .iter()
+            .map(|m| {
+                let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
+                (role.to_owned(), m.get("content").map(content_text).unwrap_or_default())
+            })
+            .collect()
     }
 
     pub fn model(&self) -> Option<&str> {

@@ -174,7 +174,7 @@ impl<X: WriteJson + ?Sized> Patched<'_, X> {
                 Some((_, new)) => new.write(out)?,
                 // A large field as the client wrote it (`api::object`): copied, not escaped again.
                 None => match self.base.text_at(i) {
-                    Some(text) => out.extend_from_slice(text.as_bytes()),
+                    Some(text) => out.extend_from_slice(text),
                     None => serde_json::to_writer(&mut *out, v)?,
                 },
             }
@@ -1241,7 +1241,7 @@ mod tests {
             r#"{{"model":"m","prompt":"{prompt}","stop":["{}"],"stream":true,"logit_bias":{{"1": 2}}}}"#,
             "y".repeat(70)
         );
-        let raw = Object::parse(body.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        let raw = Object::parse(&Bytes::from(body)).unwrap_or_else(|e| panic!("{e}"));
         let patched = Patched::new(&raw, &["logit_bias"]).set("stream", &false).set("kv", &json!({"a": 1}));
         let text = text(&patched);
         assert!(text.contains(&format!("\"prompt\":\"{prompt}\"")), "{text}");

@@ -633,7 +633,7 @@ impl Gateway {
         }
         // A completion's text too long for the context whatever it says is refused here, before
         // it waits for a tokenizer thread; a chat's is once rendered, on that thread.
-        if let Some(crate::api::Prompt::Text(t)) = &req.fields.prompt {
+        if let Some(crate::api::PromptRef::Text(t)) = req.prompt() {
             self.model.tokenizer.refuse_beyond(t, limit, "prompt")?;
         }
         let tok = Arc::clone(&self.model.tokenizer);

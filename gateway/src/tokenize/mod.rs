@@ -18,7 +18,7 @@ use std::path::Path;
 use minijinja::{Environment, ErrorKind, Value as JValue};
 use serde_json::{Map, Value};
 
-use crate::api::{Endpoint, GatewayError, GenRequest, Prompt};
+use crate::api::{Endpoint, GatewayError, GenRequest, PromptRef};
 
 pub mod bound;
 pub mod fast;
@@ -248,9 +248,9 @@ impl Tokenizer {
     /// when its text is too long to fit `limit` tokens whatever it says ([`bound`]).
     pub fn token_ids_within(&self, req: &GenRequest, limit: u64) -> Result<Vec<u32>, GatewayError> {
         let within = |text: &str, param| self.refuse_beyond(text, limit, param);
-        match (req.endpoint, &req.fields.prompt) {
-            (Endpoint::Completions, Some(Prompt::Tokens(ids))) => Ok(ids.clone()),
-            (Endpoint::Completions, Some(Prompt::Text(t))) => {
+        match (req.endpoint, req.prompt()) {
+            (Endpoint::Completions, Some(PromptRef::Tokens(ids))) => crate::api::prompt_ids(ids),
+            (Endpoint::Completions, Some(PromptRef::Text(t))) => {
                 within(t, "prompt")?;
                 self.encode(t, true)
             }
@@ -292,9 +292,9 @@ impl Tokenizer {
 
     /// Bytes of text a request asks to tokenize (decides whether it runs inline).
     pub fn work(req: &GenRequest) -> usize {
-        match (&req.fields.prompt, &req.fields.messages) {
-            (Some(Prompt::Text(t)), _) => t.len(),
-            (_, Some(m)) => m.iter().map(|m| crate::api::content_len(&m.content)).sum(),
+        match (req.prompt(), req.chat()) {
+            (Some(PromptRef::Text(t)), _) => t.len(),
+            (_, Some(m)) => m.iter().filter_map(|m| m.get("content")).map(crate::api::content_len).sum(),
             _ => 0,
         }
     }
