@@ -508,6 +508,32 @@ pub fn content_len(v: &Value) -> usize {
 mod tests {
     use super::*;
 
+    /// The prompt and the messages are read from the request's object where they are, as the
+    /// contract's types read them: one text, one list of ids, the chat's roles and texts.
+    #[test]
+    fn prompt_and_messages_are_read_in_place() {
+        let text = "x".repeat(200);
+        let req = GenRequest::parse(Endpoint::Completions, format!(r#"{{"prompt": "{text}"}}"#).as_bytes())
+            .unwrap();
+        let Some(PromptRef::Text(t)) = req.prompt() else { panic!("{:?}", req.prompt()) };
+        let Some(Value::String(held)) = req.raw.get("prompt") else { panic!() };
+        assert!(std::ptr::eq(t, held.as_str()), "the object's own string, not a copy");
+        let req = GenRequest::parse(Endpoint::Completions, br#"{"prompt": [1, 4294967295]}"#).unwrap();
+        let Some(PromptRef::Tokens(ids)) = req.prompt() else { panic!("{:?}", req.prompt()) };
+        assert_eq!(prompt_ids(ids).unwrap(), [1, u32::MAX]);
+        assert!(prompt_ids(&[json!(-1)]).is_err());
+        assert!(req.chat().is_none());
+        let chat = br#"{"messages": [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null, "tool_calls":
+                [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}"#;
+        let req = GenRequest::parse(Endpoint::Chat, chat).unwrap();
+        assert!(req.prompt().is_none());
+        assert_eq!(req.chat().map(<[Value]>::len), Some(3));
+        let want = [("system", "be brief"), ("user", "ab"), ("assistant", "")];
+        assert_eq!(req.messages(), want.map(|(r, c)| (r.to_owned(), c.to_owned())));
+    }
+
     #[test]
     fn parse_table() {
         // (name, endpoint, body, expected error code or None)
