@@ -11,7 +11,7 @@
 
 use baton_gateway::api::object::Object;
 use baton_gateway::api::scan::{items, top_field};
-use baton_gateway::api::{Endpoint, GenRequest};
+use baton_gateway::api::{Endpoint, GenRequest, PromptRef, prompt_ids};
 use libfuzzer_sys::fuzz_target;
 use serde_json::value::RawValue;
 
@@ -38,7 +38,9 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else { return };
     let endpoint = if which & 1 == 0 { Endpoint::Completions } else { Endpoint::Chat };
     let whole = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body);
-    match (Object::parse(body), whole) {
+    // The server parses the body it read, and keeps slices of it.
+    let read = bytes::Bytes::copy_from_slice(body);
+    match (Object::parse(&read), whole) {
         (Ok(o), Ok(w)) => {
             assert_eq!(*o, w, "the object read differs from serde_json's");
             assert!(o.iter().eq(w.iter()), "the fields' order differs from serde_json's");
@@ -47,7 +49,7 @@ fuzz_target!(|data: &[u8]| {
                 .unwrap_or_else(|e| panic!("serde_json read the object but not its fields' text: {e}"));
             for (i, k) in o.keys().enumerate() {
                 if let Some(text) = o.text_at(i) {
-                    assert_eq!(Some(text), raw.get(k).map(|r| r.get()), "the kept text of {k:?} differs");
+                    assert_eq!(Some(text), raw.get(k).map(|r| r.get().as_bytes()), "the kept text of {k:?} differs");
                 }
             }
         }
@@ -72,5 +74,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(req) = GenRequest::parse(endpoint, body) {
         let _ = req.messages();
         let _ = req.fields.max_tokens();
+        // A list of ids the checks passed is one the gateway reads.
+        if let Some(PromptRef::Tokens(ids)) = req.prompt() {
+            assert!(prompt_ids(ids).is_ok(), "checked token ids the gateway cannot read");
+        }
     }
 });
