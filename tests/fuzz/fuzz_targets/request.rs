@@ -49,7 +49,11 @@ fuzz_target!(|data: &[u8]| {
                 .unwrap_or_else(|e| panic!("serde_json read the object but not its fields' text: {e}"));
             for (i, k) in o.keys().enumerate() {
                 if let Some(text) = o.text_at(i) {
-                    assert_eq!(Some(text), raw.get(k).map(|r| r.get().as_bytes()), "the kept text of {k:?} differs");
+                    assert_eq!(
+                        Some(text),
+                        raw.get(k).map(|r| r.get().as_bytes()),
+                        "the kept text of {k:?} differs"
+                    );
                 }
             }
         }
