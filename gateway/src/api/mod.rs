@@ -383,7 +383,7 @@ pub use baton_dataplane::contract::{StreamOptions, content_text};
 
 /// The fields the gateway reads as typed values: the engine contract's (`contract::Generation`)
 /// less the prompt and the messages, which are read in place from the request's object
-/// ([`GenRequest::prompt`], [`GenRequest::messages`]) rather than copied out of it (a 1 KB
+/// ([`GenRequest::prompt`], [`GenRequest::chat`]) rather than copied out of it (a 1 KB
 /// prompt was an allocation and 1 KB written of every request's; a chat's messages were copied
 /// whole). The whole JSON object is forwarded to the engines untouched apart from the handoff
 /// fields.

@@ -401,7 +401,6 @@ mod timing {
     use std::hint::black_box;
     use std::time::{Duration, Instant};
 
-    use super::tests::parse;
     use super::*;
     use crate::handoff::legs::Patched;
 
@@ -424,8 +423,9 @@ mod timing {
             .unwrap_or_default();
             let n = 4_000_000 / u32::try_from(body.len()).unwrap_or(u32::MAX).max(1);
             let value = per_call(n, || drop(black_box(serde_json::from_slice::<Value>(&body))));
-            let object = per_call(n, || drop(black_box(parse(&body))));
-            let kept = parse(&body).unwrap_or_default();
+            let read = Bytes::from(body.clone());
+            let object = per_call(n, || drop(black_box(Object::parse(&read))));
+            let kept = Object::parse(&read).unwrap_or_default();
             let plain = Object::from(kept.map().clone());
             let leg = |o: &Object| {
                 per_call(n, || {
