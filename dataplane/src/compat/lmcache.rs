@@ -71,6 +71,28 @@ impl PdMsg {
     }
 }
 
+impl ProxyNotif {
+    /// The request id of a `ProxyNotif`, read where it lies in `bytes`; an error for any other
+    /// message, as [`PdMsg::decode`] would give. What the proxy reads once a rank a request: the
+    /// tagged enum first buffers the whole map (the tag, each key and value) to find its variant,
+    /// and then copies the id.
+    pub fn req_id(bytes: &[u8]) -> Result<&str, MsgError> {
+        #[derive(Deserialize)]
+        struct Tagged<'a> {
+            #[serde(rename = "type", borrow)]
+            ty: &'a str,
+            #[serde(borrow)]
+            req_id: &'a str,
+        }
+        let t: Tagged<'_> = rmp_serde::from_slice(bytes).map_err(|e| MsgError::Decode(e.to_string()))?;
+        if t.ty == "ProxyNotif" {
+            Ok(t.req_id)
+        } else {
+            Err(MsgError::Decode(format!("a {} where a ProxyNotif was expected", t.ty)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +107,30 @@ mod tests {
         let m = PdMsg::ProxyNotif(ProxyNotif { req_id: "r1".into() });
         assert_eq!(m.encode().unwrap(), want);
         assert_eq!(PdMsg::decode(&want).unwrap(), m);
+        assert_eq!(ProxyNotif::req_id(&want).unwrap(), "r1");
+    }
+
+    /// The id read in place is the decoded message's: fields in either order, a field a newer
+    /// sender adds, and every message that is not a `ProxyNotif` refused.
+    #[test]
+    fn a_proxy_notifs_id_is_read_in_place_as_decoded() {
+        #[derive(Serialize)]
+        struct Later<'a> {
+            req_id: &'a str,
+            extra: u32,
+            #[serde(rename = "type")]
+            ty: &'a str,
+        }
+        let later = rmp_serde::to_vec_named(&Later { req_id: "r2", extra: 7, ty: "ProxyNotif" }).unwrap();
+        assert_eq!(PdMsg::decode(&later).unwrap(), PdMsg::ProxyNotif(ProxyNotif { req_id: "r2".into() }));
+        assert_eq!(ProxyNotif::req_id(&later).unwrap(), "r2");
+        let other =
+            PdMsg::AllocResponse(AllocResponse { already_sent_indexes: vec![], remote_indexes: vec![1] });
+        for bad in [other.encode().unwrap(), b"\x81\xa4type\xaaProxyNotif".to_vec(), b"not msgpack".to_vec()]
+        {
+            assert!(PdMsg::decode(&bad).map_or(true, |m| !matches!(m, PdMsg::ProxyNotif(_))));
+            assert!(ProxyNotif::req_id(&bad).is_err());
+        }
     }
 
     #[test]

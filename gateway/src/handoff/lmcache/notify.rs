@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use baton_dataplane::compat::lmcache::PdMsg;
+use baton_dataplane::compat::lmcache::ProxyNotif;
 use baton_dataplane::compat::zmtp::{DEFAULT_MAX_MESSAGE, DEFAULT_MAX_PEERS, PullServer, Pulled};
 use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
@@ -87,9 +87,9 @@ impl Notifications {
 
     fn observe(&self, p: &Pulled) {
         let id = match p.frames.as_slice() {
-            [one] => match PdMsg::decode(one) {
-                Ok(PdMsg::ProxyNotif(n)) => n.req_id,
-                _ => {
+            [one] => match ProxyNotif::req_id(one) {
+                Ok(id) => id,
+                Err(_) => {
                     self.stats.malformed.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
@@ -100,7 +100,7 @@ impl Notifications {
             }
         };
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(e) = pending.get_mut(&id) else {
+        let Some(e) = pending.get_mut(id) else {
             self.stats.unmatched.fetch_add(1, Ordering::Relaxed);
             return;
         };
