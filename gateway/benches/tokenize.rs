@@ -14,6 +14,9 @@
 //! in three cases: `new chat`, none of its messages seen before; `next turn`, the chat of the turn
 //! before with an assistant answer and a new user message of ~400 tokens; `resend`, the same chat
 //! again (a retry, or n parallel requests).
+//!
+//! First, per model, the proxy bench's 1 KB completion prompt encoded whole (what that bench's
+//! gateway tokenizes at every request); `BATON_BENCH_PROMPT_ONLY=1` runs that row alone.
 
 #![allow(
     clippy::print_stdout,
@@ -101,6 +104,23 @@ fn time<I, T>(inputs: &[I], mut f: impl FnMut(&I) -> T) -> f64 {
     )
 }
 
+/// The proxy bench's prompt (`gateway/benches/proxy.rs`: 1,000 bytes of one English sentence
+/// repeated, a completion, so encoded whole): its ids' median time, the word map warm, as the
+/// proxy bench's gateway pays it at every request.
+fn completion_prompt(model: &str, tok: &Tokenizer, quick: bool) -> serde_json::Value {
+    let base = "the quick brown fox jumps over the lazy dog and hands the baton on; ";
+    let mut text = base.repeat(1000 / base.len() + 1);
+    text.truncate(1000);
+    let tokens = tok.encode(&text, true).unwrap().len();
+    let same = vec![(); if quick { 50 } else { 20_000 }];
+    let us = time(&same, |()| tok.encode(&text, true).unwrap());
+    println!(
+        "{model:<9} completion prompt of 1,000 bytes: {tokens} ids in {us:.2} µs ({:.1} ns an id)",
+        us * 1e3 / tokens as f64
+    );
+    json!({"model": model, "bytes": text.len(), "tokens": tokens, "encode_us": us})
+}
+
 /// What a request pays before routing: its ids and their block keys.
 fn ids_and_keys(tok: &Tokenizer, req: &GenRequest) -> Vec<u64> {
     let ids = tok.token_ids(req).unwrap();
@@ -129,6 +149,7 @@ fn main() {
         "resend",
         "encoded"
     );
+    let mut prompts = Vec::new();
     for model in ["llama3_1", "qwen3"] {
         let dir = root().join(".cache/tokenizers").join(model);
         let t = Instant::now();
@@ -136,6 +157,10 @@ fn main() {
             .unwrap_or_else(|e| panic!("{model}: {e} (run scripts/fetch-tokenizers)"));
         let load_ms = t.elapsed().as_secs_f64() * 1e3;
         assert_eq!(tok.reuse_off(), None, "{model}");
+        prompts.push(completion_prompt(model, &tok, quick));
+        if std::env::var_os("BATON_BENCH_PROMPT_ONLY").is_some() {
+            continue;
+        }
         for target in [2_000, 8_000, 32_000] {
             let base = chat(&text, &tok, target);
             let req = request(&base);
@@ -199,7 +224,8 @@ fn main() {
         }
     }
     if let Some(out) = out {
-        std::fs::write(&out, serde_json::to_string_pretty(&json!({"rows": rows})).unwrap() + "\n").unwrap();
+        let all = json!({"rows": rows, "completion_prompt": prompts});
+        std::fs::write(&out, serde_json::to_string_pretty(&all).unwrap() + "\n").unwrap();
         println!("wrote {}", out.display());
     }
 }

@@ -32,8 +32,13 @@ use client::http;
 /// `baton_drains_total{decoder="decode-0",mode,result}` on the demo's `/metrics`: the gateway's own
 /// count, read as an operator reads it.
 async fn drains(d: &Demo, mode: &str, result: &str) -> f64 {
+    drains_in(d, "baton_drains_total", mode, result).await
+}
+
+/// The same of the counter `family` (`baton_drains_after_answer_total`, say).
+async fn drains_in(d: &Demo, family: &str, mode: &str, result: &str) -> f64 {
     let (_, m) = http(d.admin, "/metrics", None).await;
-    let line = format!("baton_drains_total{{decoder=\"decode-0\",mode=\"{mode}\",result=\"{result}\"}} ");
+    let line = format!("{family}{{decoder=\"decode-0\",mode=\"{mode}\",result=\"{result}\"}} ");
     plugins::metric(&String::from_utf8_lossy(&m), &line)
 }
 

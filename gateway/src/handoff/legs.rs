@@ -875,12 +875,35 @@ pub struct Drains {
 impl Drains {
     /// Adds `baton_drains_total{decoder,mode,result}`.
     pub(crate) fn metrics(&self, decoder: &str, mode: &str, out: &mut Scrape) {
+        self.metrics_as(
+            "baton_drains_total",
+            "One-token decodes sent for requests that ended between prefill and decode, by result.",
+            decoder,
+            mode,
+            out,
+        );
+    }
+
+    /// Adds `baton_drains_after_answer_total{decoder,mode,result}`: the drains of requests answered
+    /// from the prefiller's first token alone (`lmcache`, `max_tokens` 1), whose decode the client
+    /// did not wait for.
+    pub(crate) fn metrics_after_answer(&self, decoder: &str, mode: &str, out: &mut Scrape) {
+        self.metrics_as(
+            "baton_drains_after_answer_total",
+            "One-token decodes sent after the client was answered from the prefiller's first token, so the decoder frees what the prefill wrote, by result.",
+            decoder,
+            mode,
+            out,
+        );
+    }
+
+    fn metrics_as(&self, name: &str, help: &str, decoder: &str, mode: &str, out: &mut Scrape) {
         for (result, c) in
             [("sent", &self.sent), ("already_free", &self.already_free), ("failed", &self.failed)]
         {
             out.counter(
-                "baton_drains_total",
-                "One-token decodes sent for requests that ended between prefill and decode, by result.",
+                name,
+                help,
                 &[("decoder", decoder), ("mode", mode), ("result", result)],
                 c.load(Ordering::Relaxed) as f64,
             );

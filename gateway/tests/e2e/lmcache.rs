@@ -13,7 +13,7 @@ use baton_sim::kv::output_text;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
-use super::{answer_text, deadlock_scenario, disconnect_storm, drains, four_shapes, http, prompt};
+use super::{answer_text, deadlock_scenario, disconnect_storm, drains, drains_in, four_shapes, http, prompt};
 
 async fn lmcache_demo(tp: u32, pages: u32, faults: FaultConfig, setup: GatewaySetup) -> Demo {
     start(DemoConfig {
@@ -77,6 +77,47 @@ async fn lmcache_mode_serves_completions_and_chat_streamed_and_not() {
         assert_lmcache_clean(&d, true).await;
         d.shutdown().await;
     }
+}
+
+/// A prefiller's first token that is the whole answer (`max_tokens` 1) goes to the client at once:
+/// it waits neither for the notifications nor for the decoder. Here no notification ever comes
+/// (before, the client got a 502 at the notification deadline for an answer it already had); the
+/// decoder's buffer is still drained after the deadline, counted apart from the drains of failed
+/// requests, and only then do the slots come back. Streamed too: the stream ends with the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lmcache_answers_a_one_token_request_from_the_prefill_and_drains_after() {
+    let limits = Limits { ready_timeout: Duration::from_secs(2), ..Limits::default() };
+    let faults = FaultConfig { drop_notify: true, ..FaultConfig::default() };
+    let d = lmcache_demo(2, 64, faults, GatewaySetup { limits, ..GatewaySetup::default() }).await;
+    let want = output_text(&prompt(40, 1).bytes().map(u32::from).collect::<Vec<_>>(), 1);
+    for stream in [false, true] {
+        let t = Instant::now();
+        let (status, b) = http(
+            d.addr,
+            "/v1/completions",
+            Some(&json!({"prompt": prompt(40, 1), "max_tokens": 1, "stream": stream})),
+        )
+        .await;
+        let took = t.elapsed();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+        assert_eq!(answer_text(&b, false, stream).0, want, "stream={stream}");
+        assert!(took < Duration::from_millis(1500), "stream={stream}: answered in {took:?}");
+        if stream {
+            let body = String::from_utf8_lossy(&b);
+            assert!(
+                body.contains("\"finish_reason\":\"length\"") && body.ends_with("data: [DONE]\n\n"),
+                "{body}"
+            );
+        }
+    }
+    // Held until the drains (after the deadline) are answered.
+    let slots: u32 = d.gateway.decoders.iter().map(|x| x.queue.stats().in_use).sum();
+    assert!(slots > 0, "the slots came back before the decoder's buffer was drained");
+    assert_lmcache_clean(&d, false).await;
+    assert_eq!(drains_in(&d, "baton_drains_after_answer_total", "lmcache", "sent").await, 2.0);
+    assert_eq!(drains_in(&d, "baton_drains_after_answer_total", "lmcache", "failed").await, 0.0);
+    assert_eq!(drains(&d, "lmcache", "sent").await, 0.0, "no request failed");
+    d.shutdown().await;
 }
 
 /// The deadlock scenario in `lmcache` mode: 64-chunk buffers, TP 2, 300 concurrent mixed requests.

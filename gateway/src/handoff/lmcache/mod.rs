@@ -9,7 +9,10 @@
 //! 3. wait for one `ProxyNotif{req_id}` per decoder TP rank on the PULL socket, counting each sending
 //!    connection once (a duplicate never releases a request early), until `ready_timeout`;
 //! 4. decode on `/v1/completions` with the token ids (plus the prefiller's first token), streamed or
-//!    not as the client asked, converted back to the client's endpoint and usage.
+//!    not as the client asked, converted back to the client's endpoint and usage. When the
+//!    prefiller's first token is all the client asked for (`max_tokens` 1), the client is answered
+//!    at once and this decode is the drain below, sent after the answer
+//!    (`baton_drains_after_answer_total`).
 //!
 //! Unlike the original proxy: request ids are unique (`baton-<128 bits>`), every wait has a deadline,
 //! slots are released exactly once on every path and only once the decoder has taken the request.
@@ -91,6 +94,9 @@ pub struct Lmcache {
     pub first_token: bool,
     /// Drains sent so the decoder frees PD-buffer chunks of requests that never decoded.
     pub drains: Arc<Drains>,
+    /// Drains sent after the client was answered from the prefiller's first token alone (its
+    /// `max_tokens` was one): the decode the client no longer waits for.
+    pub after_answer: Arc<Drains>,
     /// How tool calls are read out of the decoder's text (`[lmcache] tool_call_parser`).
     pub tool_parser: Option<tools::ToolParser>,
 }
@@ -141,6 +147,7 @@ impl ModeSpec for Lmcache {
             chunk_tokens: lm.chunk_size,
             first_token: ctx.first_token,
             drains: Arc::default(),
+            after_answer: Arc::default(),
             tool_parser: ctx.tool_call_parser,
         }))
     }
@@ -512,11 +519,21 @@ impl Lmcache {
         let first_text = if pre.first_tok.is_some() { pre.first_text.clone() } else { String::new() };
         let include_usage = req.fields.include_usage();
         let choices = req.raw.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
+        let finished_early = remaining == Some(0);
+        if finished_early {
+            // The prefiller's token is the whole answer: the client has it now, and the decode
+            // that frees the decoder's buffer is the drain, sent once the notifications are in
+            // (or their deadline passed) by `Holding`'s drop, the slots held until it answers.
+            if let Some(d) = holding.drain.as_mut() {
+                d.counters = Arc::clone(&self.after_answer);
+            }
+        }
         let ctx = DecodeLeg {
             shared: Arc::clone(&self.shared),
             dec: Arc::clone(dec),
-            body: encode(&decode_body)?,
-            finished_early: remaining == Some(0),
+            // Not written when no decode is sent on the client's path (the drain writes its own).
+            body: if finished_early { None } else { Some(encode(&decode_body)?) },
+            finished_early,
         };
 
         if stream_decode {
@@ -524,7 +541,9 @@ impl Lmcache {
             return Ok(self.streamed(ctx, holding, shaper, opening, include_usage, timing).await);
         }
         let decoded = ctx.whole(&mut holding, timing).await?;
-        timing.mark(Phase::Decode);
+        if !finished_early {
+            timing.mark(Phase::Decode);
+        }
         // A plain answer, written straight from the decoder's text; with tools, streamed in one
         // piece, or where that cannot be sure of it, through `Value`s.
         let direct = (parse.is_none() && !req.fields.stream)
@@ -698,6 +717,7 @@ impl Handoff for Lmcache {
     fn metrics(&self, decoder: &str, out: &mut Scrape) {
         self.hub.metrics(out);
         self.drains.metrics(decoder, Self::NAME, out);
+        self.after_answer.metrics_after_answer(decoder, Self::NAME, out);
     }
 }
 
@@ -705,8 +725,9 @@ impl Handoff for Lmcache {
 struct DecodeLeg {
     shared: Arc<Shared>,
     dec: Arc<Decoder>,
-    body: Encoded,
-    /// The prefill's first token was all the client asked for: the decode only drains.
+    body: Option<Encoded>,
+    /// The prefill's first token was all the client asked for: no decode on the client's path
+    /// (the drain `Holding` owes frees the decoder's buffer after the answer).
     finished_early: bool,
 }
 
@@ -718,6 +739,13 @@ impl DecodeLeg {
         holding: &mut Holding,
         timing: &mut Timing,
     ) -> Result<Response<crate::endpoints::EngineBody>, GatewayError> {
+        // Written unless the prefill's token was the whole answer, when this is never called.
+        let Some(body) = self.body.as_ref() else {
+            return Err(GatewayError::Upstream {
+                leg: "decode",
+                message: "no decode body was written".into(),
+            });
+        };
         timing.enter(Phase::KvReady);
         let ready_timeout = self.shared.limits.ready_timeout;
         if let Some(e) = holding.expect.as_mut() {
@@ -734,7 +762,7 @@ impl DecodeLeg {
         }
         timing.mark(Phase::KvReady);
         timing.enter(Phase::Decode);
-        let answer = self.shared.call("decode", &*self.dec, "/v1/completions", &self.body).await;
+        let answer = self.shared.call("decode", &*self.dec, "/v1/completions", body).await;
         if answer.as_ref().is_ok() || matches!(answer, Err(LegError::Refused { .. })) {
             // The decoder has the request: it retrieves the KV whatever the status, so no drain is
             // owed.
@@ -745,8 +773,11 @@ impl DecodeLeg {
         Ok(answer?)
     }
 
-    /// Non-streaming: the decoder's answer (`None` when it only drained).
+    /// Non-streaming: the decoder's answer (`None` when the prefill's token was all of it).
     async fn whole(&self, holding: &mut Holding, timing: &mut Timing) -> Result<Option<Bytes>, GatewayError> {
+        if self.finished_early {
+            return Ok(None);
+        }
         let resp = self.dispatch(holding, timing).await?;
         let b = resp
             .into_body()
@@ -754,7 +785,7 @@ impl DecodeLeg {
             .await
             .map(|c| c.to_bytes())
             .map_err(|e| GatewayError::Upstream { leg: "decode", message: e.to_string() })?;
-        Ok((!self.finished_early).then_some(b))
+        Ok(Some(b))
     }
 
     /// Streaming: relays the decoder's completion chunks in the client's shape.
@@ -766,6 +797,13 @@ impl DecodeLeg {
         tx: &mpsc::Sender<Bytes>,
         include_usage: bool,
     ) -> Result<(), GatewayError> {
+        if self.finished_early {
+            let _ = tx.send(sse(&shaper.chunk("", &json!("length")))).await;
+            if include_usage {
+                let _ = tx.send(sse(&shaper.usage_chunk(0))).await;
+            }
+            return Ok(());
+        }
         let resp = self.dispatch(holding, &mut timing).await?;
         timing.mark(Phase::Decode);
         timing.enter(Phase::Stream);
@@ -773,14 +811,6 @@ impl DecodeLeg {
         let mut split = SseSplitter::default();
         let mut events = Vec::new();
         let mut decoded = 0u64;
-        if self.finished_early {
-            let _ = body.collect().await;
-            let _ = tx.send(sse(&shaper.chunk("", &json!("length")))).await;
-            if include_usage {
-                let _ = tx.send(sse(&shaper.usage_chunk(0))).await;
-            }
-            return Ok(());
-        }
         while let Some(frame) = body.frame().await {
             let frame =
                 frame.map_err(|e| GatewayError::Upstream { leg: "decode", message: e.to_string() })?;
