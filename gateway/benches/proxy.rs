@@ -722,10 +722,7 @@ async fn loaded_rounds(
 }
 
 fn prompt() -> String {
-    let base = "the quick brown fox jumps over the lazy dog and hands the baton on; ";
-    let mut s = base.repeat(PROMPT_BYTES / base.len() + 1);
-    s.truncate(PROMPT_BYTES);
-    s
+    common::sentence_prompt(PROMPT_BYTES)
 }
 
 async fn measure(

@@ -28,6 +28,8 @@
     unreachable_pub
 )]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -108,9 +110,7 @@ fn time<I, T>(inputs: &[I], mut f: impl FnMut(&I) -> T) -> f64 {
 /// repeated, a completion, so encoded whole): its ids' median time, the word map warm, as the
 /// proxy bench's gateway pays it at every request.
 fn completion_prompt(model: &str, tok: &Tokenizer, quick: bool) -> serde_json::Value {
-    let base = "the quick brown fox jumps over the lazy dog and hands the baton on; ";
-    let mut text = base.repeat(1000 / base.len() + 1);
-    text.truncate(1000);
+    let text = common::sentence_prompt(1000);
     let tokens = tok.encode(&text, true).unwrap().len();
     let same = vec![(); if quick { 50 } else { 20_000 }];
     let us = time(&same, |()| tok.encode(&text, true).unwrap());

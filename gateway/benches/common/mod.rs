@@ -20,6 +20,15 @@ pub(crate) fn ms(d: Option<Duration>) -> f64 {
     d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
 }
 
+/// The proxy bench's prompt: `bytes` of one English sentence repeated (the tokenize bench times
+/// its ids too).
+pub(crate) fn sentence_prompt(bytes: usize) -> String {
+    let base = "the quick brown fox jumps over the lazy dog and hands the baton on; ";
+    let mut s = base.repeat(bytes / base.len() + 1);
+    s.truncate(bytes);
+    s
+}
+
 /// A loopback port free now (bound and released: another process could take it first, which a
 /// bench on its own machine does not meet).
 pub(crate) fn free_port() -> SocketAddr {

@@ -533,7 +533,6 @@ impl Lmcache {
             dec: Arc::clone(dec),
             // Not written when no decode is sent on the client's path (the drain writes its own).
             body: if finished_early { None } else { Some(encode(&decode_body)?) },
-            finished_early,
         };
 
         if stream_decode {
@@ -725,10 +724,10 @@ impl Handoff for Lmcache {
 struct DecodeLeg {
     shared: Arc<Shared>,
     dec: Arc<Decoder>,
+    /// The decode's body; `None` when the prefill's first token was all the client asked for:
+    /// no decode on the client's path (the drain `Holding` owes frees the decoder's buffer after
+    /// the answer).
     body: Option<Encoded>,
-    /// The prefill's first token was all the client asked for: no decode on the client's path
-    /// (the drain `Holding` owes frees the decoder's buffer after the answer).
-    finished_early: bool,
 }
 
 impl DecodeLeg {
@@ -739,7 +738,7 @@ impl DecodeLeg {
         holding: &mut Holding,
         timing: &mut Timing,
     ) -> Result<Response<crate::endpoints::EngineBody>, GatewayError> {
-        // Written unless the prefill's token was the whole answer, when this is never called.
+        // Written unless the prefill's token was the whole answer, when this is not called.
         let Some(body) = self.body.as_ref() else {
             return Err(GatewayError::Upstream {
                 leg: "decode",
@@ -775,7 +774,7 @@ impl DecodeLeg {
 
     /// Non-streaming: the decoder's answer (`None` when the prefill's token was all of it).
     async fn whole(&self, holding: &mut Holding, timing: &mut Timing) -> Result<Option<Bytes>, GatewayError> {
-        if self.finished_early {
+        if self.body.is_none() {
             return Ok(None);
         }
         let resp = self.dispatch(holding, timing).await?;
@@ -797,7 +796,7 @@ impl DecodeLeg {
         tx: &mpsc::Sender<Bytes>,
         include_usage: bool,
     ) -> Result<(), GatewayError> {
-        if self.finished_early {
+        if self.body.is_none() {
             let _ = tx.send(sse(&shaper.chunk("", &json!("length")))).await;
             if include_usage {
                 let _ = tx.send(sse(&shaper.usage_chunk(0))).await;
